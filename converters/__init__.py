@@ -1,0 +1,1 @@
+"""Converters into MLX: GGUF models (``gguf``) and PyTorch-trained drafters (``drafter``)."""

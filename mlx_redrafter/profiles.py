@@ -1,0 +1,66 @@
+"""Tuned (beam width, beam length) profiles per device + model + drafter.
+
+``mlx-redrafter sweep --save-profile`` writes one; ``generate`` and ``chat``
+read it when no width or length is given. Profiles live in
+``cache_root()/profiles`` (``$MLX_REDRAFTER_CACHE`` overrides the root).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .models import cache_root
+
+
+def device_id() -> str:
+    """The machine kind a measurement holds for: OS, CPU arch, MLX device, BLAS."""
+    from .doctor import blas_info
+
+    dev = mx.default_device()
+    blas = "gpu" if dev == mx.gpu else blas_info().name.split(" ")[0]
+    return f"{platform.system()}-{platform.machine()}-{dev.type}-{blas}".lower()
+
+
+def _drafter_id(drafter_path) -> str:
+    p = Path(drafter_path).resolve()
+    st = (p / "model.safetensors").stat()
+    return f"{p}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def profile_path(model_spec: str, drafter_path) -> Path:
+    key = json.dumps([device_id(), str(model_spec), _drafter_id(drafter_path)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "profiles" / f"{digest}.json"
+
+
+def save_profile(model_spec: str, drafter_path, beam_width: int, beam_length: int, **extra) -> Path:
+    path = profile_path(model_spec, drafter_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "device": device_id(),
+        "model": str(model_spec),
+        "drafter": str(Path(drafter_path).resolve()),
+        "beam_width": int(beam_width),
+        "beam_length": int(beam_length),
+        **extra,
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def lookup_profile(model_spec: str, drafter_path) -> Optional[dict]:
+    path = profile_path(model_spec, drafter_path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    data["file"] = str(path)
+    return data

@@ -1,0 +1,100 @@
+"""What the user-facing commands share: model + drafter + (W, L) resolution.
+
+Order of precedence for the beam shape: explicit flags, then the tuned profile
+saved by ``mlx-redrafter sweep --save-profile`` for this device + model +
+drafter, then the built-in defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import RedrafterError
+
+DEFAULT_WIDTH = 2
+DEFAULT_LENGTH = 4
+SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
+
+
+def shipped_drafter_path(model_spec: str) -> Optional[Path]:
+    """The drafter installed with the package for ``model_spec``, if any."""
+    name = SHIPPED_DRAFTERS.get(model_spec)
+    if name is None:
+        return None
+    path = Path(__file__).parent / "drafters" / name
+    return path if (path / "config.json").exists() else None
+
+
+@dataclass
+class Session:
+    model: object
+    tokenizer: object
+    model_spec: str
+    drafter: object = None
+    drafter_path: Optional[Path] = None
+    beam_width: int = DEFAULT_WIDTH
+    beam_length: int = DEFAULT_LENGTH
+    shape_source: str = "built-in default"
+    controller: object = None
+
+    def announce(self, console) -> None:
+        if self.drafter is None:
+            console.print(f"[dim]model {self.model_spec}: plain decoding (no drafter)[/dim]")
+            return
+        extra = ", adaptive depth" if self.controller is not None else ""
+        console.print(
+            f"[dim]model {self.model_spec}, drafter {self.drafter_path}: "
+            f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra})[/dim]"
+        )
+
+
+def resolve_session(
+    model_spec: str = "default",
+    drafter_path: Optional[str] = None,
+    no_draft: bool = False,
+    beam_width: Optional[int] = None,
+    beam_length: Optional[int] = None,
+    dtype: Optional[str] = None,
+    adaptive: bool = False,
+) -> Session:
+    """Load the model and pick its drafter and beam shape."""
+    from .drafter import check_fits, load_drafter
+    from .models import load_model, parse_dtype
+
+    if no_draft and drafter_path:
+        raise RedrafterError("--no-draft and --drafter contradict each other.", "Drop one of them.")
+    for name, v in (("--beam-width", beam_width), ("--beam-length", beam_length)):
+        if v is not None and v < 1:
+            raise RedrafterError(f"{name} must be at least 1 (got {v}).")
+    parse_dtype(dtype)  # fail on a bad dtype before the slow load
+    if drafter_path is not None and not Path(drafter_path).expanduser().exists():
+        raise RedrafterError(f"Drafter path does not exist: {drafter_path}", "Check the --drafter path.")
+    model, tokenizer = load_model(model_spec, dtype=dtype)
+    s = Session(model, tokenizer, model_spec)
+    if no_draft:
+        return s
+    path = Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec)
+    if path is None:
+        if adaptive:
+            raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
+        return s
+    s.drafter = load_drafter(path, dtype=dtype)
+    check_fits(s.drafter, model)
+    s.drafter_path = path
+    from .profiles import lookup_profile
+
+    profile = lookup_profile(model_spec, path)
+    if profile is not None:
+        s.beam_width, s.beam_length = profile["beam_width"], profile["beam_length"]
+        s.shape_source = f"tuned profile {profile['file']}"
+    if beam_width is not None or beam_length is not None:
+        s.beam_width = beam_width or s.beam_width
+        s.beam_length = beam_length or s.beam_length
+        s.shape_source = "flags"
+    if adaptive:
+        from .controller import load_controller
+
+        s.controller = load_controller(path)
+    return s

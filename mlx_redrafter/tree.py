@@ -1,0 +1,105 @@
+"""Dynamic tree attention: merge the beams' shared prefixes into one packed beam.
+
+Pure array functions over ``beams [W, L]`` (drafted tokens; the LLM's token
+``g0`` is the implicit root shared by every beam). The packed sequence that
+the LLM verifies is ``[g0] + packed``; index 0 is ``g0`` and index ``n >= 1``
+is a unique prefix. Nodes are ordered depth-major (all depth-1 nodes, then
+depth-2, ...; beam order within a depth) by default; ``order="beam"`` gives the
+official row-major order. Any topological order is valid because the mask is
+explicit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass
+class Tree:
+    tokens: mx.array  # [N+1] g0 followed by the packed unique nodes
+    depth: mx.array  # [N+1] 0 for g0, j+1 for a node at beam position j
+    parent: mx.array  # [N+1] packed index of each node's parent (g0's is 0)
+    node_index: mx.array  # [W, L] packed index of beam w's token at position j
+    mask: mx.array  # [N+1, N+1] bool, [q, k] = k is q or an ancestor of q
+
+    @property
+    def size(self) -> int:
+        """Number of tokens the LLM verifies (g0 included)."""
+        return self.tokens.shape[0]
+
+
+def prefix_tree(beams: mx.array) -> mx.array:
+    """``[W, L]``: the smallest beam index sharing ``beams[w, :j+1]`` (official ``_dedup_prefix``)."""
+    eq = (beams[:, None, :] == beams[None, :, :]).astype(mx.int32)
+    same_prefix = mx.cumprod(eq, axis=-1)  # [W, W, L]
+    return mx.argmax(same_prefix, axis=1).astype(mx.int32)
+
+
+def unique_mask(beams: mx.array) -> mx.array:
+    """``[W, L]`` bool: True where ``beams[w, :j+1]`` is seen first in beam ``w``."""
+    width = beams.shape[0]
+    return prefix_tree(beams) == mx.arange(width, dtype=mx.int32)[:, None]
+
+
+def count_nodes(beams: mx.array) -> mx.array:
+    """Number of distinct prefixes (lazy scalar): the packed size without g0."""
+    return unique_mask(beams).sum()
+
+
+def _order_keys(width: int, length: int, order: str) -> mx.array:
+    w = mx.arange(width, dtype=mx.int32)[:, None]
+    j = mx.arange(length, dtype=mx.int32)[None, :]
+    if order == "depth":
+        return j * width + w
+    if order == "beam":
+        return w * length + j
+    raise ValueError(f"unknown packing order {order!r}")
+
+
+def pack(beams: mx.array, n_nodes: int, g0: mx.array, order: str = "depth") -> Tree:
+    """Pack ``beams`` into a tree of ``n_nodes`` unique nodes after ``g0``.
+
+    ``n_nodes`` must equal ``count_nodes(beams)``; it is a host integer so that
+    the verify call has a static shape (the generation loop reads it in the
+    same sync that reads the accepted length).
+    """
+    width, length = beams.shape
+    first = prefix_tree(beams)
+    unique = first == mx.arange(width, dtype=mx.int32)[:, None]
+    keys = _order_keys(width, length, order)
+    big = width * length
+    sort_keys = mx.where(unique, keys, keys + big).reshape(-1)
+    perm = mx.argsort(sort_keys)[:n_nodes]  # flat (w*L + j) of the packed nodes
+    rank = mx.argsort(mx.argsort(sort_keys))  # flat -> position in sorted order
+    canonical = first * length + mx.arange(length, dtype=mx.int32)[None, :]
+    node_index = (rank[canonical.reshape(-1)].reshape(width, length) + 1).astype(mx.int32)
+
+    flat_tokens = beams.reshape(-1)
+    tokens = mx.concatenate([g0.reshape(1).astype(beams.dtype), flat_tokens[perm]])
+    node_beam = mx.concatenate([mx.zeros((1,), mx.int32), (perm // length).astype(mx.int32)])
+    node_pos = (perm % length).astype(mx.int32)
+    depth = mx.concatenate([mx.zeros((1,), mx.int32), node_pos + 1])
+    parent_pos = mx.maximum(node_pos - 1, 0)
+    parent = mx.where(
+        node_pos > 0, node_index[node_beam[1:], parent_pos], 0
+    )
+    parent = mx.concatenate([mx.zeros((1,), mx.int32), parent.astype(mx.int32)])
+    mask = ancestor_mask(node_index, node_beam, depth)
+    return Tree(tokens, depth, parent, node_index, mask)
+
+
+def ancestor_mask(node_index: mx.array, node_beam: mx.array, depth: mx.array) -> mx.array:
+    """``[N+1, N+1]`` bool: ``k`` is ``q`` itself or one of its ancestors.
+
+    ``k`` (at depth ``d_k >= 1``) is an ancestor-or-self of ``q`` iff it is the
+    node at position ``d_k - 1`` of ``q``'s beam and ``d_k <= d_q``. g0 is the
+    ancestor of everything.
+    """
+    n = depth.shape[0]
+    col = mx.maximum(depth - 1, 0)
+    along_beam = node_index[node_beam[:, None], col[None, :]]  # [q, k]
+    idx = mx.arange(n, dtype=mx.int32)
+    mask = (along_beam == idx[None, :]) & (depth[None, :] <= depth[:, None])
+    return mask | (idx[None, :] == 0)

@@ -1,0 +1,118 @@
+"""Tiny random models and drafters built in code (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes
+
+from mlx_redrafter.beam import Beams
+from mlx_redrafter.drafter import Drafter, DrafterConfig
+from mlx_redrafter.generate import generate_tokens
+
+VOCAB = 97
+HIDDEN = 64
+
+TINY_CONFIGS = {
+    "llama": dict(
+        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=VOCAB, max_position_embeddings=512, rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "phi3": dict(
+        model_type="phi3", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        partial_rotary_factor=0.5, max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        rope_scaling={"type": "longrope", "long_factor": [1.5] * 4, "short_factor": [1.0] * 4},
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+        vocab_size=VOCAB, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=32,
+        max_position_embeddings=512,
+    ),
+}
+
+
+def tiny_model(kind: str, seed: int = 0, scale: float = 4.0):
+    """A random mlx-lm model of the given type, float32, parameters evaluated.
+
+    Weights are scaled up so that logits are peaked and the argmax margins
+    are far above float32 rounding.
+    """
+    config = dict(TINY_CONFIGS[kind])
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    if kind == "gemma3_text":
+        model.sanitize({})  # ties the embedding like a checkpoint without lm_head
+    from mlx.utils import tree_flatten, tree_map
+
+    model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def random_drafter(hidden: int = HIDDEN, vocab: int = VOCAB, seed: int = 1, **kw) -> Drafter:
+    mx.random.seed(seed)
+    d = Drafter(DrafterConfig(vocab_size=vocab, hidden_size=hidden, **kw))
+    mx.eval(d.parameters())
+    return d
+
+
+class OracleDrafter:
+    """Proposes the model's own greedy continuation, found by matching the
+    context vector against the hidden states of a plain run.
+
+    Beam 0 is the true continuation (corrupted at its last position every
+    third step, so that acceptance lengths vary); beam ``w > 0`` agrees with
+    it for its first ``L - w`` tokens, so beams share prefixes and dedup,
+    partial acceptance and every compaction length get exercised. Everything
+    is lazy, like a real drafter.
+    """
+
+    def __init__(self, model, prompt, max_tokens: int, length: int):
+        from mlx_redrafter.models import model_parts
+
+        embed, backbone, head = model_parts(model)
+        tokens, _ = generate_tokens(model, prompt, max_tokens=max_tokens + length + 2)
+        full = mx.array(list(prompt) + tokens, dtype=mx.int32)
+        hidden = backbone(full[None])[0]  # [T, h]
+        self.hidden = hidden[len(prompt) - 1 :]  # hidden[i] produced full[len(prompt) + i]
+        self.next = full[len(prompt) :]  # next[i] = token produced by hidden[i]
+        mx.eval(self.hidden, self.next)
+        self.vocab = int(embed.weight.shape[0])
+        self.config = SimpleNamespace(hidden_size=int(hidden.shape[-1]), vocab_size=self.vocab)
+
+    def draft(self, embed, context, g0, width, length, warp=False):
+        d = ((self.hidden - context[None]) ** 2).sum(-1)
+        pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
+        idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
+        truth = self.next[idx]
+        corrupt_last = (pos % 3) == 0
+        truth = mx.where(
+            corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth
+        )
+        rows = []
+        for w in range(width):
+            keep = mx.arange(length) < (length - w)
+            rows.append(mx.where(keep, truth, (truth + 1 + w) % self.vocab))
+        beams = mx.stack(rows).astype(mx.int32)
+        return Beams(beams, mx.zeros((width,)))
+
+
+def prompts(n: int, vocab: int = VOCAB, seed: int = 3, length: int = 6):
+    mx.random.seed(seed)
+    return [mx.random.randint(0, vocab, (length + i,)).tolist() for i in range(n)]
