@@ -249,7 +249,7 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
     cfg["torch_dtype"] = str(some_float.dtype).split(".")[-1]
     cfg["architectures"] = ["Drafter"]
     cfg.update(extra_config or {})
-    tmp = path / "model.safetensors.tmp"
+    tmp = path / ".partial.model.safetensors"  # mx.save_safetensors keeps this suffix
     mx.save_safetensors(str(tmp), weights, {"format": "pt"})
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -37,6 +37,7 @@ class StepStats:
     verify_time: float = 0.0  # seconds; measured only with profile=True
     step_time: float = 0.0  # wall time of the whole step
     host_syncs: int = 0  # cumulative device->host syncs of the loop
+    beam: int = 0  # index of the beam the accepted drafts came from (best first)
 
 
 @dataclass
@@ -143,11 +144,11 @@ def redrafter_steps(
         if profile:
             mx.eval(beams, n_nodes, acc.n)
             t_draft = time.perf_counter() - t1
-        vals = _host(acc.n, n_nodes, g0, prev_beams[acc.beam])
+        vals = _host(acc.n, acc.beam, n_nodes, g0, prev_beams[acc.beam])
         syncs += 1
-        n, n_val, g0_val, row = vals[0], vals[1], vals[2], vals[3:]
+        n, beam, n_val, g0_val, row = vals[0], vals[1], vals[2], vals[3], vals[4:]
         set_cache_length(cache, starts, offsets, 1 + n)
-        stats = StepStats(step, n, tree.size, t_draft, t_verify, time.perf_counter() - tic, syncs)
+        stats = StepStats(step, n, tree.size, t_draft, t_verify, time.perf_counter() - tic, syncs, beam)
         yield StepTokens(row[:n] + [g0_val], [True] * n + [False], stats)
 
 

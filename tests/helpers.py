@@ -76,8 +76,8 @@ class OracleDrafter:
     """Proposes the model's own greedy continuation, found by matching the
     context vector against the hidden states of a plain run.
 
-    Beam 0 is the true continuation (corrupted at its last position every
-    third step, so that acceptance lengths vary); beam ``w > 0`` agrees with
+    Beam 0 is the true continuation (corrupted at its last position at
+    irregular steps, so that acceptance lengths vary); beam ``w > 0`` agrees with
     it for its first ``L - w`` tokens, so beams share prefixes and dedup,
     partial acceptance and every compaction length get exercised. Everything
     is lazy, like a real drafter.
@@ -101,7 +101,7 @@ class OracleDrafter:
         pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
         idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
         truth = self.next[idx]
-        corrupt_last = (pos % 3) == 0
+        corrupt_last = ((pos * 37 + 11) % 7) < 3  # irregular, so every run length occurs
         truth = mx.where(
             corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth
         )

@@ -1,0 +1,238 @@
+"""Exactness: greedy ReDrafter output equals plain mlx-lm greedy decoding, token for token."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.utils import load_model as mlx_load_model
+
+from helpers import TINY_CONFIGS, OracleDrafter, prompts, random_drafter, tiny_model
+from mlx_redrafter import RedrafterError
+from mlx_redrafter.drafter import Drafter, DrafterConfig
+from mlx_redrafter.generate import generate_tokens, stream_generate
+
+GRID = [(w, l) for w in (1, 2, 4) for l in (1, 3, 5)]
+N_PROMPTS, N_TOKENS = 5, 64
+
+
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+def tiny(request):
+    model = tiny_model(request.param)
+    ps = prompts(N_PROMPTS)
+    refs = [generate_tokens(model, p, max_tokens=N_TOKENS)[0] for p in ps]
+    window = TINY_CONFIGS[request.param].get("sliding_window")
+    assert window is None or len(ps[0]) + N_TOKENS > 4 * window  # the rotating cache wraps
+    return request.param, model, ps, refs
+
+
+@pytest.mark.parametrize("width,length", GRID)
+def test_tiny_models_random_drafter(tiny, width, length):
+    kind, model, ps, refs = tiny
+    drafter = random_drafter(exit_dim=48, num_draft_layers=1)
+    for p, ref in zip(ps, refs):
+        out, stats = generate_tokens(model, p, drafter, width, length, max_tokens=N_TOKENS)
+        assert out == ref, kind
+        assert all(s.tree_size <= 1 + width * length for s in stats)
+
+
+@pytest.mark.parametrize("width,length", GRID)
+def test_tiny_models_oracle_drafter(tiny, width, length):
+    kind, model, ps, refs = tiny
+    accepted = []
+    for p, ref in zip(ps, refs):
+        oracle = OracleDrafter(model, p, N_TOKENS, length)
+        out, stats = generate_tokens(model, p, oracle, width, length, max_tokens=N_TOKENS)
+        assert out == ref, kind
+        accepted += [s.accepted for s in stats[1:]]
+    # The oracle really drives long acceptances and compactions of every length.
+    assert np.mean(accepted) > 0.3 * length
+    assert max(accepted) == length
+
+
+def test_quantized_kv_cache_compaction():
+    cfg = dict(TINY_CONFIGS["llama"], num_attention_heads=2, num_key_value_heads=1)
+    TINY_CONFIGS["llama_q"] = cfg
+    try:
+        model = tiny_model("llama_q")
+    finally:
+        del TINY_CONFIGS["llama_q"]
+
+    def qcache():
+        return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+
+    for p in prompts(3):
+        ref, _ = generate_tokens(model, p, max_tokens=48, prompt_cache=qcache())
+        oracle = OracleDrafter(model, p, 48, 4)
+        out, stats = generate_tokens(model, p, oracle, 2, 4, max_tokens=48, prompt_cache=qcache())
+        assert out == ref
+        assert max(s.accepted for s in stats) == 4
+
+
+# --------------------------------------------------------------------------- default model
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is in two sentences.",
+    "List three fruits that are red.",
+    "Write a Python function that reverses a string.",
+]
+
+
+@pytest.fixture(scope="module")
+def default_refs(default_model):
+    model, tok = default_model
+    ps = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHAT_PROMPTS]
+    refs = [generate_tokens(model, p, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)[0] for p in ps]
+    return ps, refs
+
+
+def test_default_model_random_drafter(default_model, default_refs):
+    model, tok = default_model
+    mx.random.seed(0)
+    d = Drafter(DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=128, num_draft_layers=1, draft_vocab_size=4096))
+    mx.eval(d.parameters())
+    for p, ref in zip(*default_refs):
+        out, _ = generate_tokens(model, p, d, 2, 3, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
+        assert out == ref
+
+
+def test_default_model_oracle_drafter(default_model, default_refs):
+    model, tok = default_model
+    accepted = []
+    for p, ref in zip(*default_refs):
+        oracle = OracleDrafter(model, p, N_TOKENS, 5)
+        out, stats = generate_tokens(model, p, oracle, 3, 5, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
+        assert out == ref
+        accepted += [s.accepted for s in stats[1:]]
+    assert np.mean(accepted) > 3
+
+
+# --------------------------------------------------------------------------- fixture LLM
+
+
+@pytest.fixture(scope="module")
+def fixture_llm(fixtures_dir):
+    model, _ = mlx_load_model(fixtures_dir / "llm")
+    mx.eval(model.parameters())
+    return model, np.load(fixtures_dir / "reference.npz")
+
+
+@pytest.mark.parametrize("tag, folder", [("rnn_w2_l4", "drafter_rnn"), ("distilled_w2_l4", "drafter_rnn_distilled")])
+@pytest.mark.parametrize("p", [0, 1])
+def test_fixture_generation_matches_official(fixture_llm, fixtures_dir, tag, folder, p):
+    """Official BeamShape(width=2, length=4) counts g0: our beam_length=3."""
+    from mlx_redrafter.drafter import load_drafter
+
+    model, ref = fixture_llm
+    drafter = load_drafter(fixtures_dir / folder)
+    prompt = ref[f"gen_p{p}_prompt"].tolist()
+    plain, _ = generate_tokens(model, prompt, max_tokens=32)
+    assert plain == ref[f"gen_p{p}_autoregressive_new_tokens"].tolist()
+    for warp in (False, True):
+        out, stats = generate_tokens(model, prompt, drafter, 2, 3, max_tokens=32, warp=warp)
+        assert out == ref[f"gen_{tag}_p{p}_redrafter_new_tokens"].tolist()
+    # With the official warping, each step accepts as many drafts, from the same beam.
+    official = ref[f"gen_{tag}_p{p}_accepted"].tolist()
+    ours = [s.accepted for s in stats[1:]][: len(official)]
+    assert ours == official
+    seq = ref[f"gen_{tag}_p{p}_seq_in_beam"].tolist()
+    assert [s.beam for s in stats[1:]][: len(seq)] == seq
+    if tag.startswith("distilled"):
+        assert sum(official) > 0
+
+
+# --------------------------------------------------------------------------- stopping and syncs
+
+
+def _run(model, tok, prompt, drafter, **kw):
+    rs = list(stream_generate(model, tok, prompt, drafter=drafter, **kw))
+    return [r.token for r in rs], "".join(r.text for r in rs), rs
+
+
+@pytest.fixture(scope="module")
+def oracle_setup(default_model):
+    model, tok = default_model
+    prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[4]}], add_generation_prompt=True)
+    oracle = OracleDrafter(model, prompt, 80, 5)
+    tokens, text, rs = _run(model, tok, prompt, oracle, beam_width=2, beam_length=5, max_tokens=60)
+    # A token that came from an accepted draft and is not the last of its run.
+    inside = [i for i in range(1, len(rs) - 1) if rs[i].from_draft and rs[i + 1].from_draft and rs[i].stats.step == rs[i + 1].stats.step]
+    assert inside, "the oracle should produce multi-token accepted runs"
+    return model, tok, prompt, oracle, rs, inside
+
+
+def test_stop_string_inside_accepted_run(oracle_setup):
+    model, tok, prompt, oracle, rs, inside = oracle_setup
+    i = inside[len(inside) // 2]
+    stop = tok.decode([rs[i].token]).strip() or tok.decode([rs[i].token])
+    want = _run(model, tok, prompt, None, max_tokens=60, stop=[stop])
+    got = _run(model, tok, prompt, oracle, beam_width=2, beam_length=5, max_tokens=60, stop=[stop])
+    assert got[0] == want[0] and got[1] == want[1]
+    assert got[2][-1].finish_reason == "stop" and stop not in got[1]
+
+
+def test_eos_inside_accepted_run(oracle_setup):
+    model, tok, prompt, oracle, rs, inside = oracle_setup
+    i = inside[len(inside) // 2]
+    old = set(tok.eos_token_ids)
+    tok.eos_token_ids = old | {rs[i].token}
+    try:
+        want = _run(model, tok, prompt, None, max_tokens=60)
+        got = _run(model, tok, prompt, oracle, beam_width=2, beam_length=5, max_tokens=60)
+    finally:
+        tok.eos_token_ids = old
+    assert got[0] == want[0] and got[1] == want[1]
+    assert got[2][-1].finish_reason == "stop" and got[2][-1].token == rs[i].token
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 13])
+def test_max_tokens_inside_accepted_run(oracle_setup, max_tokens):
+    model, tok, prompt, oracle, rs, _ = oracle_setup
+    got = _run(model, tok, prompt, oracle, beam_width=2, beam_length=5, max_tokens=max_tokens)
+    assert got[0] == [r.token for r in rs[:max_tokens]]
+    assert got[2][-1].generation_tokens == max_tokens and got[2][-1].finish_reason == "length"
+
+
+def test_one_host_sync_per_step(oracle_setup):
+    _, _, _, _, rs, _ = oracle_setup
+    for r in rs:
+        assert r.stats.host_syncs == r.stats.step + 1
+    assert rs[-1].stats.step < len(rs)  # fewer steps than tokens: drafts were accepted
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_drafter_for_another_model_is_refused():
+    model = tiny_model("llama")
+    for kw, msg in (
+        (dict(hidden=32), "hidden_size is 32 but the model's is 64"),
+        (dict(vocab=120), "vocab_size is 120 but the model's embedding has 97 rows"),
+    ):
+        with pytest.raises(RedrafterError, match=msg):
+            generate_tokens(model, [1, 2, 3], random_drafter(**kw), 2, 2, max_tokens=4)
+
+
+@pytest.mark.parametrize("width,length", [(0, 3), (2, 0), (-1, -1)])
+def test_beam_shape_below_one_is_refused(width, length):
+    model = tiny_model("llama")
+    with pytest.raises(RedrafterError, match="Beam width and length must be at least 1"):
+        generate_tokens(model, [1, 2, 3], random_drafter(), width, length, max_tokens=4)
+
+
+def test_prompt_longer_than_context_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(RedrafterError, match="prompt has 600 tokens but the model's context is 512"):
+        generate_tokens(model, [1] * 600, random_drafter(), 2, 2, max_tokens=4)
+
+
+def test_unsupported_rope_is_named():
+    cfg = dict(TINY_CONFIGS["llama"], rope_scaling={"type": "dynamic", "factor": 2.0})
+    TINY_CONFIGS["llama_dyn"] = cfg
+    try:
+        model = tiny_model("llama_dyn")
+    finally:
+        del TINY_CONFIGS["llama_dyn"]
+    with pytest.raises(RedrafterError, match="DynamicNTKScalingRoPE"):
+        generate_tokens(model, [1, 2, 3], random_drafter(), 2, 2, max_tokens=4)
