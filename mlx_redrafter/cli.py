@@ -123,6 +123,115 @@ def convert_gguf_cmd(
     err.print(f"wrote {out} (open it with mlx_lm.load or --model {out})")
 
 
+# Presets for `train`: the head sizes measured in bench/RESULTS.md.
+TRAIN_PRESETS = {
+    "default": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192),
+}
+
+
+@app.command()
+def distill(
+    model: str = ModelOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL(.gz) of conversations (default: ../shared ShareGPT prompts)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Data folder (resumable)."),
+    turns: int = typer.Option(1, "--turns", help="User turns answered per conversation."),
+    batch_size: int = typer.Option(48, "--batch-size"),
+    max_new_tokens: int = typer.Option(192, "--max-new-tokens"),
+    max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens"),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop (resumably) after this many minutes."),
+    max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
+    system: Optional[str] = typer.Option(None, "--system"),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Answer training prompts with the LLM (greedy) and keep its tokens and hidden states."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .prompts import default_training_prompts
+    from .train.distill import DistillConfig, distill as run_distill
+
+    if turns < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise RedrafterError("--turns, --batch-size and --max-new-tokens must be at least 1.")
+    prompts = prompts or default_training_prompts()
+    if prompts is None:
+        raise RedrafterError("No --prompts given and the ShareGPT prompts (../shared/data) are not next to the repo.", "Pass --prompts FILE.jsonl.")
+    cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations, system=system, seed=seed)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err) as bar:
+        task = bar.add_task("distilling", total=None, info="loading")
+        t0 = [None, 0]
+
+        def progress(m, running):
+            import time as _t
+
+            if t0[0] is None:
+                t0[0], t0[1] = _t.perf_counter(), m.tokens + running
+            done_tokens = m.tokens + running
+            rate = (done_tokens - t0[1]) / max(_t.perf_counter() - t0[0], 1e-9)
+            total = None if minutes else cfg.max_conversations
+            bar.update(task, completed=len(m.done) if not minutes else min(_t.perf_counter() - t0[0], 60 * minutes),
+                       total=(60 * minutes) if minutes else total,
+                       info=f"{len(m.done)} conversations, {done_tokens} tokens, {rate:.0f} tok/s")
+
+        try:
+            m = run_distill(model, prompts, out, cfg, progress=progress)
+        except KeyboardInterrupt:
+            err.print(f"Interrupted: finished replies are saved in {out}; rerun the same command to resume.")
+            raise typer.Exit(130)
+    err.print(f"{out}: {m.sequences} replies, {m.tokens} tokens, {len(m.done)} conversations done, {m.elapsed / 60:.1f} min")
+
+
+@app.command()
+def train(
+    model: str = ModelOpt,
+    data: Path = typer.Option(..., "--data", help="Folder written by `distill`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Drafter folder to write."),
+    preset: Optional[str] = typer.Option(None, "--preset", help=f"Head size preset: {', '.join(TRAIN_PRESETS)}."),
+    exit_dim: Optional[int] = typer.Option(None, "--exit-dim"),
+    num_draft_layers: Optional[int] = typer.Option(None, "--num-draft-layers"),
+    rnn: bool = typer.Option(True, "--rnn/--no-rnn"),
+    draft_vocab_size: Optional[int] = typer.Option(None, "--draft-vocab-size", help="0 = the full vocabulary."),
+    depth: int = typer.Option(5, "--depth", help="Tokens predicted per example (T)."),
+    batch_size: int = typer.Option(256, "--batch-size"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    epochs: float = typer.Option(2.0, "--epochs"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+    minutes: Optional[float] = typer.Option(None, "--minutes"),
+    eval_every: int = typer.Option(500, "--eval-every"),
+    checkpoint_every: int = typer.Option(500, "--checkpoint-every"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint."),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Train a drafter on distilled data (the LLM stays frozen)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .models import load_model
+    from .train.trainer import TrainConfig, train as run_train
+
+    base = dict(TRAIN_PRESETS.get(preset or "default", {}))
+    if preset is not None and preset not in TRAIN_PRESETS:
+        raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(TRAIN_PRESETS)}.")
+    for k, v in (("exit_dim", exit_dim), ("num_draft_layers", num_draft_layers), ("draft_vocab_size", draft_vocab_size)):
+        if v is not None:
+            base[k] = v if (k != "draft_vocab_size" or v > 0) else None
+    cfg = TrainConfig(**base, rnn=rnn, depth=depth, batch_size=batch_size, lr=lr, epochs=epochs,
+                      max_steps=max_steps, minutes=minutes, eval_every=eval_every,
+                      checkpoint_every=checkpoint_every, seed=seed)
+    if not data.is_dir():
+        raise RedrafterError(f"Data folder does not exist: {data}", "Run `mlx-redrafter distill --out DIR` first.")
+    llm, tok = load_model(model)
+    columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err) as bar:
+        task = bar.add_task("train", total=None, loss=float("nan"))
+        try:
+            run_train(llm, data, out, cfg, resume=resume, eos_ids=sorted(tok.eos_token_ids),
+                      progress=lambda s, n, loss: bar.update(task, completed=s, total=n, loss=loss),
+                      log_console=lambda line: bar.console.print(f"[dim]{line}[/dim]"))
+        except KeyboardInterrupt:
+            err.print(f"Interrupted: checkpoint saved in {out}/checkpoint; resume with --resume.")
+            raise typer.Exit(130)
+    err.print(f"wrote drafter {out} (log: {out}/train_log.jsonl)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: user errors print one message, no traceback, exit 1."""
     try:

@@ -1,0 +1,155 @@
+"""Prompt sets: the evaluation sets shipped with the package, user files, and
+the guard that keeps evaluation prompts out of training.
+
+A conversation is ``{"id", "category", "turns": [user messages]}``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from .errors import RedrafterError
+
+DATA = Path(__file__).parent / "data"
+PROMPT_SETS = {
+    "mt_bench": DATA / "mt_bench.jsonl",
+    "spec_bench": DATA / "spec_bench.jsonl",
+    "alpaca_eval": DATA / "alpaca_eval.jsonl",
+}
+FINGERPRINTS = DATA / "eval_fingerprints.json"
+# Evaluation sets by file name, as ../shared/data and their upstreams name them.
+EVAL_NAME = re.compile(r"mt[_-]?bench|spec[_-]?bench|alpaca[_-]?eval|gsm8k|grade[_-]school|human[_-]?eval", re.I)
+TEXT_FIELDS = ("turns", "prompt", "instruction", "question", "text")
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _conversation(record, index: int) -> Optional[dict]:
+    if isinstance(record, str):
+        return {"id": str(index), "category": "", "turns": [record]}
+    for key in TEXT_FIELDS:
+        value = record.get(key)
+        if value:
+            turns = value if isinstance(value, list) else [value]
+            cid = record.get("id", record.get("question_id", record.get("task_id", index)))
+            category = record.get("category", record.get("dataset", ""))
+            return {"id": str(cid), "category": str(category), "turns": [str(t) for t in turns]}
+    return None
+
+
+def read_conversations(path) -> List[dict]:
+    """Conversations from a ``.jsonl`` (optionally ``.gz``), ``.json`` list or ``.txt`` file.
+
+    JSON records need one of the fields ``turns`` (a list of user messages),
+    ``prompt``, ``instruction``, ``question`` or ``text``; a ``.txt`` file has
+    one prompt per line.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise RedrafterError(f"Prompt file does not exist: {path}", "Check the path.")
+    try:
+        with _open(path) as f:
+            if path.suffix == ".json":
+                records: Iterable = json.load(f)
+            elif path.suffix == ".txt":
+                records = [line.rstrip("\n") for line in f if line.strip()]
+            else:
+                records = [json.loads(line) for line in f if line.strip()]
+        convs = [c for i, r in enumerate(records) if (c := _conversation(r, i)) is not None]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as e:
+        raise RedrafterError(f"Cannot read prompts from {path}: {e}", "Use a JSONL file with a 'turns' or 'prompt' field per line.") from None
+    if not convs:
+        raise RedrafterError(
+            f"No prompts found in {path}.",
+            f"Each line needs one of the fields: {', '.join(TEXT_FIELDS)}.",
+        )
+    return convs
+
+
+def load_prompt_set(name_or_path: str) -> List[dict]:
+    """A shipped set (``mt_bench``, ``spec_bench``, ``alpaca_eval``) or a file."""
+    if name_or_path in PROMPT_SETS:
+        return read_conversations(PROMPT_SETS[name_or_path])
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return read_conversations(path)
+    raise RedrafterError(
+        f"Unknown prompt set {name_or_path!r}.",
+        f"Use one of {', '.join(PROMPT_SETS)} or a path to a JSONL file.",
+    )
+
+
+# --------------------------------------------------------------------------- eval-set guard
+
+
+def fingerprint(text: str) -> str:
+    """Identity of a prompt up to case and whitespace."""
+    norm = " ".join(text.lower().split())
+    return hashlib.sha1(norm.encode("utf-8")).hexdigest()[:16]
+
+
+def build_fingerprints(shared_data: Path) -> Dict[str, List[str]]:
+    """Fingerprints of every prompt of the five evaluation sets in ``shared_data``
+    (how ``data/eval_fingerprints.json`` was made; a test rebuilds it)."""
+    sets = {
+        "mt_bench": shared_data / "mt_bench" / "question.jsonl",
+        "spec_bench": shared_data / "spec_bench" / "question.jsonl",
+        "alpaca_eval": shared_data / "alpaca_eval" / "outputs.json",
+        "gsm8k": shared_data / "gsm8k" / "test.jsonl",
+        "humaneval": shared_data / "humaneval" / "HumanEval.jsonl.gz",
+    }
+    out = {}
+    for name, path in sets.items():
+        prints = {fingerprint(t) for c in read_conversations(path) for t in c["turns"]}
+        out[name] = sorted(prints)
+    return out
+
+
+def _known_fingerprints() -> Dict[str, str]:
+    data = json.loads(FINGERPRINTS.read_text())
+    return {fp: name for name, prints in data.items() for fp in prints}
+
+
+def refuse_eval_set(path, conversations: Optional[List[dict]] = None) -> None:
+    """Raise if ``path`` is (or contains prompts of) an evaluation set.
+
+    Drafters are trained on ShareGPT only: training on MT-Bench, Spec-Bench,
+    AlpacaEval, GSM8K test or HumanEval would inflate every benchmark.
+    """
+    path = Path(path)
+    if EVAL_NAME.search(str(path)):
+        raise RedrafterError(
+            f"{path} looks like an evaluation set (MT-Bench, Spec-Bench, AlpacaEval, GSM8K or HumanEval).",
+            "Train on ShareGPT prompts (the default) or your own data, never on evaluation prompts.",
+        )
+    known = _known_fingerprints()
+    convs = conversations if conversations is not None else read_conversations(path)
+    hits: Dict[str, int] = {}
+    for c in convs:
+        for t in c["turns"]:
+            name = known.get(fingerprint(t))
+            if name:
+                hits[name] = hits.get(name, 0) + 1
+    if hits:
+        found = ", ".join(f"{n} ({k} prompts)" for n, k in sorted(hits.items()))
+        raise RedrafterError(
+            f"{path} contains evaluation prompts: {found}.",
+            "Remove them; drafters must never be trained on evaluation sets.",
+        )
+
+
+def default_training_prompts() -> Optional[Path]:
+    """``../shared/data/sharegpt/sharegpt_train_prompts.jsonl.gz`` next to the repo, if there."""
+    repo = Path(__file__).resolve().parents[1]
+    for base in (Path.cwd(), repo):
+        p = base.parent / "shared" / "data" / "sharegpt" / "sharegpt_train_prompts.jsonl.gz"
+        if p.is_file():
+            return p
+    return None

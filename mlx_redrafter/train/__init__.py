@@ -1,0 +1,1 @@
+"""Drafter training by self-distillation: ``distill`` (data) and ``trainer`` (fit)."""

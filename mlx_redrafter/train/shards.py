@@ -1,0 +1,118 @@
+"""Distillation shards: what the LLM said and the hidden states that said it.
+
+A data folder holds ``progress.json`` (the manifest) and ``shard-NNNNN.safetensors``
+files. Each shard concatenates sequences: ``tokens [T]`` (int32) and
+``hidden [T, h]`` (float16), where ``hidden[i]`` is the LLM's post-norm hidden
+state that produced ``tokens[i]``; ``offsets [n+1]`` delimit sequences.
+
+Shards are written to a temporary name and renamed, and the manifest is
+rewritten atomically after each shard, so an interrupted run loses nothing
+that was reported written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import RedrafterError
+
+MANIFEST = "progress.json"
+
+
+@dataclass
+class Sequence:
+    conv_id: str
+    turn: int
+    prompt_len: int
+    tokens: List[int]
+    hidden: np.ndarray  # [len(tokens), h] float16
+
+
+@dataclass
+class Manifest:
+    model: str
+    prompts: str
+    config: dict
+    shards: List[str] = field(default_factory=list)
+    done: List[str] = field(default_factory=list)  # conversation ids fully answered
+    sequences: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0
+
+    @classmethod
+    def load(cls, folder: Path) -> "Manifest | None":
+        path = Path(folder) / MANIFEST
+        if not path.is_file():
+            return None
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise RedrafterError(f"{path} is corrupt: {e}", "Delete the folder or pick a new --out.") from None
+
+    def save(self, folder: Path) -> None:
+        tmp = Path(folder) / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(self.__dict__, indent=1))
+        os.replace(tmp, Path(folder) / MANIFEST)
+
+
+def write_shard(folder: Path, index: int, seqs: List[Sequence]) -> str:
+    """Write sequences as one shard (atomically) and return its file name."""
+    name = f"shard-{index:05d}.safetensors"
+    tokens = np.concatenate([np.asarray(s.tokens, np.int32) for s in seqs])
+    hidden = np.concatenate([s.hidden for s in seqs]).astype(np.float16)
+    offsets = np.cumsum([0] + [len(s.tokens) for s in seqs]).astype(np.int32)
+    meta = {
+        "ids": json.dumps([s.conv_id for s in seqs]),
+        "turns": json.dumps([s.turn for s in seqs]),
+        "prompt_len": json.dumps([s.prompt_len for s in seqs]),
+    }
+    tmp = Path(folder) / f".partial-{name}"
+    mx.save_safetensors(
+        str(tmp), {"tokens": mx.array(tokens), "hidden": mx.array(hidden), "offsets": mx.array(offsets)}, meta
+    )
+    os.replace(tmp, Path(folder) / name)
+    return name
+
+
+@dataclass
+class Corpus:
+    """All shards of a data folder, concatenated in memory."""
+
+    tokens: np.ndarray  # [T] int32
+    hidden: np.ndarray  # [T, h] float16
+    offsets: np.ndarray  # [n+1]
+    ids: List[str]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hidden.shape[1]
+
+
+def read_corpus(folder) -> Corpus:
+    folder = Path(folder)
+    manifest = Manifest.load(folder)
+    if manifest is None or not manifest.shards:
+        raise RedrafterError(
+            f"No distillation data in {folder}.",
+            "Run `mlx-redrafter distill --out DIR` first and pass that DIR as --data.",
+        )
+    tokens, hidden, offsets, ids = [], [], [0], []
+    for name in manifest.shards:
+        try:
+            arrays, meta = mx.load(str(folder / name), return_metadata=True)
+        except Exception as e:
+            raise RedrafterError(f"Shard {folder / name} cannot be read: {e}", "Delete it from progress.json and rerun distill.") from None
+        t = np.array(arrays["tokens"])
+        tokens.append(t)
+        hidden.append(np.array(arrays["hidden"]))
+        base = offsets[-1]
+        offsets.extend((np.array(arrays["offsets"])[1:] + base).tolist())
+        ids.extend(json.loads(meta["ids"]))
+    return Corpus(np.concatenate(tokens), np.concatenate(hidden), np.asarray(offsets), ids)

@@ -1,0 +1,298 @@
+"""Train a drafter on distilled data, with the LLM frozen.
+
+Each example is a position ``i`` of a distilled reply: the drafter gets the
+LLM's hidden state ``hidden[i]`` (which produced ``g0 = tokens[i]``) and,
+teacher-forced, the embeddings of ``tokens[i..i+T-1]``; it predicts
+``tokens[i+1..i+T]`` (paper Eq. 2). The loss is the sum over depths of the
+cross-entropy; targets outside a reduced draft vocabulary cannot be predicted
+and are left out of the loss (but count as misses in the accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from ..errors import RedrafterError
+from ..models import model_parts
+from .shards import Corpus, read_corpus
+
+LOG = "train_log.jsonl"
+CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class TrainConfig:
+    exit_dim: int = 576
+    num_draft_layers: int = 1
+    rnn: bool = True
+    draft_vocab_size: Optional[int] = 8192  # None: the full vocabulary
+    depth: int = 5  # T: tokens predicted per example
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 200
+    epochs: float = 2.0
+    max_steps: Optional[int] = None
+    minutes: Optional[float] = None
+    eval_fraction: float = 0.02
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    seed: int = 0
+
+
+def is_eval_conversation(conv_id: str, fraction: float) -> bool:
+    """Deterministic held-out split by conversation id."""
+    return (zlib.crc32(conv_id.encode()) % 10_000) < fraction * 10_000
+
+
+@dataclass
+class Examples:
+    """Positions usable as training examples, with the arrays to gather from."""
+
+    positions: np.ndarray  # [n] index of g0 in the corpus
+    seq_end: np.ndarray  # [T_total] end offset of each position's sequence
+
+
+def split_examples(corpus: Corpus, fraction: float):
+    ends = np.zeros(len(corpus.tokens), np.int64)
+    train, held = [], []
+    for k, cid in enumerate(corpus.ids):
+        a, b = corpus.offsets[k], corpus.offsets[k + 1]
+        ends[a:b] = b
+        pos = np.arange(a, b - 1)  # at least one target token after g0
+        (held if is_eval_conversation(cid, fraction) else train).append(pos)
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+    return Examples(cat(train), ends), Examples(cat(held), ends)
+
+
+def choose_draft_vocab(tokens: np.ndarray, size: int, vocab_size: int, always=()) -> np.ndarray:
+    """The ``size`` most frequent tokens of the distilled replies (plus ``always``)."""
+    counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+    for t in always:
+        counts[t] = np.inf
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+class Batcher:
+    """Gathers ``(context, inputs, targets, mask)`` batches from the corpus."""
+
+    def __init__(self, corpus: Corpus, examples: Examples, depth: int, vocab_map: np.ndarray):
+        self.hidden = mx.array(corpus.hidden)  # float16, on device
+        self.tokens = np.concatenate([corpus.tokens, np.zeros(depth + 1, np.int32)])
+        self.examples = examples
+        self.depth = depth
+        self.vocab_map = vocab_map  # full id -> draft index, or -1
+
+    def batch(self, idx: np.ndarray):
+        pos = self.examples.positions[idx]
+        k = np.arange(self.depth + 1)
+        ids = self.tokens[pos[:, None] + k[None, :]]  # g0 .. g_T
+        valid = (pos[:, None] + k[None, 1:]) < self.examples.seq_end[pos][:, None]
+        targets = self.vocab_map[ids[:, 1:]]
+        mask = valid & (targets >= 0)
+        context = self.hidden[mx.array(pos)].astype(mx.float32)
+        return (
+            context,
+            mx.array(ids[:, :-1]),
+            mx.array(np.maximum(targets, 0)),
+            mx.array(mask),
+            mx.array(valid),
+        )
+
+
+def drafter_loss(drafter: Drafter, embed, context, inputs, targets, mask):
+    logits = drafter(context, embed(inputs))  # [B, T, Vd]
+    ce = nn.losses.cross_entropy(logits, targets, reduction="none")  # [B, T]
+    m = mask.astype(ce.dtype)
+    per_depth = (ce * m).sum(0) / mx.maximum(m.sum(0), 1)
+    return per_depth.sum(), (per_depth, logits)
+
+
+def evaluate(drafter, embed, batcher: Batcher, batch_size: int, max_examples: int = 20_000):
+    """Per-depth loss, top-1 accuracy, and the expected accepted length of a
+    single greedy beam (``sum_k P(first k drafts all right)``)."""
+    n = min(len(batcher.examples.positions), max_examples)
+    if n == 0:
+        return None
+    order = np.random.default_rng(0).permutation(len(batcher.examples.positions))[:n]
+    loss_sum, right_sum, count, run_sum = 0.0, 0.0, 0.0, 0.0
+    for s in range(0, n, batch_size):
+        context, inputs, targets, mask, valid = batcher.batch(order[s : s + batch_size])
+        _, (per_depth, logits) = drafter_loss(drafter, embed, context, inputs, targets, mask)
+        right = (mx.argmax(logits, -1) == targets) & mask
+        vf = valid.astype(mx.float32)
+        rows = valid[:, 0].astype(mx.float32)
+        run = mx.cumprod(right.astype(mx.float32), axis=1).sum(1)  # accepted prefix length
+        loss_sum = loss_sum + per_depth * mask.sum(0)
+        right_sum = right_sum + right.astype(mx.float32).sum(0)
+        count = count + vf.sum(0)
+        run_sum = run_sum + (run * rows).sum()
+    mx.eval(loss_sum, right_sum, count, run_sum)
+    count_np = np.maximum(np.array(count), 1)
+    return {
+        "eval_loss": (np.array(loss_sum) / count_np).round(4).tolist(),
+        "eval_acc": (np.array(right_sum) / count_np).round(4).tolist(),
+        "eval_accepted_w1": round(float(run_sum) / n, 4),
+        "eval_examples": n,
+    }
+
+
+def _schedule(cfg: TrainConfig, total: int):
+    warm = max(1, min(cfg.warmup_steps, total // 10))
+    return optim.join_schedules(
+        [optim.linear_schedule(cfg.lr * 1e-3, cfg.lr, warm), optim.cosine_decay(cfg.lr, max(1, total - warm), cfg.lr * 0.05)],
+        [warm],
+    )
+
+
+def _save_checkpoint(folder: Path, drafter, optimizer, step: int, cfg: TrainConfig, meta: dict):
+    ck = folder / CHECKPOINT
+    ck.mkdir(parents=True, exist_ok=True)
+    save_drafter(drafter, ck / "drafter", dtype="float32")
+    state = dict(tree_flatten(optimizer.state))
+    mx.save_safetensors(str(ck / ".partial-optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)})
+    (ck / ".partial-optimizer.safetensors").replace(ck / "optimizer.safetensors")
+    (ck / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg), **meta}))
+
+
+def train(
+    model,
+    data_dir,
+    out,
+    cfg: TrainConfig,
+    resume: bool = False,
+    eos_ids=(),
+    progress: Optional[Callable[[int, int, float], None]] = None,
+    log_console: Optional[Callable[[str], None]] = None,
+) -> Path:
+    """Train (or resume training) a drafter for ``model`` and save it to ``out``."""
+    out = Path(out)
+    corpus = read_corpus(data_dir)
+    embed, _, _ = model_parts(model)
+    vocab = int(embed.weight.shape[0]) if "weight" in embed else None
+    hidden = corpus.hidden_size
+    if hidden != model.args.hidden_size:
+        raise RedrafterError(
+            f"The data in {data_dir} has hidden size {hidden} but the model's is {model.args.hidden_size}.",
+            "Train with the --model the data was distilled from.",
+        )
+    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction)
+    if len(train_ex.positions) == 0:
+        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
+
+    ck = out / CHECKPOINT
+    if resume and (ck / "state.json").exists():
+        state = json.loads((ck / "state.json").read_text())
+        cfg = TrainConfig(**state["config"])
+        drafter = load_drafter(ck / "drafter", dtype="float32")
+        start_step = state["step"]
+    else:
+        if resume:
+            raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
+        start_step = 0
+        dv = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < vocab else None
+        mx.random.seed(cfg.seed)
+        drafter = Drafter(
+            DrafterConfig(
+                vocab_size=vocab, hidden_size=hidden, exit_dim=cfg.exit_dim,
+                num_draft_layers=cfg.num_draft_layers, rnn=cfg.rnn, draft_vocab_size=dv,
+            )
+        )
+        if dv:
+            drafter.draft_vocab = mx.array(choose_draft_vocab(corpus.tokens, dv, vocab, always=list(eos_ids)))
+        drafter.set_dtype(mx.float32)
+    out.mkdir(parents=True, exist_ok=True)
+
+    vocab_map = np.full(vocab, -1, np.int64)
+    if drafter.config.draft_vocab_size:
+        dvocab = np.array(drafter.draft_vocab)
+        vocab_map[dvocab] = np.arange(len(dvocab))
+    else:
+        vocab_map = np.arange(vocab)
+    coverage = float((vocab_map[corpus.tokens] >= 0).mean())
+    train_b = Batcher(corpus, train_ex, cfg.depth, vocab_map)
+    eval_b = Batcher(corpus, eval_ex, cfg.depth, vocab_map)
+    eval_b.hidden = train_b.hidden
+
+    steps_per_epoch = max(1, len(train_ex.positions) // cfg.batch_size)
+    total = cfg.max_steps or int(math.ceil(cfg.epochs * steps_per_epoch))
+    optimizer = optim.AdamW(learning_rate=_schedule(cfg, total), weight_decay=cfg.weight_decay)
+    optimizer.init(drafter.trainable_parameters())
+    if start_step:
+        saved = mx.load(str(ck / "optimizer.safetensors"))
+        optimizer.state = tree_unflatten(list(saved.items()))
+    embed.freeze()
+
+    loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
+    state = [drafter.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step_fn(context, inputs, targets, mask):
+        (loss, (per_depth, _)), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask)
+        optimizer.update(drafter, grads)
+        return loss, per_depth
+
+    meta = {
+        "data": str(Path(data_dir).resolve()),
+        "train_examples": int(len(train_ex.positions)),
+        "eval_examples": int(len(eval_ex.positions)),
+        "draft_vocab_coverage": round(coverage, 4),
+        "total_steps": total,
+    }
+    log_path = out / LOG
+    rng = np.random.default_rng(cfg.seed + start_step)
+    deadline = None if cfg.minutes is None else time.perf_counter() + 60 * cfg.minutes
+    step = start_step
+    running = []
+
+    def log(record):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if log_console:
+            log_console(json.dumps(record))
+
+    if step == 0:
+        log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params()})
+    tic = time.perf_counter()
+    try:
+        while step < total:
+            idx = rng.integers(0, len(train_ex.positions), cfg.batch_size)
+            context, inputs, targets, mask, _ = train_b.batch(idx)
+            loss, per_depth = step_fn(context, inputs, targets, mask)
+            mx.eval(loss, state)
+            step += 1
+            running.append(float(loss))
+            if progress:
+                progress(step, total, float(loss))
+            if step % cfg.eval_every == 0 or step == total:
+                rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
+                rec.update(evaluate(drafter, embed, eval_b, cfg.batch_size) or {})
+                running = []
+                log(rec)
+            if step % cfg.checkpoint_every == 0:
+                _save_checkpoint(out, drafter, optimizer, step, cfg, meta)
+            if deadline is not None and time.perf_counter() > deadline:
+                log({"event": "time budget reached", "step": step})
+                break
+    except KeyboardInterrupt:
+        _save_checkpoint(out, drafter, optimizer, step, cfg, meta)
+        save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
+        log({"event": "interrupted", "step": step})
+        raise
+    _save_checkpoint(out, drafter, optimizer, step, cfg, meta)
+    save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
+    return out
