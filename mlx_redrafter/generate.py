@@ -33,11 +33,14 @@ class StepStats:
     step: int = 0
     accepted: int = 0  # drafted tokens accepted in this step
     tree_size: int = 1  # tokens verified (g0 + packed unique prefixes)
-    draft_time: float = 0.0  # seconds; measured only with profile=True
-    verify_time: float = 0.0  # seconds; measured only with profile=True
-    step_time: float = 0.0  # wall time of the whole step
+    step_time: float = 0.0  # wall time of the whole step, seconds
     host_syncs: int = 0  # cumulative device->host syncs of the loop
     beam: int = 0  # index of the beam the accepted drafts came from (best first)
+    # Phase times in seconds, measured only with profile=True (which adds syncs):
+    draft_time: float = 0.0  # beam search for the next step
+    pack_time: float = 0.0  # dedup + packing of this step's beams
+    verify_time: float = 0.0  # the LLM's tree forward
+    accept_time: float = 0.0  # acceptance + KV-cache compaction
 
 
 @dataclass
@@ -119,37 +122,47 @@ def redrafter_steps(
     beams, n_nodes = draft(context, g0)
     g0_val, n_val = _host(g0, n_nodes)
     syncs += 1
-    yield StepTokens([g0_val], [False], StepStats(0, 0, 1, 0, 0, time.perf_counter() - tic, syncs))
+    yield StepTokens([g0_val], [False], StepStats(0, 0, 1, time.perf_counter() - tic, syncs))
     step = 0
     while True:
         step += 1
         tic = time.perf_counter()
+        times = {}
         offsets = [c.offset for c in cache]
         starts = verify_starts(cache)
         tree = pack(beams, n_val, g0)
-        t_draft = t_verify = 0.0
+        _lap(profile, times, "pack", tic, tree.tokens, tree.mask, tree.node_index)
         logits, hidden = verify(model, backbone, head, cache, tree)
-        if profile:
-            mx.eval(logits)
-            t_verify = time.perf_counter() - tic
+        _lap(profile, times, "verify", tic, logits, hidden)
         if sampling.greedy:
             acc = accept_greedy(beams, tree.node_index, logits)
         else:
             acc = accept_sampling(beams, tree, logits, sampling)
         compact_cache(cache, starts, acc.path)
+        _lap(profile, times, "accept", tic, acc.n, acc.next_token, [c.state for c in cache])
         prev_beams = beams
         g0 = acc.next_token
-        t1 = time.perf_counter()
         beams, n_nodes = draft(hidden[acc.last], g0)
-        if profile:
-            mx.eval(beams, n_nodes, acc.n)
-            t_draft = time.perf_counter() - t1
+        _lap(profile, times, "draft", tic, beams, n_nodes)
         vals = _host(acc.n, acc.beam, n_nodes, g0, prev_beams[acc.beam])
         syncs += 1
         n, beam, n_val, g0_val, row = vals[0], vals[1], vals[2], vals[3], vals[4:]
         set_cache_length(cache, starts, offsets, 1 + n)
-        stats = StepStats(step, n, tree.size, t_draft, t_verify, time.perf_counter() - tic, syncs, beam)
+        stats = StepStats(
+            step, n, tree.size, time.perf_counter() - tic, syncs, beam,
+            draft_time=times.get("draft", 0.0), pack_time=times.get("pack", 0.0),
+            verify_time=times.get("verify", 0.0), accept_time=times.get("accept", 0.0),
+        )
         yield StepTokens(row[:n] + [g0_val], [True] * n + [False], stats)
+
+
+def _lap(profile: bool, times: dict, name: str, start: float, *arrays) -> None:
+    """Profile mode only: evaluate ``arrays`` and record the phase's duration."""
+    if not profile:
+        return
+    mx.eval(*arrays)
+    now = time.perf_counter()
+    times[name] = now - start - sum(times.values())
 
 
 def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None) -> Iterator[StepTokens]:
@@ -163,7 +176,7 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
         generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache)
     ):
         now = time.perf_counter()
-        yield StepTokens([int(token)], [False], StepStats(i, 0, 1, 0.0, 0.0, now - tic, i + 1))
+        yield StepTokens([int(token)], [False], StepStats(i, 0, 1, now - tic, i + 1))
         tic = now
 
 
@@ -311,7 +324,13 @@ def stream_generate(
     model's own sampling distribution (after ``top_p``/``min_p``/``top_k``).
     EOS, ``stop`` strings and ``max_tokens`` end the output exactly, even in
     the middle of an accepted run. ``profile=True`` adds syncs to split the
-    step time into draft and verify.
+    step time into pack / verify / accept / draft.
+
+    ``prompt_cache`` (a list from ``make_prompt_cache``) is updated in place.
+    When the stream ends its offset covers the prompt and the emitted
+    tokens, sometimes minus the last one and, when EOS or a stop string ends
+    an accepted run early, plus accepted tokens that were not emitted; use
+    :func:`trim_cache` to bring it to a known length.
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -382,6 +401,23 @@ def stream_generate(
                 yield response(text, token, from_draft, step.stats)
     finally:
         steps.close()
+
+
+def trim_cache(cache, length: int) -> bool:
+    """Trim every layer so that it holds exactly ``length`` tokens.
+
+    Returns False (and changes nothing) when a layer cannot be trimmed
+    (a rotating window that has wrapped) or holds fewer tokens: rebuild the
+    cache from the tokens then.
+    """
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    current = cache[0].offset
+    if current < length or not can_trim_prompt_cache(cache):
+        return current == length
+    for c in cache:
+        c.trim(c.offset - length)
+    return True
 
 
 @dataclass
