@@ -87,34 +87,54 @@ def accept_sampling(beams: mx.array, tree, logits: mx.array, sampling) -> Accept
     walk) and nothing syncs.
     """
     width, length = beams.shape
-    node_index = tree.node_index
     target = target_probs(logits, sampling)  # [N+1, V]
-    # a (w, j) is a distinct child iff no earlier beam has the same node there
-    first_beam = mx.argmax(node_index[:, None, :] == node_index[None, :, :], axis=1)
-    unique = first_beam == mx.arange(width)[:, None]
     u = mx.random.uniform(shape=(length, width))
-    cur = mx.array(0, mx.int32)
-    beam = mx.array(0, mx.int32)
-    n = mx.array(0, mx.int32)
-    done = mx.array(False)
-    p = target[0]
+    gumbel = mx.random.gumbel(shape=(target.shape[-1],))
+    n, beam, last, token = walk_tree(beams, tree.node_index, tree.parent, target, u, gumbel)
+    return Accepted(n, beam, _path(tree.node_index, beam, n), last, token)
+
+
+def first_occurrence(node_index: mx.array) -> mx.array:
+    """``[W, L]`` bool: beam ``w`` is the first to reach its node at depth ``j``."""
+    width = node_index.shape[0]
+    first_beam = mx.argmax(node_index[:, None, :] == node_index[None, :, :], axis=1)
+    return first_beam == mx.arange(width)[:, None]
+
+
+def walk_tree(beams, node_index, parent, target, u, gumbel):
+    """The sampling walk as a pure function of its random inputs.
+
+    ``target [N+1, V]``: target distribution after each node; ``u [..., L, W]``
+    uniforms for the tests; ``gumbel [..., V]`` noise for the final draw
+    (Gumbel-max). Leading ``...`` axes run independent walks over the same
+    tree (the generation loop uses none; tests use many). Returns
+    ``(n, beam, last, token)``: accepted drafts, the beam they lie on, the
+    last accepted node and the emitted token.
+    """
+    width, length = beams.shape
+    batch = u.shape[:-2]
+    unique = first_occurrence(node_index)
+    vocab = mx.arange(target.shape[-1])
+    cur = mx.zeros(batch, mx.int32)
+    beam = mx.zeros(batch, mx.int32)
+    n = mx.zeros(batch, mx.int32)
+    done = mx.zeros(batch, mx.bool_)
+    p = mx.broadcast_to(target[0], (*batch, target.shape[-1]))
     for d in range(length):
-        moved = mx.array(False)
+        moved = mx.zeros(batch, mx.bool_)
         for w in range(width):
             node = node_index[w, d]
             tok = beams[w, d]
-            is_child = ~done & ~moved & unique[w, d] & (tree.parent[node] == cur)
-            p_tok = p[tok]
-            ok = is_child & (u[d, w] < p_tok)
+            is_child = ~done & ~moved & unique[w, d] & (parent[node] == cur)
+            p_tok = mx.take(p, tok, axis=-1)
+            ok = is_child & (u[..., d, w] < p_tok)
             rejected = is_child & ~ok
-            removed = mx.where(mx.arange(p.shape[0]) == tok, 0.0, p)
-            residual = removed / mx.maximum(1.0 - p_tok, 1e-12)
-            p = mx.where(ok, target[node], mx.where(rejected, residual, p))
+            residual = mx.where(vocab == tok, 0.0, p) / mx.maximum(1.0 - p_tok, 1e-12)[..., None]
+            p = mx.where(ok[..., None], target[node], mx.where(rejected[..., None], residual, p))
             cur = mx.where(ok, node, cur)
             beam = mx.where(ok, w, beam)
             n = mx.where(ok, d + 1, n)
             moved = moved | ok
         done = done | ~moved
-    path = _path(node_index, beam, n)
-    token = mx.random.categorical(mx.log(p)).astype(mx.int32)
-    return Accepted(n, beam, path, cur, token)
+    token = mx.argmax(mx.log(p) + gumbel, axis=-1).astype(mx.int32)
+    return n, beam, cur, token
