@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -118,16 +119,21 @@ def resolve_model_path(spec: str) -> Path:
     return _hub_snapshot(spec)
 
 
-def _hub_snapshot(repo: str) -> Path:
+def _hub_snapshot(repo: str, allow_patterns=None, what: str = "Model") -> Path:
+    """The local snapshot of a Hub repo (the cache alone when offline).
+
+    ``allow_patterns`` defaults to mlx-lm's model files; ``what`` names the
+    kind of repo in the error messages.
+    """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
-        return Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        return Path(snapshot_download(repo, allow_patterns=allow_patterns or DEFAULT_ALLOW_PATTERNS))
     except LocalEntryNotFoundError:
         raise RedrafterError(
-            f"Model {repo!r} is not in the Hugging Face cache and the Hub cannot be reached (offline).",
+            f"{what} {repo!r} is not in the Hugging Face cache and the Hub cannot be reached (offline).",
             f"On a machine with network, run `hf download {repo}`, or pass a local folder.",
         ) from None
     except Exception as e:
@@ -156,15 +162,37 @@ def load_model(
 
     dtype = parse_dtype(dtype)
     path = resolve_model_path(spec)
-    try:
+    with _explain_load_errors(path):
         model, tokenizer = mlx_load(str(path), lazy=True)
+    apply_dtype(model, dtype, keep_quantized)
+    return model, tokenizer
+
+
+def load_model_only(
+    spec: str = "default", dtype=None, keep_quantized: Optional[bool] = None, lazy: bool = False
+) -> nn.Module:
+    """The LLM of ``spec`` without its tokenizer (a folder needs no tokenizer
+    files), for shape checks and cost estimates. Same arguments and dtype
+    policy as :func:`load_model`; ``lazy=True`` returns the model as stored,
+    with nothing read but its shapes."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    dtype = parse_dtype(dtype)
+    path = resolve_model_path(spec)
+    with _explain_load_errors(path):
+        model, _ = mlx_load_model(path, lazy=True)
+    return model if lazy else apply_dtype(model, dtype, keep_quantized)
+
+
+@contextmanager
+def _explain_load_errors(path: Path):
+    try:
+        yield
     except (ValueError, RuntimeError, OSError) as e:
         raise RedrafterError(
             f"Cannot load the model in {path}: {e}",
             "The weights may be truncated or corrupt; restore or re-download them.",
         ) from None
-    apply_dtype(model, dtype, keep_quantized)
-    return model, tokenizer
 
 
 def model_parts(model: nn.Module):
