@@ -24,7 +24,8 @@ def device_id() -> str:
 
     dev = mx.default_device()
     blas = "gpu" if dev == mx.gpu else blas_info().name.split(" ")[0]
-    return f"{platform.system()}-{platform.machine()}-{dev.type}-{blas}".lower()
+    kind = getattr(dev.type, "name", str(dev.type))  # "cpu", not "DeviceType.cpu"
+    return f"{platform.system()}-{platform.machine()}-{kind}-{blas}".lower()
 
 
 def _drafter_id(drafter_path) -> str:
@@ -33,8 +34,16 @@ def _drafter_id(drafter_path) -> str:
     return f"{p}:{st.st_size}:{st.st_mtime_ns}"
 
 
+def _model_id(model_spec) -> str:
+    """A local model path in absolute form, so that ``./m`` and ``m`` share
+    a profile; other specs (``default``, Hub ids) as they are."""
+    spec = str(model_spec)
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if spec != "default" and path.exists() else spec
+
+
 def profile_path(model_spec: str, drafter_path) -> Path:
-    key = json.dumps([device_id(), str(model_spec), _drafter_id(drafter_path)])
+    key = json.dumps([device_id(), _model_id(model_spec), _drafter_id(drafter_path)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "profiles" / f"{digest}.json"
 

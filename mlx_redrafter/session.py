@@ -92,7 +92,9 @@ def resolve_session(
     if beam_width is not None or beam_length is not None:
         s.beam_width = beam_width or s.beam_width
         s.beam_length = beam_length or s.beam_length
-        s.shape_source = "flags"
+        # One flag alone keeps the other value from the profile (or the default): say so.
+        both = beam_width is not None and beam_length is not None
+        s.shape_source = "flags" if both else f"flags + {s.shape_source}"
     if adaptive:
         from .controller import load_controller
 

@@ -1,0 +1,527 @@
+"""`mlx-redrafter sweep`, tuned profiles and bench/run.py on tiny random models.
+
+Nothing here asserts a timing: only that every number is present, consistent
+across the output files, and computed from what was measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import OracleDrafter, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, tiny_model
+from mlx_redrafter import sweep as sw
+from mlx_redrafter.errors import RedrafterError
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def save_tiny_folder(path: Path) -> Path:
+    """A tiny llama as an mlx-lm folder, with a word-level tokenizer
+    (``w0 w1 ...``), an EOS token and a chat template, all built here."""
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, tiny_model("llama"))
+    save_config(dict(TINY_CONFIGS["llama"]), path / "config.json")
+    words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_folder(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def save_random_drafter(path: Path, seed: int = 1) -> Path:
+    from mlx_redrafter import save_drafter
+
+    return save_drafter(random_drafter(seed=seed), path)
+
+
+@pytest.fixture(scope="module")
+def drafter_folder(tmp_path_factory):
+    return save_random_drafter(tmp_path_factory.mktemp("drafter") / "d")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return random_drafter()
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    rows = [
+        {"question_id": 1, "category": "alpha", "turns": ["w1 w2 w3 w4", "w5 w6"]},
+        {"question_id": 2, "category": "beta", "turns": ["w7 w8 w9"]},
+        {"question_id": 3, "category": "alpha", "turns": ["w10 w11"]},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def png_size(path: Path):
+    """(width, height) from the IHDR chunk, after checking the signature."""
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def read_csv(path: Path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def cli(args) -> int:
+    """``mlx-redrafter ARGS``: its exit code (typer ends a successful command with SystemExit)."""
+    from mlx_redrafter.cli import main
+
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code or 0
+
+
+def squeeze(text: str) -> str:
+    return "".join(text.split())
+
+
+def num(s: str):
+    return None if s == "" else float(s)
+
+
+# --------------------------------------------------------------------------- grid and prompts
+
+
+def test_parse_grid():
+    assert sw.parse_grid("1,2,4") == [1, 2, 4]
+    assert sw.parse_grid("4-6") == [4, 5, 6]
+    assert sw.parse_grid(" 3, 1,1-2 ") == [1, 2, 3]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "empty"), (" , ", "empty"), ("a,b", "'a' is not a whole number"), ("1,x", "'x'"),
+    ("0,1", "at least 1"), ("3-1", "empty"), ("-2", "not a whole number"), ("1.5", "not a whole number"),
+])
+def test_parse_grid_rejects_garbage(text, words):
+    with pytest.raises(RedrafterError) as e:
+        sw.parse_grid(text, "--lengths")
+    assert words in str(e.value) and "--lengths" in str(e.value)
+
+
+def test_config_rejects_empty_grid_and_small_values():
+    for widths, lengths in (([], [2]), ([1], []), ([0], [2]), ([1], [0])):
+        with pytest.raises(RedrafterError):
+            sw.SweepConfig(widths, lengths).check()
+    with pytest.raises(RedrafterError):
+        sw.SweepConfig([1], [2], max_tokens=0).check()
+
+
+def test_select_conversations_round_robin():
+    convs = [{"id": str(i), "category": c, "turns": ["x"]} for i, c in enumerate("aaabbc")]
+    picked = sw.select_conversations(convs, 4)
+    assert [c["category"] for c in picked] == ["a", "b", "c", "a"]
+    assert sw.select_conversations(convs, 99) == convs
+
+
+def test_bad_prompt_sets(tmp_path):
+    from mlx_redrafter.prompts import load_prompt_set
+
+    with pytest.raises(RedrafterError, match="Unknown prompt set"):
+        load_prompt_set("no_such_set")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(RedrafterError, match="No prompts"):
+        load_prompt_set(str(empty))
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(b"\xff\xfe{not json\n")
+    with pytest.raises(RedrafterError, match="Cannot read"):
+        load_prompt_set(str(garbage))
+    for name in ("mt_bench", "spec_bench", "alpaca_eval"):  # the shipped sets load
+        assert load_prompt_set(name)
+
+
+def test_chat_prompt_ids_use_the_template(tiny_folder):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(tiny_folder)
+    ids = sw.first_turn_ids(tok, [{"turns": ["w1 w2"]}])[0]
+    user, assistant = SPECIALS.index("<user>"), SPECIALS.index("<assistant>")
+    w1, w2 = len(SPECIALS) + 1, len(SPECIALS) + 2
+    assert ids == [user, w1, w2, assistant]
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def expected_matrix(results: dict, key: str, widths, lengths) -> np.ndarray:
+    m = np.full((len(widths), len(lengths)), np.nan)
+    for c in results["cells"]:
+        if c["status"] == "ok":
+            m[widths.index(c["width"]), lengths.index(c["length"])] = c[key]
+    return m
+
+
+def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter):
+    from PIL import Image
+
+    cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=10, baseline_every=2)
+    ps = random_prompts(2)
+    events = []
+    results = sw.run_sweep(model, ps, drafter, cfg, tmp_path, {"model": "tiny"},
+                           progress=lambda d, t, label: events.append((d, t, label)))
+    for name in ("results.json", "results.csv", "speedup.png", "tokens_per_s.png", "tokens_per_step.png"):
+        assert (tmp_path / name).is_file(), name
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["cells"] == json.loads(json.dumps(results["cells"]))
+
+    # The progress bar ends full: every prompt of every pass counted once.
+    assert events[-1][0] == events[-1][1] == (4 + sw.baseline_count(4, 2)) * 2
+
+    # Baselines: one before the grid, one after every 2 cells.
+    assert len(data["baselines"]) == sw.baseline_count(4, 2) == 3
+    assert all(b["tokens_per_s"] > 0 and b["tokens"] == 2 * 10 for b in data["baselines"])
+    seqs = {b["seq"]: b for b in data["baselines"]}
+    assert {"device", "blas", "default_dtype", "machine"} <= set(data["machine"])
+
+    assert [(c["width"], c["length"]) for c in data["cells"]] == cfg.cells()
+    for c in data["cells"]:
+        w, l = c["width"], c["length"]
+        assert c["status"] == "ok" and c["tokens"] == 2 * 10
+        assert c["identical_outputs"] == 2  # greedy ReDrafter == plain mlx-lm decoding
+        # The speedup uses the baseline passes right before and after the cell.
+        before, after = c["baseline_seqs"]
+        assert before < c["seq"] < after and not any(before < s < after for s in seqs)
+        base = np.mean([seqs[s]["tokens_per_s"] for s in c["baseline_seqs"]])
+        assert math.isclose(c["baseline_tokens_per_s"], base)
+        assert math.isclose(c["speedup"], c["tokens_per_s"] / base)
+        assert len(c["acceptance_by_depth"]) == l
+        assert all(0 <= a <= 1 for a in c["acceptance_by_depth"])
+        assert c["tokens_per_step"] >= 1
+        assert 1 < c["tree_size"] <= 1 + w * l
+        assert math.isclose(c["compression"], (c["tree_size"] - 1) / (w * l))
+        assert set(c["time_split_ms"]) == set(sw.PHASES)
+        assert all(v >= 0 for v in c["time_split_ms"].values()) and c["time_split_ms"]["verify"] > 0
+        assert c["peak_memory_gb"] > 0 and "memory_overhead_gb" in c
+    best = max(data["cells"], key=lambda c: c["speedup"])
+    assert (data["best"]["width"], data["best"]["length"]) == (best["width"], best["length"])
+
+    # CSV == JSON, baselines included.
+    rows = read_csv(tmp_path / "results.csv")
+    assert [r["kind"] for r in rows] == ["baseline"] * 3 + ["cell"] * 4
+    for r, b in zip(rows[:3], sorted(data["baselines"], key=lambda b: b["seq"])):
+        assert int(r["seq"]) == b["seq"] and num(r["tokens_per_s"]) == b["tokens_per_s"]
+    for r, c in zip(rows[3:], data["cells"]):
+        assert (int(r["width"]), int(r["length"]), r["status"]) == (c["width"], c["length"], "ok")
+        for k in ("tokens_per_s", "speedup", "baseline_tokens_per_s", "tokens_per_step", "tree_size", "compression", "peak_memory_gb"):
+            assert num(r[k]) == c[k], k
+        for p in sw.PHASES:
+            assert num(r[f"{p}_ms"]) == c["time_split_ms"][p]
+        for d, a in enumerate(c["acceptance_by_depth"], 1):
+            assert num(r[f"accept_ge_{d}"]) == a
+        assert int(r["identical_outputs"]) == 2
+
+    # The heatmaps: PNGs of the grid's size, drawing exactly the JSON values.
+    size = sw.heatmap_pixels(2, 2)
+    for key, (name, _, _) in sw.HEATMAPS.items():
+        assert png_size(tmp_path / name) == size
+        with Image.open(tmp_path / name) as im:
+            assert im.size == size and im.format == "PNG"
+    drawn = sw.write_outputs(data, tmp_path, cfg)
+    for key in sw.HEATMAPS:
+        np.testing.assert_array_equal(drawn[key], expected_matrix(data, key, [1, 2], [2, 3]))
+    assert sw.heatmap_pixels(3, 4) != size  # the size follows the grid
+
+
+def test_heatmap_table_colours_and_blanks():
+    from rich.console import Console
+
+    m = np.array([[0.5, 1.5], [np.nan, 1.0]])
+    console = Console(record=True, width=80, color_system="truecolor")
+    console.print(sw.heatmap_table(m, [1, 2], [2, 3], "speedup", "{:.2f}x", center=1.0))
+    text = console.export_text()
+    assert "0.50x" in text and "1.50x" in text and "-" in text
+    assert "on #ff0040" in sw._colour(0.5, 0.5, 1.5, 1.0)  # below 1: red
+    assert "on #00ff40" in sw._colour(1.5, 0.5, 1.5, 1.0)  # best: green
+
+
+def test_sweep_metrics_with_accepting_drafter(tmp_path, model):
+    """With a drafter that proposes the model's own continuation, the step
+    metrics are not trivial and must agree with each other."""
+    prompt = random_prompts(1)[0]
+    oracle = OracleDrafter(model, prompt, max_tokens=16, length=3)
+    cfg = sw.SweepConfig([1, 2], [3], max_tokens=16, baseline_every=4)
+    results = sw.run_sweep(model, [prompt], oracle, cfg, tmp_path)
+    for c in results["cells"]:
+        acc = c["acceptance_by_depth"]
+        assert c["identical_outputs"] == 1
+        assert acc[0] > 0 and all(a >= b for a, b in zip(acc, acc[1:]))  # deeper is rarer
+        # Tokens per step = 1 + E[accepted] (less the cut last step).
+        assert 1 < c["tokens_per_step"] <= 1 + sum(acc) + 1e-9
+    wide = results["cells"][1]
+    assert wide["compression"] < 1  # the oracle's beams share prefixes: dedup packs them
+
+
+def test_sweep_resumes_without_redoing_cells(tmp_path, model, drafter, monkeypatch):
+    cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=6, baseline_every=2)
+    ps = random_prompts(2)
+    real_save = sw.save_results
+
+    def interrupt_after_first_cell(out_dir, results):
+        real_save(out_dir, results)
+        if len(results["cells"]) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sw, "save_results", interrupt_after_first_cell)
+    with pytest.raises(KeyboardInterrupt):
+        sw.run_sweep(model, ps, drafter, cfg, tmp_path)
+    monkeypatch.setattr(sw, "save_results", real_save)
+    first = json.loads((tmp_path / "results.json").read_text())
+    assert [(c["width"], c["length"]) for c in first["cells"]] == [(1, 2)]
+
+    passes = []
+    real_pass = sw.run_pass
+
+    def counting_pass(model, prompts, drafter, width, length, *a, **k):
+        passes.append(None if drafter is None else (width, length))
+        return real_pass(model, prompts, drafter, width, length, *a, **k)
+
+    monkeypatch.setattr(sw, "run_pass", counting_pass)
+    results = sw.run_sweep(model, ps, drafter, cfg, tmp_path)
+    assert [p for p in passes if p] == [(1, 3), (2, 2), (2, 3)]  # only the missing cells
+    assert passes[0] is None and passes[-1] is None  # bracketed by baseline passes
+    assert results["cells"][0] == first["cells"][0] | {k: results["cells"][0][k] for k in ("baseline_seqs", "baseline_tokens_per_s", "speedup", "memory_overhead_gb")}
+    assert results["cells"][0]["finished_at"] == first["cells"][0]["finished_at"]
+    assert len(results["cells"]) == 4 and len(results["baselines"]) == 1 + 3
+    seqs = [b["seq"] for b in results["baselines"]] + [c["seq"] for c in results["cells"]]
+    assert len(set(seqs)) == len(seqs)  # one timeline across both runs
+
+    passes.clear()  # a finished sweep measures nothing again
+    sw.run_sweep(model, ps, drafter, cfg, tmp_path)
+    assert passes == []
+
+
+def test_sweep_refuses_other_settings_unless_fresh(tmp_path, model, drafter):
+    ps = random_prompts(1)
+    sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=4), tmp_path, {"model": "a"})
+    with pytest.raises(RedrafterError, match="max_tokens"):
+        sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=5), tmp_path, {"model": "a"})
+    with pytest.raises(RedrafterError, match="model"):
+        sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=4), tmp_path, {"model": "b"})
+    with pytest.raises(RedrafterError, match="prompts_digest"):
+        sw.run_sweep(model, random_prompts(1, seed=9), drafter, sw.SweepConfig([1], [2], max_tokens=4), tmp_path, {"model": "a"})
+    r = sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=5), tmp_path, {"model": "a"}, fresh=True)
+    assert r["config"]["max_tokens"] == 5 and len(r["cells"]) == 1
+    (tmp_path / "results.json").write_text("{truncated")
+    with pytest.raises(RedrafterError, match="Cannot read"):
+        sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=5), tmp_path, {"model": "a"})
+
+
+def test_cells_over_the_memory_budget_are_skipped(tmp_path, model, drafter):
+    ps = random_prompts(2)
+    small = sw.estimate_cell_bytes(model, drafter, 1, 2, max(map(len, ps)), 6)
+    big = sw.estimate_cell_bytes(model, drafter, 4, 5, max(map(len, ps)), 6)
+    assert small < big  # the estimate grows with the tree
+    limit = (small + big) / 2 / 1e9
+    cfg = sw.SweepConfig([1, 4], [2, 5], max_tokens=6, memory_limit_gb=limit)
+    results = sw.run_sweep(model, ps, drafter, cfg, tmp_path)
+    status = {(c["width"], c["length"]): c for c in results["cells"]}
+    assert status[(1, 2)]["status"] == "ok"
+    assert status[(4, 5)]["status"] == "skipped" and "GB" in status[(4, 5)]["note"]
+    assert status[(4, 5)]["estimated_memory_gb"] > limit
+    rows = {(r["width"], r["length"]): r for r in read_csv(tmp_path / "results.csv") if r["kind"] == "cell"}
+    assert rows[("4", "5")]["status"] == "skipped" and rows[("4", "5")]["note"]
+    drawn = sw.write_outputs(results, tmp_path, cfg)
+    assert np.isnan(drawn["speedup"][1, 1]) and np.isfinite(drawn["speedup"][0, 0])
+
+
+def test_oversized_cell_estimate_counts_kv_tree_and_beams(model, drafter):
+    base = sw.estimate_cell_bytes(model, drafter, 1, 1, 10, 10)
+    longer = sw.estimate_cell_bytes(model, drafter, 1, 1, 10, 1010)
+    assert longer - base == 1000 * sw.kv_bytes_per_token(model)
+    # 2 layers x (K + V) x 2 KV heads x 16 dims x 4 bytes
+    assert sw.kv_bytes_per_token(model) == 2 * 2 * 2 * 16 * 4
+
+
+# --------------------------------------------------------------------------- the CLI and tuned profiles
+
+
+def test_cli_sweep_bad_input_is_one_clear_error(tmp_path, tiny_folder, drafter_folder, capsys):
+    base = ["sweep", "--model", str(tiny_folder), "--drafter", str(drafter_folder), "--out", str(tmp_path / "o")]
+    cases = [
+        (["--widths", "a,b"], "not a whole number"),
+        (["--widths", ","], "empty"),
+        (["--lengths", "0"], "at least 1"),
+        (["--prompts", "no_such_set"], "Unknown prompt set"),
+        (["--num-prompts", "0"], "at least 1"),
+        (["--max-tokens", "0"], "at least 1"),
+    ]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    cases.append((["--prompts", str(empty)], "No prompts"))
+    for extra, words in cases:
+        assert cli(base + extra) == 1, extra
+        out = capsys.readouterr().err
+        assert words in out and "Traceback" not in out, (extra, out)
+    # No --drafter and none ships for this model.
+    assert cli(["sweep", "--model", str(tiny_folder), "--out", str(tmp_path / "o")]) == 1
+    assert "No drafter given" in capsys.readouterr().err
+
+
+def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch):
+    import mlx_redrafter.session as session
+
+    monkeypatch.setattr(session, "shipped_drafter_path", lambda spec: None)
+    with pytest.raises(RedrafterError, match="No drafter given") as e:
+        sw.resolve_drafter_path("default", None)
+    assert "--drafter" in e.value.fix
+
+
+def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, prompt_file, capsys, monkeypatch):
+    from mlx_redrafter.profiles import lookup_profile
+
+    dfolder = save_random_drafter(tmp_path / "drafter", seed=5)
+    out = tmp_path / "sweep"
+    args = ["sweep", "--model", str(tiny_folder), "--drafter", str(dfolder), "--widths", "1,2", "--lengths", "2",
+            "--prompts", str(prompt_file), "--num-prompts", "2", "--max-tokens", "6", "--out", str(out), "--save-profile"]
+    assert cli(args) == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["num_prompts"] == 2 and results["config"]["model"] == str(tiny_folder)
+    assert len(results["cells"]) == 2 and results["baselines"]
+    best = results["best"]
+    assert "saved profile" in captured.err and "Speedupoverplain" in squeeze(captured.out)  # tables on stdout
+
+    # Same --out, other settings: refused before the model is loaded.
+    import mlx_redrafter.session as session
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(session, "resolve_session", no_load)
+    assert cli(args[:-4] + ["7", "--out", str(out)]) == 1
+    assert "max_tokens" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    profile = lookup_profile(str(tiny_folder), dfolder)
+    assert (profile["beam_width"], profile["beam_length"]) == (best["width"], best["length"])
+
+    gen = ["generate", "--model", str(tiny_folder), "--drafter", str(dfolder), "--prompt", "w1 w2", "-n", "4"]
+    assert cli(gen) == 0
+    err = squeeze(capsys.readouterr().err)  # rich wraps long lines when not on a terminal
+    assert squeeze(f"W={best['width']} L={best['length']} (tuned profile {profile['file']}") in err
+    assert cli(gen + ["-W", "3", "-L", "1"]) == 0
+    assert "W=3L=1(flags)" in squeeze(capsys.readouterr().err)
+
+
+def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatch):
+    from rich.console import Console
+
+    from mlx_redrafter.profiles import save_profile
+    from mlx_redrafter.session import DEFAULT_LENGTH, DEFAULT_WIDTH, resolve_session
+
+    dfolder = save_random_drafter(tmp_path / "d", seed=7)
+    s = resolve_session(str(tiny_folder), str(dfolder))
+    assert (s.beam_width, s.beam_length, s.shape_source) == (DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default")
+
+    # Saved under a relative spelling of the same folder: still found.
+    monkeypatch.chdir(tiny_folder.parent)
+    path = save_profile(tiny_folder.name, dfolder, 3, 5)
+    s = resolve_session(str(tiny_folder), str(dfolder))
+    assert (s.beam_width, s.beam_length) == (3, 5)
+    assert s.shape_source == f"tuned profile {path}"
+    console = Console(record=True, width=400)
+    s.announce(console)
+    assert f"W=3 L=5 (tuned profile {path})" in console.export_text()
+
+    s = resolve_session(str(tiny_folder), str(dfolder), beam_width=1)
+    assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
+    s = resolve_session(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
+    assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
+
+
+# --------------------------------------------------------------------------- bench/run.py
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_quick_run_writes_report_and_spec_bench_answers(tmp_path, tiny_folder, drafter_folder, prompt_file, capsys):
+    bench = load_bench()
+    out = tmp_path / "bench"
+    rc = bench.main(["--quick", "--model", str(tiny_folder), "--drafter", str(drafter_folder), "-W", "2", "-L", "2",
+                     "--sets", str(prompt_file), "--max-tokens", "5", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    s = results["sets"]["prompts"]
+    assert list(s["by_category"]) == ["alpha", "beta"]  # --quick: one conversation per category
+    assert s["by_category"]["alpha"]["redrafter"]["turns"] == 2  # both turns of question 1
+    for v in list(s["by_category"].values()) + [s["overall"]]:
+        for mode in ("baseline", "redrafter"):
+            m = v[mode]
+            assert m["tokens_per_s"] > 0 and m["latency_p50_s"] <= m["latency_p95_s"] <= m["latency_p99_s"]
+            assert m["ttft_p50_s"] > 0 and m["peak_memory_gb"] > 0
+        assert v["speedup"] > 0 and v["redrafter"]["tokens_per_step"] >= 1
+        assert v["baseline"]["tokens_per_step"] == 1
+
+    answers = {}
+    for mode in ("baseline", "redrafter"):
+        lines = (out / "answers" / "prompts" / f"{mode}.jsonl").read_text().splitlines()
+        answers[mode] = [json.loads(line) for line in lines]
+        assert [a["question_id"] for a in answers[mode]] == [1, 2]
+        for a in answers[mode]:
+            ch = a["choices"][0]
+            assert {"turns", "decoding_steps", "new_tokens", "wall_time", "accept_lengths"} <= set(ch)
+            assert len(ch["turns"]) == len(ch["new_tokens"]) == len(ch["wall_time"]) == len(ch["decoding_steps"])
+            # Each turn's first token comes from the prefill; the steps emit the rest.
+            assert sum(ch["accept_lengths"]) == sum(ch["new_tokens"]) - len(ch["turns"])
+    for b, r in zip(answers["baseline"], answers["redrafter"]):
+        assert b["choices"][0]["turns"] == r["choices"][0]["turns"]  # greedy: the same text
+
+    report = (out / "report.md").read_text()
+    assert "| alpha |" in report and "| beta |" in report and "**overall**" in report
+    assert "python bench/run.py --quick" in report and "p99" in report
+
+
+def test_bench_rejects_bad_input(tmp_path, capsys):
+    bench = load_bench()
+    assert bench.main(["--sets", "no_such_set", "--out", str(tmp_path)]) == 1
+    assert "Unknown prompt set" in capsys.readouterr().err
+    assert bench.main(["--max-tokens", "0", "--out", str(tmp_path)]) == 1
