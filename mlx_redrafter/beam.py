@@ -23,6 +23,7 @@ class Beams:
     tokens: mx.array  # [W, L] drafted token ids (g0 excluded)
     scores: mx.array  # [W] cumulative log-probabilities, float32, descending
     logprobs: Optional[mx.array] = None  # [W, L, V_draft] per-step draft log-softmax
+    confidences: Optional[mx.array] = None  # [W, L, k] top-k draft probabilities, descending
 
 
 def warp_logits(logits: mx.array, top_k: int = WARP_TOP_K) -> mx.array:
@@ -52,6 +53,7 @@ def beam_search(
     length: int,
     warp: bool = False,
     return_logprobs: bool = False,
+    confidences: int = 0,
 ) -> Beams:
     """Draft ``width`` beams of ``length`` tokens after ``g0``.
 
@@ -62,6 +64,8 @@ def beam_search(
         g0: scalar token id chosen by the LLM.
         warp: apply the official max-subtraction + top-50 warping.
         return_logprobs: also return each beam's per-step draft log-softmax.
+        confidences: also return the top-``k`` probabilities of each beam's
+            per-step draft distribution (the adaptive controller's input).
 
     Scores are cumulative log-softmax probabilities; each step keeps the top
     ``width`` of ``width x V`` candidates. Everything stays lazy.
@@ -73,6 +77,7 @@ def beam_search(
     scores = mx.array([0.0] + [NEG] * (width - 1), dtype=mx.float32)
     history = mx.zeros((width, 0), dtype=mx.int32)
     lp_history = None
+    conf_history = None
     for _ in range(length):
         state = drafter.state_step(state, embed(tokens))
         logits = drafter.logits(context, state).astype(mx.float32)
@@ -91,4 +96,10 @@ def beam_search(
             lp_history = step_lp if lp_history is None else mx.concatenate(
                 [lp_history[parent], step_lp], axis=1
             )
-    return Beams(history, scores, lp_history)
+        if confidences:
+            top = mx.sort(mx.topk(logp, confidences, axis=-1), axis=-1)[:, ::-1]
+            step_conf = mx.exp(top[parent])[:, None]
+            conf_history = step_conf if conf_history is None else mx.concatenate(
+                [conf_history[parent], step_conf], axis=1
+            )
+    return Beams(history, scores, lp_history, conf_history)

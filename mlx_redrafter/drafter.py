@@ -129,11 +129,11 @@ class Drafter(nn.Module):
             return self.draft_vocab[head_index]
         return head_index
 
-    def draft(self, embed, context, g0, width: int, length: int, warp: bool = False):
+    def draft(self, embed, context, g0, width: int, length: int, warp: bool = False, confidences: int = 0):
         """Beam-search ``width`` drafts of ``length`` tokens (see :mod:`.beam`)."""
         from .beam import beam_search
 
-        return beam_search(self, embed, context, g0, width, length, warp=warp)
+        return beam_search(self, embed, context, g0, width, length, warp=warp, confidences=confidences)
 
     def __call__(self, context: mx.array, embeddings: mx.array) -> mx.array:
         """Teacher-forced unroll: ``embeddings [..., T, h]`` of ``g_0..g_{T-1}``

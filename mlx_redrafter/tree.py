@@ -43,9 +43,16 @@ def unique_mask(beams: mx.array) -> mx.array:
     return prefix_tree(beams) == mx.arange(width, dtype=mx.int32)[:, None]
 
 
-def count_nodes(beams: mx.array) -> mx.array:
-    """Number of distinct prefixes (lazy scalar): the packed size without g0."""
-    return unique_mask(beams).sum()
+def count_nodes(beams: mx.array, depth=None) -> mx.array:
+    """Number of distinct prefixes (lazy scalar): the packed size without g0.
+
+    With ``depth`` (a lazy scalar), only the first ``depth`` positions count:
+    the size of the tree of ``beams[:, :depth]``.
+    """
+    unique = unique_mask(beams)
+    if depth is not None:
+        unique = unique & (mx.arange(beams.shape[1])[None, :] < depth)
+    return unique.sum()
 
 
 def _order_keys(width: int, length: int, order: str) -> mx.array:

@@ -96,7 +96,7 @@ class OracleDrafter:
         self.vocab = int(embed.weight.shape[0])
         self.config = SimpleNamespace(hidden_size=int(hidden.shape[-1]), vocab_size=self.vocab)
 
-    def draft(self, embed, context, g0, width, length, warp=False):
+    def draft(self, embed, context, g0, width, length, warp=False, confidences=0):
         d = ((self.hidden - context[None]) ** 2).sum(-1)
         pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
         idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
@@ -110,7 +110,14 @@ class OracleDrafter:
             keep = mx.arange(length) < (length - w)
             rows.append(mx.where(keep, truth, (truth + 1 + w) % self.vocab))
         beams = mx.stack(rows).astype(mx.int32)
-        return Beams(beams, mx.zeros((width,)))
+        conf = None
+        if confidences:
+            # Confident where the draft is the model's own token, unsure elsewhere.
+            right = (beams == self.next[idx][None, :]).astype(mx.float32)
+            top1 = 0.2 + 0.7 * right
+            rest = mx.broadcast_to(((1 - top1) / confidences)[..., None], (*beams.shape, confidences - 1))
+            conf = mx.concatenate([top1[..., None], rest], axis=-1)
+        return Beams(beams, mx.zeros((width,)), confidences=conf)
 
 
 def prompts(n: int, vocab: int = VOCAB, seed: int = 3, length: int = 6):

@@ -1,0 +1,100 @@
+"""Adaptive drafting: the controller changes how deep we verify, never the output."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import OracleDrafter, prompts, tiny_model
+from mlx_redrafter import RedrafterError
+from mlx_redrafter.controller import (
+    Controller,
+    ControllerConfig,
+    Episodes,
+    expected_speedup,
+    load_controller,
+    measure_latency,
+    record_episodes,
+    save_controller,
+    train_controller,
+)
+from mlx_redrafter.generate import generate_tokens
+
+W, L = 2, 4
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = tiny_model("llama")
+    ps = prompts(4)
+    refs = [generate_tokens(model, p, max_tokens=48)[0] for p in ps]
+    return model, ps, refs
+
+
+def synthetic_episodes(n=4000, length=L, seed=0):
+    """Acceptance follows the top-1 confidence: confident depths get accepted."""
+    rng = np.random.default_rng(seed)
+    top1 = np.where(rng.uniform(size=(n, length)) < 0.6, 0.9, 0.1) + rng.uniform(-0.05, 0.05, size=(n, length))
+    conf = np.concatenate([top1[..., None], np.repeat(((1 - top1) / 9)[..., None], 9, axis=-1)], axis=-1)
+    right = rng.uniform(size=(n, length)) < top1
+    accepted = np.cumprod(right, axis=1).sum(1)
+    sizes = np.tile(np.arange(2, 2 * length + 1, 2)[None, :], (n, 1))
+    return Episodes(conf.astype(np.float32), accepted, sizes)
+
+
+LATENCY = {"verify_1": 60.0, "verify_3": 70.0, "verify_5": 80.0, "verify_9": 100.0, "draft": 4.0, "controller": 0.5, "plain": 60.0}
+
+
+def test_decisions_follow_the_confidences():
+    episodes = synthetic_episodes()
+    ctrl = train_controller(episodes, ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=30, batch_size=256)
+    sure = mx.array(np.tile([[0.95] + [0.005] * 9], (L, 1)), dtype=mx.float32)
+    unsure = mx.array(np.tile([[0.08] + [0.1] * 9], (L, 1)), dtype=mx.float32)
+    assert int(ctrl.depth(sure)) > int(ctrl.depth(unsure))
+    # It learned something useful: better than always drafting the full depth.
+    assert expected_speedup(ctrl, episodes, LATENCY) > expected_speedup(L, episodes, LATENCY)
+
+
+def test_untrained_thresholds_cover_every_depth():
+    ctrl = Controller(ControllerConfig(beam_length=L))
+    mx.eval(ctrl.parameters())
+    conf = mx.random.uniform(shape=(L, 10))
+    for t, want in ((1e-6, L), (1 - 1e-6, 1)):
+        ctrl.config.threshold = t
+        assert int(ctrl.depth(conf)) == want
+
+
+def test_adaptive_generation_is_exact(llama):
+    model, ps, refs = llama
+    ctrl = train_controller(synthetic_episodes(), ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=20)
+    depths = []
+    for p, ref in zip(ps, refs):
+        oracle = OracleDrafter(model, p, 48, L)
+        out, stats = generate_tokens(model, p, oracle, W, L, max_tokens=48, controller=ctrl)
+        assert out == ref
+        depths += [s.depth for s in stats[1:]]
+        assert all(s.accepted <= s.depth for s in stats[1:])
+    assert len(set(depths)) > 1  # it really varied the depth
+
+
+def test_train_controller_end_to_end_on_a_tiny_model(llama, tmp_path):
+    model, ps, refs = llama
+    drafter = OracleDrafter(model, ps[0], 48, L)
+    episodes = record_episodes(model, drafter, [ps[0]], W, L, max_tokens=48)
+    assert episodes.confidences.shape[1:] == (L, 10)
+    assert (episodes.tree_sizes[:, -1] >= episodes.tree_sizes[:, 0]).all()
+    assert episodes.accepted.max() <= L
+    latency = measure_latency(model, drafter, W, L, repeats=2)
+    assert {"plain", "draft", "controller", f"verify_{W * L + 1}"} <= set(latency)
+    ctrl = train_controller(episodes, ControllerConfig(beam_width=W, beam_length=L, latency=latency), epochs=3)
+    (tmp_path / "d").mkdir()
+    save_controller(ctrl, tmp_path / "d")
+    again = load_controller(tmp_path / "d")
+    conf = mx.array(episodes.confidences[:3])
+    assert np.array_equal(np.array(ctrl.depth(conf)), np.array(again.depth(conf)))
+    out, _ = generate_tokens(model, ps[0], drafter, W, L, max_tokens=48, controller=again)
+    assert out == refs[0]
+
+
+def test_missing_controller_is_a_clear_error(tmp_path):
+    with pytest.raises(RedrafterError, match="train-controller"):
+        load_controller(tmp_path)
