@@ -42,10 +42,9 @@ def format_prompt(tokenizer, text: str, system: Optional[str], raw: bool):
     """Apply the chat template (unless ``raw`` or the model has none)."""
     if raw or not getattr(tokenizer, "has_chat_template", False):
         return text
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}
-    ]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    from .chat import build_messages, render_messages
+
+    return render_messages(tokenizer, build_messages(system, [], text))
 
 
 @app.command()
@@ -231,6 +230,141 @@ def train(
             raise typer.Exit(130)
     err.print(f"wrote drafter {out} (log: {out}/train_log.jsonl)")
 
+
+@app.command()
+def chat(
+    model: str = ModelOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any)."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Beams drafted per step (default: tuned profile, else 2)."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Tokens drafted per beam, g0 not counted (default: tuned profile, else 4)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply, in tokens."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(0.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    show_drafts: bool = typer.Option(False, "--show-drafts", help="Colour the tokens that came from accepted drafts."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."),
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
+
+    With a pipe on stdin, each line is a turn (or a /command); replies go to
+    stdout as plain text and status lines to stderr.
+    """
+    from .chat import ChatSession, ChatSettings, check_setting, run_chat
+    from .session import resolve_session
+
+    values = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    for k, v in values.items():  # the checks of /set, before the slow model load
+        check_setting(k, v, name="--" + k.replace("_", "-"))
+    if max_context is not None and max_context < 2:
+        raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
+    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype)
+    s.announce(err)
+    if seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(seed)
+    settings = ChatSettings(**values, show_drafts=show_drafts)
+    session = ChatSession.from_session(s, settings, system=system, max_context=max_context)
+    code = run_chat(session)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def sweep(
+    model: str = ModelOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model)."),
+    widths: str = typer.Option("1,2,3,4", "--widths", help="Beam widths: a list or a range, e.g. 1,2,3,4 or 1-4."),
+    lengths: str = typer.Option("2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5."),
+    prompts: str = typer.Option("mt_bench", "--prompts", help="mt_bench | spec_bench | alpaca_eval | a .jsonl/.json/.txt file."),
+    num_prompts: int = typer.Option(8, "--num-prompts", help="Prompts per cell (first turns, round-robin over categories)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
+    out: Path = typer.Option(Path("sweep-results"), "--out", "-o", help="Output folder; an interrupted sweep resumes there."),
+    baseline_every: int = typer.Option(4, "--baseline-every", help="Measure plain decoding again after every k cells."),
+    save_profile: bool = typer.Option(False, "--save-profile", help="Store the best (W, L) for this device + model + drafter; generate and chat use it."),
+    memory_limit: Optional[float] = typer.Option(None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."),
+    profile: bool = typer.Option(True, "--profile/--no-profile", help="Split each step into draft / pack / verify / accept (a few extra syncs)."),
+    fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the results in --out."),
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Measure ReDrafter over a beam width x length grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .prompts import load_prompt_set
+    from .session import resolve_session
+    from . import sweep as sw
+
+    # Every check that needs no model comes before the slow load.
+    config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
+                            baseline_every, profile, memory_limit)
+    config.check()
+    if num_prompts < 1:
+        raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
+    convs = sw.select_conversations(load_prompt_set(prompts), num_prompts)
+    drafter_path = sw.resolve_drafter_path(model, drafter)
+    meta = sw.sweep_meta(model, drafter_path, prompts, dtype)
+    if not fresh:  # a mismatched --out fails now, not after the model load
+        partial = sw.sweep_key(config, [], meta)
+        sw.check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
+    s = resolve_session(model, str(drafter_path), dtype=dtype)
+    err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
+              f"{max_tokens} tokens each[/dim]")
+    ids, dropped = sw.fit_prompts(sw.first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
+                                  1 + max(config.widths) * max(config.lengths))
+    if dropped:
+        err.print(f"[yellow]{dropped} prompts do not fit the model's context with --max-tokens {max_tokens}; left out.[/yellow]")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    with Progress(*columns, console=err) as bar:
+        task = bar.add_task("sweep", total=None)
+        try:
+            results = sw.run_sweep(
+                s.model, ids, s.drafter, config, out, meta, eos_ids=sorted(s.tokenizer.eos_token_ids),
+                progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label),
+                fresh=fresh,
+            )
+        except KeyboardInterrupt:
+            err.print(f"Interrupted: finished cells are saved in {out}/results.json; rerun the same command to resume.")
+            raise typer.Exit(130)
+    sw.print_summary(Console(), results, config, out)  # the tables are the command's output: stdout
+    if save_profile:
+        path = sw.save_best_profile(results, model, drafter_path, out)
+        if path is None:
+            err.print("[yellow]No cell was measured: no profile saved.[/yellow]")
+        else:
+            best = results["best"]
+            note = "" if best["speedup"] > 1 else " (slower than plain decoding here: consider --no-draft)"
+            err.print(f"saved profile {path}: W={best['width']} L={best['length']}{note}")
+
+
+@app.command()
+def convert(
+    src: str = typer.Argument(..., help="Drafter folder (safetensors or pytorch_model.bin, sharded too), a weights file, or a Hub repo id."),
+    dst: Path = typer.Argument(..., help="Output drafter folder (config.json + model.safetensors)."),
+    dtype: str = typer.Option("float16", "--dtype", help="float32 | float16 | bfloat16."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Check that the drafter fits this LLM."),
+):
+    """Convert a PyTorch-trained drafter into MLX (pickles are read, never executed)."""
+    from .converters.drafter import convert_drafter
+
+    report = convert_drafter(src, dst, dtype=dtype, model=model)
+    print("\n".join(report.lines()))
+
+
+@app.command("inspect")
+def inspect_cmd(
+    drafter: str = typer.Argument(..., help="Drafter folder (MLX or PyTorch format) or Hub repo id."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Also show the cost of a draft step relative to this LLM."),
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Print a drafter's config, parameter count, size and dtype (and its cost per step with --model)."""
+    from .converters.drafter import inspect_drafter
+
+    print("\n".join(inspect_drafter(drafter, model=model, dtype=dtype).lines()))
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: user errors print one message, no traceback, exit 1."""

@@ -36,6 +36,7 @@ class StepStats:
     step_time: float = 0.0  # wall time of the whole step, seconds
     host_syncs: int = 0  # cumulative device->host syncs of the loop
     beam: int = 0  # index of the beam the accepted drafts came from (best first)
+    depth: int = 0  # drafted depth verified (beam_length, or the controller's choice)
     # Phase times in seconds, measured only with profile=True (which adds syncs):
     draft_time: float = 0.0  # beam search for the next step
     pack_time: float = 0.0  # dedup + packing of this step's beams
@@ -112,15 +113,20 @@ def redrafter_steps(
     width, length = beam_width, beam_length
 
     def draft(context, g0):
-        beams = drafter.draft(embed, context, g0, width, length, warp=warp).tokens
-        return beams, count_nodes(beams)
+        """Beams, their tree size and the depth to verify (all lazy)."""
+        top_k = controller.top_k if controller is not None else 0
+        b = drafter.draft(embed, context, g0, width, length, warp=warp, confidences=top_k)
+        if controller is None:
+            return b.tokens, count_nodes(b.tokens), mx.array(length, mx.int32)
+        depth = controller.choose_depth(b)
+        return b.tokens, count_nodes(b.tokens, depth), depth
 
     syncs = 0
     tic = time.perf_counter()
     logits, context = _prefill(backbone, head, cache, prompt)
     g0 = sample_first(logits, sampling)
-    beams, n_nodes = draft(context, g0)
-    g0_val, n_val = _host(g0, n_nodes)
+    beams, n_nodes, depth = draft(context, g0)
+    g0_val, n_val, d_val = _host(g0, n_nodes, depth)
     syncs += 1
     yield StepTokens([g0_val], [False], StepStats(0, 0, 1, time.perf_counter() - tic, syncs))
     step = 0
@@ -130,6 +136,7 @@ def redrafter_steps(
         times = {}
         offsets = [c.offset for c in cache]
         starts = verify_starts(cache)
+        beams = beams[:, :d_val]
         tree = pack(beams, n_val, g0)
         _lap(profile, times, "pack", tic, tree.tokens, tree.mask, tree.node_index)
         logits, hidden = verify(model, backbone, head, cache, tree)
@@ -142,17 +149,18 @@ def redrafter_steps(
         _lap(profile, times, "accept", tic, acc.n, acc.next_token, [c.state for c in cache])
         prev_beams = beams
         g0 = acc.next_token
-        beams, n_nodes = draft(hidden[acc.last], g0)
-        _lap(profile, times, "draft", tic, beams, n_nodes)
-        vals = _host(acc.n, acc.beam, n_nodes, g0, prev_beams[acc.beam])
+        beams, n_nodes, depth = draft(hidden[acc.last], g0)
+        _lap(profile, times, "draft", tic, beams, n_nodes, depth)
+        vals = _host(acc.n, acc.beam, n_nodes, g0, depth, prev_beams[acc.beam])
         syncs += 1
-        n, beam, n_val, g0_val, row = vals[0], vals[1], vals[2], vals[3], vals[4:]
+        n, beam, n_val, g0_val, next_depth, row = vals[0], vals[1], vals[2], vals[3], vals[4], vals[5:]
         set_cache_length(cache, starts, offsets, 1 + n)
         stats = StepStats(
-            step, n, tree.size, time.perf_counter() - tic, syncs, beam,
+            step, n, tree.size, time.perf_counter() - tic, syncs, beam, d_val,
             draft_time=times.get("draft", 0.0), pack_time=times.get("pack", 0.0),
             verify_time=times.get("verify", 0.0), accept_time=times.get("accept", 0.0),
         )
+        d_val = next_depth
         yield StepTokens(row[:n] + [g0_val], [True] * n + [False], stats)
 
 
@@ -195,11 +203,13 @@ def generate_tokens(
     prompt_cache=None,
     warp: bool = False,
     controller=None,
+    profile: bool = False,
 ):
     """Token-level generation without a tokenizer: ``(tokens, step_stats)``.
 
     Stops after ``max_tokens`` tokens or at the first of ``eos_ids`` (which
-    is not included), exactly like :func:`stream_generate`.
+    is not included), exactly like :func:`stream_generate`. ``profile=True``
+    fills the phase times of the stats (see :func:`stream_generate`).
     """
     prompt = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt
     check_generation_args(model, drafter, prompt, beam_width, beam_length, max_tokens)
@@ -209,7 +219,7 @@ def generate_tokens(
         steps = plain_steps(model, prompt, cache, sampling)
     else:
         steps = redrafter_steps(
-            model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, controller=controller
+            model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, profile, controller
         )
     tokens, stats = [], []
     try:
@@ -262,17 +272,26 @@ class StopMatcher:
         return out
 
 
+def encode_prompt(tokenizer, text: str) -> List[int]:
+    """Token ids of a prompt string, exactly as :func:`stream_generate` encodes it.
+
+    As mlx-lm: special tokens are added unless the text already starts with
+    BOS (a chat template usually writes it).
+    """
+    add_special = tokenizer.bos_token is None or not text.startswith(tokenizer.bos_token)
+    return tokenizer.encode(text, add_special_tokens=add_special)
+
+
 def _prepare_prompt(tokenizer, prompt) -> mx.array:
     if isinstance(prompt, mx.array):
         return prompt.astype(mx.int32)
     if isinstance(prompt, str):
-        # As mlx-lm: add special tokens unless the text already starts with BOS.
-        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
-        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+        prompt = encode_prompt(tokenizer, prompt)
     return mx.array(list(prompt), dtype=mx.int32)
 
 
-def _context_limit(model) -> Optional[int]:
+def context_limit(model) -> Optional[int]:
+    """The model's context in tokens (``max_position_embeddings``), if it says."""
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None)
 
@@ -280,7 +299,7 @@ def _context_limit(model) -> Optional[int]:
 def check_generation_args(model, drafter, prompt: mx.array, beam_width, beam_length, max_tokens) -> None:
     if prompt.size == 0:
         raise RedrafterError("The prompt is empty.", "Give at least one token of prompt.")
-    limit = _context_limit(model)
+    limit = context_limit(model)
     if limit and prompt.size >= limit:
         raise RedrafterError(
             f"The prompt has {prompt.size} tokens but the model's context is {limit} tokens.",
@@ -443,6 +462,11 @@ class Tally:
     def tokens_per_step(self) -> float:
         return self.tokens / max(self.steps, 1)
 
+    @property
+    def draft_share(self) -> float:
+        """The fraction of tokens that came from accepted drafts."""
+        return self.drafted_tokens / max(self.tokens, 1)
+
     def summary(self) -> str:
         r = self.last
         if r is None:
@@ -451,7 +475,7 @@ class Tally:
             f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
             f"generation: {self.tokens} tokens, {r.generation_tps:.1f} tok/s, "
             f"{self.tokens_per_step:.2f} tokens/step, "
-            f"{self.drafted_tokens / max(self.tokens, 1):.0%} from drafts | "
+            f"{self.draft_share:.0%} from drafts | "
             f"peak memory {r.peak_memory:.2f} GB"
         )
 

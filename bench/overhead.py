@@ -1,0 +1,98 @@
+"""Per-step cost of ReDrafter's phases against plain decoding, in one run.
+
+Uses a random drafter (its drafts are never accepted, so every step verifies
+a full tree): this measures pure overhead, not speedup. Phases are timed with
+``profile=True`` (one extra sync per phase); the plain-decoding time per token
+is measured with mlx-lm's own ``stream_generate`` in the same process,
+before and after the grid, and the ratios use their mean.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 \\
+        .venv/bin/python bench/overhead.py --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import stream_generate as mlx_stream_generate
+
+from mlx_redrafter import load_model
+from mlx_redrafter.doctor import report
+from mlx_redrafter.drafter import Drafter, DrafterConfig
+from mlx_redrafter.generate import stream_generate
+
+PROMPT = "Write a short story about a robot who learns to paint."
+HEADS = {
+    "official default (E=1152, 2 layers, full vocab)": dict(exit_dim=1152, num_draft_layers=2),
+    "small (E=576, 1 layer, 8192-token vocab)": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192),
+}
+
+
+def plain_ms_per_token(model, tok, prompt, n):
+    tic, count = None, 0
+    for r in mlx_stream_generate(model, tok, prompt, max_tokens=n):
+        if tic is None:
+            tic = time.perf_counter()  # exclude the prompt
+        else:
+            count += 1
+    return 1000 * (time.perf_counter() - tic) / max(count, 1)
+
+
+def step_phases(model, tok, prompt, drafter, width, length, n):
+    stats = {}
+    for r in stream_generate(model, tok, prompt, drafter=drafter, beam_width=width, beam_length=length, max_tokens=n, profile=True):
+        if r.stats.step > 1:  # skip the prefill step and the first (warm-up) step
+            stats[r.stats.step] = r.stats
+    s = list(stats.values())
+    med = lambda xs: float(np.median(xs)) * 1000  # noqa: E731
+    out = {
+        "step_ms": med([x.step_time for x in s]),
+        "draft_ms": med([x.draft_time for x in s]),
+        "pack_ms": med([x.pack_time for x in s]),
+        "verify_ms": med([x.verify_time for x in s]),
+        "accept_compact_ms": med([x.accept_time for x in s]),
+        "tree_size": float(np.mean([x.tree_size for x in s])),
+    }
+    out["other_ms"] = out["step_ms"] - sum(out[k] for k in ("draft_ms", "pack_ms", "verify_ms", "accept_compact_ms"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--grid", default="1x2,1x4,2x4,4x4,4x5")
+    ap.add_argument("--out", default=None, help="write JSON results here")
+    args = ap.parse_args()
+    model, tok = load_model("default")
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    grid = [tuple(int(v) for v in cell.split("x")) for cell in args.grid.split(",")]
+    base = [plain_ms_per_token(model, tok, prompt, args.tokens)]
+    rows = []
+    for name, kw in HEADS.items():
+        mx.random.seed(0)
+        d = Drafter(DrafterConfig(vocab_size=49152, hidden_size=576, **kw))
+        mx.eval(d.parameters())
+        for w, l in grid:
+            r = step_phases(model, tok, prompt, d, w, l, args.tokens)
+            rows.append({"head": name, "params_M": round(d.num_params() / 1e6, 1), "W": w, "L": l, **r})
+    base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
+    plain = float(np.mean(base))
+    print(f"plain mlx-lm decoding: {plain:.1f} ms/token (runs: {', '.join(f'{b:.1f}' for b in base)})")
+    print("| head | W | L | tree | step ms | break-even tokens/step | draft | pack | verify | accept+compact | other |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['head']} | {r['W']} | {r['L']} | {r['tree_size']:.0f} | {r['step_ms']:.1f} | {r['step_ms'] / plain:.2f} | "
+            f"{r['draft_ms']:.1f} | {r['pack_ms']:.1f} | {r['verify_ms']:.1f} | {r['accept_compact_ms']:.1f} | {r['other_ms']:.1f} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": report(), "plain_ms_per_token": base, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
