@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.errors import RedrafterError
@@ -53,6 +54,9 @@ class BenchConfig:
     alpaca_per_category: int = 20  # AlpacaEval is a subset even in the full run
     max_tokens: int = 256
     quick: bool = False
+    temp: float = 0.0  # > 0: both modes sample (distribution-exact for ReDrafter)
+    top_p: float = 0.0
+    seed: int = 0  # with temp > 0, every turn of both modes starts from the same seed
 
 
 # --------------------------------------------------------------------------- prompts
@@ -101,12 +105,13 @@ class Turn:
     peak_memory: int  # bytes
 
 
-def run_conversation(session, conv: dict, drafter, max_tokens: int, eos_ids) -> List[Turn]:
+def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) -> List[Turn]:
     """Answer every user turn, each one with the model's own earlier answers
     in the context. Stops early when a turn no longer fits the context."""
     from mlx_redrafter.generate import context_limit
     from mlx_redrafter.sweep import chat_prompt_ids, measure
 
+    max_tokens = cfg.max_tokens
     limit = context_limit(session.model)
     tree = 1 + session.beam_width * session.beam_length
     messages, turns = [], []
@@ -115,7 +120,10 @@ def run_conversation(session, conv: dict, drafter, max_tokens: int, eos_ids) -> 
         ids = chat_prompt_ids(session.tokenizer, messages)
         if limit and len(ids) + max_tokens + tree > limit:
             break
-        run = measure(session.model, ids, drafter, session.beam_width, session.beam_length, max_tokens, eos_ids)
+        if cfg.temp > 0:
+            mx.random.seed(cfg.seed + len(turns))
+        run = measure(session.model, ids, drafter, session.beam_width, session.beam_length, max_tokens, eos_ids,
+                      temp=cfg.temp, top_p=cfg.top_p, controller=session.controller if drafter is not None else None)
         answer = session.tokenizer.decode(run.tokens)
         messages.append({"role": "assistant", "content": answer})
         turns.append(Turn(
@@ -133,7 +141,7 @@ def run_set(session, set_name: str, conversations: List[dict], cfg: BenchConfig,
         rec = {"id": conv["id"], "category": conv["category"], "task": task_of(set_name, conv["category"])}
         for mode in order:
             drafter = session.drafter if mode == "redrafter" else None
-            rec[mode] = run_conversation(session, conv, drafter, cfg.max_tokens, eos_ids)
+            rec[mode] = run_conversation(session, conv, drafter, cfg, eos_ids)
             progress()
         # Turns that did not fit the model's context (the same for both modes).
         rec["skipped_turns"] = len(conv["turns"]) - len(rec["redrafter"])
@@ -289,6 +297,10 @@ def parse_args(argv=None):
     p.add_argument("--per-category", type=int, default=None, help="Conversations per category (default: all; 1 with --quick).")
     p.add_argument("--alpaca-per-category", type=int, default=20, help="AlpacaEval subset size per category.")
     p.add_argument("--max-tokens", type=int, default=None, help="New tokens per turn (default 256; 64 with --quick).")
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adaptive", action="store_true", help="Use the drafter's trained depth controller.")
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", type=Path, default=None, help="Output folder (default: bench/out/quick or bench/out/full).")
     args = p.parse_args(argv)
@@ -298,6 +310,9 @@ def parse_args(argv=None):
         alpaca_per_category=args.alpaca_per_category,
         max_tokens=args.max_tokens if args.max_tokens is not None else (64 if args.quick else 256),
         quick=args.quick,
+        temp=args.temp,
+        top_p=args.top_p,
+        seed=args.seed,
     )
     if not cfg.sets:
         raise RedrafterError("--sets is empty.", f"Use e.g. --sets {','.join(SETS)}.")
@@ -322,7 +337,8 @@ def run(argv=None) -> Path:
     console = Console(stderr=True)
     chosen = {set_name_of(spec): select(set_name_of(spec), load_prompt_set(spec), cfg) for spec in cfg.sets}
     drafter_path = resolve_drafter_path(args.model, args.drafter)
-    s = resolve_session(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length, dtype=args.dtype)
+    s = resolve_session(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length,
+                        dtype=args.dtype, adaptive=args.adaptive)
     s.announce(console)
     eos = sorted(s.tokenizer.eos_token_ids)
     first = chat_ids_of(s, next(iter(chosen.values()))[0])
@@ -339,7 +355,7 @@ def run(argv=None) -> Path:
         "command": "python bench/run.py " + " ".join(shlex.quote(a) for a in argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "config": {**asdict(cfg), "model": args.model, "drafter": str(drafter_path), "beam_width": s.beam_width,
-                   "beam_length": s.beam_length, "shape_source": s.shape_source},
+                   "beam_length": s.beam_length, "shape_source": s.shape_source, "adaptive": args.adaptive},
         "machine": report(),
         "sets": {name: summarize_set(recs) for name, recs in records.items()},
         "all": summarize([r for recs in records.values() for r in recs]),

@@ -247,6 +247,7 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     show_drafts: bool = typer.Option(False, "--show-drafts", help="Colour the tokens that came from accepted drafts."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth."),
     dtype: Optional[str] = DtypeOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
@@ -262,7 +263,7 @@ def chat(
         check_setting(k, v, name="--" + k.replace("_", "-"))
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype)
+    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
     s.announce(err)
     if seed is not None:
         import mlx.core as mx
@@ -290,6 +291,10 @@ def sweep(
     memory_limit: Optional[float] = typer.Option(None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."),
     profile: bool = typer.Option(True, "--profile/--no-profile", help="Split each step into draft / pack / verify / accept (a few extra syncs)."),
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the results in --out."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every run (0 = greedy)."),
+    top_p: float = typer.Option(0.0, "--top-p"),
+    seed: int = typer.Option(0, "--seed", help="With --temp > 0, prompt i is sampled from seed + i in every pass."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."),
     dtype: Optional[str] = DtypeOpt,
 ):
     """Measure ReDrafter over a beam width x length grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
@@ -301,17 +306,17 @@ def sweep(
 
     # Every check that needs no model comes before the slow load.
     config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
-                            baseline_every, profile, memory_limit)
+                            baseline_every, profile, memory_limit, temp, top_p, seed)
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
     convs = sw.select_conversations(load_prompt_set(prompts), num_prompts)
     drafter_path = sw.resolve_drafter_path(model, drafter)
-    meta = sw.sweep_meta(model, drafter_path, prompts, dtype)
+    meta = {**sw.sweep_meta(model, drafter_path, prompts, dtype), "adaptive": adaptive}
     if not fresh:  # a mismatched --out fails now, not after the model load
         partial = sw.sweep_key(config, [], meta)
         sw.check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
-    s = resolve_session(model, str(drafter_path), dtype=dtype)
+    s = resolve_session(model, str(drafter_path), dtype=dtype, adaptive=adaptive)
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
     ids, dropped = sw.fit_prompts(sw.first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
@@ -325,7 +330,7 @@ def sweep(
             results = sw.run_sweep(
                 s.model, ids, s.drafter, config, out, meta, eos_ids=sorted(s.tokenizer.eos_token_ids),
                 progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label),
-                fresh=fresh,
+                fresh=fresh, controller=s.controller,
             )
         except KeyboardInterrupt:
             err.print(f"Interrupted: finished cells are saved in {out}/results.json; rerun the same command to resume.")
@@ -365,6 +370,68 @@ def inspect_cmd(
     from .converters.drafter import inspect_drafter
 
     print("\n".join(inspect_drafter(drafter, model=model, dtype=dtype).lines()))
+
+@app.command("train-controller")
+def train_controller_cmd(
+    model: str = ModelOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Training prompts, JSONL (default: held-out ShareGPT conversations)."),
+    num_prompts: int = typer.Option(48, "--num-prompts"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Default: tuned profile, else 2."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Maximum depth (default: tuned profile, else 4)."),
+    epochs: int = typer.Option(100, "--epochs"),
+    alpha: float = typer.Option(0.05, "--alpha", help="Penalty per drafted level."),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Train the adaptive-depth controller for a drafter on this device (saved next to the drafter)."""
+    import random
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from . import controller as ctl
+    from .prompts import default_training_prompts, read_conversations, refuse_eval_set
+    from .session import resolve_session
+    from .sweep import chat_prompt_ids
+    from .train.trainer import is_eval_conversation
+
+    if num_prompts < 1 or max_tokens < 1 or epochs < 1:
+        raise RedrafterError("--num-prompts, --max-tokens and --epochs must be at least 1.")
+    source = prompts or default_training_prompts()
+    if source is None:
+        raise RedrafterError("No --prompts given and the ShareGPT prompts (../shared/data) are not next to the repo.", "Pass --prompts FILE.jsonl.")
+    convs = read_conversations(source)
+    refuse_eval_set(source, convs)
+    if prompts is None:  # ShareGPT: the conversations held out from drafter training
+        convs = [c for c in convs if is_eval_conversation(c["id"], 0.02)]
+    random.Random(seed).shuffle(convs)
+    s = resolve_session(model, drafter, beam_width=beam_width, beam_length=beam_length)
+    if s.drafter is None:
+        raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
+    s.announce(err)
+    ids = [chat_prompt_ids(s.tokenizer, [{"role": "user", "content": c["turns"][0]}]) for c in convs]
+    ids = [p for p in ids if len(p) <= 512][:num_prompts]
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err) as bar:
+        task = bar.add_task("recording", total=len(ids))
+        episodes = ctl.record_episodes(s.model, s.drafter, ids, s.beam_width, s.beam_length, max_tokens,
+                                       eos_ids=s.tokenizer.eos_token_ids, progress=lambda i: bar.update(task, completed=i))
+        bar.update(task, description="measuring latency", completed=0, total=None)
+        latency = ctl.measure_latency(s.model, s.drafter, s.beam_width, s.beam_length)
+        cfg = ctl.ControllerConfig(beam_width=s.beam_width, beam_length=s.beam_length, alpha=alpha, latency=latency)
+        bar.update(task, description="training", completed=0, total=epochs)
+        controller = ctl.train_controller(episodes, cfg, epochs=epochs, seed=seed,
+                                          progress=lambda e, r: bar.update(task, completed=e))
+    ctl.save_controller(controller, s.drafter_path)
+    fixed = {d: ctl.expected_speedup(d, episodes, latency) for d in range(1, s.beam_length + 1)}
+    best = max(fixed, key=fixed.get)
+    learned = ctl.expected_speedup(controller, episodes, latency)
+    err.print(f"{len(episodes.accepted)} steps recorded; offline tokens per plain-step time: "
+              + ", ".join(f"L={d}: {v:.2f}" for d, v in fixed.items()) + f", adaptive: {learned:.2f}")
+    if learned <= fixed[best]:
+        err.print(f"[yellow]The controller does not beat the fixed depth L={best} on the recorded steps; keep using fixed (W, L).[/yellow]")
+    err.print(f"saved {s.drafter_path / ctl.WEIGHTS} (use it with --adaptive)")
+
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: user errors print one message, no traceback, exit 1."""

@@ -58,6 +58,9 @@ class SweepConfig:
     baseline_every: int = 4  # a baseline pass after every k cells
     profile: bool = True  # split the step time into phases (adds 4 syncs per step)
     memory_limit_gb: Optional[float] = None  # None: what the device has
+    temp: float = 0.0  # > 0: sampled (distribution-exact) instead of greedy
+    top_p: float = 0.0
+    seed: int = 0  # with temp > 0, prompt i is sampled from seed + i, for every pass
 
     def cells(self) -> List[Tuple[int, int]]:
         return [(w, l) for w in self.widths for l in self.lengths]
@@ -74,6 +77,8 @@ class SweepConfig:
             raise RedrafterError(f"--max-tokens must be at least 1 (got {self.max_tokens}).")
         if self.baseline_every < 1:
             raise RedrafterError(f"--baseline-every must be at least 1 (got {self.baseline_every}).")
+        if self.temp < 0 or not 0 <= self.top_p <= 1:
+            raise RedrafterError(f"--temp must be >= 0 and --top-p in [0, 1] (got {self.temp}, {self.top_p}).")
 
 
 def parse_grid(text: str, flag: str = "--widths") -> List[int]:
@@ -211,8 +216,11 @@ def measure(
     max_tokens: int = 128,
     eos_ids: Sequence[int] = (),
     profile: bool = False,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    controller=None,
 ) -> Run:
-    """Generate greedily from token ids and time it.
+    """Generate from token ids (greedy unless ``temp > 0``) and time it.
 
     ``drafter=None`` is plain mlx-lm decoding: ``generate_tokens`` then runs
     mlx-lm's own ``generate_step`` on the same model object, not our loop.
@@ -220,7 +228,8 @@ def measure(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     tokens, steps = generate_tokens(
-        model, list(prompt), drafter, beam_width, beam_length, max_tokens, eos_ids, profile=profile
+        model, list(prompt), drafter, beam_width, beam_length, max_tokens, eos_ids,
+        temp=temp, top_p=top_p, profile=profile, controller=controller,
     )
     wall = time.perf_counter() - tic
     return Run(tokens, steps, wall, mx.get_peak_memory())
@@ -237,11 +246,15 @@ class Pass:
         return max((r.peak_memory for r in self.runs), default=0)
 
 
-def run_pass(model, prompts, drafter, width, length, config: SweepConfig, eos_ids=(), tick=None) -> Pass:
+def run_pass(model, prompts, drafter, width, length, config: SweepConfig, eos_ids=(), tick=None, controller=None) -> Pass:
     """Measure every prompt once; ``tick()`` after each."""
     runs = []
-    for p in prompts:
-        runs.append(measure(model, p, drafter, width, length, config.max_tokens, eos_ids, config.profile and drafter is not None))
+    for i, p in enumerate(prompts):
+        if config.temp > 0:
+            mx.random.seed(config.seed + i)  # the same draws for every pass
+        runs.append(measure(model, p, drafter, width, length, config.max_tokens, eos_ids,
+                            config.profile and drafter is not None, config.temp, config.top_p,
+                            controller if drafter is not None else None))
         if tick:
             tick()
     return Pass(runs)
@@ -299,6 +312,8 @@ def summarize_cell(p: Pass, width: int, length: int, seq: int, reference: Option
         "acceptance_by_depth": [float(np.mean([s.accepted >= d for s in steps])) if steps else 0.0 for d in range(1, length + 1)],
         "tree_size": tree,
         "compression": (tree - 1) / (width * length),
+        # Drafted depth actually verified (= length unless a controller picks it).
+        "verified_depth": float(np.mean([s.depth for s in steps])) if steps else float(length),
         "time_split_ms": time_split_ms(steps),
         "ttft_s": float(np.mean([r.ttft for r in p.runs])),
         "peak_memory_gb": _gb(p.peak_memory),
@@ -428,6 +443,9 @@ def sweep_key(config: SweepConfig, prompts: List[List[int]], meta: dict) -> dict
         "lengths": list(config.lengths),
         "max_tokens": config.max_tokens,
         "profile": config.profile,
+        "temp": config.temp,
+        "top_p": config.top_p,
+        "seed": config.seed,
         "prompts_digest": prompts_digest(prompts),
         "num_prompts": len(prompts),
         **meta,
@@ -511,13 +529,15 @@ def run_sweep(
     eos_ids: Sequence[int] = (),
     progress: Optional[Progress] = None,
     fresh: bool = False,
+    controller=None,
 ) -> dict:
     """Measure every cell of the grid not already in ``out_dir/results.json``
     (written after every pass, so an interrupted sweep resumes), interleaved
     with baseline passes; then write the CSV and the heatmaps.
 
     ``prompts`` are token-id lists; ``meta`` (model, drafter, dtype, ...)
-    goes into the config that a resumed sweep must match.
+    goes into the config that a resumed sweep must match. With a
+    ``controller`` (adaptive depth) each cell's length is the maximum depth.
     """
     config.check()
     if not prompts:
@@ -552,8 +572,8 @@ def run_sweep(
         if i % config.baseline_every == 0:
             reference, seq = _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick)
         stage(f"W={w} L={l}")
-        p = run_pass(model, prompts, drafter, w, l, config, eos_ids, tick)
-        results["cells"].append(summarize_cell(p, w, l, seq, reference))
+        p = run_pass(model, prompts, drafter, w, l, config, eos_ids, tick, controller)
+        results["cells"].append(summarize_cell(p, w, l, seq, reference if config.temp == 0 else None))
         seq += 1
         save_results(out_dir, results)
     if todo:
@@ -595,7 +615,7 @@ def skip_oversized(model, drafter, cells, prompts, config: SweepConfig, results:
 
 CSV_FIELDS = [
     "kind", "width", "length", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
-    "speedup", "tokens_per_step", "tree_size", "compression",
+    "speedup", "tokens_per_step", "tree_size", "compression", "verified_depth",
     *[f"{p}_ms" for p in PHASES], "ttft_s", "peak_memory_gb", "memory_overhead_gb",
     "estimated_memory_gb", "identical_outputs", "note",
 ]
