@@ -194,3 +194,13 @@ def test_train_errors(tiny_llm, tmp_path):
     model, _ = tiny_llm
     with pytest.raises(RedrafterError, match="No distillation data"):
         train(model, tmp_path, tmp_path / "d", small_train_config())
+
+
+def test_head_starts_from_the_llm_output_rows(tiny_llm, data_dir, tmp_path):
+    from mlx_redrafter.train.trainer import llm_output_rows
+
+    model, _ = tiny_llm
+    out = train(model, data_dir, tmp_path / "d", small_train_config(exit_dim=64, max_steps=1, lr=1e-6))
+    d = load_drafter(out, dtype="float32")
+    want = llm_output_rows(model, d.draft_vocab)
+    np.testing.assert_allclose(np.array(d.lm_head[-1].weight), np.array(want), atol=1e-2 * float(mx.abs(want).max()))

@@ -52,6 +52,9 @@ class TrainConfig:
     eval_every: int = 500
     checkpoint_every: int = 500
     seed: int = 0
+    # Start the final projection from the LLM's own output embedding (rows of
+    # the draft vocabulary) when exit_dim equals the LLM's hidden size.
+    init_head_from_llm: bool = True
 
 
 def is_eval_conversation(conv_id: str, fraction: float) -> bool:
@@ -151,6 +154,19 @@ def evaluate(drafter, embed, batcher: Batcher, batch_size: int, max_examples: in
     }
 
 
+def llm_output_rows(model, token_ids=None) -> mx.array:
+    """The LLM's output projection (``lm_head`` or the tied embedding) as a
+    float32 ``[V, h]`` matrix, optionally restricted to ``token_ids``."""
+    embed, _, head = model_parts(model)
+    layer = model.lm_head if "lm_head" in model else embed
+    if "scales" in layer:
+        w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+    else:
+        w = layer.weight
+    w = w.astype(mx.float32)
+    return w if token_ids is None else w[token_ids]
+
+
 def _schedule(cfg: TrainConfig, total: int):
     warm = max(1, min(cfg.warmup_steps, total // 10))
     return optim.join_schedules(
@@ -214,6 +230,8 @@ def train(
         )
         if dv:
             drafter.draft_vocab = mx.array(choose_draft_vocab(corpus.tokens, dv, vocab, always=list(eos_ids)))
+        if cfg.init_head_from_llm and cfg.exit_dim == hidden:
+            drafter.lm_head[-1].weight = llm_output_rows(model, drafter.draft_vocab if dv else None)
         drafter.set_dtype(mx.float32)
     out.mkdir(parents=True, exist_ok=True)
 

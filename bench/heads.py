@@ -1,0 +1,103 @@
+"""Draft accuracy against draft cost for several drafter head sizes.
+
+Trains each head on the same distilled data with the same time budget, then
+reports held-out per-depth top-1 accuracy, the expected accepted length of a
+single greedy beam, and the draft cost: measured milliseconds of a full beam
+search and the analytic cost of one draft step relative to one LLM decode
+step (cost.py), with plain decoding timed in the same run.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 \\
+        .venv/bin/python bench/heads.py --data runs/distill-default --minutes 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_redrafter import load_model
+from mlx_redrafter.cost import decode_step_cost, draft_step_cost
+from mlx_redrafter.drafter import load_drafter
+from mlx_redrafter.models import model_parts
+from mlx_redrafter.train.trainer import TrainConfig, train
+
+HEADS = {
+    "E576-v4k": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096),
+    "E576-v8k": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192),
+    "E576-v8k-randinit": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192, init_head_from_llm=False),
+    "E576-v16k": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=16384),
+    "E1152-v8k": dict(exit_dim=1152, num_draft_layers=1, draft_vocab_size=8192),
+    "E256-v8k": dict(exit_dim=256, num_draft_layers=1, draft_vocab_size=8192),
+}
+
+
+def median_ms(fn, repeats=20):
+    fn()
+    ts = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - tic)
+    return 1000 * float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--minutes", type=float, default=6.0, help="training budget per head")
+    ap.add_argument("--heads", default=",".join(HEADS))
+    ap.add_argument("--out", default="bench/out/heads")
+    args = ap.parse_args()
+    model, tok = load_model("default")
+    embed, backbone, head = model_parts(model)
+    out = Path(args.out)
+    rows = []
+    for name in args.heads.split(","):
+        folder = out / name
+        if not (folder / "model.safetensors").exists():
+            cfg = TrainConfig(**HEADS[name], minutes=args.minutes, max_steps=100_000, eval_every=250, checkpoint_every=10_000)
+            train(model, args.data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
+        log = [json.loads(line) for line in open(folder / "train_log.jsonl")]
+        last = [r for r in log if "eval_acc" in r][-1]
+        d = load_drafter(folder)
+        ctx = mx.random.normal((576,))
+        cost = draft_step_cost(d.config).macs / decode_step_cost(model).macs
+        rows.append({
+            "head": name, "params_M": d.num_params() / 1e6, "steps": last["step"],
+            "eval_acc": last["eval_acc"], "accepted_w1": last["eval_accepted_w1"],
+            "draft_ms_w1_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 1, 5).tokens)),
+            "draft_ms_w2_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 2, 5).tokens)),
+            "macs_vs_decode": cost,
+            "coverage": log[0]["draft_vocab_coverage"],
+        })
+    prompt = mx.arange(64)[None]
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(backbone(prompt, cache=cache))
+    offsets = [c.offset for c in cache]
+
+    def decode():
+        mx.eval(mx.argmax(head(backbone(mx.array([[5]]), cache=cache)), -1))
+        for c, o in zip(cache, offsets):
+            c.offset = o
+
+    plain = median_ms(decode)
+    print(f"plain decode step: {plain:.1f} ms")
+    print("| head | params | vocab coverage | train steps | top-1 acc by depth (held out) | expected accepted, 1 greedy beam | draft ms W=1 L=5 | draft ms W=2 L=5 | W=1 L=5 draft / decode step | MACs per draft step / decode step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        acc = " / ".join(f"{a:.2f}" for a in r["eval_acc"])
+        print(f"| {r['head']} | {r['params_M']:.1f}M | {r['coverage']:.3f} | {r['steps']} | {acc} | {r['accepted_w1']:.2f} | "
+              f"{r['draft_ms_w1_l5']:.1f} | {r['draft_ms_w2_l5']:.1f} | {r['draft_ms_w1_l5'] / plain:.3f} | {r['macs_vs_decode']:.3f} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "heads.json").write_text(json.dumps({"plain_ms": plain, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
