@@ -137,7 +137,7 @@ def distill(
     batch_size: int = typer.Option(48, "--batch-size"),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens"),
     max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens"),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop (resumably) after this many minutes."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget in minutes, over all runs into --out (a rerun resumes within it)."),
     max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
     system: Optional[str] = typer.Option(None, "--system"),
     seed: int = typer.Option(0, "--seed"),

@@ -32,7 +32,7 @@ class DistillConfig:
     batch_size: int = 48
     max_new_tokens: int = 192
     max_prompt_tokens: int = 384  # longer conversations are skipped
-    minutes: Optional[float] = None  # stop (resumably) after this much time
+    minutes: Optional[float] = None  # total budget over all (resumed) runs into the folder
     max_conversations: Optional[int] = None
     shard_sequences: int = 64
     system: Optional[str] = None
@@ -215,7 +215,9 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
         if len(pending) >= cfg.shard_sequences:
             flush()
 
-    deadline = None if cfg.minutes is None else start + 60 * cfg.minutes
+    # The budget covers every run into this folder, so a rerun of a finished
+    # job does nothing and an interrupted one only uses what is left.
+    deadline = None if cfg.minutes is None else start + 60 * cfg.minutes - base_elapsed
 
     def should_stop():
         if progress:

@@ -167,22 +167,27 @@ def llm_output_rows(model, token_ids=None) -> mx.array:
     return w if token_ids is None else w[token_ids]
 
 
-def _schedule(cfg: TrainConfig, total: int):
+def learning_rate(cfg: TrainConfig, step: int, total: int, elapsed: float) -> float:
+    """Linear warmup, then cosine decay to 5% over the run. With a time
+    budget the run's progress is the larger of steps and time used, so the
+    decay completes when the budget does."""
     warm = max(1, min(cfg.warmup_steps, total // 10))
-    return optim.join_schedules(
-        [optim.linear_schedule(cfg.lr * 1e-3, cfg.lr, warm), optim.cosine_decay(cfg.lr, max(1, total - warm), cfg.lr * 0.05)],
-        [warm],
-    )
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    done = step / total
+    if cfg.minutes:
+        done = max(done, elapsed / (60 * cfg.minutes))
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
-def _save_checkpoint(folder: Path, drafter, optimizer, step: int, cfg: TrainConfig, meta: dict):
+def _save_checkpoint(folder: Path, drafter, optimizer, step: int, cfg: TrainConfig, meta: dict, seconds: float = 0.0):
     ck = folder / CHECKPOINT
     ck.mkdir(parents=True, exist_ok=True)
     save_drafter(drafter, ck / "drafter", dtype="float32")
     state = dict(tree_flatten(optimizer.state))
     mx.save_safetensors(str(ck / ".partial-optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)})
     (ck / ".partial-optimizer.safetensors").replace(ck / "optimizer.safetensors")
-    (ck / "state.json").write_text(json.dumps({"step": step, "config": asdict(cfg), **meta}))
+    (ck / "state.json").write_text(json.dumps({"step": step, "seconds": seconds, "config": asdict(cfg), **meta}))
 
 
 def train(
@@ -216,10 +221,12 @@ def train(
         cfg = TrainConfig(**state["config"])
         drafter = load_drafter(ck / "drafter", dtype="float32")
         start_step = state["step"]
+        spent = state.get("seconds", 0.0)
     else:
         if resume:
             raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
         start_step = 0
+        spent = 0.0
         dv = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < vocab else None
         mx.random.seed(cfg.seed)
         drafter = Drafter(
@@ -248,7 +255,7 @@ def train(
 
     steps_per_epoch = max(1, len(train_ex.positions) // cfg.batch_size)
     total = cfg.max_steps or int(math.ceil(cfg.epochs * steps_per_epoch))
-    optimizer = optim.AdamW(learning_rate=_schedule(cfg, total), weight_decay=cfg.weight_decay)
+    optimizer = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
     optimizer.init(drafter.trainable_parameters())
     if start_step:
         saved = mx.load(str(ck / "optimizer.safetensors"))
@@ -273,7 +280,7 @@ def train(
     }
     log_path = out / LOG
     rng = np.random.default_rng(cfg.seed + start_step)
-    deadline = None if cfg.minutes is None else time.perf_counter() + 60 * cfg.minutes
+    deadline = None if cfg.minutes is None else time.perf_counter() + 60 * cfg.minutes - spent
     step = start_step
     running = []
 
@@ -286,10 +293,19 @@ def train(
     if step == 0:
         log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params()})
     tic = time.perf_counter()
+
+    def log_eval():
+        nonlocal running
+        rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
+        rec.update(evaluate(drafter, embed, eval_b, cfg.batch_size) or {})
+        running = []
+        log(rec)
+
     try:
         while step < total:
             idx = rng.integers(0, len(train_ex.positions), cfg.batch_size)
             context, inputs, targets, mask, _ = train_b.batch(idx)
+            optimizer.learning_rate = mx.array(learning_rate(cfg, step, total, time.perf_counter() - tic + spent))
             loss, per_depth = step_fn(context, inputs, targets, mask)
             mx.eval(loss, state)
             step += 1
@@ -297,20 +313,19 @@ def train(
             if progress:
                 progress(step, total, float(loss))
             if step % cfg.eval_every == 0 or step == total:
-                rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
-                rec.update(evaluate(drafter, embed, eval_b, cfg.batch_size) or {})
-                running = []
-                log(rec)
+                log_eval()
             if step % cfg.checkpoint_every == 0:
-                _save_checkpoint(out, drafter, optimizer, step, cfg, meta)
+                _save_checkpoint(out, drafter, optimizer, step, cfg, meta, time.perf_counter() - tic + spent)
             if deadline is not None and time.perf_counter() > deadline:
                 log({"event": "time budget reached", "step": step})
+                if running:  # the final metrics, also when the budget ends the run
+                    log_eval()
                 break
     except KeyboardInterrupt:
-        _save_checkpoint(out, drafter, optimizer, step, cfg, meta)
+        _save_checkpoint(out, drafter, optimizer, step, cfg, meta, time.perf_counter() - tic + spent)
         save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
         log({"event": "interrupted", "step": step})
         raise
-    _save_checkpoint(out, drafter, optimizer, step, cfg, meta)
+    _save_checkpoint(out, drafter, optimizer, step, cfg, meta, time.perf_counter() - tic + spent)
     save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
     return out
