@@ -26,8 +26,6 @@ import io
 import json
 import os
 import pickle
-import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ import numpy as np
 from ..cost import StepCost, decode_step_cost, draft_step_cost, model_dtype
 from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, _read_config, check_fits, check_weights, save_drafter
 from ..errors import RedrafterError
+from .atomic import atomic_folder
 from ..models import _hub_snapshot, _is_path_like, load_model_only, parse_dtype
 
 # Files looked for in a drafter folder, in this order.
@@ -543,17 +542,8 @@ def _check_destination(dst: Path, src_folder: Path) -> None:
 
 
 def _write(drafter: Drafter, dst: Path, dtype: mx.Dtype) -> None:
-    """Write into a temporary sibling and rename, so no half-written drafter is left behind."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with atomic_folder(dst) as tmp:
         save_drafter(drafter, tmp, dtype=dtype)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def convert_drafter(src, dst, dtype=DEFAULT_DTYPE, model: Optional[str] = None) -> ConversionReport:

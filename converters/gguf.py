@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -31,6 +29,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from ..errors import RedrafterError
+from .atomic import atomic_folder
 
 GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0
 
@@ -337,8 +336,7 @@ def _save_tokenizer(tok, dst: Path, f: GGUFFile):
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, progress=None) -> Path:
     """Convert ``src`` (a .gguf file) into the mlx-lm folder ``dst``.
 
-    The folder is written to a temporary sibling and renamed at the end, so an
-    interrupted conversion never leaves a half-written model behind.
+    The folder is written atomically (see :func:`.atomic.atomic_folder`).
     ``progress(done, total)`` is called once per tensor when given.
     """
     import mlx.core as mx
@@ -377,18 +375,10 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, progress=None) 
         config["eos_token_id"] = int(eos)
 
     dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with atomic_folder(dst) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _save_tokenizer(build_tokenizer(f), tmp, f)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
