@@ -33,6 +33,10 @@ HEADS = {
     "E576-v16k": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=16384),
     "E1152-v8k": dict(exit_dim=1152, num_draft_layers=1, draft_vocab_size=8192),
     "E256-v8k": dict(exit_dim=256, num_draft_layers=1, draft_vocab_size=8192),
+    # Training variants of the best head at equal time.
+    "E576-v4k-norepeat": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
+    "E576-v4k-lr3e-3": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, lr=3e-3),
+    "E576x2-v4k": dict(exit_dim=576, num_draft_layers=2, draft_vocab_size=4096),
 }
 
 

@@ -124,7 +124,8 @@ def convert_gguf_cmd(
 
 # Presets for `train`: the head sizes measured in bench/RESULTS.md.
 TRAIN_PRESETS = {
-    "default": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192),
+    # Chosen by bench/heads.py (bench/RESULTS.md): best held-out accuracy per training minute.
+    "default": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
 }
 
 
@@ -190,9 +191,10 @@ def train(
     rnn: bool = typer.Option(True, "--rnn/--no-rnn"),
     draft_vocab_size: Optional[int] = typer.Option(None, "--draft-vocab-size", help="0 = the full vocabulary."),
     depth: int = typer.Option(5, "--depth", help="Tokens predicted per example (T)."),
+    skip_repeats: Optional[int] = typer.Option(None, "--skip-repeats", help="Leave out positions whose next N tokens repeat earlier in the reply (0 = keep all)."),
     batch_size: int = typer.Option(256, "--batch-size"),
     lr: float = typer.Option(1e-3, "--lr"),
-    epochs: float = typer.Option(2.0, "--epochs"),
+    epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over the data (default 2; with --minutes, the time budget decides)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps"),
     minutes: Optional[float] = typer.Option(None, "--minutes"),
     eval_every: int = typer.Option(500, "--eval-every"),
@@ -209,9 +211,10 @@ def train(
     base = dict(TRAIN_PRESETS.get(preset or "default", {}))
     if preset is not None and preset not in TRAIN_PRESETS:
         raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(TRAIN_PRESETS)}.")
-    for k, v in (("exit_dim", exit_dim), ("num_draft_layers", num_draft_layers), ("draft_vocab_size", draft_vocab_size)):
+    for k, v in (("exit_dim", exit_dim), ("num_draft_layers", num_draft_layers), ("draft_vocab_size", draft_vocab_size), ("skip_repeats", skip_repeats)):
         if v is not None:
             base[k] = v if (k != "draft_vocab_size" or v > 0) else None
+    epochs = epochs if epochs is not None else (1000.0 if minutes else 2.0)
     cfg = TrainConfig(**base, rnn=rnn, depth=depth, batch_size=batch_size, lr=lr, epochs=epochs,
                       max_steps=max_steps, minutes=minutes, eval_every=eval_every,
                       checkpoint_every=checkpoint_every, seed=seed)

@@ -55,6 +55,8 @@ class TrainConfig:
     # Start the final projection from the LLM's own output embedding (rows of
     # the draft vocabulary) when exit_dim equals the LLM's hidden size.
     init_head_from_llm: bool = True
+    # Leave out training positions whose g0 + next n tokens repeat earlier in the reply (0: keep all).
+    skip_repeats: int = 0
 
 
 def is_eval_conversation(conv_id: str, fraction: float) -> bool:
@@ -70,14 +72,38 @@ class Examples:
     seq_end: np.ndarray  # [T_total] end offset of each position's sequence
 
 
-def split_examples(corpus: Corpus, fraction: float):
+def repeated_windows(tokens: np.ndarray, width: int) -> np.ndarray:
+    """``[len(tokens)]`` bool: the ``width`` tokens starting here already
+    occurred earlier in the same sequence (the reply is looping)."""
+    seen, out = set(), np.zeros(len(tokens), bool)
+    for i in range(len(tokens) - width + 1):
+        key = tokens[i : i + width].tobytes()
+        out[i] = key in seen
+        seen.add(key)
+    return out
+
+
+def split_examples(corpus: Corpus, fraction: float, skip_repeats: int = 0):
+    """Train / held-out examples, split by conversation.
+
+    With ``skip_repeats = n``, training positions whose next ``n`` tokens
+    repeat a window seen earlier in the same reply are left out: small LLMs
+    loop, and memorizing one reply's loop teaches the drafter nothing about
+    the next reply. Held-out examples keep every position.
+    """
     ends = np.zeros(len(corpus.tokens), np.int64)
     train, held = [], []
     for k, cid in enumerate(corpus.ids):
         a, b = corpus.offsets[k], corpus.offsets[k + 1]
         ends[a:b] = b
         pos = np.arange(a, b - 1)  # at least one target token after g0
-        (held if is_eval_conversation(cid, fraction) else train).append(pos)
+        if is_eval_conversation(cid, fraction):
+            held.append(pos)
+            continue
+        if skip_repeats:
+            fresh = ~repeated_windows(corpus.tokens[a:b], skip_repeats + 1)[: b - a - 1]
+            pos = pos[fresh]
+        train.append(pos)
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
     return Examples(cat(train), ends), Examples(cat(held), ends)
 
@@ -211,10 +237,6 @@ def train(
             f"The data in {data_dir} has hidden size {hidden} but the model's is {model.args.hidden_size}.",
             "Train with the --model the data was distilled from.",
         )
-    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction)
-    if len(train_ex.positions) == 0:
-        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
-
     ck = out / CHECKPOINT
     if resume and (ck / "state.json").exists():
         state = json.loads((ck / "state.json").read_text())
@@ -222,11 +244,13 @@ def train(
         drafter = load_drafter(ck / "drafter", dtype="float32")
         start_step = state["step"]
         spent = state.get("seconds", 0.0)
+        best_so_far = state.get("best_accepted", -1.0)
     else:
         if resume:
             raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
         start_step = 0
         spent = 0.0
+        best_so_far = -1.0
         dv = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < vocab else None
         mx.random.seed(cfg.seed)
         drafter = Drafter(
@@ -241,6 +265,9 @@ def train(
             drafter.lm_head[-1].weight = llm_output_rows(model, drafter.draft_vocab if dv else None)
         drafter.set_dtype(mx.float32)
     out.mkdir(parents=True, exist_ok=True)
+    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats)
+    if len(train_ex.positions) == 0:
+        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
 
     vocab_map = np.full(vocab, -1, np.int64)
     if drafter.config.draft_vocab_size:
@@ -294,11 +321,20 @@ def train(
         log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params()})
     tic = time.perf_counter()
 
+    best = {"accepted": best_so_far}
+
     def log_eval():
         nonlocal running
         rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
         rec.update(evaluate(drafter, embed, eval_b, cfg.batch_size) or {})
         running = []
+        # The output folder holds the best drafter so far (by held-out accepted
+        # length), so overfitting late in a long run costs nothing.
+        score = rec.get("eval_accepted_w1", 0.0)
+        if score > best["accepted"]:
+            best["accepted"] = score
+            save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step, **rec}})
+            rec["saved"] = True
         log(rec)
 
     try:
@@ -315,17 +351,19 @@ def train(
             if step % cfg.eval_every == 0 or step == total:
                 log_eval()
             if step % cfg.checkpoint_every == 0:
-                _save_checkpoint(out, drafter, optimizer, step, cfg, meta, time.perf_counter() - tic + spent)
+                _save_checkpoint(out, drafter, optimizer, step, cfg, {**meta, "best_accepted": best["accepted"]}, time.perf_counter() - tic + spent)
             if deadline is not None and time.perf_counter() > deadline:
                 log({"event": "time budget reached", "step": step})
                 if running:  # the final metrics, also when the budget ends the run
                     log_eval()
                 break
     except KeyboardInterrupt:
-        _save_checkpoint(out, drafter, optimizer, step, cfg, meta, time.perf_counter() - tic + spent)
-        save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
+        _save_checkpoint(out, drafter, optimizer, step, cfg, {**meta, "best_accepted": best["accepted"]}, time.perf_counter() - tic + spent)
+        if best["accepted"] < 0:  # nothing saved yet: a usable drafter now
+            save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
         log({"event": "interrupted", "step": step})
         raise
-    _save_checkpoint(out, drafter, optimizer, step, cfg, meta, time.perf_counter() - tic + spent)
-    save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
+    _save_checkpoint(out, drafter, optimizer, step, cfg, {**meta, "best_accepted": best["accepted"]}, time.perf_counter() - tic + spent)
+    if best["accepted"] < 0:  # no held-out split: the final weights
+        save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
     return out
