@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import RedrafterError
 
@@ -142,6 +143,7 @@ def distill(
     max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
     system: Optional[str] = typer.Option(None, "--system"),
     seed: int = typer.Option(0, "--seed"),
+    stop_loops: int = typer.Option(12, "--stop-loops", help="End a reply after N tokens in a row that repeat its own text (0 = never)."),
 ):
     """Answer training prompts with the LLM (greedy) and keep its tokens and hidden states."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -154,7 +156,8 @@ def distill(
     prompts = prompts or default_training_prompts()
     if prompts is None:
         raise RedrafterError("No --prompts given and the ShareGPT prompts (../shared/data) are not next to the repo.", "Pass --prompts FILE.jsonl.")
-    cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations, system=system, seed=seed)
+    cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations,
+                        system=system, seed=seed, stop_loops=stop_loops)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=err) as bar:
         task = bar.add_task("distilling", total=None, info="loading")
@@ -441,9 +444,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         app(args=argv)
     except RedrafterError as e:
-        err.print(f"[bold red]Error:[/bold red] {e.problem}")
+        # soft_wrap: never break a path or a command in the message across lines
+        err.print(f"[bold red]Error:[/bold red] {escape(e.problem)}", soft_wrap=True)
         if e.fix:
-            err.print(f"[bold]Fix:[/bold] {e.fix}")
+            err.print(f"[bold]Fix:[/bold] {escape(e.fix)}", soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         err.print("Interrupted.")

@@ -72,6 +72,30 @@ def test_distilled_replies_are_the_model_s_greedy_replies(tiny_llm, prompt_file,
         np.testing.assert_allclose(got, np.array(h), atol=2e-2 * float(mx.abs(h).max()))
 
 
+def test_looping_replies_end_early(tiny_llm):
+    from mlx_redrafter.train.distill import LOOP_NGRAM, Distiller, _Row
+
+    model, tok = tiny_llm
+    d = Distiller(model, tok, DistillConfig(max_new_tokens=500, stop_loops=4))
+    row = _Row({"id": "x"}, 0, [], 3)
+    h = np.zeros(4, np.float16)
+    for t in [11, 12, 13, 14, 15, 16, 17, 18]:  # fresh text
+        row.add(t, h)
+        assert not d._finished(row)
+    loop = [11, 12, 13, 14, 15, 16, 17, 18] * 3
+    ended = None
+    for i, t in enumerate(loop):
+        row.add(t, h)
+        if d._finished(row):
+            ended = i
+            break
+    # The first LOOP_NGRAM - 1 repeated tokens only rebuild an old n-gram;
+    # then 4 tokens in a row close seen n-grams.
+    assert ended == LOOP_NGRAM - 1 + 4 - 1
+    d.cfg.stop_loops = 0
+    assert not d._finished(row)
+
+
 def test_multi_turn_conversations(tiny_llm, prompt_file, tmp_path):
     m = run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=3, turns=2)
     assert m.sequences == 6 and len(m.done) == 3

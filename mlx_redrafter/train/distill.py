@@ -35,6 +35,9 @@ class DistillConfig:
     minutes: Optional[float] = None  # total budget over all (resumed) runs into the folder
     max_conversations: Optional[int] = None
     shard_sequences: int = 64
+    # End a reply once this many tokens in a row repeat its own earlier text:
+    # small models loop, and a loop teaches the drafter nothing new (0 = off).
+    stop_loops: int = 12
     system: Optional[str] = None
     seed: int = 0
 
@@ -47,6 +50,19 @@ class _Row:
     prompt_len: int
     tokens: List[int] = field(default_factory=list)
     hidden: List[np.ndarray] = field(default_factory=list)
+    seen: set = field(default_factory=set)  # LOOP_NGRAM-grams of the reply so far
+    repeat_run: int = 0  # consecutive tokens that closed an already-seen n-gram
+
+    def add(self, token: int, hidden: np.ndarray) -> None:
+        self.tokens.append(token)
+        self.hidden.append(hidden)
+        if len(self.tokens) >= LOOP_NGRAM:
+            gram = tuple(self.tokens[-LOOP_NGRAM:])
+            self.repeat_run = self.repeat_run + 1 if gram in self.seen else 0
+            self.seen.add(gram)
+
+
+LOOP_NGRAM = 6
 
 
 def _messages(conv, turn, history, system):
@@ -100,7 +116,8 @@ class Distiller:
             self.next_tokens = mx.concatenate([self.next_tokens, first])
 
     def _finished(self, row: _Row) -> bool:
-        return row.tokens[-1] in self.eos or len(row.tokens) >= self.cfg.max_new_tokens
+        looping = self.cfg.stop_loops and row.repeat_run >= self.cfg.stop_loops
+        return row.tokens[-1] in self.eos or len(row.tokens) >= self.cfg.max_new_tokens or looping
 
     def step(self) -> List[_Row]:
         """One decode step for the whole batch; returns the rows that finished."""
@@ -120,8 +137,7 @@ class Distiller:
         mx.eval(nxt, hidden)
         hid = np.array(hidden.astype(mx.float16))
         for r, t, h in zip(self.rows, nxt.tolist(), hid):
-            r.tokens.append(t)
-            r.hidden.append(h)
+            r.add(t, h)
         self.next_tokens = nxt
         return done
 
