@@ -41,7 +41,7 @@ class StepStats:
     draft_time: float = 0.0  # beam search for the next step
     pack_time: float = 0.0  # dedup + packing of this step's beams
     verify_time: float = 0.0  # the LLM's tree forward
-    accept_time: float = 0.0  # acceptance + KV-cache compaction
+    accept_time: float = 0.0  # acceptance (a needed KV-cache move runs lazily with the next verify)
 
 
 @dataclass
@@ -139,21 +139,28 @@ def redrafter_steps(
         beams = beams[:, :d_val]
         tree = pack(beams, n_val, g0)
         _lap(profile, times, "pack", tic, tree.tokens, tree.mask, tree.node_index)
-        logits, hidden = verify(model, backbone, head, cache, tree)
+        # A single path (W=1, or all beams alike) has the model's own causal
+        # positions and mask: verify it unhooked.
+        logits, hidden = verify(model, backbone, head, cache, tree, chain=n_val == d_val)
         _lap(profile, times, "verify", tic, logits, hidden)
         if sampling.greedy:
             acc = accept_greedy(beams, tree.node_index, logits)
         else:
             acc = accept_sampling(beams, tree, logits, sampling)
-        compact_cache(cache, starts, acc.path)
-        _lap(profile, times, "accept", tic, acc.n, acc.next_token, [c.state for c in cache])
+        _lap(profile, times, "accept", tic, acc.n, acc.next_token, acc.path)
         prev_beams = beams
         g0 = acc.next_token
         beams, n_nodes, depth = draft(hidden[acc.last], g0)
         _lap(profile, times, "draft", tic, beams, n_nodes, depth)
-        vals = _host(acc.n, acc.beam, n_nodes, g0, depth, prev_beams[acc.beam])
+        vals = _host(acc.n, acc.beam, n_nodes, g0, depth, acc.path, prev_beams[acc.beam])
         syncs += 1
-        n, beam, n_val, g0_val, next_depth, row = vals[0], vals[1], vals[2], vals[3], vals[4], vals[5:]
+        n, beam, n_val, g0_val, next_depth = vals[:5]
+        path, row = vals[5 : 6 + d_val], vals[6 + d_val :]
+        # Most steps accept nothing, or a prefix packed in place (always so for
+        # a single path): the cache rows need moving only otherwise. The move
+        # stays lazy and runs with the next verify.
+        if path[: n + 1] != list(range(n + 1)):
+            compact_cache(cache, starts, acc.path)
         set_cache_length(cache, starts, offsets, 1 + n)
         stats = StepStats(
             step, n, tree.size, time.perf_counter() - tic, syncs, beam, d_val,

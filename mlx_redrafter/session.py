@@ -2,7 +2,9 @@
 
 Order of precedence for the beam shape: explicit flags, then the tuned profile
 saved by ``mlx-redrafter sweep --save-profile`` for this device + model +
-drafter, then the built-in defaults.
+drafter, then the built-in defaults. When the profile's best cell was slower
+than plain decoding, the session decodes plainly (the output is the same
+either way) unless a width, length or ``--adaptive`` asks for drafting.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class Session:
     beam_length: int = DEFAULT_LENGTH
     shape_source: str = "built-in default"
     controller: object = None
+    plain_reason: str = "no drafter"
 
     def announce(self, console) -> None:
         if self.drafter is None:
-            console.print(f"[dim]model {self.model_spec}: plain decoding (no drafter)[/dim]")
+            console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
         extra = ", adaptive depth" if self.controller is not None else ""
         console.print(
@@ -58,8 +61,13 @@ def resolve_session(
     beam_length: Optional[int] = None,
     dtype: Optional[str] = None,
     adaptive: bool = False,
+    plain_if_slower: bool = True,
 ) -> Session:
-    """Load the model and pick its drafter and beam shape."""
+    """Load the model and pick its drafter and beam shape.
+
+    ``plain_if_slower=False`` keeps the drafter even when the tuned profile
+    found drafting slower (for commands that measure drafting itself).
+    """
     from .drafter import check_fits, load_drafter
     from .models import load_model, parse_dtype
 
@@ -74,6 +82,7 @@ def resolve_session(
     model, tokenizer = load_model(model_spec, dtype=dtype)
     s = Session(model, tokenizer, model_spec)
     if no_draft:
+        s.plain_reason = "--no-draft"
         return s
     path = Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec)
     if path is None:
@@ -99,4 +108,10 @@ def resolve_session(
         from .controller import load_controller
 
         s.controller = load_controller(path)
+    elif plain_if_slower and profile is not None and beam_width is None and beam_length is None and profile.get("speedup", 1.0) < 1.0:
+        s.drafter, s.drafter_path = None, None
+        s.plain_reason = (
+            f"tuned profile {profile['file']} measured ReDrafter at {profile['speedup']:.2f}x of plain decoding "
+            f"on this device; pass -W/-L to draft anyway"
+        )
     return s

@@ -647,6 +647,28 @@ def write_csv(results: dict, path: Path) -> None:
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
 
 
+def markdown_table(results: dict) -> str:
+    """The cells as a Markdown table (for reports such as bench/RESULTS.md)."""
+    head = ("| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
+            "| draft / pack / verify / accept / other ms | peak GB |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for c in sorted(results["cells"], key=lambda c: (c["width"], c["length"])):
+        if c["status"] != "ok":
+            lines.append(f"| {c['width']} | {c['length']} | {c['status']}: {c.get('note', '')} |")
+            continue
+        sp = "" if c.get("speedup") is None else f"{c['speedup']:.2f}x"
+        acc = " / ".join(f"{v:.2f}" for v in c["acceptance_by_depth"])
+        split = " / ".join(f"{c.get('time_split_ms', {}).get(p, float('nan')):.1f}" for p in PHASES)
+        lines.append(
+            f"| {c['width']} | {c['length']} | {sp} | {c['tokens_per_s']:.1f} | {c['tokens_per_step']:.2f} | {acc} "
+            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} |"
+        )
+    base = [f"{b['tokens_per_s']:.1f}" for b in results["baselines"]]
+    lines.append("")
+    lines.append(f"Plain decoding baselines (tok/s, in run order): {', '.join(base)}")
+    return "\n".join(lines) + "\n"
+
+
 def grid_matrix(results: dict, key: str, widths: List[int], lengths: List[int]) -> np.ndarray:
     """``[len(widths), len(lengths)]`` of a cell metric; NaN where a cell was skipped or not measured."""
     m = np.full((len(widths), len(lengths)), np.nan)
@@ -705,10 +727,11 @@ def plot_heatmap(matrix: np.ndarray, widths, lengths, title: str, path, fmt: str
 
 
 def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.ndarray]:
-    """results.csv and the three heatmap PNGs; returns the matrices drawn, by metric."""
+    """results.csv, results.md and the three heatmap PNGs; returns the matrices drawn, by metric."""
     out_dir = Path(out_dir)
     save_results(out_dir, results)
     write_csv(results, out_dir / "results.csv")
+    (out_dir / "results.md").write_text(markdown_table(results))
     drawn = {}
     for key, (name, title, fmt) in HEATMAPS.items():
         m = grid_matrix(results, key, config.widths, config.lengths)
@@ -808,7 +831,7 @@ def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
     if best:
         console.print(f"best: W={best['width']} L={best['length']}, {best['speedup']:.2f}x, "
                       f"{best['tokens_per_s']:.1f} tok/s, {best['tokens_per_step']:.2f} tokens/step")
-    names = ["results.json", "results.csv"] + [v[0] for v in HEATMAPS.values()]
+    names = ["results.json", "results.csv", "results.md"] + [v[0] for v in HEATMAPS.values()]
     console.print(f"wrote {', '.join(str(Path(out_dir) / n) for n in names)}")
 
 

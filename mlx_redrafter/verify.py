@@ -140,8 +140,16 @@ def tree_hooks(model, cache, tree):
             del c.make_mask
 
 
-def verify(model, backbone, head, cache, tree):
-    """One forward over ``tree.tokens``: ``(logits [N, V], hidden [N, h])``."""
+def verify(model, backbone, head, cache, tree, chain: bool = False):
+    """One forward over ``tree.tokens``: ``(logits [N, V], hidden [N, h])``.
+
+    ``chain=True`` says the tree is a single path (every beam the same, or
+    W=1): its positions and mask are the model's own causal ones, so the
+    call runs unhooked, like a prefill chunk.
+    """
+    if chain:
+        hidden = backbone(tree.tokens[None], cache=cache)[0]
+        return head(hidden), hidden
     with tree_hooks(model, cache, tree):
         hidden = backbone(tree.tokens[None], cache=cache)[0]
     return head(hidden), hidden

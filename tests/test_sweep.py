@@ -202,7 +202,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     events = []
     results = sw.run_sweep(model, ps, drafter, cfg, tmp_path, {"model": "tiny"},
                            progress=lambda d, t, label: events.append((d, t, label)))
-    for name in ("results.json", "results.csv", "speedup.png", "tokens_per_s.png", "tokens_per_step.png"):
+    for name in ("results.json", "results.csv", "results.md", "speedup.png", "tokens_per_s.png", "tokens_per_step.png"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["cells"] == json.loads(json.dumps(results["cells"]))
@@ -252,6 +252,15 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         for d, a in enumerate(c["acceptance_by_depth"], 1):
             assert num(r[f"accept_ge_{d}"]) == a
         assert int(r["identical_outputs"]) == 2
+
+    # The Markdown table: one row per cell, in (W, L) order, with the JSON's speedups.
+    md = (tmp_path / "results.md").read_text().splitlines()
+    cell_rows = [line.split(" | ") for line in md[2:] if line.startswith("| ")]
+    assert [(int(r[0][2:]), int(r[1])) for r in cell_rows] == sorted(cfg.cells())
+    by_cell = {(c["width"], c["length"]): c for c in data["cells"]}
+    for r in cell_rows:
+        assert r[2] == f"{by_cell[(int(r[0][2:]), int(r[1]))]['speedup']:.2f}x"
+    assert md[-1].startswith("Plain decoding baselines") and md[-1].split(": ")[1].count(",") == 2
 
     # The heatmaps: PNGs of the grid's size, drawing exactly the JSON values.
     size = sw.heatmap_pixels(2, 2)
@@ -441,7 +450,10 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     gen = ["generate", "--model", str(tiny_folder), "--drafter", str(dfolder), "--prompt", "w1 w2", "-n", "4"]
     assert cli(gen) == 0
     err = squeeze(capsys.readouterr().err)  # rich wraps long lines when not on a terminal
-    assert squeeze(f"W={best['width']} L={best['length']} (tuned profile {profile['file']}") in err
+    if best["speedup"] >= 1:
+        assert squeeze(f"W={best['width']} L={best['length']} (tuned profile {profile['file']}") in err
+    else:  # the profile found drafting slower than plain decoding here
+        assert squeeze(f"plain decoding (tuned profile {profile['file']} measured ReDrafter at") in err
     assert cli(gen + ["-W", "3", "-L", "1"]) == 0
     assert "W=3L=1(flags)" in squeeze(capsys.readouterr().err)
 
@@ -470,6 +482,28 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
     s = resolve_session(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
     assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
+
+
+def test_a_profile_that_found_drafting_slower_means_plain_decoding(tmp_path, tiny_folder):
+    from rich.console import Console
+
+    from mlx_redrafter.profiles import save_profile
+    from mlx_redrafter.session import resolve_session
+
+    dfolder = save_random_drafter(tmp_path / "d", seed=8)
+    path = save_profile(str(tiny_folder), dfolder, 2, 3, speedup=0.8)
+    s = resolve_session(str(tiny_folder), str(dfolder))
+    assert s.drafter is None and s.drafter_path is None
+    console = Console(record=True, width=400)
+    s.announce(console)
+    assert f"plain decoding (tuned profile {path} measured ReDrafter at 0.80x" in console.export_text()
+    # Asking for a beam shape, or a command that measures drafting, still drafts.
+    s = resolve_session(str(tiny_folder), str(dfolder), beam_length=2)
+    assert s.drafter is not None and (s.beam_width, s.beam_length) == (2, 2)
+    s = resolve_session(str(tiny_folder), str(dfolder), plain_if_slower=False)
+    assert s.drafter is not None and (s.beam_width, s.beam_length) == (2, 3)
+    save_profile(str(tiny_folder), dfolder, 2, 3, speedup=1.2)
+    assert resolve_session(str(tiny_folder), str(dfolder)).drafter is not None
 
 
 # --------------------------------------------------------------------------- bench/run.py
