@@ -385,7 +385,7 @@ def train_controller_cmd(
     num_prompts: int = typer.Option(48, "--num-prompts"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Default: tuned profile, else 2."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Maximum depth (default: tuned profile, else 4)."),
+    beam_length: int = typer.Option(4, "--beam-length", "-L", help="Maximum depth the controller may choose."),
     epochs: int = typer.Option(100, "--epochs"),
     alpha: float = typer.Option(0.05, "--alpha", help="Penalty per drafted level."),
     seed: int = typer.Option(0, "--seed"),

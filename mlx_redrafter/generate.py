@@ -195,6 +195,14 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
         tic = now
 
 
+def _steps(model, drafter, prompt, prompt_cache, beam_width, beam_length, sampling, warp, profile, controller):
+    """ReDrafter's step iterator, or plain decoding's when there is no drafter."""
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if drafter is None:
+        return plain_steps(model, prompt, cache, sampling)
+    return redrafter_steps(model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, profile, controller)
+
+
 def generate_tokens(
     model,
     prompt,
@@ -221,13 +229,7 @@ def generate_tokens(
     prompt = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt
     check_generation_args(model, drafter, prompt, beam_width, beam_length, max_tokens)
     sampling = SamplingConfig(temp, top_p, min_p, top_k)
-    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    if drafter is None:
-        steps = plain_steps(model, prompt, cache, sampling)
-    else:
-        steps = redrafter_steps(
-            model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, profile, controller
-        )
+    steps = _steps(model, drafter, prompt, prompt_cache, beam_width, beam_length, sampling, warp, profile, controller)
     tokens, stats = [], []
     try:
         for step in steps:
@@ -369,13 +371,7 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     sampling = SamplingConfig(temp, top_p, min_p, top_k)
-    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    if drafter is None:
-        steps = plain_steps(model, prompt, cache, sampling)
-    else:
-        steps = redrafter_steps(
-            model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, profile, controller
-        )
+    steps = _steps(model, drafter, prompt, prompt_cache, beam_width, beam_length, sampling, warp, profile, controller)
 
     detok = tokenizer.detokenizer
     detok.reset()

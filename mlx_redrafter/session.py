@@ -15,8 +15,10 @@ from typing import Optional
 
 from .errors import RedrafterError
 
+# The best cell of the sweep of the default model and its drafter on a 2-core
+# Linux CPU (bench/RESULTS.md); `mlx-redrafter sweep --save-profile` tunes yours.
 DEFAULT_WIDTH = 2
-DEFAULT_LENGTH = 4
+DEFAULT_LENGTH = 1
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 
 

@@ -659,6 +659,8 @@ def markdown_table(results: dict) -> str:
         sp = "" if c.get("speedup") is None else f"{c['speedup']:.2f}x"
         acc = " / ".join(f"{v:.2f}" for v in c["acceptance_by_depth"])
         split = " / ".join(f"{c.get('time_split_ms', {}).get(p, float('nan')):.1f}" for p in PHASES)
+        if not results["config"].get("profile", True):  # --no-profile: only the whole step was timed
+            split = f"step {sum(c.get('time_split_ms', {}).values()):.1f}"
         lines.append(
             f"| {c['width']} | {c['length']} | {sp} | {c['tokens_per_s']:.1f} | {c['tokens_per_step']:.2f} | {acc} "
             f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} |"

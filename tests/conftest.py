@@ -37,3 +37,23 @@ def fixtures_dir():
     if not FIXTURES.is_dir():
         pytest.skip(f"official fixtures not found at {FIXTURES}")
     return FIXTURES
+
+
+@pytest.fixture(scope="module")
+def ref(fixtures_dir):
+    """The official reference outputs (see its reference.md)."""
+    import numpy as np
+
+    return np.load(fixtures_dir / "reference.npz")
+
+
+@pytest.fixture(scope="module")
+def embed(fixtures_dir):
+    """The fixture LLM's input embedding, for drafters run without the LLM."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    weights = mx.load(str(fixtures_dir / "llm" / "model.safetensors"))
+    e = nn.Embedding(*weights["model.embed_tokens.weight"].shape)
+    e.weight = weights["model.embed_tokens.weight"]
+    return e

@@ -47,19 +47,6 @@ def logit_tolerance(dtypes, max_logit):
     return 4 * sum(UNIT_ROUNDOFF[d] for d in dtypes if d != "float32") * max_logit
 
 
-@pytest.fixture(scope="module")
-def ref(fixtures_dir):
-    return np.load(fixtures_dir / "reference.npz")
-
-
-@pytest.fixture(scope="module")
-def embed(fixtures_dir):
-    weights = mx.load(str(fixtures_dir / "llm" / "model.safetensors"))
-    e = nn.Embedding(*weights["model.embed_tokens.weight"].shape)
-    e.weight = weights["model.embed_tokens.weight"]
-    return e
-
-
 def safetensors_header(path):
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")

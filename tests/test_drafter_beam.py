@@ -12,19 +12,6 @@ from mlx_redrafter.beam import beam_search, warp_logits
 from mlx_redrafter.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 
 
-@pytest.fixture(scope="module")
-def ref(fixtures_dir):
-    return np.load(fixtures_dir / "reference.npz")
-
-
-@pytest.fixture(scope="module")
-def embed(fixtures_dir):
-    weights = mx.load(str(fixtures_dir / "llm" / "model.safetensors"))
-    e = nn.Embedding(*weights["model.embed_tokens.weight"].shape)
-    e.weight = weights["model.embed_tokens.weight"]
-    return e
-
-
 @pytest.mark.parametrize("kind", ["rnn", "norn"])
 def test_official_folder_loads_unchanged(fixtures_dir, kind):
     d = load_drafter(fixtures_dir / f"drafter_{kind}")

@@ -11,11 +11,6 @@ from mlx_redrafter.tree import count_nodes, pack, prefix_tree
 CASES = ["hand1", "hand2", "hand3", "bs_rnn_w1_row0", "bs_rnn_w2_row0", "bs_rnn_w4_row0"]
 
 
-@pytest.fixture(scope="module")
-def ref(fixtures_dir):
-    return np.load(fixtures_dir / "reference.npz")
-
-
 @pytest.mark.parametrize("case", CASES + ["batch2", "bs_rnn_w4_batch3"])
 def test_prefix_tree_matches_official(ref, case):
     beams = ref[f"pk_{case}_beams"]
