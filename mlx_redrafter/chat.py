@@ -139,7 +139,7 @@ def parse_settings(args: str, has_drafter: bool) -> dict:
         if key in DRAFT_KEYS and not has_drafter:
             raise RedrafterError(
                 f"{key} has no effect: this chat decodes without a drafter.",
-                "Start the chat with --drafter PATH to draft.",
+                "Start the chat with --drafter PATH (or with -W/-L when a tuned profile chose plain decoding).",
             )
         changes[key] = value
     return changes
