@@ -338,7 +338,7 @@ def run(argv=None) -> Path:
     chosen = {set_name_of(spec): select(set_name_of(spec), load_prompt_set(spec), cfg) for spec in cfg.sets}
     drafter_path = resolve_drafter_path(args.model, args.drafter)
     s = resolve_session(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length,
-                        dtype=args.dtype, adaptive=args.adaptive, plain_if_slower=False)
+                        dtype=args.dtype, adaptive=args.adaptive)
     s.announce(console)
     eos = sorted(s.tokenizer.eos_token_ids)
     first = chat_ids_of(s, next(iter(chosen.values()))[0])

@@ -139,7 +139,7 @@ def parse_settings(args: str, has_drafter: bool) -> dict:
         if key in DRAFT_KEYS and not has_drafter:
             raise RedrafterError(
                 f"{key} has no effect: this chat decodes without a drafter.",
-                "Start the chat with --drafter PATH (or with -W/-L when a tuned profile chose plain decoding).",
+                "Start the chat without --no-draft, or with --drafter PATH for a model that has no shipped drafter.",
             )
         changes[key] = value
     return changes

@@ -322,7 +322,7 @@ def sweep(
     if not fresh:  # a mismatched --out fails now, not after the model load
         partial = sw.sweep_key(config, [], meta)
         sw.check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
-    s = resolve_session(model, str(drafter_path), dtype=dtype, adaptive=adaptive, plain_if_slower=False)
+    s = resolve_session(model, str(drafter_path), dtype=dtype, adaptive=adaptive)
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
     ids, dropped = sw.fit_prompts(sw.first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
@@ -411,7 +411,7 @@ def train_controller_cmd(
     if prompts is None:  # ShareGPT: the conversations held out from drafter training
         convs = [c for c in convs if is_eval_conversation(c["id"], 0.02)]
     random.Random(seed).shuffle(convs)
-    s = resolve_session(model, drafter, beam_width=beam_width, beam_length=beam_length, plain_if_slower=False)
+    s = resolve_session(model, drafter, beam_width=beam_width, beam_length=beam_length)
     if s.drafter is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)

@@ -3,8 +3,9 @@
 Order of precedence for the beam shape: explicit flags, then the tuned profile
 saved by ``mlx-redrafter sweep --save-profile`` for this device + model +
 drafter, then the built-in defaults. When the profile's best cell was slower
-than plain decoding, the session decodes plainly (the output is the same
-either way) unless a width, length or ``--adaptive`` asks for drafting.
+than plain decoding, the session still drafts (the drafter is used unless
+``--no-draft`` is given) and its announcement says that ``--no-draft`` is
+faster on this device.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Session:
     shape_source: str = "built-in default"
     controller: object = None
     plain_reason: str = "no drafter"
+    note: Optional[str] = None  # a measured fact the user should see, e.g. drafting is slower here
 
     def announce(self, console) -> None:
         if self.drafter is None:
@@ -53,6 +55,8 @@ class Session:
             f"[dim]model {self.model_spec}, drafter {self.drafter_path}: "
             f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra})[/dim]"
         )
+        if self.note:
+            console.print(f"[yellow]Note: {self.note}[/yellow]")
 
 
 def resolve_session(
@@ -63,13 +67,8 @@ def resolve_session(
     beam_length: Optional[int] = None,
     dtype: Optional[str] = None,
     adaptive: bool = False,
-    plain_if_slower: bool = True,
 ) -> Session:
-    """Load the model and pick its drafter and beam shape.
-
-    ``plain_if_slower=False`` keeps the drafter even when the tuned profile
-    found drafting slower (for commands that measure drafting itself).
-    """
+    """Load the model and pick its drafter and beam shape."""
     from .drafter import check_fits, load_drafter
     from .models import load_model, parse_dtype
 
@@ -110,10 +109,9 @@ def resolve_session(
         from .controller import load_controller
 
         s.controller = load_controller(path)
-    elif plain_if_slower and profile is not None and beam_width is None and beam_length is None and profile.get("speedup", 1.0) < 1.0:
-        s.drafter, s.drafter_path = None, None
-        s.plain_reason = (
-            f"tuned profile {profile['file']} measured ReDrafter at {profile['speedup']:.2f}x of plain decoding "
-            f"on this device; pass -W/-L to draft anyway"
+    if profile is not None and profile.get("speedup", 1.0) < 1.0:
+        s.note = (
+            f"this device's tuned profile measured ReDrafter at {profile['speedup']:.2f}x of plain decoding; "
+            f"--no-draft is faster here (same output)"
         )
     return s
