@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.cost import decode_step_cost, draft_step_cost
+from mlx_redrafter.cost import decode_step_cost, draft_step_cost, median_ms, warm_cache
 from mlx_redrafter.drafter import load_drafter
 from mlx_redrafter.models import model_parts
 from mlx_redrafter.train.trainer import TrainConfig, train
@@ -38,16 +36,6 @@ HEADS = {
     "E576-v4k-lr3e-3": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, lr=3e-3),
     "E576x2-v4k": dict(exit_dim=576, num_draft_layers=2, draft_vocab_size=4096),
 }
-
-
-def median_ms(fn, repeats=20):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - tic)
-    return 1000 * float(np.median(ts))
 
 
 def main():
@@ -79,19 +67,8 @@ def main():
             "macs_vs_decode": cost,
             "coverage": log[0]["draft_vocab_coverage"],
         })
-    prompt = mx.arange(64)[None]
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    mx.eval(backbone(prompt, cache=cache))
-    offsets = [c.offset for c in cache]
-
-    def decode():
-        mx.eval(mx.argmax(head(backbone(mx.array([[5]]), cache=cache)), -1))
-        for c, o in zip(cache, offsets):
-            c.offset = o
-
-    plain = median_ms(decode)
+    cache, rewind = warm_cache(model, backbone)
+    plain = median_ms(lambda: mx.eval(mx.argmax(head(backbone(mx.array([[5]]), cache=cache)), -1)), after=rewind)
     print(f"plain decode step: {plain:.1f} ms")
     print("| head | params | vocab coverage | train steps | top-1 acc by depth (held out) | expected accepted, 1 greedy beam | draft ms W=1 L=5 | draft ms W=2 L=5 | W=1 L=5 draft / decode step | MACs per draft step / decode step |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -24,7 +24,6 @@ import builtins
 import collections
 import io
 import json
-import os
 import pickle
 import zipfile
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cost import StepCost, decode_step_cost, draft_step_cost, model_dtype
-from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, _read_config, check_fits, check_weights, save_drafter
+from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, _read_config, check_fits, check_weights, load_safetensors, save_drafter
 from ..errors import RedrafterError
 from .atomic import atomic_folder
 from ..models import _hub_snapshot, _is_path_like, load_model_only, parse_dtype
@@ -366,12 +365,7 @@ def read_torch_bin(path) -> Dict[str, SourceTensor]:
 
 def read_safetensors(path) -> Dict[str, SourceTensor]:
     """Tensors of a safetensors file (bfloat16 widened to float32, exactly)."""
-    try:
-        arrays = mx.load(str(path))
-    except Exception as e:
-        raise RedrafterError(
-            f"{path} cannot be read (truncated or corrupt): {e}", "Download or copy the checkpoint again."
-        ) from None
+    arrays = load_safetensors(path, "Download or copy the checkpoint again.")
     out = {}
     for k, v in arrays.items():
         out[k] = SourceTensor(np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v), dtype_name(v.dtype))

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import RedrafterError
+from .session import DEFAULT_LENGTH, DEFAULT_WIDTH
 
 app = typer.Typer(
     add_completion=False,
@@ -242,8 +243,8 @@ def chat(
     model: str = ModelOpt,
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any)."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Beams drafted per step (default: tuned profile, else 2)."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Tokens drafted per beam, g0 not counted (default: tuned profile, else 4)."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply, in tokens."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(0.0, "--top-p"),
@@ -384,7 +385,7 @@ def train_controller_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Training prompts, JSONL (default: held-out ShareGPT conversations)."),
     num_prompts: int = typer.Option(48, "--num-prompts"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Default: tuned profile, else 2."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Default: tuned profile, else {DEFAULT_WIDTH}."),
     beam_length: int = typer.Option(4, "--beam-length", "-L", help="Maximum depth the controller may choose."),
     epochs: int = typer.Option(100, "--epochs"),
     alpha: float = typer.Option(0.05, "--alpha", help="Penalty per drafted level."),

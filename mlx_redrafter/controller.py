@@ -22,7 +22,6 @@ device. Reward: ``(min(a, D) + 1) / (T(D) / T_plain) - alpha * D``.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -170,25 +169,14 @@ def record_episodes(model, drafter, prompts: List[List[int]], width: int, length
 def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats: int = 5) -> Dict[str, float]:
     """Device latencies in ms: one plain decode step, the verify call for each
     tree size, one full beam search, and the controller itself."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+    from .cost import median_ms, warm_cache
     from .models import model_parts
 
     embed, backbone, head = model_parts(model)
-    cache = make_prompt_cache(model)
-    mx.eval(backbone(mx.arange(64)[None], cache=cache))
-    offset = [c.offset for c in cache]
+    cache, rewind = warm_cache(model, backbone)
 
     def timed(fn):
-        fn()
-        ts = []
-        for _ in range(repeats):
-            tic = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - tic)
-            for c, o in zip(cache, offset):
-                c.offset = o
-        return 1000 * float(np.median(ts))
+        return median_ms(fn, repeats, after=rewind)
 
     def forward(n):
         def fn():

@@ -1,4 +1,4 @@
-"""Analytic cost of one draft step against one LLM decode step.
+"""Cost of one draft step against one LLM decode step: analytic, and measured.
 
 Batch-1 decoding on any device is a chain of matrix-vector products, so two
 numbers describe a step: multiply-accumulates (MACs, one per weight element
@@ -10,10 +10,13 @@ out on both sides: they are tiny and the same for every head size.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,38 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
 
     embed, _, _ = model_parts(model)
     return (embed.scales if "scales" in embed else embed.weight).dtype
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def median_ms(fn: Callable[[], None], repeats: int = 20, after: Optional[Callable[[], None]] = None) -> float:
+    """Median wall time of ``fn()`` in ms, after one warm-up call; ``after()``
+    runs (untimed) after every call, e.g. to rewind a cache."""
+    fn()
+    if after is not None:
+        after()
+    ts = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - tic)
+        if after is not None:
+            after()
+    return 1000 * float(np.median(ts))
+
+
+def warm_cache(model, backbone, tokens: int = 64):
+    """A prompt cache holding ``tokens`` positions, and a function that rewinds
+    it there, so that every timed LLM call sees the same context."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(backbone(mx.arange(tokens)[None], cache=cache))
+    offsets = [c.offset for c in cache]
+
+    def rewind():
+        for c, o in zip(cache, offsets):
+            c.offset = o
+
+    return cache, rewind

@@ -193,6 +193,14 @@ def check_weights(config: DrafterConfig, weights: dict, source: str = "drafter")
             )
 
 
+def load_safetensors(path, fix: str) -> dict:
+    """The arrays of a safetensors file; a clear error (with ``fix``) when it is truncated or corrupt."""
+    try:
+        return mx.load(str(path))
+    except Exception as e:
+        raise RedrafterError(f"{path} cannot be read (truncated or corrupt): {e}", fix) from None
+
+
 def load_drafter(path, dtype=None) -> Drafter:
     """Load a drafter folder (``config.json`` + ``model.safetensors``).
 
@@ -215,12 +223,7 @@ def load_drafter(path, dtype=None) -> Drafter:
                 f"Convert it first: mlx-redrafter convert {path} OUT_DIR",
             )
         raise RedrafterError(f"No model.safetensors in {path}.")
-    try:
-        weights = mx.load(str(st))
-    except Exception as e:
-        raise RedrafterError(
-            f"{st} cannot be read (truncated or corrupt): {e}", "Restore or re-create the drafter."
-        ) from None
+    weights = load_safetensors(st, "Restore or re-create the drafter.")
     check_weights(config, weights, f"drafter in {path}")
     drafter = Drafter(config)
     drafter.load_weights(list(weights.items()))
