@@ -36,7 +36,7 @@ import numpy as np
 from ..cost import StepCost, decode_step_cost, draft_step_cost, model_dtype
 from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, _read_config, check_fits, check_weights, load_safetensors, save_drafter
 from ..errors import RedrafterError
-from .atomic import atomic_folder
+from ..files import atomic_folder
 from ..models import _hub_snapshot, _is_path_like, load_model_only, parse_dtype
 
 # Files looked for in a drafter folder, in this order.

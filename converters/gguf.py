@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from ..errors import RedrafterError
-from .atomic import atomic_folder
+from ..files import atomic_folder, cache_root
 
 GROUP_SIZE = 32  # block size of Q4_0 / Q4_1 / Q8_0
 
@@ -336,7 +336,7 @@ def _save_tokenizer(tok, dst: Path, f: GGUFFile):
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, progress=None) -> Path:
     """Convert ``src`` (a .gguf file) into the mlx-lm folder ``dst``.
 
-    The folder is written atomically (see :func:`.atomic.atomic_folder`).
+    The folder is written atomically (see :func:`mlx_redrafter.files.atomic_folder`).
     ``progress(done, total)`` is called once per tensor when given.
     """
     import mlx.core as mx
@@ -388,8 +388,6 @@ def cached_conversion(src: str | os.PathLike, cache_dir: Optional[str | os.PathL
     The cache key is the file's name, size and modification time, so a replaced
     file is converted again.
     """
-    from ..models import cache_root
-
     src = Path(src).resolve()
     if not src.is_file():
         raise RedrafterError(f"GGUF file not found: {src}", "Check the path.")

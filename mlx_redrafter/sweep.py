@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import RedrafterError
+from .files import write_json_atomic
 from .generate import StepStats, generate_tokens
 
 RESULTS_VERSION = 1
@@ -492,15 +493,6 @@ def load_results(out_dir: Path, key: dict, fresh: bool = False) -> dict:
     old = _read_results(path)
     old["cells"] = [c for c in old["cells"] if c["status"] == "ok"]  # skipped cells are estimated again
     return old
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """Write to a temporary file and rename it: an interrupted sweep never
-    leaves a half-written results.json."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def save_results(out_dir: Path, results: dict) -> None:

@@ -13,7 +13,6 @@ that was reported written.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
@@ -22,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import RedrafterError
+from ..files import atomic_file, write_json_atomic
 
 MANIFEST = "progress.json"
 
@@ -57,9 +57,7 @@ class Manifest:
             raise RedrafterError(f"{path} is corrupt: {e}", "Delete the folder or pick a new --out.") from None
 
     def save(self, folder: Path) -> None:
-        tmp = Path(folder) / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(self.__dict__, indent=1))
-        os.replace(tmp, Path(folder) / MANIFEST)
+        write_json_atomic(Path(folder) / MANIFEST, self.__dict__, indent=1)
 
 
 def write_shard(folder: Path, index: int, seqs: List[Sequence]) -> str:
@@ -73,11 +71,9 @@ def write_shard(folder: Path, index: int, seqs: List[Sequence]) -> str:
         "turns": json.dumps([s.turn for s in seqs]),
         "prompt_len": json.dumps([s.prompt_len for s in seqs]),
     }
-    tmp = Path(folder) / f".partial-{name}"
-    mx.save_safetensors(
-        str(tmp), {"tokens": mx.array(tokens), "hidden": mx.array(hidden), "offsets": mx.array(offsets)}, meta
-    )
-    os.replace(tmp, Path(folder) / name)
+    with atomic_file(Path(folder) / name) as tmp:
+        arrays = {"tokens": mx.array(tokens), "hidden": mx.array(hidden), "offsets": mx.array(offsets)}
+        mx.save_safetensors(str(tmp), arrays, meta)
     return name
 
 

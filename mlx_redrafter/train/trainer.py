@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from ..errors import RedrafterError
+from ..files import atomic_file, write_json_atomic
 from ..models import model_parts
 from .shards import Corpus, read_corpus
 
@@ -211,9 +212,9 @@ def _save_checkpoint(folder: Path, drafter, optimizer, step: int, cfg: TrainConf
     ck.mkdir(parents=True, exist_ok=True)
     save_drafter(drafter, ck / "drafter", dtype="float32")
     state = dict(tree_flatten(optimizer.state))
-    mx.save_safetensors(str(ck / ".partial-optimizer.safetensors"), {k: v for k, v in state.items() if isinstance(v, mx.array)})
-    (ck / ".partial-optimizer.safetensors").replace(ck / "optimizer.safetensors")
-    (ck / "state.json").write_text(json.dumps({"step": step, "seconds": seconds, "config": asdict(cfg), **meta}))
+    with atomic_file(ck / "optimizer.safetensors") as tmp:
+        mx.save_safetensors(str(tmp), {k: v for k, v in state.items() if isinstance(v, mx.array)})
+    write_json_atomic(ck / "state.json", {"step": step, "seconds": seconds, "config": asdict(cfg), **meta})
 
 
 def train(
