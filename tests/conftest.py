@@ -6,9 +6,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-FIXTURES = SHARED / "fixtures" / "official_redrafter"
+# Everything the tests read ships with the repository (no folder beside it).
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_redrafter"
+# The two evaluation sets the package does not ship (see its README.md).
+EVAL_SETS = FIXTURES.parent / "eval_sets"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,8 +35,10 @@ def default_model(_isolated_cache):
 
 @pytest.fixture(scope="session")
 def fixtures_dir():
+    """The official ReDrafter fixtures (see their GENERATED_BY.md): part of the
+    repository, so a missing folder is an error, never a skip."""
     if not FIXTURES.is_dir():
-        pytest.skip(f"official fixtures not found at {FIXTURES}")
+        pytest.fail(f"official fixtures missing at {FIXTURES}: they ship with the repository (git checkout -- tests/fixtures)")
     return FIXTURES
 
 
