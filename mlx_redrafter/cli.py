@@ -134,7 +134,7 @@ TRAIN_PRESETS = {
 @app.command()
 def distill(
     model: str = ModelOpt,
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL(.gz) of conversations (default: ../shared ShareGPT prompts)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL(.gz) of conversations (default: the ShareGPT prompts shipped with the package)."),
     out: Path = typer.Option(..., "--out", "-o", help="Data folder (resumable)."),
     turns: int = typer.Option(1, "--turns", help="User turns answered per conversation."),
     batch_size: int = typer.Option(48, "--batch-size"),
@@ -156,7 +156,7 @@ def distill(
         raise RedrafterError("--turns, --batch-size and --max-new-tokens must be at least 1.")
     prompts = prompts or default_training_prompts()
     if prompts is None:
-        raise RedrafterError("No --prompts given and the ShareGPT prompts (../shared/data) are not next to the repo.", "Pass --prompts FILE.jsonl.")
+        raise RedrafterError("No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).", "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
     cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations,
                         system=system, seed=seed, stop_loops=stop_loops)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
@@ -406,7 +406,7 @@ def train_controller_cmd(
         raise RedrafterError("--num-prompts, --max-tokens and --epochs must be at least 1.")
     source = prompts or default_training_prompts()
     if source is None:
-        raise RedrafterError("No --prompts given and the ShareGPT prompts (../shared/data) are not next to the repo.", "Pass --prompts FILE.jsonl.")
+        raise RedrafterError("No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).", "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
     convs = read_conversations(source)
     refuse_eval_set(source, convs)
     if prompts is None:  # ShareGPT: the conversations held out from drafter training

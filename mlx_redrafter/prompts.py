@@ -22,7 +22,9 @@ PROMPT_SETS = {
     "alpaca_eval": DATA / "alpaca_eval.jsonl",
 }
 FINGERPRINTS = DATA / "eval_fingerprints.json"
-# Evaluation sets by file name, as ../shared/data and their upstreams name them.
+# ShareGPT V3 user turns (licenses/ShareGPT.md), the default training prompts.
+SHAREGPT = DATA / "sharegpt_train_prompts.jsonl.gz"
+# Evaluation sets by file or folder name, as their upstreams name them.
 EVAL_NAME = re.compile(r"mt[_-]?bench|spec[_-]?bench|alpaca[_-]?eval|gsm8k|grade[_-]school|human[_-]?eval", re.I)
 TEXT_FIELDS = ("turns", "prompt", "instruction", "question", "text")
 
@@ -95,18 +97,12 @@ def fingerprint(text: str) -> str:
     return hashlib.sha1(norm.encode("utf-8")).hexdigest()[:16]
 
 
-def build_fingerprints(shared_data: Path) -> Dict[str, List[str]]:
-    """Fingerprints of every prompt of the five evaluation sets in ``shared_data``
-    (how ``data/eval_fingerprints.json`` was made; a test rebuilds it)."""
-    sets = {
-        "mt_bench": shared_data / "mt_bench" / "question.jsonl",
-        "spec_bench": shared_data / "spec_bench" / "question.jsonl",
-        "alpaca_eval": shared_data / "alpaca_eval" / "outputs.json",
-        "gsm8k": shared_data / "gsm8k" / "test.jsonl",
-        "humaneval": shared_data / "humaneval" / "HumanEval.jsonl.gz",
-    }
+def build_fingerprints(files: Dict[str, Path]) -> Dict[str, List[str]]:
+    """Fingerprints of every prompt of each evaluation set, from ``{name: file}``
+    (how ``data/eval_fingerprints.json`` was made from MT-Bench, Spec-Bench,
+    AlpacaEval, GSM8K test and HumanEval; a test rebuilds it)."""
     out = {}
-    for name, path in sets.items():
+    for name, path in files.items():
         prints = {fingerprint(t) for c in read_conversations(path) for t in c["turns"]}
         out[name] = sorted(prints)
     return out
@@ -124,7 +120,8 @@ def refuse_eval_set(path, conversations: Optional[List[dict]] = None) -> None:
     AlpacaEval, GSM8K test or HumanEval would inflate every benchmark.
     """
     path = Path(path)
-    if EVAL_NAME.search(str(path)):
+    # The file and its folder only: a clone under ~/humaneval-work/ is no eval set.
+    if EVAL_NAME.search("/".join(path.parts[-2:])):
         raise RedrafterError(
             f"{path} looks like an evaluation set (MT-Bench, Spec-Bench, AlpacaEval, GSM8K or HumanEval).",
             "Train on ShareGPT prompts (the default) or your own data, never on evaluation prompts.",
@@ -146,10 +143,5 @@ def refuse_eval_set(path, conversations: Optional[List[dict]] = None) -> None:
 
 
 def default_training_prompts() -> Optional[Path]:
-    """``../shared/data/sharegpt/sharegpt_train_prompts.jsonl.gz`` next to the repo, if there."""
-    repo = Path(__file__).resolve().parents[1]
-    for base in (Path.cwd(), repo):
-        p = base.parent / "shared" / "data" / "sharegpt" / "sharegpt_train_prompts.jsonl.gz"
-        if p.is_file():
-            return p
-    return None
+    """The ShareGPT training prompts shipped in the package, if installed with it."""
+    return SHAREGPT if SHAREGPT.is_file() else None

@@ -1,24 +1,31 @@
 """Self-distillation and drafter training, end to end on a tiny random model."""
 
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import mlx_redrafter
 from helpers import TINY_CONFIGS, tiny_model
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.drafter import load_drafter
 from mlx_redrafter.generate import generate_tokens
-from mlx_redrafter.prompts import FINGERPRINTS, build_fingerprints, refuse_eval_set
+from mlx_redrafter.prompts import FINGERPRINTS, PROMPT_SETS, build_fingerprints, refuse_eval_set
 from mlx_redrafter.train.distill import DistillConfig, distill
 from mlx_redrafter.train.shards import Manifest, read_corpus
 from mlx_redrafter.train.trainer import TrainConfig, train
 
-from conftest import SHARED
+from conftest import EVAL_SETS
+
+# The five evaluation sets: three ship with the package, two with the tests.
+EVAL_FILES = {**PROMPT_SETS, "gsm8k": EVAL_SETS / "gsm8k" / "test.jsonl.gz", "humaneval": EVAL_SETS / "humaneval" / "HumanEval.jsonl.gz"}
 
 TOPICS = ["the sea", "a red fox", "bread baking", "prime numbers", "the moon", "old trains", "jazz", "rain", "chess"]
 
@@ -137,28 +144,43 @@ def test_interrupted_distill_resumes_without_losing_or_redoing(tiny_llm, prompt_
 
 def test_distill_refuses_evaluation_sets(tiny_llm, tmp_path):
     with pytest.raises(RedrafterError, match="evaluation set"):
-        run_distill(tiny_llm, SHARED / "data" / "mt_bench" / "question.jsonl", tmp_path / "x")
+        run_distill(tiny_llm, EVAL_FILES["mt_bench"], tmp_path / "x")
     # Renamed: recognized by content.
     disguised = tmp_path / "my_prompts.jsonl"
-    lines = open(SHARED / "data" / "gsm8k" / "test.jsonl").readlines()[:5]
-    disguised.write_text("".join(lines))
+    with gzip.open(EVAL_FILES["gsm8k"], "rt", encoding="utf-8") as f:
+        disguised.write_text("".join(f.readlines()[:5]))
     with pytest.raises(RedrafterError, match="gsm8k"):
         run_distill(tiny_llm, disguised, tmp_path / "x")
-    for name in ("spec_bench/question.jsonl", "alpaca_eval/outputs.json", "humaneval/HumanEval.jsonl.gz"):
-        with pytest.raises(RedrafterError):
-            refuse_eval_set(SHARED / "data" / name)
+    for name in ("spec_bench", "alpaca_eval", "humaneval"):
+        with pytest.raises(RedrafterError, match="evaluation set"):
+            refuse_eval_set(EVAL_FILES[name])
+        # By content too, under a name that says nothing.
+        plain = tmp_path / f"prompts{EVAL_FILES[name].suffix}"
+        shutil.copy(EVAL_FILES[name], plain)
+        with pytest.raises(RedrafterError, match=name):
+            refuse_eval_set(plain)
+
+
+def test_shipped_training_prompts_are_not_evaluation_sets():
+    from mlx_redrafter.prompts import SHAREGPT, default_training_prompts, read_conversations
+
+    path = default_training_prompts()
+    assert path == SHAREGPT and path.is_relative_to(Path(mlx_redrafter.__file__).parent)
+    convs = read_conversations(path)
+    assert len(convs) > 8000 and all(c["turns"] for c in convs)
+    refuse_eval_set(path, convs)  # raises if any evaluation prompt slipped in
 
 
 def test_cli_distill_refuses_evaluation_sets(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "mlx_redrafter.cli", "distill", "--prompts", str(SHARED / "data" / "mt_bench" / "question.jsonl"), "--out", str(tmp_path / "x")],
+        [sys.executable, "-m", "mlx_redrafter.cli", "distill", "--prompts", str(EVAL_FILES["mt_bench"]), "--out", str(tmp_path / "x")],
         capture_output=True, text=True, env=dict(os.environ), timeout=120,
     )
     assert r.returncode == 1 and "evaluation set" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_shipped_fingerprints_match_the_evaluation_sets():
-    assert json.loads(FINGERPRINTS.read_text()) == build_fingerprints(SHARED / "data")
+    assert json.loads(FINGERPRINTS.read_text()) == build_fingerprints(EVAL_FILES)
 
 
 def small_train_config(**kw):
