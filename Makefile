@@ -53,10 +53,14 @@ bench-full: setup
 
 # The drafter shipped for the default model: ~75 min of distillation + ~35 min
 # of training on a 2-core machine with BLIS, then installed into the package.
+# The prompts are the ShareGPT ones shipped in mlx_redrafter/data. Try it quickly
+# with e.g. `make train-default DISTILL_MINUTES=1 TRAIN_MINUTES=1`.
 SHIPPED := mlx_redrafter/drafters/smollm2-135m-instruct
+DISTILL_MINUTES ?= 75
+TRAIN_MINUTES ?= 35
 train-default: setup
-	$(RUN)$(BIN)/mlx-redrafter distill --model default --out runs/distill-default --minutes 75
-	$(RUN)$(BIN)/mlx-redrafter train --model default --data runs/distill-default --out runs/drafter-default --preset default --minutes 35
+	$(RUN)$(BIN)/mlx-redrafter distill --model default --out runs/distill-default --minutes $(DISTILL_MINUTES)
+	$(RUN)$(BIN)/mlx-redrafter train --model default --data runs/distill-default --out runs/drafter-default --preset default --minutes $(TRAIN_MINUTES)
 	mkdir -p $(SHIPPED)
 	cp runs/drafter-default/config.json runs/drafter-default/model.safetensors runs/drafter-default/train_log.jsonl $(SHIPPED)/
 
