@@ -258,7 +258,7 @@ def chat_command(*args):
 
 
 def test_terminal_session(default_model, drafter_dir):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect  # a test dependency (.[test]): missing is an error, not a skip
     cmd = chat_command("--drafter", str(drafter_dir), "-W", "2", "-L", "3", "--max-tokens", "16", "--show-drafts")
     child = pexpect.spawn(cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT, dimensions=(40, 240))
     try:
