@@ -53,8 +53,9 @@ bench-full: setup
 
 # The drafter shipped for the default model: ~75 min of distillation + ~35 min
 # of training on a 2-core machine with BLIS, then installed into the package.
-# The prompts are the ShareGPT ones shipped in mlx_redrafter/data. Try it quickly
-# with e.g. `make train-default DISTILL_MINUTES=1 TRAIN_MINUTES=1`.
+# The prompts are the ShareGPT ones shipped in mlx_redrafter/data. Shorter runs:
+# `make train-default DISTILL_MINUTES=20 TRAIN_MINUTES=10` (a distill budget that
+# finishes no batch of replies leaves train no data).
 SHIPPED := mlx_redrafter/drafters/smollm2-135m-instruct
 DISTILL_MINUTES ?= 75
 TRAIN_MINUTES ?= 35
