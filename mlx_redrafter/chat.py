@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 from mlx_lm.models.cache import make_prompt_cache
 
 from .errors import RedrafterError
-from .generate import RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate, trim_cache
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate, trim_cache
 
 DRAFT_STYLE = "cyan"
 
@@ -76,8 +76,8 @@ class ChatSettings:
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
-    beam_width: int = 2
-    beam_length: int = 4
+    beam_width: int = DEFAULT_WIDTH
+    beam_length: int = DEFAULT_LENGTH
     show_drafts: bool = False
 
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import RedrafterError
-from .session import DEFAULT_LENGTH, DEFAULT_WIDTH
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH
 
 app = typer.Typer(
     add_completion=False,
@@ -56,8 +56,8 @@ def generate(
     model: str = ModelOpt,
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (enables ReDrafter)."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Beams drafted per step."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Tokens drafted per beam (g0 not counted)."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(0.0, "--top-p"),
@@ -71,9 +71,10 @@ def generate(
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the trained controller decide the draft depth."),
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter)."""
-    from .generate import Tally, stream_generate
+    from .generate import SamplingConfig, Tally, stream_generate
     from .session import resolve_session
 
+    SamplingConfig(temp, top_p, min_p, top_k)  # refuse bad values before the slow load
     text = read_prompt(prompt, file)
     s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
     s.announce(err)

@@ -231,6 +231,7 @@ def load_drafter(path, dtype=None) -> Drafter:
     dtype = parse_dtype(dtype) or default_dtype()
     drafter.set_dtype(dtype)  # draft_vocab is integer and keeps its dtype
     mx.eval(drafter.parameters())
+    drafter.source_path = path  # keys the tuned profile of the library's default shape
     return drafter
 
 

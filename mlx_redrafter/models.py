@@ -159,6 +159,7 @@ def load_model(
     with _explain_load_errors(path):
         model, tokenizer = mlx_load(str(path), lazy=True)
     apply_dtype(model, dtype, keep_quantized)
+    model.redrafter_spec = spec  # keys the tuned profile of the library's default shape
     return model, tokenizer
 
 

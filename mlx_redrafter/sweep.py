@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import RedrafterError
 from .files import write_json_atomic
-from .generate import StepStats, generate_tokens
+from .generate import DraftConfig, SamplingConfig, StepStats, generate_tokens
 
 RESULTS_VERSION = 1
 # Figures: sizes in inches that are exact binary fractions, so the PNG's
@@ -78,8 +78,7 @@ class SweepConfig:
             raise RedrafterError(f"--max-tokens must be at least 1 (got {self.max_tokens}).")
         if self.baseline_every < 1:
             raise RedrafterError(f"--baseline-every must be at least 1 (got {self.baseline_every}).")
-        if self.temp < 0 or not 0 <= self.top_p <= 1:
-            raise RedrafterError(f"--temp must be >= 0 and --top-p in [0, 1] (got {self.temp}, {self.top_p}).")
+        SamplingConfig(self.temp, self.top_p)  # raises on a bad value
 
 
 def parse_grid(text: str, flag: str = "--widths") -> List[int]:
@@ -228,9 +227,10 @@ def measure(
     """
     mx.reset_peak_memory()
     tic = time.perf_counter()
+    draft = DraftConfig(drafter, beam_width, beam_length, controller=controller)
     tokens, steps = generate_tokens(
-        model, list(prompt), drafter, beam_width, beam_length, max_tokens, eos_ids,
-        temp=temp, top_p=top_p, profile=profile, controller=controller,
+        model, list(prompt), draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
+        temp=temp, top_p=top_p, profile=profile,
     )
     wall = time.perf_counter() - tic
     return Run(tokens, steps, wall, mx.get_peak_memory())

@@ -461,7 +461,8 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     from rich.console import Console
 
     from mlx_redrafter.profiles import save_profile
-    from mlx_redrafter.session import DEFAULT_LENGTH, DEFAULT_WIDTH, resolve_session
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH
+    from mlx_redrafter.session import resolve_session
 
     dfolder = save_random_drafter(tmp_path / "d", seed=7)
     s = resolve_session(str(tiny_folder), str(dfolder))
@@ -481,6 +482,26 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
     s = resolve_session(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
     assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
+
+
+def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
+    from mlx_redrafter.drafter import load_drafter
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft, stream_generate
+    from mlx_redrafter.models import load_model
+    from mlx_redrafter.profiles import save_profile
+
+    model, tok = load_model(str(tiny_folder))
+    dfolder = save_random_drafter(tmp_path / "d", seed=9)
+    drafter = load_drafter(dfolder)
+    shape = lambda w=None, l=None: (lambda d: (d.beam_width, d.beam_length))(library_draft(model, drafter, w, l))
+    assert shape() == (DEFAULT_WIDTH, DEFAULT_LENGTH)
+    save_profile(str(tiny_folder), dfolder, 3, 5)
+    assert shape() == (3, 5)
+    assert shape(w=1) == (1, 5) and shape(2, 2) == (2, 2)  # a given value wins, the other comes from the profile
+    depths = {r.stats.depth for r in stream_generate(model, tok, "w5 w6 w7", drafter=drafter, max_tokens=12)}
+    assert depths - {0} == {5}  # step 0 (the prompt's token) drafts nothing
+    # A drafter built in code has no folder, hence no profile: the built-in shape.
+    assert library_draft(model, random_drafter(), None, None).beam_length == DEFAULT_LENGTH
 
 
 def test_a_profile_slower_than_plain_decoding_is_announced(tmp_path, tiny_folder):
