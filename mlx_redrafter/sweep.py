@@ -794,11 +794,11 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
     """What identifies the measured system, stored with the results (and
     matched when a sweep resumes)."""
     from .models import default_dtype, parse_dtype
-    from .profiles import _drafter_id, device_id
+    from .profiles import drafter_id, device_id
 
     return {
         "model": str(model_spec),
-        "drafter": _drafter_id(drafter_path),
+        "drafter": drafter_id(drafter_path),
         "prompt_set": str(prompt_set),
         "dtype": str(parse_dtype(dtype) or default_dtype()).split(".")[-1],
         "device": device_id(),
