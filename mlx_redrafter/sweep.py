@@ -3,7 +3,7 @@ plain mlx-lm decoding measured in the same run.
 
 The measuring core works on token ids (``measure``, ``run_pass``,
 ``run_sweep``), so that it runs on tiny random models without a tokenizer;
-``chat_prompt_ids`` is the thin layer that turns conversations into ids
+``prompts.chat_prompt_ids`` is the thin layer that turns conversations into ids
 through a real model's chat template. ``bench/run.py`` reuses the same core.
 
 Plain decoding drifts with the machine (thermal state, other processes), so
@@ -104,46 +104,6 @@ def parse_grid(text: str, flag: str = "--widths") -> List[int]:
     if not values:
         raise RedrafterError(f"{flag} is empty: the grid would have no cells.", f"Use e.g. {flag} 1,2,3,4.")
     return sorted(values)
-
-
-def select_conversations(conversations: List[dict], n: Optional[int]) -> List[dict]:
-    """The first ``n`` conversations taken round-robin over categories, so
-    that a few prompts still cover every kind of task (MT-Bench lists its
-    categories in blocks)."""
-    if n is None or n >= len(conversations):
-        return list(conversations)
-    if n < 1:
-        raise RedrafterError(f"--num-prompts must be at least 1 (got {n}).")
-    by_cat: Dict[str, List[dict]] = {}
-    for c in conversations:
-        by_cat.setdefault(c.get("category", ""), []).append(c)
-    queues = list(by_cat.values())
-    out: List[dict] = []
-    i = 0
-    while len(out) < n:
-        q = queues[i % len(queues)]
-        k = i // len(queues)
-        if k < len(q):
-            out.append(q[k])
-        i += 1
-    return out
-
-
-def chat_prompt_ids(tokenizer, messages: List[dict]) -> List[int]:
-    """Token ids of a conversation through the model's chat template (plain
-    text when it has none), encoded as ``generate`` encodes a prompt."""
-    from .generate import encode_prompt
-
-    if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n\n".join(m["content"] for m in messages)
-    return list(encode_prompt(tokenizer, text))
-
-
-def first_turn_ids(tokenizer, conversations: List[dict]) -> List[List[int]]:
-    """The first user turn of every conversation, through the chat template."""
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": c["turns"][0]}]) for c in conversations]
 
 
 def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
