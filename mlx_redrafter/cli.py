@@ -310,7 +310,7 @@ def sweep(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from .prompts import first_turn_ids, load_prompt_set, select_conversations
-    from .session import resolve_session
+    from .session import resolve_drafter_path, resolve_session
     from . import sweep as sw
 
     # Every check that needs no model comes before the slow load.
@@ -320,7 +320,7 @@ def sweep(
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
     convs = select_conversations(load_prompt_set(prompts), num_prompts)
-    drafter_path = sw.resolve_drafter_path(model, drafter)
+    drafter_path = resolve_drafter_path(model, drafter)
     meta = {**sw.sweep_meta(model, drafter_path, prompts, dtype), "adaptive": adaptive}
     if not fresh:  # a mismatched --out fails now, not after the model load
         partial = sw.sweep_key(config, [], meta)

@@ -28,6 +28,23 @@ def shipped_drafter_path(model_spec: str) -> Optional[Path]:
     return path if (path / "config.json").exists() else None
 
 
+def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
+    """``--drafter``, else the drafter shipped for ``model_spec``, else a clear error."""
+    if drafter is not None:
+        path = Path(drafter).expanduser()
+        if not path.exists():
+            raise RedrafterError(f"Drafter path does not exist: {drafter}", "Check the --drafter path.")
+        return path
+    path = shipped_drafter_path(model_spec)
+    if path is None:
+        hint = "(the default model's drafter is not installed yet)" if model_spec == "default" else f"for {model_spec!r}"
+        raise RedrafterError(
+            f"No drafter given and none ships {hint}.",
+            "Pass --drafter PATH (train one with `mlx-redrafter distill` + `mlx-redrafter train`).",
+        )
+    return path
+
+
 @dataclass
 class Session:
     model: object
