@@ -264,7 +264,9 @@ def chat(
     With a pipe on stdin, each line is a turn (or a /command); replies go to
     stdout as plain text and status lines to stderr.
     """
-    from .chat import ChatSession, ChatSettings, check_setting, run_chat
+    from .chat import ChatSession, ChatSettings, run_chat
+    from .chat_settings import check_setting
+    from .generate import SamplingConfig
     from .session import resolve_session
 
     values = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -278,7 +280,7 @@ def chat(
         import mlx.core as mx
 
         mx.random.seed(seed)
-    settings = ChatSettings(**values, show_drafts=show_drafts)
+    settings = ChatSettings(max_tokens, SamplingConfig(temp, top_p, min_p, top_k), show_drafts=show_drafts)
     session = ChatSession.from_session(s, settings, system=system, max_context=max_context)
     code = run_chat(session)
     if code:
