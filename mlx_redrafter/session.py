@@ -16,6 +16,7 @@ from typing import Optional
 
 from .errors import RedrafterError
 from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, draft_shape
+
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 
 
