@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import RedrafterError
-from .session import DEFAULT_LENGTH, DEFAULT_WIDTH
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH
 
 app = typer.Typer(
     add_completion=False,
@@ -42,9 +42,10 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
 
 def format_prompt(tokenizer, text: str, system: Optional[str], raw: bool):
     """Apply the chat template (unless ``raw`` or the model has none)."""
-    if raw or not getattr(tokenizer, "has_chat_template", False):
+    from .prompts import build_messages, has_chat_template, render_messages
+
+    if raw or not has_chat_template(tokenizer):  # a model without a template continues the text as given
         return text
-    from .chat import build_messages, render_messages
 
     return render_messages(tokenizer, build_messages(system, [], text))
 
@@ -56,8 +57,8 @@ def generate(
     model: str = ModelOpt,
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (enables ReDrafter)."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Beams drafted per step."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Tokens drafted per beam (g0 not counted)."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(0.0, "--top-p"),
@@ -71,9 +72,10 @@ def generate(
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the trained controller decide the draft depth."),
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter)."""
-    from .generate import Tally, stream_generate
+    from .generate import SamplingConfig, Tally, stream_generate
     from .session import resolve_session
 
+    SamplingConfig(temp, top_p, min_p, top_k)  # refuse bad values before the slow load
     text = read_prompt(prompt, file)
     s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
     s.announce(err)
@@ -262,7 +264,9 @@ def chat(
     With a pipe on stdin, each line is a turn (or a /command); replies go to
     stdout as plain text and status lines to stderr.
     """
-    from .chat import ChatSession, ChatSettings, check_setting, run_chat
+    from .chat import ChatSession, ChatSettings, run_chat
+    from .chat_settings import check_setting
+    from .generate import SamplingConfig
     from .session import resolve_session
 
     values = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -276,7 +280,7 @@ def chat(
         import mlx.core as mx
 
         mx.random.seed(seed)
-    settings = ChatSettings(**values, show_drafts=show_drafts)
+    settings = ChatSettings(max_tokens, SamplingConfig(temp, top_p, min_p, top_k), show_drafts=show_drafts)
     session = ChatSession.from_session(s, settings, system=system, max_context=max_context)
     code = run_chat(session)
     if code:
@@ -307,8 +311,8 @@ def sweep(
     """Measure ReDrafter over a beam width x length grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .prompts import load_prompt_set
-    from .session import resolve_session
+    from .prompts import first_turn_ids, load_prompt_set, select_conversations
+    from .session import resolve_drafter_path, resolve_session
     from . import sweep as sw
 
     # Every check that needs no model comes before the slow load.
@@ -317,8 +321,8 @@ def sweep(
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
-    convs = sw.select_conversations(load_prompt_set(prompts), num_prompts)
-    drafter_path = sw.resolve_drafter_path(model, drafter)
+    convs = select_conversations(load_prompt_set(prompts), num_prompts)
+    drafter_path = resolve_drafter_path(model, drafter)
     meta = {**sw.sweep_meta(model, drafter_path, prompts, dtype), "adaptive": adaptive}
     if not fresh:  # a mismatched --out fails now, not after the model load
         partial = sw.sweep_key(config, [], meta)
@@ -326,7 +330,7 @@ def sweep(
     s = resolve_session(model, str(drafter_path), dtype=dtype, adaptive=adaptive)
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
-    ids, dropped = sw.fit_prompts(sw.first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
+    ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
                                   1 + max(config.widths) * max(config.lengths))
     if dropped:
         err.print(f"[yellow]{dropped} prompts do not fit the model's context with --max-tokens {max_tokens}; left out.[/yellow]")
@@ -396,10 +400,9 @@ def train_controller_cmd(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from . import controller as ctl
-    from .prompts import default_training_prompts, read_conversations, refuse_eval_set
+    from .controller import fit_and_save
+    from .prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
     from .session import resolve_session
-    from .sweep import chat_prompt_ids
     from .train.trainer import is_eval_conversation
 
     if num_prompts < 1 or max_tokens < 1 or epochs < 1:
@@ -416,28 +419,19 @@ def train_controller_cmd(
     if s.drafter is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)
-    ids = [chat_prompt_ids(s.tokenizer, [{"role": "user", "content": c["turns"][0]}]) for c in convs]
+    ids = first_turn_ids(s.tokenizer, convs)
     ids = [p for p in ids if len(p) <= 512][:num_prompts]
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=err) as bar:
         task = bar.add_task("recording", total=len(ids))
-        episodes = ctl.record_episodes(s.model, s.drafter, ids, s.beam_width, s.beam_length, max_tokens,
-                                       eos_ids=s.tokenizer.eos_token_ids, progress=lambda i: bar.update(task, completed=i))
-        bar.update(task, description="measuring latency", completed=0, total=None)
-        latency = ctl.measure_latency(s.model, s.drafter, s.beam_width, s.beam_length)
-        cfg = ctl.ControllerConfig(beam_width=s.beam_width, beam_length=s.beam_length, alpha=alpha, latency=latency)
-        bar.update(task, description="training", completed=0, total=epochs)
-        controller = ctl.train_controller(episodes, cfg, epochs=epochs, seed=seed,
-                                          progress=lambda e, r: bar.update(task, completed=e))
-    ctl.save_controller(controller, s.drafter_path)
-    fixed = {d: ctl.expected_speedup(d, episodes, latency) for d in range(1, s.beam_length + 1)}
-    best = max(fixed, key=fixed.get)
-    learned = ctl.expected_speedup(controller, episodes, latency)
-    err.print(f"{len(episodes.accepted)} steps recorded; offline tokens per plain-step time: "
-              + ", ".join(f"L={d}: {v:.2f}" for d, v in fixed.items()) + f", adaptive: {learned:.2f}")
-    if learned <= fixed[best]:
-        err.print(f"[yellow]The controller does not beat the fixed depth L={best} on the recorded steps; keep using fixed (W, L).[/yellow]")
-    err.print(f"saved {s.drafter_path / ctl.WEIGHTS} (use it with --adaptive)")
+        fit = fit_and_save(s.model, s.drafter, s.drafter_path, ids, s.beam_width, s.beam_length, max_tokens,
+                           eos_ids=s.tokenizer.eos_token_ids, epochs=epochs, alpha=alpha, seed=seed,
+                           progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total))
+    err.print(f"{fit.steps} steps recorded; offline tokens per plain-step time: "
+              + ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items()) + f", adaptive: {fit.learned:.2f}")
+    if not fit.beats_fixed:
+        err.print(f"[yellow]The controller does not beat the fixed depth L={fit.best_depth} on the recorded steps; keep using fixed (W, L).[/yellow]")
+    err.print(f"saved {fit.path} (use it with --adaptive)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -17,7 +17,7 @@ from mlx_redrafter.controller import (
     save_controller,
     train_controller,
 )
-from mlx_redrafter.generate import generate_tokens
+from mlx_redrafter.generate import DraftConfig, generate_tokens
 
 W, L = 2, 4
 
@@ -69,7 +69,7 @@ def test_adaptive_generation_is_exact(llama):
     depths = []
     for p, ref in zip(ps, refs):
         oracle = OracleDrafter(model, p, 48, L)
-        out, stats = generate_tokens(model, p, oracle, W, L, max_tokens=48, controller=ctrl)
+        out, stats = generate_tokens(model, p, draft=DraftConfig(oracle, W, L, controller=ctrl), max_tokens=48)
         assert out == ref
         depths += [s.depth for s in stats[1:]]
         assert all(s.accepted <= s.depth for s in stats[1:])
@@ -91,8 +91,25 @@ def test_train_controller_end_to_end_on_a_tiny_model(llama, tmp_path):
     again = load_controller(tmp_path / "d")
     conf = mx.array(episodes.confidences[:3])
     assert np.array_equal(np.array(ctrl.depth(conf)), np.array(again.depth(conf)))
-    out, _ = generate_tokens(model, ps[0], drafter, W, L, max_tokens=48, controller=again)
+    out, _ = generate_tokens(model, ps[0], draft=DraftConfig(drafter, W, L, controller=again), max_tokens=48)
     assert out == refs[0]
+
+
+def test_fit_and_save_trains_saves_and_compares_every_depth(llama, tmp_path):
+    from mlx_redrafter.controller import fit_and_save
+
+    model, ps, _ = llama
+    drafter = OracleDrafter(model, ps[0], 24, L)
+    (tmp_path / "d").mkdir()
+    stages = []
+    fit = fit_and_save(model, drafter, tmp_path / "d", [ps[0]], W, L, 24, epochs=2,
+                       progress=lambda stage, done, total: stages.append(stage))
+    assert list(dict.fromkeys(stages)) == ["recording", "measuring latency", "training"]
+    assert set(fit.fixed) == set(range(1, L + 1)) and fit.steps > 0
+    assert fit.beats_fixed == (fit.learned > max(fit.fixed.values()))
+    saved = load_controller(tmp_path / "d")
+    assert fit.path.is_file() and (saved.config.beam_width, saved.config.beam_length) == (W, L)
+    assert set(saved.config.latency) >= {"plain", "draft", "controller"}
 
 
 def test_missing_controller_is_a_clear_error(tmp_path):

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from helpers import OracleDrafter, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, tiny_model
-from mlx_redrafter import sweep as sw
+from mlx_redrafter import report, sweep as sw
+from mlx_redrafter.measure import PHASES
+from mlx_redrafter.session import resolve_drafter_path
 from mlx_redrafter.errors import RedrafterError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,10 +152,12 @@ def test_config_rejects_empty_grid_and_small_values():
 
 
 def test_select_conversations_round_robin():
+    from mlx_redrafter.prompts import select_conversations
+
     convs = [{"id": str(i), "category": c, "turns": ["x"]} for i, c in enumerate("aaabbc")]
-    picked = sw.select_conversations(convs, 4)
+    picked = select_conversations(convs, 4)
     assert [c["category"] for c in picked] == ["a", "b", "c", "a"]
-    assert sw.select_conversations(convs, 99) == convs
+    assert select_conversations(convs, 99) == convs
 
 
 def test_bad_prompt_sets(tmp_path):
@@ -176,11 +180,45 @@ def test_bad_prompt_sets(tmp_path):
 def test_chat_prompt_ids_use_the_template(tiny_folder):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    from mlx_redrafter.prompts import first_turn_ids
+
     tok = load_tokenizer(tiny_folder)
-    ids = sw.first_turn_ids(tok, [{"turns": ["w1 w2"]}])[0]
+    ids = first_turn_ids(tok, [{"turns": ["w1 w2"]}])[0]
     user, assistant = SPECIALS.index("<user>"), SPECIALS.index("<assistant>")
     w1, w2 = len(SPECIALS) + 1, len(SPECIALS) + 2
     assert ids == [user, w1, w2, assistant]
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_chat_sweep_bench_and_distill_feed_the_same_ids(tiny_folder, templated):
+    """Training (distill), benchmarks (sweep, bench, train-controller) and
+    inference (chat, generate) tokenize a conversation alike."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import AutoTokenizer
+
+    from mlx_redrafter.chat import ChatSession
+    from mlx_redrafter.cli import format_prompt
+    from mlx_redrafter.generate import encode_prompt
+    from mlx_redrafter.prompts import chat_prompt_ids, first_turn_ids
+    from mlx_redrafter.train.distill import DistillConfig, Distiller
+
+    hf = AutoTokenizer.from_pretrained(tiny_folder)
+    if not templated:
+        hf.chat_template = None
+    tok = TokenizerWrapper(hf)
+    assert tok.has_chat_template == templated
+    model = tiny_model("llama")
+    system, user = "w3 w4", "w1 w2"
+    chat = ChatSession(model, tok, system=system)
+    messages = chat.messages(user)
+    ids = chat._fit_context(user)[0]  # what the chat feeds the model
+    assert ids == Distiller(model, tok, DistillConfig(system=system)).encode(messages)
+    assert ids == chat_prompt_ids(hf, messages)  # a bare Hugging Face tokenizer too
+    alone = ChatSession(model, tok)._fit_context(user)[0]
+    assert alone == first_turn_ids(tok, [{"turns": [user]}])[0]
+    assert len(set(ids)) > 2 and ids != alone  # the system message is in there
+    if templated:  # `generate` without --raw (a model without a template continues the text as given)
+        assert alone == encode_prompt(tok, format_prompt(tok, user, None, False))
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -232,7 +270,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert c["tokens_per_step"] >= 1
         assert 1 < c["tree_size"] <= 1 + w * l
         assert math.isclose(c["compression"], (c["tree_size"] - 1) / (w * l))
-        assert set(c["time_split_ms"]) == set(sw.PHASES)
+        assert set(c["time_split_ms"]) == set(PHASES)
         assert all(v >= 0 for v in c["time_split_ms"].values()) and c["time_split_ms"]["verify"] > 0
         assert c["peak_memory_gb"] > 0 and "memory_overhead_gb" in c
     best = max(data["cells"], key=lambda c: c["speedup"])
@@ -247,7 +285,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert (int(r["width"]), int(r["length"]), r["status"]) == (c["width"], c["length"], "ok")
         for k in ("tokens_per_s", "speedup", "baseline_tokens_per_s", "tokens_per_step", "tree_size", "compression", "peak_memory_gb"):
             assert num(r[k]) == c[k], k
-        for p in sw.PHASES:
+        for p in PHASES:
             assert num(r[f"{p}_ms"]) == c["time_split_ms"][p]
         for d, a in enumerate(c["acceptance_by_depth"], 1):
             assert num(r[f"accept_ge_{d}"]) == a
@@ -263,15 +301,15 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     assert md[-1].startswith("Plain decoding baselines") and md[-1].split(": ")[1].count(",") == 2
 
     # The heatmaps: PNGs of the grid's size, drawing exactly the JSON values.
-    size = sw.heatmap_pixels(2, 2)
-    for key, (name, _, _) in sw.HEATMAPS.items():
+    size = report.heatmap_pixels(2, 2)
+    for key, (name, _, _) in report.HEATMAPS.items():
         assert png_size(tmp_path / name) == size
         with Image.open(tmp_path / name) as im:
             assert im.size == size and im.format == "PNG"
     drawn = sw.write_outputs(data, tmp_path, cfg)
-    for key in sw.HEATMAPS:
+    for key in report.HEATMAPS:
         np.testing.assert_array_equal(drawn[key], expected_matrix(data, key, [1, 2], [2, 3]))
-    assert sw.heatmap_pixels(3, 4) != size  # the size follows the grid
+    assert report.heatmap_pixels(3, 4) != size  # the size follows the grid
 
 
 def test_heatmap_table_colours_and_blanks():
@@ -279,11 +317,11 @@ def test_heatmap_table_colours_and_blanks():
 
     m = np.array([[0.5, 1.5], [np.nan, 1.0]])
     console = Console(record=True, width=80, color_system="truecolor")
-    console.print(sw.heatmap_table(m, [1, 2], [2, 3], "speedup", "{:.2f}x", center=1.0))
+    console.print(report.heatmap_table(m, [1, 2], [2, 3], "speedup", "{:.2f}x", center=1.0))
     text = console.export_text()
     assert "0.50x" in text and "1.50x" in text and "-" in text
-    assert "on #ff0040" in sw._colour(0.5, 0.5, 1.5, 1.0)  # below 1: red
-    assert "on #00ff40" in sw._colour(1.5, 0.5, 1.5, 1.0)  # best: green
+    assert "on #ff0040" in report._colour(0.5, 0.5, 1.5, 1.0)  # below 1: red
+    assert "on #00ff40" in report._colour(1.5, 0.5, 1.5, 1.0)  # best: green
 
 
 def test_sweep_metrics_with_accepting_drafter(tmp_path, model):
@@ -323,9 +361,9 @@ def test_sweep_resumes_without_redoing_cells(tmp_path, model, drafter, monkeypat
     passes = []
     real_pass = sw.run_pass
 
-    def counting_pass(model, prompts, drafter, width, length, *a, **k):
-        passes.append(None if drafter is None else (width, length))
-        return real_pass(model, prompts, drafter, width, length, *a, **k)
+    def counting_pass(model, prompts, draft, **k):
+        passes.append(None if draft is None else (draft.beam_width, draft.beam_length))
+        return real_pass(model, prompts, draft, **k)
 
     monkeypatch.setattr(sw, "run_pass", counting_pass)
     results = sw.run_sweep(model, ps, drafter, cfg, tmp_path)
@@ -414,7 +452,7 @@ def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(session, "shipped_drafter_path", lambda spec: None)
     with pytest.raises(RedrafterError, match="No drafter given") as e:
-        sw.resolve_drafter_path("default", None)
+        resolve_drafter_path("default", None)
     assert "--drafter" in e.value.fix
 
 
@@ -461,7 +499,8 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     from rich.console import Console
 
     from mlx_redrafter.profiles import save_profile
-    from mlx_redrafter.session import DEFAULT_LENGTH, DEFAULT_WIDTH, resolve_session
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH
+    from mlx_redrafter.session import resolve_session
 
     dfolder = save_random_drafter(tmp_path / "d", seed=7)
     s = resolve_session(str(tiny_folder), str(dfolder))
@@ -481,6 +520,26 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
     s = resolve_session(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
     assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
+
+
+def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
+    from mlx_redrafter.drafter import load_drafter
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft, stream_generate
+    from mlx_redrafter.models import load_model
+    from mlx_redrafter.profiles import save_profile
+
+    model, tok = load_model(str(tiny_folder))
+    dfolder = save_random_drafter(tmp_path / "d", seed=9)
+    drafter = load_drafter(dfolder)
+    shape = lambda w=None, l=None: (lambda d: (d.beam_width, d.beam_length))(library_draft(model, drafter, w, l))
+    assert shape() == (DEFAULT_WIDTH, DEFAULT_LENGTH)
+    save_profile(str(tiny_folder), dfolder, 3, 5)
+    assert shape() == (3, 5)
+    assert shape(w=1) == (1, 5) and shape(2, 2) == (2, 2)  # a given value wins, the other comes from the profile
+    depths = {r.stats.depth for r in stream_generate(model, tok, "w5 w6 w7", drafter=drafter, max_tokens=12)}
+    assert depths - {0} == {5}  # step 0 (the prompt's token) drafts nothing
+    # A drafter built in code has no folder, hence no profile: the built-in shape.
+    assert library_draft(model, random_drafter(), None, None).beam_length == DEFAULT_LENGTH
 
 
 def test_a_profile_slower_than_plain_decoding_is_announced(tmp_path, tiny_folder):
