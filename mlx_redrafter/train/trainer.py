@@ -389,13 +389,17 @@ def train(
     loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
     state = [drafter.state, optimizer.state]
 
-    @partial(mx.compile, inputs=state, outputs=state)
     def step_fn(context, inputs, targets, mask, count):
         (loss, (per_depth, _)), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask, count)
         if w.size > 1:
             grads = nn.average_gradients(grads, group=w.group)
         optimizer.update(drafter, grads)
         return w.sum(loss) / w.size, per_depth
+
+    if w.size == 1:
+        # Not with several processes: with MLX 0.32 on the CPU, the ranks
+        # hung in the collectives of a compiled step (the uncompiled one runs).
+        step_fn = partial(mx.compile, inputs=state, outputs=state)(step_fn)
 
     meta = {
         "data": str(Path(data_dir).resolve()),
@@ -441,6 +445,7 @@ def train(
             # Loss denominators over the whole batch (all ranks), so that the
             # averaged gradient is the one-process gradient.
             count = mx.maximum(w.sum(mask.sum(0).astype(mx.float32)), 1) / w.size
+            mx.eval(count)
             optimizer.learning_rate = mx.array(learning_rate(cfg, step, total, elapsed))
             loss, per_depth = step_fn(context, inputs, targets, mask, count)
             mx.eval(loss, state)

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import RedrafterError
 
@@ -46,10 +46,16 @@ class World:
         shapes everywhere). Adding zeros is exact, so this is a broadcast."""
         if self.size == 1:
             return tree
-        keep = self.rank == 0
-        out = tree_map(lambda x: self.sum(x if keep else mx.zeros_like(x)), tree)
-        mx.eval(out)
-        return out
+        if isinstance(tree, mx.array):
+            return self.sum(tree if self.rank == 0 else mx.zeros_like(tree))
+        # One array at a time, in name order: the ranks may hold the same
+        # tree in another key order (a loaded checkpoint), and collectives
+        # must meet in the same order on every rank.
+        flat = dict(tree_flatten(tree))
+        for name in sorted(flat):
+            flat[name] = self.from_rank0(flat[name])
+            mx.eval(flat[name])
+        return tree_unflatten(list(flat.items()))
 
     def gather_json(self, obj) -> List:
         """Every rank's ``obj`` (JSON-serializable), in rank order, on every rank."""
