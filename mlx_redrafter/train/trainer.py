@@ -349,6 +349,62 @@ def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos
     return drafter, optimizer, cfg, start
 
 
+def make_step(drafter: Drafter, embed, optimizer, w: World):
+    """``step(batch, lr) -> loss``: one optimizer update from this rank's
+    slice of a batch; the loss returned is the whole batch's."""
+    loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
+    state = [drafter.state, optimizer.state]
+
+    def update(context, inputs, targets, mask, count):
+        (loss, _), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask, count)
+        if w.size > 1:
+            grads = nn.average_gradients(grads, group=w.group)
+        optimizer.update(drafter, grads)
+        return w.sum(loss) / w.size
+
+    if w.size == 1:
+        # Not with several processes: with MLX 0.32 on the CPU, the ranks
+        # hung in the collectives of a compiled step (the uncompiled one runs).
+        update = partial(mx.compile, inputs=state, outputs=state)(update)
+
+    def step(batch, lr: float) -> float:
+        context, inputs, targets, mask, _ = batch
+        # Loss denominators over the whole batch (all ranks), so that the
+        # averaged gradient is the one-process gradient.
+        count = mx.maximum(w.sum(mask.sum(0).astype(mx.float32)), 1) / w.size
+        mx.eval(count)
+        optimizer.learning_rate = mx.array(lr)
+        loss = update(context, inputs, targets, mask, count)
+        mx.eval(loss, state)
+        return float(loss)
+
+    return step
+
+
+def _batchers(corpus: Corpus, cfg: TrainConfig, vmap: np.ndarray, data_dir):
+    """Training and held-out batchers (sharing the hidden states on device)."""
+    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats)
+    if len(train_ex.positions) == 0:
+        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
+    train_b = Batcher(corpus, train_ex, cfg.depth, vmap)
+    eval_b = Batcher(corpus, eval_ex, cfg.depth, vmap)
+    eval_b.hidden = train_b.hidden
+    return train_b, eval_b
+
+
+def log_evaluation(writer: Writer, drafter, embed, batcher: Batcher, cfg: TrainConfig, record: dict) -> None:
+    """Add the held-out metrics to ``record`` and log it. The output folder
+    holds the best drafter so far (by held-out accepted length), so
+    overfitting late in a long run costs nothing."""
+    record.update(evaluate(drafter, embed, batcher, cfg.batch_size) or {})
+    score = record.get("eval_accepted_w1", 0.0)
+    if score > writer.best:
+        writer.best = score
+        writer.drafter(drafter, record["step"], record)
+        record["saved"] = True
+    writer.log(record)
+
+
 def train(
     model,
     data_dir,
@@ -374,86 +430,43 @@ def train(
     drafter, optimizer, cfg, start = _begin(model, corpus, out, cfg, resume, eos_ids, w)
     if w.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats)
-    if len(train_ex.positions) == 0:
-        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
-
     vmap = vocab_map(drafter, int(embed.weight.shape[0]))
-    train_b = Batcher(corpus, train_ex, cfg.depth, vmap)
-    eval_b = Batcher(corpus, eval_ex, cfg.depth, vmap)
-    eval_b.hidden = train_b.hidden
-    steps_per_epoch = max(1, len(train_ex.positions) // cfg.batch_size)
-    total = cfg.max_steps or int(math.ceil(cfg.epochs * steps_per_epoch))
+    train_b, eval_b = _batchers(corpus, cfg, vmap, data_dir)
+    n_train = len(train_b.examples.positions)
+    total = cfg.max_steps or int(math.ceil(cfg.epochs * max(1, n_train // cfg.batch_size)))
     embed.freeze()
-
-    loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
-    state = [drafter.state, optimizer.state]
-
-    def step_fn(context, inputs, targets, mask, count):
-        (loss, (per_depth, _)), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask, count)
-        if w.size > 1:
-            grads = nn.average_gradients(grads, group=w.group)
-        optimizer.update(drafter, grads)
-        return w.sum(loss) / w.size, per_depth
-
-    if w.size == 1:
-        # Not with several processes: with MLX 0.32 on the CPU, the ranks
-        # hung in the collectives of a compiled step (the uncompiled one runs).
-        step_fn = partial(mx.compile, inputs=state, outputs=state)(step_fn)
-
+    step_fn = make_step(drafter, embed, optimizer, w)
     meta = {
         "data": str(Path(data_dir).resolve()),
-        "train_examples": int(len(train_ex.positions)),
-        "eval_examples": int(len(eval_ex.positions)),
+        "train_examples": int(n_train),
+        "eval_examples": int(len(eval_b.examples.positions)),
         "draft_vocab_coverage": round(float((vmap[corpus.tokens] >= 0).mean()), 4),
         "total_steps": total,
     }
     writer = Writer(out, cfg, meta, enabled=w.rank == 0, best=start.best_accepted, log_console=log_console)
-    rng = np.random.default_rng(cfg.seed + start.step)
-    step = start.step
-    running = []
-    if step == 0:
+    if start.step == 0:
         writer.log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params(), "world_size": w.size})
-    tic = time.perf_counter()
 
-    def seconds():
-        # Every rank takes rank 0's clock, so that all agree on the learning
-        # rate and on when the time budget ends the run.
-        return float(w.from_rank0(mx.array(time.perf_counter() - tic + start.seconds)).item())
+    rng = np.random.default_rng(cfg.seed + start.step)
+    step, running, elapsed, tic = start.step, [], start.seconds, time.perf_counter()
 
     def log_eval():
-        nonlocal running
         rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
-        running = []
-        if w.rank != 0:
-            return
-        rec.update(evaluate(drafter, embed, eval_b, cfg.batch_size) or {})
-        # The output folder holds the best drafter so far (by held-out accepted
-        # length), so overfitting late in a long run costs nothing.
-        score = rec.get("eval_accepted_w1", 0.0)
-        if score > writer.best:
-            writer.best = score
-            writer.drafter(drafter, step, rec)
-            rec["saved"] = True
-        writer.log(rec)
+        running.clear()
+        if w.rank == 0:  # the others go on to the next step's collectives
+            log_evaluation(writer, drafter, embed, eval_b, cfg, rec)
 
-    elapsed = start.seconds
     try:
         while step < total:
-            idx = rng.integers(0, len(train_ex.positions), cfg.batch_size)
-            context, inputs, targets, mask, _ = train_b.batch(idx.reshape(w.size, -1)[w.rank])
-            # Loss denominators over the whole batch (all ranks), so that the
-            # averaged gradient is the one-process gradient.
-            count = mx.maximum(w.sum(mask.sum(0).astype(mx.float32)), 1) / w.size
-            mx.eval(count)
-            optimizer.learning_rate = mx.array(learning_rate(cfg, step, total, elapsed))
-            loss, per_depth = step_fn(context, inputs, targets, mask, count)
-            mx.eval(loss, state)
-            elapsed = seconds()
+            idx = rng.integers(0, n_train, cfg.batch_size)
+            loss = step_fn(train_b.batch(idx.reshape(w.size, -1)[w.rank]), learning_rate(cfg, step, total, elapsed))
+            # Every rank takes rank 0's clock, so that all agree on the
+            # learning rate and on when the time budget ends the run.
+            elapsed = float(w.from_rank0(mx.array(time.perf_counter() - tic + start.seconds)).item())
             step += 1
-            running.append(float(loss))
+            running.append(loss)
             if progress:
-                progress(step, total, float(loss))
+                progress(step, total, loss)
             if step % cfg.eval_every == 0 or step == total:
                 log_eval()
             if step % cfg.checkpoint_every == 0:
