@@ -166,3 +166,11 @@ def test_more_ranks_than_prompts_is_refused(tmp_path):
     one.write_text(json.dumps({"id": "only", "turns": ["Hello there."]}) + "\n")
     output = launch(tmp_path, "distill", tmp_path, "--prompts", one)
     assert "2 processes but only 1 conversation(s)" in output and not finished(output), output
+
+
+def test_one_process_refuses_to_resume_a_two_process_folder(distilled, prompts):
+    from mlx_redrafter import RedrafterError
+
+    # The prompt shares depend on the number of processes.
+    with pytest.raises(RedrafterError, match="distilled by 2 process"):
+        job.run_distill(distilled, prompts)

@@ -181,7 +181,8 @@ def _open_manifest(folder: Path, model_spec, prompts_path: Path, cfg: DistillCon
     error, manifest = None, None
     try:
         manifest = Manifest.load(folder)
-        top = Manifest.load(folder.parent) if folder != folder.parent and w.rank == 0 else None
+        # Rank 0 also checks the merged manifest of an earlier distributed run.
+        top = Manifest.load(folder.parent) if w.size > 1 and w.rank == 0 else None
         for m, where in ((manifest, folder), (top, folder.parent)):
             if m is None:
                 continue
