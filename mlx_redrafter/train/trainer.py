@@ -351,21 +351,16 @@ def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos
 
 def make_step(drafter: Drafter, embed, optimizer, w: World):
     """``step(batch, lr) -> loss``: one optimizer update from this rank's
-    slice of a batch; the loss returned is the whole batch's."""
+    slice of a batch, with the gradients averaged over the ranks; the loss
+    returned is the whole batch's."""
     loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
     state = [drafter.state, optimizer.state]
 
+    @partial(mx.compile, inputs=state, outputs=state)
     def update(context, inputs, targets, mask, count):
         (loss, _), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask, count)
-        if w.size > 1:
-            grads = nn.average_gradients(grads, group=w.group)
-        optimizer.update(drafter, grads)
-        return w.sum(loss) / w.size
-
-    if w.size == 1:
-        # Not with several processes: with MLX 0.32 on the CPU, the ranks
-        # hung in the collectives of a compiled step (the uncompiled one runs).
-        update = partial(mx.compile, inputs=state, outputs=state)(update)
+        optimizer.update(drafter, w.mean(grads))  # the only collective in here: see World.mean
+        return loss
 
     def step(batch, lr: float) -> float:
         context, inputs, targets, mask, _ = batch
@@ -376,7 +371,7 @@ def make_step(drafter: Drafter, embed, optimizer, w: World):
         optimizer.learning_rate = mx.array(lr)
         loss = update(context, inputs, targets, mask, count)
         mx.eval(loss, state)
-        return float(loss)
+        return float(w.sum(loss) / w.size)
 
     return step
 

@@ -41,6 +41,23 @@ class World:
         """``all_sum`` over the ranks (the input itself for one process)."""
         return x if self.size == 1 else mx.distributed.all_sum(x, group=self.group)
 
+    def mean(self, tree):
+        """The mean over the ranks of a tree of arrays of one dtype (gradients).
+
+        One ``all_sum`` over all of them concatenated: inside a compiled
+        step, several collectives (``nn.average_gradients``, one per array)
+        left the ranks hanging with MLX 0.32 on the CPU; a single one runs.
+        """
+        if self.size == 1:
+            return tree
+        flat = tree_flatten(tree)
+        total = self.sum(mx.concatenate([v.reshape(-1) for _, v in flat])) / self.size
+        out, start = [], 0
+        for name, v in flat:
+            out.append((name, total[start : start + v.size].reshape(v.shape)))
+            start += v.size
+        return tree_unflatten(out)
+
     def from_rank0(self, tree):
         """Rank 0's copy of a tree of arrays on every rank (same structure and
         shapes everywhere). Adding zeros is exact, so this is a broadcast."""
