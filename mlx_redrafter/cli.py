@@ -153,6 +153,7 @@ def distill(
 
     from .prompts import default_training_prompts
     from .train.distill import DistillConfig, distill as run_distill
+    from .train.world import world
 
     if turns < 1 or batch_size < 1 or max_new_tokens < 1:
         raise RedrafterError("--turns, --batch-size and --max-new-tokens must be at least 1.")
@@ -161,9 +162,12 @@ def distill(
         raise RedrafterError("No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).", "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
     cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations,
                         system=system, seed=seed, stop_loops=stop_loops)
+    w = world()
+    if w.size > 1:  # under mlx.launch: rank 0 shows the bar, every rank says where it is
+        err.print(f"{w.label}: distilling its share of the prompts into {out}")
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=err) as bar:
-        task = bar.add_task("distilling", total=None, info="loading")
+    with Progress(*columns, console=err, disable=w.rank != 0) as bar:
+        task = bar.add_task("distilling" + (f" ({w.label})" if w.size > 1 else ""), total=None, info="loading")
         t0 = [None, 0]
 
         def progress(m, running):
@@ -183,6 +187,9 @@ def distill(
         except KeyboardInterrupt:
             err.print(f"Interrupted: finished replies are saved in {out}; rerun the same command to resume.")
             raise typer.Exit(130)
+    if w.rank != 0:
+        err.print(f"{w.label}: done")
+        return
     err.print(f"{out}: {m.sequences} replies, {m.tokens} tokens, {len(m.done)} conversations done, {m.elapsed / 60:.1f} min")
 
 
@@ -213,6 +220,7 @@ def train(
 
     from .models import load_model
     from .train.trainer import TrainConfig, train as run_train
+    from .train.world import world
 
     base = dict(TRAIN_PRESETS.get(preset or "default", {}))
     if preset is not None and preset not in TRAIN_PRESETS:
@@ -227,8 +235,12 @@ def train(
     if not data.is_dir():
         raise RedrafterError(f"Data folder does not exist: {data}", "Run `mlx-redrafter distill --out DIR` first.")
     llm, tok = load_model(model)
-    columns = [TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=err) as bar:
+    w = world()
+    if w.size > 1:  # under mlx.launch: rank 0 shows the bar and writes OUT, every rank says where it is
+        err.print(f"{w.label}: training on its slice of each batch of {batch_size}" + (f", rank 0 writes {out}" if w.rank else ""))
+    label = "training" + (f" ({w.label})" if w.size > 1 else "")
+    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=err, disable=w.rank != 0) as bar:
         task = bar.add_task("train", total=None, loss=float("nan"))
         try:
             run_train(llm, data, out, cfg, resume=resume, eos_ids=sorted(tok.eos_token_ids),
@@ -237,6 +249,9 @@ def train(
         except KeyboardInterrupt:
             err.print(f"Interrupted: checkpoint saved in {out}/checkpoint; resume with --resume.")
             raise typer.Exit(130)
+    if w.rank != 0:
+        err.print(f"{w.label}: done")
+        return
     err.print(f"wrote drafter {out} (log: {out}/train_log.jsonl)")
 
 

@@ -9,6 +9,7 @@ resumable shards (see :mod:`.shards`).
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from ..errors import RedrafterError
 from ..models import model_parts
 from ..prompts import chat_prompt_ids, read_conversations, refuse_eval_set
 from .shards import Manifest, Sequence, write_shard
+from .world import World, digest, model_fingerprint, world
 
 
 @dataclass
@@ -166,36 +168,107 @@ class Distiller:
                     queue.appendleft((row.conv, row.turn + 1, history))
 
 
+def part_folder(out: Path, w: World) -> Path:
+    """Where this rank writes: the data folder itself for one process,
+    ``rank-R/`` inside it when the run is spread over several."""
+    return out if w.size == 1 else out / f"rank-{w.rank}"
+
+
+def _open_manifest(folder: Path, model_spec, prompts_path: Path, cfg: DistillConfig, w: World) -> Manifest:
+    """This rank's manifest: resumed if the folder holds one from the same
+    model, prompts and world size, else a new one. Errors are decided by
+    all ranks together."""
+    error, manifest = None, None
+    try:
+        manifest = Manifest.load(folder)
+        # Rank 0 also checks the merged manifest of an earlier distributed run.
+        top = Manifest.load(folder.parent) if w.size > 1 and w.rank == 0 else None
+        for m, where in ((manifest, folder), (top, folder.parent)):
+            if m is None:
+                continue
+            if m.model != str(model_spec) or m.prompts != str(prompts_path.resolve()):
+                raise RedrafterError(
+                    f"{where} holds data distilled from {m.model} on {m.prompts}.",
+                    "Resume with the same --model and --prompts, or pick a new --out.",
+                )
+            if m.world_size != w.size:
+                raise RedrafterError(
+                    f"{where} was distilled by {m.world_size} process(es), this run has {w.size}: the prompt shares would differ.",
+                    f"Resume with `mlx.launch -n {m.world_size}` (or without mlx.launch for 1), or pick a new --out.",
+                )
+    except RedrafterError as e:
+        error = e
+    w.check(error)
+    return manifest or Manifest(str(model_spec), str(prompts_path.resolve()), asdict(cfg), world_size=w.size)
+
+
+def _my_share(convs: list, done: set, cfg: DistillConfig, w: World) -> list:
+    """This rank's conversations still to answer: every ``size``-th prompt
+    from index ``rank``, so that a rerun gives each rank the same share;
+    ``max_conversations`` is split between the ranks."""
+    share = [c for i, c in enumerate(convs) if i % w.size == w.rank]
+    todo = [c for c in share if c["id"] not in done]
+    random.Random(cfg.seed).shuffle(todo)
+    if cfg.max_conversations is not None:
+        cap = cfg.max_conversations // w.size + (w.rank < cfg.max_conversations % w.size)
+        todo = todo[: max(0, cap - len(done))]
+    return todo
+
+
+def _merge_parts(out: Path, manifest: Manifest, w: World) -> Manifest:
+    """Once every rank finished, rank 0 writes the data folder's manifest:
+    every rank's shards (paths inside ``rank-R/``) and counts."""
+    if w.size == 1:
+        return manifest
+    parts = w.gather_json(manifest.__dict__)
+    merged = Manifest(manifest.model, manifest.prompts, manifest.config, world_size=w.size)
+    for rank, part in enumerate(parts):
+        merged.shards += [f"rank-{rank}/{name}" for name in part["shards"]]
+        merged.done += part["done"]
+        merged.sequences += part["sequences"]
+        merged.tokens += part["tokens"]
+        merged.elapsed = max(merged.elapsed, part["elapsed"])
+    if w.rank == 0:
+        merged.save(out)
+    return merged
+
+
 def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, tokenizer=None, progress=None) -> Manifest:
     """Answer training prompts with the LLM and write resumable shards to ``out``.
 
-    ``progress(manifest, running_tokens)`` is called after every decode step.
+    Under ``mlx.launch`` each rank answers its share of the prompts into
+    ``out/rank-R/`` and rank 0 writes ``out/progress.json`` for all of them
+    once every rank finished; the returned manifest is that merged one.
+    ``progress(manifest, running_tokens)`` is called after every decode step
+    with this rank's own manifest.
     Ctrl-C (KeyboardInterrupt) writes the finished replies before re-raising.
     """
     from ..models import load_model
 
+    w = world()
     prompts_path = Path(prompts_path)
     convs = read_conversations(prompts_path)
     refuse_eval_set(prompts_path, convs)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest.load(out)
-    if manifest is None:
-        manifest = Manifest(str(model_spec), str(prompts_path.resolve()), asdict(cfg))
-    elif manifest.model != str(model_spec) or manifest.prompts != str(prompts_path.resolve()):
-        raise RedrafterError(
-            f"{out} holds data distilled from {manifest.model} on {manifest.prompts}.",
-            "Resume with the same --model and --prompts, or pick a new --out.",
-        )
+    folder = part_folder(out, w)
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = _open_manifest(folder, model_spec, prompts_path, cfg, w)
     if model is None:
         model, tokenizer = load_model(model_spec)
+    w.agree({
+        "model": model_fingerprint(model),
+        "prompt file": digest(prompts_path.read_bytes()),
+        "distill settings": digest(json.dumps(asdict(cfg), sort_keys=True)),
+    })
+    available = len(convs) if cfg.max_conversations is None else min(len(convs), cfg.max_conversations)
+    if available < w.size:
+        raise RedrafterError(
+            f"{w.size} processes but only {available} conversation(s) to answer: some ranks would have nothing to do.",
+            "Launch fewer processes (mlx.launch -n), or give more prompts / a larger --max-conversations.",
+        )
 
     done = set(manifest.done)
-    todo = [c for c in convs if c["id"] not in done]
-    random.Random(cfg.seed).shuffle(todo)
-    if cfg.max_conversations is not None:
-        todo = todo[: max(0, cfg.max_conversations - len(done))]
-    queue = deque((c, 0, []) for c in todo)
+    queue = deque((c, 0, []) for c in _my_share(convs, done, cfg, w))
     distiller = Distiller(model, tokenizer, cfg)
     pending: List[Sequence] = []
     pending_done: List[str] = []
@@ -206,13 +279,13 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     def flush():
         nonlocal pending, pending_done
         if pending:
-            name = write_shard(out, len(manifest.shards), pending)
+            name = write_shard(folder, len(manifest.shards), pending)
             manifest.shards.append(name)
             manifest.sequences += len(pending)
             manifest.tokens += sum(len(s.tokens) for s in pending)
         manifest.done.extend(pending_done)
         manifest.elapsed = base_elapsed + time.perf_counter() - start
-        manifest.save(out)
+        manifest.save(folder)
         pending, pending_done = [], []
 
     def on_done(row, conv):
@@ -246,4 +319,4 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
         # Replies of conversations still open are kept; the conversation is
         # redone from its first turn on resume only if it never completed.
         flush()
-    return manifest
+    return _merge_parts(out, manifest, w)

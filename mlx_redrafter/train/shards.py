@@ -45,6 +45,7 @@ class Manifest:
     sequences: int = 0
     tokens: int = 0
     elapsed: float = 0.0
+    world_size: int = 1  # processes that wrote it (their shards are in rank-R/ when more than 1)
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest | None":

@@ -30,6 +30,7 @@ from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
 from ..models import model_parts
 from .shards import Corpus, read_corpus
+from .world import World, digest, model_fingerprint, world
 
 LOG = "train_log.jsonl"
 CHECKPOINT = "checkpoint"
@@ -144,11 +145,15 @@ class Batcher:
         )
 
 
-def drafter_loss(drafter: Drafter, embed, context, inputs, targets, mask):
+def drafter_loss(drafter: Drafter, embed, context, inputs, targets, mask, count=None):
+    """Sum over depths of the mean cross-entropy of the counted targets.
+    ``count`` (per depth) defaults to this batch's own count; data-parallel
+    training passes the whole batch's, so that the ranks' gradients add up."""
     logits = drafter(context, embed(inputs))  # [B, T, Vd]
     ce = nn.losses.cross_entropy(logits, targets, reduction="none")  # [B, T]
     m = mask.astype(ce.dtype)
-    per_depth = (ce * m).sum(0) / mx.maximum(m.sum(0), 1)
+    count = mx.maximum(m.sum(0), 1) if count is None else count
+    per_depth = (ce * m).sum(0) / count
     return per_depth.sum(), (per_depth, logits)
 
 
@@ -207,14 +212,192 @@ def learning_rate(cfg: TrainConfig, step: int, total: int, elapsed: float) -> fl
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
-def _save_checkpoint(folder: Path, drafter, optimizer, step: int, cfg: TrainConfig, meta: dict, seconds: float = 0.0):
-    ck = folder / CHECKPOINT
-    ck.mkdir(parents=True, exist_ok=True)
-    save_drafter(drafter, ck / "drafter", dtype="float32")
-    state = dict(tree_flatten(optimizer.state))
-    with atomic_file(ck / "optimizer.safetensors") as tmp:
-        mx.save_safetensors(str(tmp), {k: v for k, v in state.items() if isinstance(v, mx.array)})
-    write_json_atomic(ck / "state.json", {"step": step, "seconds": seconds, "config": asdict(cfg), **meta})
+@dataclass
+class Start:
+    """Where a run begins: step 0, or the step of the checkpoint it resumes."""
+
+    step: int = 0
+    seconds: float = 0.0  # training time already spent (counts against --minutes)
+    best_accepted: float = -1.0  # the held-out score of the drafter saved in the output folder
+
+
+@dataclass
+class Writer:
+    """Everything a run writes: the log, checkpoints and the drafter. Under
+    ``mlx.launch`` only rank 0 writes (``enabled``); the others keep nothing."""
+
+    out: Path
+    cfg: TrainConfig
+    meta: dict
+    enabled: bool = True
+    best: float = -1.0
+    log_console: Optional[Callable[[str], None]] = None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / LOG, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.log_console:
+            self.log_console(json.dumps(record))
+
+    def drafter(self, drafter, steps: int, record: Optional[dict] = None) -> None:
+        """The usable drafter (float16) in the output folder."""
+        if self.enabled:
+            save_drafter(drafter, self.out, dtype="float16", extra_config={"training": {**self.meta, "steps": steps, **(record or {})}})
+
+    def checkpoint(self, drafter, optimizer, step: int, seconds: float) -> None:
+        """Everything ``--resume`` needs: float32 weights, optimizer state, step."""
+        if not self.enabled:
+            return
+        ck = self.out / CHECKPOINT
+        ck.mkdir(parents=True, exist_ok=True)
+        save_drafter(drafter, ck / "drafter", dtype="float32")
+        state = dict(tree_flatten(optimizer.state))
+        with atomic_file(ck / "optimizer.safetensors") as tmp:
+            mx.save_safetensors(str(tmp), {k: v for k, v in state.items() if isinstance(v, mx.array)})
+        meta = {**self.meta, "best_accepted": self.best}
+        write_json_atomic(ck / "state.json", {"step": step, "seconds": seconds, "config": asdict(self.cfg), **meta})
+
+    def finish(self, drafter, optimizer, step: int, seconds: float) -> None:
+        """A checkpoint, and the final weights as the drafter when no held-out
+        score chose one (no held-out split, or stopped before the first eval)."""
+        self.checkpoint(drafter, optimizer, step, seconds)
+        if self.best < 0:
+            self.drafter(drafter, step)
+
+
+def new_drafter(model, corpus: Corpus, cfg: TrainConfig, eos_ids=()) -> Drafter:
+    """A freshly initialized float32 drafter for ``model``, seeded by ``cfg.seed``."""
+    embed, _, _ = model_parts(model)
+    vocab, hidden = int(embed.weight.shape[0]), corpus.hidden_size
+    dv = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < vocab else None
+    mx.random.seed(cfg.seed)
+    drafter = Drafter(
+        DrafterConfig(
+            vocab_size=vocab, hidden_size=hidden, exit_dim=cfg.exit_dim,
+            num_draft_layers=cfg.num_draft_layers, rnn=cfg.rnn, draft_vocab_size=dv,
+        )
+    )
+    if dv:
+        drafter.draft_vocab = mx.array(choose_draft_vocab(corpus.tokens, dv, vocab, always=list(eos_ids)))
+    if cfg.init_head_from_llm and cfg.exit_dim == hidden:
+        drafter.lm_head[-1].weight = llm_output_rows(model, drafter.draft_vocab if dv else None)
+    drafter.set_dtype(mx.float32)
+    return drafter
+
+
+def vocab_map(drafter: Drafter, vocab: int) -> np.ndarray:
+    """Full token id -> the drafter's output index (-1: outside its draft vocabulary)."""
+    if not drafter.config.draft_vocab_size:
+        return np.arange(vocab)
+    ids = np.array(drafter.draft_vocab)
+    out = np.full(vocab, -1, np.int64)
+    out[ids] = np.arange(len(ids))
+    return out
+
+
+def _check_inputs(model, corpus: Corpus, data_dir, cfg: TrainConfig, w: World) -> None:
+    """Refuse data from another model, and (under ``mlx.launch``) a rank whose
+    model, data or settings differ from rank 0's, before any training step."""
+    error = None
+    if corpus.hidden_size != model.args.hidden_size:
+        error = RedrafterError(
+            f"The data in {data_dir} has hidden size {corpus.hidden_size} but the model's is {model.args.hidden_size}.",
+            "Train with the --model the data was distilled from.",
+        )
+    elif cfg.batch_size % w.size:
+        error = RedrafterError(
+            f"--batch-size {cfg.batch_size} does not split evenly over {w.size} processes.",
+            f"Use a multiple of {w.size}: it is the total over all processes.",
+        )
+    w.check(error)
+    h = corpus.hidden
+    w.agree({
+        "model": model_fingerprint(model),
+        "training data": digest(corpus.tokens, corpus.offsets, json.dumps(corpus.ids), h.shape, h[:4], h[-4:]),
+    })
+
+
+def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos_ids, w: World):
+    """The drafter, optimizer, config and :class:`Start` of a new or resumed
+    run, identical on every rank: rank 0 reads the checkpoint (it alone wrote
+    it) and its weights and optimizer state are sent to the others."""
+    ck = out / CHECKPOINT
+    state = None
+    if resume and w.rank == 0 and (ck / "state.json").exists():
+        state = json.loads((ck / "state.json").read_text())
+    state = w.share_json(state)
+    if resume and state is None:
+        raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
+    start = Start()
+    if state is not None:
+        cfg = TrainConfig(**state["config"])
+        start = Start(state["step"], state.get("seconds", 0.0), state.get("best_accepted", -1.0))
+    if state is not None and w.rank == 0:
+        drafter = load_drafter(ck / "drafter", dtype="float32")
+    else:  # also the skeleton that receives rank 0's weights
+        drafter = new_drafter(model, corpus, cfg, eos_ids)
+    optimizer = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer.init(drafter.trainable_parameters())
+    if state is not None and w.rank == 0:
+        saved = mx.load(str(ck / "optimizer.safetensors"))
+        optimizer.state = tree_unflatten(list(saved.items()))
+    if w.size > 1:
+        drafter.update(w.from_rank0(drafter.parameters()))
+        optimizer.state = w.from_rank0(optimizer.state)
+    return drafter, optimizer, cfg, start
+
+
+def make_step(drafter: Drafter, embed, optimizer, w: World):
+    """``step(batch, lr) -> loss``: one optimizer update from this rank's
+    slice of a batch, with the gradients averaged over the ranks; the loss
+    returned is the whole batch's."""
+    loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
+    state = [drafter.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def update(context, inputs, targets, mask, count):
+        (loss, _), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask, count)
+        optimizer.update(drafter, w.mean(grads))  # the only collective in here: see World.mean
+        return loss
+
+    def step(batch, lr: float) -> float:
+        context, inputs, targets, mask, _ = batch
+        # Loss denominators over the whole batch (all ranks), so that the
+        # averaged gradient is the one-process gradient.
+        count = mx.maximum(w.sum(mask.sum(0).astype(mx.float32)), 1) / w.size
+        mx.eval(count)
+        optimizer.learning_rate = mx.array(lr)
+        loss = update(context, inputs, targets, mask, count)
+        mx.eval(loss, state)
+        return float(w.sum(loss) / w.size)
+
+    return step
+
+
+def _batchers(corpus: Corpus, cfg: TrainConfig, vmap: np.ndarray, data_dir):
+    """Training and held-out batchers (sharing the hidden states on device)."""
+    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats)
+    if len(train_ex.positions) == 0:
+        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
+    train_b = Batcher(corpus, train_ex, cfg.depth, vmap)
+    eval_b = Batcher(corpus, eval_ex, cfg.depth, vmap)
+    eval_b.hidden = train_b.hidden
+    return train_b, eval_b
+
+
+def log_evaluation(writer: Writer, drafter, embed, batcher: Batcher, cfg: TrainConfig, record: dict) -> None:
+    """Add the held-out metrics to ``record`` and log it. The output folder
+    holds the best drafter so far (by held-out accepted length), so
+    overfitting late in a long run costs nothing."""
+    record.update(evaluate(drafter, embed, batcher, cfg.batch_size) or {})
+    score = record.get("eval_accepted_w1", 0.0)
+    if score > writer.best:
+        writer.best = score
+        writer.drafter(drafter, record["step"], record)
+        record["saved"] = True
+    writer.log(record)
 
 
 def train(
@@ -227,144 +410,70 @@ def train(
     progress: Optional[Callable[[int, int, float], None]] = None,
     log_console: Optional[Callable[[str], None]] = None,
 ) -> Path:
-    """Train (or resume training) a drafter for ``model`` and save it to ``out``."""
+    """Train (or resume training) a drafter for ``model`` and save it to ``out``.
+
+    Under ``mlx.launch`` the run is data-parallel: every rank draws the same
+    batch indices, computes the gradient of its slice of each batch
+    (``cfg.batch_size`` is the total), and the gradients are averaged, so the
+    weights match a one-process run; rank 0 alone writes ``out``.
+    """
+    w = world()
     out = Path(out)
     corpus = read_corpus(data_dir)
+    _check_inputs(model, corpus, data_dir, cfg, w)
     embed, _, _ = model_parts(model)
-    vocab = int(embed.weight.shape[0]) if "weight" in embed else None
-    hidden = corpus.hidden_size
-    if hidden != model.args.hidden_size:
-        raise RedrafterError(
-            f"The data in {data_dir} has hidden size {hidden} but the model's is {model.args.hidden_size}.",
-            "Train with the --model the data was distilled from.",
-        )
-    ck = out / CHECKPOINT
-    if resume and (ck / "state.json").exists():
-        state = json.loads((ck / "state.json").read_text())
-        cfg = TrainConfig(**state["config"])
-        drafter = load_drafter(ck / "drafter", dtype="float32")
-        start_step = state["step"]
-        spent = state.get("seconds", 0.0)
-        best_so_far = state.get("best_accepted", -1.0)
-    else:
-        if resume:
-            raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
-        start_step = 0
-        spent = 0.0
-        best_so_far = -1.0
-        dv = cfg.draft_vocab_size if cfg.draft_vocab_size and cfg.draft_vocab_size < vocab else None
-        mx.random.seed(cfg.seed)
-        drafter = Drafter(
-            DrafterConfig(
-                vocab_size=vocab, hidden_size=hidden, exit_dim=cfg.exit_dim,
-                num_draft_layers=cfg.num_draft_layers, rnn=cfg.rnn, draft_vocab_size=dv,
-            )
-        )
-        if dv:
-            drafter.draft_vocab = mx.array(choose_draft_vocab(corpus.tokens, dv, vocab, always=list(eos_ids)))
-        if cfg.init_head_from_llm and cfg.exit_dim == hidden:
-            drafter.lm_head[-1].weight = llm_output_rows(model, drafter.draft_vocab if dv else None)
-        drafter.set_dtype(mx.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats)
-    if len(train_ex.positions) == 0:
-        raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
-
-    vocab_map = np.full(vocab, -1, np.int64)
-    if drafter.config.draft_vocab_size:
-        dvocab = np.array(drafter.draft_vocab)
-        vocab_map[dvocab] = np.arange(len(dvocab))
-    else:
-        vocab_map = np.arange(vocab)
-    coverage = float((vocab_map[corpus.tokens] >= 0).mean())
-    train_b = Batcher(corpus, train_ex, cfg.depth, vocab_map)
-    eval_b = Batcher(corpus, eval_ex, cfg.depth, vocab_map)
-    eval_b.hidden = train_b.hidden
-
-    steps_per_epoch = max(1, len(train_ex.positions) // cfg.batch_size)
-    total = cfg.max_steps or int(math.ceil(cfg.epochs * steps_per_epoch))
-    optimizer = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
-    optimizer.init(drafter.trainable_parameters())
-    if start_step:
-        saved = mx.load(str(ck / "optimizer.safetensors"))
-        optimizer.state = tree_unflatten(list(saved.items()))
+    drafter, optimizer, cfg, start = _begin(model, corpus, out, cfg, resume, eos_ids, w)
+    if w.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    vmap = vocab_map(drafter, int(embed.weight.shape[0]))
+    train_b, eval_b = _batchers(corpus, cfg, vmap, data_dir)
+    n_train = len(train_b.examples.positions)
+    total = cfg.max_steps or int(math.ceil(cfg.epochs * max(1, n_train // cfg.batch_size)))
     embed.freeze()
-
-    loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
-    state = [drafter.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step_fn(context, inputs, targets, mask):
-        (loss, (per_depth, _)), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask)
-        optimizer.update(drafter, grads)
-        return loss, per_depth
-
+    step_fn = make_step(drafter, embed, optimizer, w)
     meta = {
         "data": str(Path(data_dir).resolve()),
-        "train_examples": int(len(train_ex.positions)),
-        "eval_examples": int(len(eval_ex.positions)),
-        "draft_vocab_coverage": round(coverage, 4),
+        "train_examples": int(n_train),
+        "eval_examples": int(len(eval_b.examples.positions)),
+        "draft_vocab_coverage": round(float((vmap[corpus.tokens] >= 0).mean()), 4),
         "total_steps": total,
     }
-    log_path = out / LOG
-    rng = np.random.default_rng(cfg.seed + start_step)
-    deadline = None if cfg.minutes is None else time.perf_counter() + 60 * cfg.minutes - spent
-    step = start_step
-    running = []
+    writer = Writer(out, cfg, meta, enabled=w.rank == 0, best=start.best_accepted, log_console=log_console)
+    if start.step == 0:
+        writer.log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params(), "world_size": w.size})
 
-    def log(record):
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if log_console:
-            log_console(json.dumps(record))
-
-    if step == 0:
-        log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params()})
-    tic = time.perf_counter()
-
-    best = {"accepted": best_so_far}
+    rng = np.random.default_rng(cfg.seed + start.step)
+    step, running, elapsed, tic = start.step, [], start.seconds, time.perf_counter()
 
     def log_eval():
-        nonlocal running
         rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
-        rec.update(evaluate(drafter, embed, eval_b, cfg.batch_size) or {})
-        running = []
-        # The output folder holds the best drafter so far (by held-out accepted
-        # length), so overfitting late in a long run costs nothing.
-        score = rec.get("eval_accepted_w1", 0.0)
-        if score > best["accepted"]:
-            best["accepted"] = score
-            save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step, **rec}})
-            rec["saved"] = True
-        log(rec)
+        running.clear()
+        if w.rank == 0:  # the others go on to the next step's collectives
+            log_evaluation(writer, drafter, embed, eval_b, cfg, rec)
 
     try:
         while step < total:
-            idx = rng.integers(0, len(train_ex.positions), cfg.batch_size)
-            context, inputs, targets, mask, _ = train_b.batch(idx)
-            optimizer.learning_rate = mx.array(learning_rate(cfg, step, total, time.perf_counter() - tic + spent))
-            loss, per_depth = step_fn(context, inputs, targets, mask)
-            mx.eval(loss, state)
+            idx = rng.integers(0, n_train, cfg.batch_size)
+            loss = step_fn(train_b.batch(idx.reshape(w.size, -1)[w.rank]), learning_rate(cfg, step, total, elapsed))
+            # Every rank takes rank 0's clock, so that all agree on the
+            # learning rate and on when the time budget ends the run.
+            elapsed = float(w.from_rank0(mx.array(time.perf_counter() - tic + start.seconds)).item())
             step += 1
-            running.append(float(loss))
+            running.append(loss)
             if progress:
-                progress(step, total, float(loss))
+                progress(step, total, loss)
             if step % cfg.eval_every == 0 or step == total:
                 log_eval()
             if step % cfg.checkpoint_every == 0:
-                _save_checkpoint(out, drafter, optimizer, step, cfg, {**meta, "best_accepted": best["accepted"]}, time.perf_counter() - tic + spent)
-            if deadline is not None and time.perf_counter() > deadline:
-                log({"event": "time budget reached", "step": step})
+                writer.checkpoint(drafter, optimizer, step, elapsed)
+            if cfg.minutes is not None and elapsed > 60 * cfg.minutes:
+                writer.log({"event": "time budget reached", "step": step})
                 if running:  # the final metrics, also when the budget ends the run
                     log_eval()
                 break
     except KeyboardInterrupt:
-        _save_checkpoint(out, drafter, optimizer, step, cfg, {**meta, "best_accepted": best["accepted"]}, time.perf_counter() - tic + spent)
-        if best["accepted"] < 0:  # nothing saved yet: a usable drafter now
-            save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
-        log({"event": "interrupted", "step": step})
+        writer.finish(drafter, optimizer, step, time.perf_counter() - tic + start.seconds)
+        writer.log({"event": "interrupted", "step": step})
         raise
-    _save_checkpoint(out, drafter, optimizer, step, cfg, {**meta, "best_accepted": best["accepted"]}, time.perf_counter() - tic + spent)
-    if best["accepted"] < 0:  # no held-out split: the final weights
-        save_drafter(drafter, out, dtype="float16", extra_config={"training": {**meta, "steps": step}})
+    writer.finish(drafter, optimizer, step, time.perf_counter() - tic + start.seconds)
     return out
