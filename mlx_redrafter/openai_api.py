@@ -196,6 +196,8 @@ async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[i
     def emit(kind, value):  # called on the worker thread
         loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
+    if not ids:
+        raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt", code="invalid_value")
     try:
         job = engine.job(ids, _params(engine, req, max_tokens), emit)
     except RedrafterError as e:

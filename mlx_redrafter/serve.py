@@ -62,7 +62,7 @@ def draft_source(r: RedrafterResponse) -> Optional[str]:
     return "drafter" if r.from_draft else None
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the queue keeps a set of live jobs
 class Job:
     """One request: its prompt ids, its parameters, and where its output goes.
 
@@ -127,6 +127,7 @@ class JobQueue:
         self.running = False
         self.served = 0
         self.cancelled = 0
+        self._live: set = set()  # submitted and not finished
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, job: Job) -> None:
@@ -135,6 +136,7 @@ class JobQueue:
             if self.waiting >= self.size:
                 raise QueueFull(f"{self.waiting} requests are waiting for the model (the bound is {self.size}).")
             self.waiting += 1
+            self._live.add(job)
         self._queue.put(job)
 
     def start(self) -> None:
@@ -142,6 +144,10 @@ class JobQueue:
         self._thread.start()
 
     def stop(self) -> None:
+        """Cancel every job (the running one stops at its next step) and end the worker."""
+        with self._lock:
+            for job in self._live:
+                job.cancel()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -163,9 +169,13 @@ class JobQueue:
                 else:
                     res = self.handler(job)
             except BaseException as e:  # the worker must survive any request
-                job.emit("error", e)
+                try:
+                    job.emit("error", e)
+                except Exception:
+                    pass  # nobody is listening any more (the server is stopping)
             finally:
                 with self._lock:
+                    self._live.discard(job)
                     self.running = False
                     self.served += 1
                     self.cancelled += int(res is not None and res.cancelled)

@@ -306,8 +306,32 @@ def test_queue_is_fair_and_bounded():
         assert q.status()["waiting"] == 3 and q.status()["running"]
         jobs[2].cancel()  # its client left while it waited: skipped
         release.set()
+        deadline = time.monotonic() + 30
+        while q.status()["served"] < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     finally:
         release.set()
         q.stop()
     assert order == [0, 1, 3]
     assert q.status()["served"] == 4 and q.status()["cancelled"] == 1
+    assert done == ["done"]  # the skipped job was told
+
+
+def test_stopping_the_queue_cancels_its_jobs():
+    started = threading.Event()
+
+    def handler(job):
+        started.set()
+        job.cancelled.wait(30)  # a generation that stops at its next step once cancelled
+        return Result(cancelled=job.cancelled.is_set())
+
+    q = JobQueue(handler, size=2)
+    jobs = [Job([i], GenParams(1), lambda kind, value: None) for i in range(2)]
+    q.start()
+    for j in jobs:
+        q.submit(j)
+    assert started.wait(30)
+    q.stop()
+    assert all(j.cancelled.is_set() for j in jobs)
+    assert q.status()["cancelled"] == 2
