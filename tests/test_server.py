@@ -220,10 +220,11 @@ def test_full_queue_answers_503(server, client, reference):
     served = _health(server)["queue"]["served"]
     socks = [_open_request(server, _long(True))]
     try:
+        deadline = time.monotonic() + 60
         while not _health(server)["queue"]["running"]:
+            assert time.monotonic() < deadline
             time.sleep(0.1)
         socks += [_open_request(server, _long(False)) for _ in range(QUEUE)]
-        deadline = time.monotonic() + 60
         while _health(server)["queue"]["waiting"] < QUEUE:
             assert time.monotonic() < deadline
             time.sleep(0.1)
