@@ -283,6 +283,20 @@ def chat(
         raise typer.Exit(code)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Fail before the slow model load when ``host:port`` cannot be listened on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RedrafterError(f"Cannot listen on {host}:{port}: {e.strerror or e}.",
+                                 "Pick another --port (or stop what is using it).") from None
+
+
 @app.command()
 def serve(
     model: str = ModelOpt,
@@ -299,13 +313,15 @@ def serve(
     dtype: Optional[str] = DtypeOpt,
 ):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    # Every check before the slow imports and the model load.
+    if queue_size < 1:
+        raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
+    _check_port(host, port)
     from .chat import check_setting
     from .session import resolve_session
 
-    for k, v in (("max_tokens", max_tokens), ("temp", temp)):  # before the slow model load
+    for k, v in (("max_tokens", max_tokens), ("temp", temp)):
         check_setting(k, v, name="--" + k.replace("_", "-"))
-    if queue_size < 1:
-        raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
     try:
         import uvicorn
 
