@@ -281,16 +281,18 @@ def test_bad_completions_and_routes(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
-def test_serve_flags_fail_before_loading():
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve"]
-    r = subprocess.run(cmd + ["--queue-size", "0"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "--queue-size" in r.stderr and "Traceback" not in r.stderr
+def test_serve_flags_fail_before_loading(capsys):
+    from mlx_redrafter.cli import main
+
+    assert main(["serve", "--queue-size", "0"]) == 1
+    assert "--queue-size" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run(cmd + ["--port", str(port)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and f"127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+        assert main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "Traceback" not in err
 
 
 # --------------------------------------------------------------------------- the queue itself (no model)
