@@ -31,8 +31,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def generate_cli():
+    """``mlx-redrafter generate --temp 0`` on PROMPT, started alongside the
+    server (both spend their start loading the model)."""
+    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(MAX_TOKENS), "-p", PROMPT]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, generate_cli):
     """The server's base URL; the process is always stopped."""
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
@@ -56,12 +77,7 @@ def server(tmp_path_factory):
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +122,7 @@ def test_models_and_health(server, client):
     assert h["queue"]["bound"] == QUEUE
 
 
-def test_chat_equals_generate_and_stream_equals_whole(client, reference):
+def test_chat_equals_generate_and_stream_equals_whole(client, reference, generate_cli):
     r = reference
     text = r.choices[0].message.content
     assert text and r.choices[0].finish_reason == "length"
@@ -124,12 +140,9 @@ def test_chat_equals_generate_and_stream_equals_whole(client, reference):
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
     # ... and it equals the command line's reply to the same message.
-    cli = subprocess.run(
-        [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(MAX_TOKENS), "-p", PROMPT],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert cli.returncode == 0, cli.stderr
-    assert cli.stdout == text + "\n"
+    stdout, stderr = generate_cli.communicate(timeout=600)
+    assert generate_cli.returncode == 0, stderr
+    assert stdout == text + "\n"
 
 
 def test_completions_and_stop(client, reference):
