@@ -6,10 +6,10 @@ No HTTP here (that is :mod:`mlx_redrafter.openai_api`, a thin layer on top):
 on its worker thread, and reports each job's text through the job's
 ``emit`` callback.
 
-The cache contract is the chat's (:class:`~mlx_redrafter.chat.ChatSession`):
-:class:`PromptCache` knows the token ids whose KV it holds; a request whose
-ids share a prefix with them prefills only the rest, so a follow-up turn of a
-conversation costs only its new tokens.
+The KV cache stays from one request to the next, as in the chat
+(:class:`~mlx_redrafter.prompt_cache.PromptCache`): a request whose ids share
+a prefix with the cached ones prefills only the rest, so a follow-up turn of
+a conversation costs only its new tokens.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
-from mlx_lm.models.cache import make_prompt_cache
-
-from .chat import common_prefix, render_messages
+from .chat import render_messages
 from .errors import RedrafterError
-from .generate import RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate, trim_cache
+from .generate import RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate
+from .prompt_cache import PromptCache
 
 
 class QueueFull(Exception):
@@ -80,37 +79,6 @@ class Job:
     def cancel(self) -> None:
         """Stop the job at its next step (or skip it if it has not started)."""
         self.cancelled.set()
-
-
-class PromptCache:
-    """The KV cache and the token ids it holds, shared by consecutive requests."""
-
-    def __init__(self, model):
-        self.model = model
-        self.cache = None
-        self.ids: List[int] = []
-
-    def reuse(self, ids: Sequence[int]) -> int:
-        """Trim the cache to its common prefix with ``ids``; return its length."""
-        # stream_generate needs at least one prompt token to produce logits.
-        keep = min(common_prefix(self.ids, ids), len(ids) - 1)
-        self.ids = []  # unknown until the job ends
-        if self.cache is None or not trim_cache(self.cache, keep):
-            self.cache, keep = make_prompt_cache(self.model), 0
-        return keep
-
-    def settle(self, known: List[int]) -> None:
-        """After a job: the cache holds a prefix of ``known`` (prompt + emitted
-        tokens, give or take a token: stream_generate's contract); trim it to
-        what we know."""
-        held = min(self.cache[0].offset, len(known))
-        if trim_cache(self.cache, held):
-            self.ids = known[:held]
-        else:
-            self.reset()
-
-    def reset(self) -> None:
-        self.cache, self.ids = None, []
 
 
 class JobQueue:

@@ -5,7 +5,6 @@ client and with raw HTTP for bad input."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
