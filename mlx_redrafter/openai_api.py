@@ -159,7 +159,11 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        ids = engine.chat_ids([m.plain() for m in req.messages])
+        try:
+            ids = engine.chat_ids([m.plain() for m in req.messages])
+        except Exception as e:  # e.g. a template that refuses a role or an order of roles
+            raise APIError(400, f"The model's chat template refused these messages: {e}", param="messages",
+                           code="invalid_value") from None
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await _serve(engine, req, request, ids, max_tokens, chat=True)
 
