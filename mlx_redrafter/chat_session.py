@@ -17,22 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from .chat_commands import CommandResult, handle_command
 from .chat_settings import ChatSettings
 from .errors import RedrafterError
-from .generate import RedrafterResponse, Tally, context_limit, stream_generate, trim_cache
+from .generate import RedrafterResponse, Tally, context_limit, stream_generate
+from .prompt_cache import PromptCache
 from .prompts import build_messages, chat_prompt_ids, render_messages
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -134,8 +124,7 @@ class ChatSession:
         self.info = info or {}
         self.totals = Totals()
         self.last_turn: Optional[Turn] = None
-        self.cache = None
-        self.cached: List[int] = []  # the token ids whose KV self.cache holds
+        self.prompt_cache = PromptCache(model)
 
     @classmethod
     def from_session(cls, s, settings: Optional[ChatSettings] = None, **kwargs) -> "ChatSession":
@@ -170,7 +159,17 @@ class ChatSession:
 
     def reset_cache(self) -> None:
         """Forget the cache (the next turn prefills the whole conversation)."""
-        self.cache, self.cached = None, []
+        self.prompt_cache.reset()
+
+    @property
+    def cache(self):
+        """The KV cache (mlx-lm's per-layer list), ``None`` before the first turn."""
+        return self.prompt_cache.cache
+
+    @property
+    def cached(self) -> List[int]:
+        """The token ids whose KV :attr:`cache` holds."""
+        return self.prompt_cache.ids
 
     # ------------------------------------------------------------------ context
 
@@ -205,27 +204,6 @@ class ChatSession:
             )
         return ids, min(want, limit - len(ids) - self._margin())
 
-    # ------------------------------------------------------------------ the cache
-
-    def _reuse_cache(self, ids: List[int]) -> int:
-        """Trim the cache to its common prefix with ``ids``; return its length."""
-        # stream_generate needs at least one prompt token to produce logits.
-        keep = min(common_prefix(self.cached, ids), len(ids) - 1)
-        self.cached = []  # unknown until the turn ends
-        if self.cache is None or not trim_cache(self.cache, keep):
-            self.cache, keep = make_prompt_cache(self.model), 0
-        return keep
-
-    def _settle_cache(self, known: List[int]) -> None:
-        """After a turn: the cache holds a prefix of ``known`` (prompt + reply
-        tokens), sometimes missing the last token or holding a few accepted
-        drafts past EOS (stream_generate's contract); trim it to what we know."""
-        held = min(self.cache[0].offset, len(known))
-        if trim_cache(self.cache, held):
-            self.cached = known[:held]
-        else:
-            self.reset_cache()
-
     # ------------------------------------------------------------------ a turn
 
     def stream_reply(self, text: str) -> Iterator[RedrafterResponse]:
@@ -242,7 +220,7 @@ class ChatSession:
         generated: List[int] = []
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
         try:
-            reused = self._reuse_cache(ids)
+            reused = self.prompt_cache.reuse(ids)
             turn.reused_tokens, turn.prefilled_tokens = reused, len(ids) - reused
             for r in stream_generate(
                 self.model, self.tokenizer, ids[reused:], drafter=self.drafter,
@@ -260,7 +238,7 @@ class ChatSession:
                 yield r
         except (KeyboardInterrupt, GeneratorExit):
             if turn.finish_reason is not None:  # stopped after the last response: complete
-                self._settle_cache(ids + generated + eos)
+                self.prompt_cache.settle(ids + generated + eos)
             else:
                 turn.interrupted = True
                 # The cache may hold part of a verification: rebuild it next turn.
@@ -270,7 +248,7 @@ class ChatSession:
         except BaseException:
             self.reset_cache()
             raise
-        self._settle_cache(ids + generated + eos)
+        self.prompt_cache.settle(ids + generated + eos)
         self._record(turn)
 
     def _record(self, turn: Turn) -> None:

@@ -302,6 +302,61 @@ def chat(
         raise typer.Exit(code)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Fail before the slow model load when ``host:port`` cannot be listened on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RedrafterError(f"Cannot listen on {host}:{port}: {e.strerror or e}.",
+                                 "Pick another --port (or stop what is using it).") from None
+
+
+@app.command()
+def serve(
+    model: str = ModelOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any)."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens the server to your network)."),
+    port: int = typer.Option(8080, "--port"),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
+    temp: float = typer.Option(0.0, "--temp", help="Temperature when a request does not say (0 = greedy)."),
+    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait for the model; past it the server answers 503."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth."),
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    # Every check before the slow imports and the model load.
+    if queue_size < 1:
+        raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
+    _check_port(host, port)
+    from .chat import check_setting
+    from .session import resolve_session
+
+    for k, v in (("max_tokens", max_tokens), ("temp", temp)):
+        check_setting(k, v, name="--" + k.replace("_", "-"))
+    try:
+        import uvicorn
+
+        from .openai_api import create_app
+    except ImportError as e:
+        raise RedrafterError(f"The server needs packages that are not installed ({e.name}).",
+                             "pip install 'mlx-redrafter[server]'") from None
+    from .serve import Engine
+
+    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
+    s.announce(err)
+    app_ = create_app(Engine(s, max_tokens=max_tokens, temp=temp, queue_size=queue_size))
+    err.print(f"serving {s.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
 @app.command()
 def sweep(
     model: str = ModelOpt,

@@ -1,0 +1,322 @@
+"""The HTTP side of ``mlx-redrafter serve``: OpenAI's API over an
+:class:`~mlx_redrafter.serve.Engine` (FastAPI, pydantic request models).
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST
+/v1/completions`` (both streamed as server-sent events when ``stream`` is
+true) and ``GET /health``. Errors are OpenAI's error objects. Responses add
+one field standard clients ignore, ``redrafter``: the drafting stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, List, Literal, Optional, Tuple, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .errors import RedrafterError
+from .serve import Engine, GenParams, Job, QueueFull, Result
+
+# How often a request waiting for the model checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+# --------------------------------------------------------------------------- request models
+
+
+class _Request(BaseModel):
+    # Strict: "5" is not a number. Unknown OpenAI fields are accepted and ignored.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class Message(_Request):
+    role: str
+    content: Union[str, List[ContentPart], None] = None
+
+    def plain(self) -> dict:
+        """The message as the chat template wants it: a role and a string."""
+        content = self.content
+        if isinstance(content, list):  # OpenAI's content parts: keep the text ones
+            content = "".join(p.text or "" for p in content if p.type == "text")
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name
+        return {"role": role, "content": content or ""}
+
+
+class _Generation(_Request):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Literal[1] = 1
+
+
+class ChatRequest(_Generation):
+    messages: List[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, List[str]]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body())
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"The body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}.",
+                        code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    where = f"'{param}': " if param else ""
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return APIError(400, f"{where}{first.get('msg', 'invalid request')}.", param=param, code=code)
+
+
+def _generation_error(e: BaseException) -> APIError:
+    if isinstance(e, RedrafterError):
+        return APIError(400, e.problem, code="invalid_value")
+    return APIError(500, f"Generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The FastAPI app serving ``engine`` (its worker runs with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="mlx-redrafter", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        kind = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error").response()
+
+    @app.get("/health")
+    async def health():
+        return engine.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(engine)]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        try:
+            ids = engine.chat_ids([m.plain() for m in req.messages])
+        except Exception as e:  # e.g. a template that refuses a role or an order of roles
+            raise APIError(400, f"The model's chat template refused these messages: {e}", param="messages",
+                           code="invalid_value") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        return await _serve(engine, req, request, ids, max_tokens, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        prompt = req.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "Only one prompt per request is supported.", param="prompt", code="invalid_value")
+            prompt = prompt[0]
+        return await _serve(engine, req, request, engine.text_ids(prompt), req.max_tokens, chat=False)
+
+    return app
+
+
+def _model_card(engine: Engine) -> dict:
+    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-redrafter"}
+
+
+def _params(engine: Engine, req: _Generation, max_tokens: Optional[int]) -> GenParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    temp = engine.temp if req.temperature is None else req.temperature
+    return GenParams(max_tokens or engine.max_tokens, temp, req.top_p or 0.0, req.seed, stop)
+
+
+async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool):
+    """Queue the request and answer it, streamed or whole."""
+    if req.model is not None and req.model != engine.model_id:
+        raise APIError(404, f"The model '{req.model}' does not exist here; this server serves '{engine.model_id}'.",
+                       param="model", code="model_not_found")
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(kind, value):  # called on the worker thread
+        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    if not ids:
+        raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt", code="invalid_value")
+    try:
+        job = engine.job(ids, _params(engine, req, max_tokens), emit)
+    except RedrafterError as e:
+        raise APIError(400, e.problem, param="messages" if chat else "prompt", code="context_length_exceeded")
+    try:
+        engine.submit(job)
+    except QueueFull as e:
+        raise APIError(503, f"The server is busy: {e} Retry later.", type="server_error", code="queue_full")
+    reply = _Reply(engine, job, chat, req)
+    if req.stream:
+        return _CancellingStream(job, reply.sse(_events(events, job, request)), media_type="text/event-stream")
+    try:
+        text, result = "", None
+        async for kind, value in _events(events, job, request):
+            if kind == "text":
+                text += value
+            elif kind == "error":
+                raise _generation_error(value)
+            else:
+                result = value
+    finally:
+        job.cancel()  # a no-op once it is done; stops it when this handler is cancelled
+    if result is None or result.cancelled:  # the client left: nobody reads this
+        return JSONResponse(status_code=499, content=None)
+    return reply.whole(result)
+
+
+async def _events(events: asyncio.Queue, job: Job, request: Request) -> AsyncIterator[Tuple[str, object]]:
+    """The job's events until it is done; cancels the job when the client leaves."""
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            kind = None
+        if await request.is_disconnected():
+            job.cancel()
+            return
+        if kind is None:
+            continue
+        yield kind, value
+        if kind in ("done", "error"):
+            return
+
+
+class _CancellingStream(StreamingResponse):
+    """A streamed reply that stops its job however the stream ends."""
+
+    def __init__(self, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+class _Reply:
+    """Builds the response objects of one request (chat or completion)."""
+
+    def __init__(self, engine: Engine, job: Job, chat: bool, req: _Generation):
+        self.engine, self.job, self.chat = engine, job, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_id}
+
+    def usage(self, res: Result) -> dict:
+        return {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.reused_tokens},
+        }
+
+    def whole(self, res: Result) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
+                      "logprobs": None, "finish_reason": res.finish_reason}
+        else:
+            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
+        return {**self._head(False), "choices": [choice], "usage": self.usage(res),
+                "redrafter": self.engine.stats(res, self.job)}
+
+    def _chunk(self, text: Optional[str] = None, finish: Optional[str] = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        out = {**self._head(True), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None  # as OpenAI: only the last chunk carries it
+        return out
+
+    async def sse(self, events: AsyncIterator[Tuple[str, object]]) -> AsyncIterator[str]:
+        """Server-sent events: chunks, the usage chunk when asked, ``[DONE]``."""
+        if self.chat:
+            yield _data(self._chunk(role=True))
+        async for kind, value in events:
+            if kind == "text":
+                yield _data(self._chunk(value))
+            elif kind == "error":
+                yield _data(_generation_error(value).body())
+                return
+            elif not value.cancelled:
+                yield _data({**self._chunk(finish=value.finish_reason), "redrafter": self.engine.stats(value, self.job)})
+                if self.include_usage:
+                    yield _data({**self._head(True), "choices": [], "usage": self.usage(value)})
+                yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

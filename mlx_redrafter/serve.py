@@ -1,0 +1,290 @@
+"""The core of ``mlx-redrafter serve``: one model, a fair bounded queue of
+requests, and a KV cache that consecutive requests share.
+
+No HTTP here (that is :mod:`mlx_redrafter.openai_api`, a thin layer on top):
+:class:`Engine` turns token ids into a :class:`Job`, runs jobs one at a time
+on its worker thread, and reports each job's text through the job's
+``emit`` callback.
+
+The KV cache stays from one request to the next, as in the chat
+(:class:`~mlx_redrafter.prompt_cache.PromptCache`): a request whose ids share
+a prefix with the cached ones prefills only the rest, so a follow-up turn of
+a conversation costs only its new tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from .errors import RedrafterError
+from .generate import RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate
+from .prompt_cache import PromptCache
+from .prompts import chat_prompt_ids
+
+
+class QueueFull(Exception):
+    """The queue holds its bound of waiting requests."""
+
+
+@dataclass
+class GenParams:
+    """What a request may choose (OpenAI's names map onto these)."""
+
+    max_tokens: int
+    temp: float = 0.0
+    top_p: float = 0.0  # 0 or 1: off
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """A finished (or cancelled) job."""
+
+    text: str = ""
+    finish_reason: Optional[str] = None  # "stop", "length", or None when cancelled
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV came from the previous request
+    tally: Tally = field(default_factory=Tally)
+    cancelled: bool = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.tally.tokens
+
+
+def draft_source(r: RedrafterResponse) -> Optional[str]:
+    """Where an emitted token's draft came from (``None``: the LLM's own token)."""
+    return "drafter" if r.from_draft else None
+
+
+@dataclass(eq=False)  # compared and hashed by identity: the queue keeps a set of live jobs
+class Job:
+    """One request: its prompt ids, its parameters, and where its output goes.
+
+    ``emit(kind, value)`` is called from the worker thread with
+    ``("text", str)`` per response, then ``("done", Result)`` or
+    ``("error", exception)``.
+    """
+
+    ids: List[int]
+    params: GenParams
+    emit: Callable[[str, object], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    sources: dict = field(default_factory=dict)  # draft source -> tokens
+
+    def cancel(self) -> None:
+        """Stop the job at its next step (or skip it if it has not started)."""
+        self.cancelled.set()
+
+
+class JobQueue:
+    """First come, first served, on one worker thread, with at most ``size``
+    requests waiting (the one running not counted)."""
+
+    def __init__(self, handler: Callable[[Job], "Result"], size: int):
+        if size < 1:
+            raise RedrafterError(f"The queue size must be at least 1 (got {size}).")
+        self.handler, self.size = handler, size
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.running = False
+        self.served = 0
+        self.cancelled = 0
+        self._live: set = set()  # submitted and not finished
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; :class:`QueueFull` when ``size`` requests wait already."""
+        with self._lock:
+            if self.waiting >= self.size:
+                raise QueueFull(f"{self.waiting} requests are waiting for the model (the bound is {self.size}).")
+            self.waiting += 1
+            self._live.add(job)
+        self._queue.put(job)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="redrafter-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel every job (the running one stops at its next step) and end the worker."""
+        with self._lock:
+            for job in self._live:
+                job.cancel()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self.waiting -= 1
+                self.running = True
+            res = None
+            try:
+                if job.cancelled.is_set():  # its client left while it waited
+                    res = Result(cancelled=True)
+                    job.emit("done", res)
+                else:
+                    res = self.handler(job)
+            except BaseException as e:  # the worker must survive any request
+                try:
+                    job.emit("error", e)
+                except Exception:
+                    pass  # nobody is listening any more (the server is stopping)
+            finally:
+                with self._lock:
+                    self._live.discard(job)
+                    self.running = False
+                    self.served += 1
+                    self.cancelled += int(res is not None and res.cancelled)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"waiting": self.waiting, "running": self.running, "bound": self.size,
+                    "served": self.served, "cancelled": self.cancelled}
+
+
+class Engine:
+    """A resolved :class:`~mlx_redrafter.session.Session` served one request
+    at a time, with a prompt cache shared across requests."""
+
+    def __init__(self, session, max_tokens: int = 512, temp: float = 0.0, queue_size: int = 16):
+        self.s = session
+        self.model_id = session.model_spec
+        self.max_tokens = max_tokens
+        self.temp = temp
+        self.cache = PromptCache(session.model)
+        self.queue = JobQueue(self._run, queue_size)
+
+    # ------------------------------------------------------------------ prompts
+
+    def chat_ids(self, messages: List[dict]) -> List[int]:
+        """Token ids of ``messages`` through the chat template, exactly as
+        ``mlx-redrafter generate`` encodes its prompt."""
+        return chat_prompt_ids(self.s.tokenizer, messages)
+
+    def text_ids(self, prompt: str) -> List[int]:
+        return encode_prompt(self.s.tokenizer, prompt)
+
+    def _margin(self) -> int:
+        # A verification briefly puts the drafted tokens behind the last one.
+        return self.s.beam_length + 1 if self.s.drafter is not None else 0
+
+    def fit(self, ids: List[int], max_tokens: int) -> int:
+        """``max_tokens`` cut to what the context leaves after the prompt;
+        a :class:`RedrafterError` when the prompt alone does not fit."""
+        if not ids:
+            raise RedrafterError("The prompt is empty.", "Send at least one token of prompt.")
+        limit = context_limit(self.s.model)
+        if not limit:
+            return max_tokens
+        room = limit - len(ids) - self._margin()
+        if room < 1:
+            raise RedrafterError(
+                f"The prompt has {len(ids)} tokens and the model's context is {limit} tokens "
+                f"(room for at least one reply token is needed).",
+                "Send a shorter prompt.",
+            )
+        return min(max_tokens, room)
+
+    def generation_kwargs(self, params: GenParams) -> dict:
+        """The keywords of :func:`stream_generate` for a request: the one
+        place where the session's drafting settings meet the request's."""
+        s = self.s
+        return dict(
+            drafter=s.drafter, beam_width=s.beam_width, beam_length=s.beam_length,
+            controller=s.controller, max_tokens=params.max_tokens, temp=params.temp,
+            top_p=params.top_p, seed=params.seed, stop=params.stop,
+        )
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (:class:`QueueFull` past the bound)."""
+        self.queue.submit(job)
+
+    def start(self) -> None:
+        self.queue.start()
+
+    def stop(self) -> None:
+        self.queue.stop()
+
+    def job(self, ids: List[int], params: GenParams, emit: Callable[[str, object], None]) -> Job:
+        """A job for ``ids``, its ``max_tokens`` cut to fit the context
+        (a :class:`RedrafterError` when the prompt alone does not fit)."""
+        params.max_tokens = self.fit(ids, params.max_tokens)
+        return Job(list(ids), params, emit)
+
+    def _run(self, job: Job) -> Result:
+        """Generate one job's reply on the worker thread."""
+        ids = job.ids
+        res = Result(prompt_tokens=len(ids))
+        generated: List[int] = []
+        eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
+        try:
+            res.reused_tokens = self.cache.reuse(ids)
+            stream = stream_generate(
+                self.s.model, self.s.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
+                **self.generation_kwargs(job.params),
+            )
+            try:
+                for r in stream:
+                    if r.generation_tokens > res.tally.tokens:
+                        generated.append(r.token)
+                        source = draft_source(r)
+                        if source is not None:
+                            job.sources[source] = job.sources.get(source, 0) + 1
+                    else:  # the EOS response emits no token
+                        eos = [r.token]
+                    res.tally.add(r)
+                    res.text += r.text
+                    res.finish_reason = r.finish_reason
+                    if r.text:
+                        job.emit("text", r.text)
+                    if job.cancelled.is_set():  # the client left: stop at this step
+                        break
+            finally:
+                stream.close()
+        except BaseException:
+            self.cache.reset()
+            raise
+        if res.finish_reason is None:
+            # Cancelled mid-reply: the cache may hold part of a verification.
+            res.cancelled = True
+            self.cache.reset()
+        else:
+            self.cache.settle(ids + generated + eos)
+        job.emit("done", res)
+        return res
+
+    # ------------------------------------------------------------------ reports
+
+    def stats(self, res: Result, job: Job) -> dict:
+        """The drafting stats of a reply (an extra response field)."""
+        t = res.tally
+        return {
+            "drafting": self.s.drafter is not None,
+            "beam_width": self.s.beam_width if self.s.drafter is not None else None,
+            "beam_length": self.s.beam_length if self.s.drafter is not None else None,
+            "steps": t.steps,
+            "tokens_per_step": round(t.tokens_per_step, 3),
+            "from_drafts": round(t.draft_share, 3),
+            "from_drafts_by_source": {k: round(v / max(t.tokens, 1), 3) for k, v in job.sources.items()},
+            "prompt_tokens_reused": res.reused_tokens,
+            "prompt_tokens_prefilled": res.prompt_tokens - res.reused_tokens,
+            "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
+        }
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.model_id, "drafter": str(self.s.drafter_path) if self.s.drafter_path else None,
+                "queue": self.queue.status()}
