@@ -336,7 +336,7 @@ def serve(
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
     _check_port(host, port)
-    from .chat import check_setting
+    from .chat_settings import check_setting
     from .session import resolve_session
 
     for k, v in (("max_tokens", max_tokens), ("temp", temp)):

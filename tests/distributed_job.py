@@ -29,9 +29,14 @@ class CharTokenizer:
     """Just enough of a tokenizer for distillation: a chat template over characters."""
 
     eos_token_ids = {EOS}
+    bos_token = None
+    has_chat_template = True
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text, add_special_tokens=True):
         return [3 + ord(c) % (VOCAB - 3) for c in text]
 
     def decode(self, ids):
