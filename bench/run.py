@@ -109,7 +109,8 @@ def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) 
     """Answer every user turn, each one with the model's own earlier answers
     in the context. Stops early when a turn no longer fits the context."""
     from mlx_redrafter.generate import context_limit
-    from mlx_redrafter.sweep import chat_prompt_ids, measure
+    from mlx_redrafter.prompts import chat_prompt_ids
+    from mlx_redrafter.sweep import measure
 
     max_tokens = cfg.max_tokens
     limit = context_limit(session.model)
@@ -374,9 +375,9 @@ def run(argv=None) -> Path:
 
 
 def chat_ids_of(session, conv: dict) -> List[int]:
-    from mlx_redrafter.sweep import chat_prompt_ids
+    from mlx_redrafter.prompts import first_turn_ids
 
-    return chat_prompt_ids(session.tokenizer, [{"role": "user", "content": conv["turns"][0]}])
+    return first_turn_ids(session.tokenizer, [conv])[0]
 
 
 def main(argv=None) -> int:

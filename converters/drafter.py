@@ -34,10 +34,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..cost import StepCost, decode_step_cost, draft_step_cost, model_dtype
-from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, _read_config, check_fits, check_weights, load_safetensors, save_drafter
+from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, read_config, check_fits, check_weights, load_safetensors, save_drafter
 from ..errors import RedrafterError
 from ..files import atomic_folder
-from ..models import _hub_snapshot, _is_path_like, load_model_only, parse_dtype
+from ..models import hub_snapshot, is_path_like, load_model_only, parse_dtype
 
 # Files looked for in a drafter folder, in this order.
 WEIGHT_FILES = (
@@ -429,17 +429,17 @@ def resolve_source(src) -> Tuple[Path, Optional[Path]]:
         if path.is_file():
             return path.parent, (None if path.name == "config.json" else path)
         return path, None
-    if _is_path_like(spec) or spec.count("/") != 1:
+    if is_path_like(spec) or spec.count("/") != 1:
         raise RedrafterError(
             f"Drafter path does not exist: {spec}", "Check the path, or give a Hugging Face repo id (owner/name)."
         )
-    return _hub_snapshot(spec, allow_patterns=HUB_PATTERNS, what="Drafter"), None
+    return hub_snapshot(spec, allow_patterns=HUB_PATTERNS, what="Drafter"), None
 
 
 def read_checkpoint(src) -> Checkpoint:
     """The config and tensors of a drafter folder, weights file or Hub repo id (nothing is executed)."""
     folder, weights = resolve_source(src)
-    config = _read_config(folder)
+    config = read_config(folder)
     if config.model_type != MODEL_TYPE:
         raise RedrafterError(
             f"{folder} is not a ReDrafter drafter (config.json has model_type {config.model_type!r}).",

@@ -26,33 +26,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 from mlx_lm.models.cache import make_prompt_cache
 
 from .errors import RedrafterError
-from .generate import RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate, trim_cache
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, RedrafterResponse, Tally, context_limit, stream_generate, trim_cache
+from .prompts import build_messages, chat_prompt_ids, render_messages
 
 DRAFT_STYLE = "cyan"
 
 # --------------------------------------------------------------------------- templating
-
-
-def build_messages(system: Optional[str], exchanges: Sequence[tuple], user: Optional[str] = None) -> List[dict]:
-    """Chat-template messages: the system message, ``(user, assistant)``
-    exchanges, then the pending user message."""
-    messages = [{"role": "system", "content": system}] if system else []
-    for u, a in exchanges:
-        messages += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
-    if user is not None:
-        messages.append({"role": "user", "content": user})
-    return messages
-
-
-def render_messages(tokenizer, messages: List[dict]) -> str:
-    """The prompt text for ``messages``, ending where the assistant speaks.
-
-    Models without a chat template get plain ``role: content`` lines.
-    """
-    if getattr(tokenizer, "has_chat_template", False):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines + ["assistant:"])
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -76,8 +55,8 @@ class ChatSettings:
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
-    beam_width: int = 2
-    beam_length: int = 4
+    beam_width: int = DEFAULT_WIDTH
+    beam_length: int = DEFAULT_LENGTH
     show_drafts: bool = False
 
 
@@ -301,7 +280,7 @@ class ChatSession:
         return render_messages(self.tokenizer, self.messages(user))
 
     def _encode(self, messages: List[dict]) -> List[int]:
-        return encode_prompt(self.tokenizer, render_messages(self.tokenizer, messages))
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def reset(self) -> None:
         """Start a new conversation. The cache stays: its system-message

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import RedrafterError
-from .session import DEFAULT_LENGTH, DEFAULT_WIDTH
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH
 
 app = typer.Typer(
     add_completion=False,
@@ -42,9 +42,10 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
 
 def format_prompt(tokenizer, text: str, system: Optional[str], raw: bool):
     """Apply the chat template (unless ``raw`` or the model has none)."""
-    if raw or not getattr(tokenizer, "has_chat_template", False):
+    from .prompts import build_messages, has_chat_template, render_messages
+
+    if raw or not has_chat_template(tokenizer):  # a model without a template continues the text as given
         return text
-    from .chat import build_messages, render_messages
 
     return render_messages(tokenizer, build_messages(system, [], text))
 
@@ -56,8 +57,8 @@ def generate(
     model: str = ModelOpt,
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (enables ReDrafter)."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help="Beams drafted per step."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help="Tokens drafted per beam (g0 not counted)."),
+    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
+    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(0.0, "--top-p"),
@@ -71,9 +72,10 @@ def generate(
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the trained controller decide the draft depth."),
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter)."""
-    from .generate import Tally, stream_generate
+    from .generate import SamplingConfig, Tally, stream_generate
     from .session import resolve_session
 
+    SamplingConfig(temp, top_p, min_p, top_k)  # refuse bad values before the slow load
     text = read_prompt(prompt, file)
     s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
     s.announce(err)
@@ -307,7 +309,7 @@ def sweep(
     """Measure ReDrafter over a beam width x length grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .prompts import load_prompt_set
+    from .prompts import first_turn_ids, load_prompt_set, select_conversations
     from .session import resolve_session
     from . import sweep as sw
 
@@ -317,7 +319,7 @@ def sweep(
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
-    convs = sw.select_conversations(load_prompt_set(prompts), num_prompts)
+    convs = select_conversations(load_prompt_set(prompts), num_prompts)
     drafter_path = sw.resolve_drafter_path(model, drafter)
     meta = {**sw.sweep_meta(model, drafter_path, prompts, dtype), "adaptive": adaptive}
     if not fresh:  # a mismatched --out fails now, not after the model load
@@ -326,7 +328,7 @@ def sweep(
     s = resolve_session(model, str(drafter_path), dtype=dtype, adaptive=adaptive)
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
-    ids, dropped = sw.fit_prompts(sw.first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
+    ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
                                   1 + max(config.widths) * max(config.lengths))
     if dropped:
         err.print(f"[yellow]{dropped} prompts do not fit the model's context with --max-tokens {max_tokens}; left out.[/yellow]")
@@ -397,9 +399,8 @@ def train_controller_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from . import controller as ctl
-    from .prompts import default_training_prompts, read_conversations, refuse_eval_set
+    from .prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
     from .session import resolve_session
-    from .sweep import chat_prompt_ids
     from .train.trainer import is_eval_conversation
 
     if num_prompts < 1 or max_tokens < 1 or epochs < 1:
@@ -416,7 +417,7 @@ def train_controller_cmd(
     if s.drafter is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)
-    ids = [chat_prompt_ids(s.tokenizer, [{"role": "user", "content": c["turns"][0]}]) for c in convs]
+    ids = first_turn_ids(s.tokenizer, convs)
     ids = [p for p in ids if len(p) <= 512][:num_prompts]
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=err) as bar:

@@ -32,6 +32,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .errors import RedrafterError
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig, redrafter_steps
 
 CONFIG = "controller.json"
 WEIGHTS = "controller.safetensors"
@@ -41,8 +42,8 @@ WEIGHTS = "controller.safetensors"
 class ControllerConfig:
     top_k: int = 10
     hidden: int = 128
-    beam_width: int = 2  # the (W, L) it was trained for
-    beam_length: int = 5
+    beam_width: int = DEFAULT_WIDTH  # the (W, L) it was trained for (training sets them)
+    beam_length: int = DEFAULT_LENGTH
     threshold: float = 0.5  # continue while P(continue) >= threshold
     alpha: float = 0.05
     latency: Dict[str, float] = field(default_factory=dict)  # measured cost model, ms
@@ -139,13 +140,12 @@ def record_episodes(model, drafter, prompts: List[List[int]], width: int, length
     """Run ReDrafter (greedy) on tokenized training prompts; one episode per step."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .generate import redrafter_steps
-
     confs, accepted, sizes = [], [], []
     for i, prompt in enumerate(prompts):
         rec = Recorder(top_k)
         ids = mx.array(prompt, dtype=mx.int32)
-        steps = redrafter_steps(model, drafter, ids, make_prompt_cache(model), width, length, controller=rec)
+        draft = DraftConfig(drafter, width, length, controller=rec)
+        steps = redrafter_steps(model, ids, make_prompt_cache(model), draft=draft)
         stats, emitted = [], 0
         for step in steps:
             stats.append(step.stats)

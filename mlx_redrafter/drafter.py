@@ -155,7 +155,8 @@ class Drafter(nn.Module):
 # --------------------------------------------------------------------------- I/O
 
 
-def _read_config(path: Path) -> DrafterConfig:
+def read_config(path: Path) -> DrafterConfig:
+    """The :class:`DrafterConfig` of a drafter folder, with a clear error."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise RedrafterError(
@@ -215,7 +216,7 @@ def load_drafter(path, dtype=None) -> Drafter:
         raise RedrafterError(f"Drafter path does not exist: {path}", "Check the --drafter path.")
     if path.is_file():
         path = path.parent
-    config = _read_config(path)
+    config = read_config(path)
     st = path / "model.safetensors"
     if not st.is_file():
         if (path / "pytorch_model.bin").exists() or list(path.glob("*.safetensors.index.json")):
@@ -231,6 +232,7 @@ def load_drafter(path, dtype=None) -> Drafter:
     dtype = parse_dtype(dtype) or default_dtype()
     drafter.set_dtype(dtype)  # draft_vocab is integer and keeps its dtype
     mx.eval(drafter.parameters())
+    drafter.source_path = path  # keys the tuned profile of the library's default shape
     return drafter
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Optional
 
 
-class RedrafterError(Exception):
+class RedrafterError(ValueError):
     """A problem with the user's input, stated with the way to fix it.
 
+    A ``ValueError``, so that library callers can catch bad arguments the
+    usual way.
     The CLI prints ``str(error)`` without a traceback and exits non-zero.
     """
 

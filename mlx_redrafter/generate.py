@@ -20,10 +20,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from .accept import accept_greedy, accept_sampling, sample_first
 from .errors import RedrafterError
 from .models import model_parts
+from .profiles import lookup_profile
 from .tree import count_nodes, pack
 from .verify import check_cache, compact_cache, set_cache_length, verify, verify_starts
 
 PREFILL_STEP = 512
+
+# The draft shape when neither the caller nor a tuned profile (``mlx-redrafter
+# sweep --save-profile``) gives one: the best cell of the sweep of the default
+# model and its drafter on a 2-core Linux CPU (bench/RESULTS.md).
+DEFAULT_WIDTH = 2
+DEFAULT_LENGTH = 1
 
 
 @dataclass
@@ -61,16 +68,64 @@ class RedrafterResponse(GenerationResponse):
 
 @dataclass
 class SamplingConfig:
-    """mlx-lm's sampling parameters; ``temp == 0`` is greedy."""
+    """mlx-lm's sampling parameters; ``temp == 0`` is greedy.
+
+    Out-of-range values raise :class:`RedrafterError` (a ``ValueError``).
+    """
 
     temp: float = 0.0
     top_p: float = 0.0
     min_p: float = 0.0
     top_k: int = 0
 
+    def __post_init__(self):
+        checks = (
+            ("temp", self.temp >= 0, "at least 0", "--temp 0 is greedy decoding; sampling needs a positive temperature."),
+            ("top_p", 0 <= self.top_p <= 1, "between 0 and 1", "--top-p 0 turns nucleus sampling off."),
+            ("min_p", 0 <= self.min_p <= 1, "between 0 and 1", "--min-p 0 turns min-p sampling off."),
+            ("top_k", self.top_k >= 0, "at least 0", "--top-k 0 turns top-k sampling off."),
+        )
+        for name, ok, bound, fix in checks:
+            if not ok:
+                raise RedrafterError(f"{name} must be {bound} (got {getattr(self, name)}).", fix)
+
     @property
     def greedy(self) -> bool:
         return self.temp == 0
+
+
+@dataclass
+class DraftConfig:
+    """How the step loop drafts: ``drafter=None`` is plain mlx-lm decoding.
+
+    ``beam_length`` counts drafted tokens (not ``g0``). ``controller`` (an
+    adaptive-depth :class:`~mlx_redrafter.controller.Controller`) picks the
+    depth to verify each step, up to ``beam_length``.
+    """
+
+    drafter: object = None
+    beam_width: int = DEFAULT_WIDTH
+    beam_length: int = DEFAULT_LENGTH
+    warp: bool = False
+    controller: object = None
+
+
+def draft_shape(model_spec, drafter_path, beam_width: Optional[int] = None, beam_length: Optional[int] = None):
+    """``(width, length, source, profile)``: the given values, each missing one
+    from the tuned profile of this device + model + drafter, else the built-in
+    default. ``profile`` is the profile's dict, or None."""
+    width, length, source = DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default"
+    profile = lookup_profile(model_spec, drafter_path) if model_spec and drafter_path else None
+    if profile is not None:
+        width, length = profile["beam_width"], profile["beam_length"]
+        source = f"tuned profile {profile['file']}"
+    if beam_width is not None or beam_length is not None:
+        # One value alone keeps the other from the profile (or the default): say so.
+        both = beam_width is not None and beam_length is not None
+        source = "flags" if both else f"flags + {source}"
+        width = beam_width if beam_width is not None else width
+        length = beam_length if beam_length is not None else length
+    return width, length, source, profile
 
 
 # --------------------------------------------------------------------------- the step loop
@@ -94,15 +149,12 @@ def _prefill(backbone, head, cache, prompt: mx.array):
 
 def redrafter_steps(
     model,
-    drafter,
     prompt: mx.array,
     cache,
-    beam_width: int,
-    beam_length: int,
+    *,
+    draft: DraftConfig,
     sampling: Optional[SamplingConfig] = None,
-    warp: bool = False,
     profile: bool = False,
-    controller=None,
 ) -> Iterator[StepTokens]:
     """Yield the tokens of each step: the first one (from the prompt), then
     ``accepted drafts + the LLM's own next token`` per step. Endless; the
@@ -110,9 +162,10 @@ def redrafter_steps(
     sampling = sampling or SamplingConfig()
     embed, backbone, head = model_parts(model)
     check_cache(cache)
-    width, length = beam_width, beam_length
+    drafter, controller, warp = draft.drafter, draft.controller, draft.warp
+    width, length = draft.beam_width, draft.beam_length
 
-    def draft(context, g0):
+    def next_beams(context, g0):
         """Beams, their tree size and the depth to verify (all lazy)."""
         top_k = controller.top_k if controller is not None else 0
         b = drafter.draft(embed, context, g0, width, length, warp=warp, confidences=top_k)
@@ -125,7 +178,7 @@ def redrafter_steps(
     tic = time.perf_counter()
     logits, context = _prefill(backbone, head, cache, prompt)
     g0 = sample_first(logits, sampling)
-    beams, n_nodes, depth = draft(context, g0)
+    beams, n_nodes, depth = next_beams(context, g0)
     g0_val, n_val, d_val = _host(g0, n_nodes, depth)
     syncs += 1
     yield StepTokens([g0_val], [False], StepStats(0, 0, 1, time.perf_counter() - tic, syncs))
@@ -150,7 +203,7 @@ def redrafter_steps(
         _lap(profile, times, "accept", tic, acc.n, acc.next_token, acc.path)
         prev_beams = beams
         g0 = acc.next_token
-        beams, n_nodes, depth = draft(hidden[acc.last], g0)
+        beams, n_nodes, depth = next_beams(hidden[acc.last], g0)
         _lap(profile, times, "draft", tic, beams, n_nodes, depth)
         vals = _host(acc.n, acc.beam, n_nodes, g0, depth, acc.path, prev_beams[acc.beam])
         syncs += 1
@@ -195,20 +248,19 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
         tic = now
 
 
-def _steps(model, drafter, prompt, prompt_cache, beam_width, beam_length, sampling, warp, profile, controller):
+def _steps(model, prompt, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig, profile: bool = False):
     """ReDrafter's step iterator, or plain decoding's when there is no drafter."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    if drafter is None:
+    if draft.drafter is None:
         return plain_steps(model, prompt, cache, sampling)
-    return redrafter_steps(model, drafter, prompt, cache, beam_width, beam_length, sampling, warp, profile, controller)
+    return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, profile=profile)
 
 
 def generate_tokens(
     model,
     prompt,
-    drafter=None,
-    beam_width: int = 2,
-    beam_length: int = 4,
+    *,
+    draft: Optional[DraftConfig] = None,
     max_tokens: int = 64,
     eos_ids: Sequence[int] = (),
     temp: float = 0.0,
@@ -216,20 +268,20 @@ def generate_tokens(
     min_p: float = 0.0,
     top_k: int = 0,
     prompt_cache=None,
-    warp: bool = False,
-    controller=None,
     profile: bool = False,
 ):
     """Token-level generation without a tokenizer: ``(tokens, step_stats)``.
 
-    Stops after ``max_tokens`` tokens or at the first of ``eos_ids`` (which
-    is not included), exactly like :func:`stream_generate`. ``profile=True``
-    fills the phase times of the stats (see :func:`stream_generate`).
+    ``draft`` says how to draft (None: plain decoding). Stops after
+    ``max_tokens`` tokens or at the first of ``eos_ids`` (which is not
+    included), exactly like :func:`stream_generate`. ``profile=True`` fills
+    the phase times of the stats (see :func:`stream_generate`).
     """
-    prompt = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt
-    check_generation_args(model, drafter, prompt, beam_width, beam_length, max_tokens)
+    draft = draft or DraftConfig()
     sampling = SamplingConfig(temp, top_p, min_p, top_k)
-    steps = _steps(model, drafter, prompt, prompt_cache, beam_width, beam_length, sampling, warp, profile, controller)
+    prompt = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt
+    check_generation_args(model, prompt, draft)
+    steps = _steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, profile=profile)
     tokens, stats = [], []
     try:
         for step in steps:
@@ -305,7 +357,7 @@ def context_limit(model) -> Optional[int]:
     return getattr(args, "max_position_embeddings", None)
 
 
-def check_generation_args(model, drafter, prompt: mx.array, beam_width, beam_length, max_tokens) -> None:
+def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
     if prompt.size == 0:
         raise RedrafterError("The prompt is empty.", "Give at least one token of prompt.")
     limit = context_limit(model)
@@ -314,15 +366,29 @@ def check_generation_args(model, drafter, prompt: mx.array, beam_width, beam_len
             f"The prompt has {prompt.size} tokens but the model's context is {limit} tokens.",
             "Shorten the prompt.",
         )
-    if drafter is not None:
-        if beam_width < 1 or beam_length < 1:
+    if draft.drafter is not None:
+        if draft.beam_width < 1 or draft.beam_length < 1:
             raise RedrafterError(
-                f"Beam width and length must be at least 1 (got width {beam_width}, length {beam_length}).",
-                "Use e.g. --beam-width 2 --beam-length 4.",
+                f"Beam width and length must be at least 1 (got width {draft.beam_width}, length {draft.beam_length}).",
+                f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
             )
         from .drafter import check_fits
 
-        check_fits(drafter, model)
+        check_fits(draft.drafter, model)
+
+
+def library_draft(model, drafter, beam_width: Optional[int], beam_length: Optional[int], **kw) -> DraftConfig:
+    """The :class:`DraftConfig` of a public call: a width or length not given
+    (None) comes from the tuned profile of this device when the model and the
+    drafter were loaded by :func:`~mlx_redrafter.models.load_model` and
+    :func:`~mlx_redrafter.drafter.load_drafter` (they record where from), else
+    from the built-in defaults."""
+    if drafter is not None and (beam_width is None or beam_length is None):
+        spec, path = getattr(model, "redrafter_spec", None), getattr(drafter, "source_path", None)
+        beam_width, beam_length, _, _ = draft_shape(spec, path, beam_width, beam_length)
+    width = DEFAULT_WIDTH if beam_width is None else beam_width
+    length = DEFAULT_LENGTH if beam_length is None else beam_length
+    return DraftConfig(drafter, width, length, **kw)
 
 
 def stream_generate(
@@ -330,8 +396,8 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, List[int], mx.array],
     drafter=None,
-    beam_width: int = 2,
-    beam_length: int = 4,
+    beam_width: Optional[int] = None,
+    beam_length: Optional[int] = None,
     max_tokens: int = 256,
     temp: float = 0.0,
     top_p: float = 0.0,
@@ -347,7 +413,11 @@ def stream_generate(
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
 
-    ``beam_length`` counts drafted tokens (not ``g0``). At ``temp == 0`` the
+    ``beam_length`` counts drafted tokens (not ``g0``). A width or length
+    not given comes from this device's tuned profile (``mlx-redrafter sweep
+    --save-profile``) when the model and drafter were loaded with this
+    package's loaders, else from ``DEFAULT_WIDTH``/``DEFAULT_LENGTH``. Bad
+    arguments raise :class:`RedrafterError` (a ``ValueError``). At ``temp == 0`` the
     tokens equal plain greedy decoding; at ``temp > 0`` they follow the
     model's own sampling distribution (after ``top_p``/``min_p``/``top_k``).
     EOS, ``stop`` strings and ``max_tokens`` end the output exactly, even in
@@ -362,16 +432,17 @@ def stream_generate(
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    sampling = SamplingConfig(temp, top_p, min_p, top_k)
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
     prompt = _prepare_prompt(tokenizer, prompt)
-    check_generation_args(model, drafter, prompt, beam_width, beam_length, max_tokens)
+    draft = library_draft(model, drafter, beam_width, beam_length, warp=warp, controller=controller)
+    check_generation_args(model, prompt, draft)
     if seed is not None:
         mx.random.seed(seed)
-    sampling = SamplingConfig(temp, top_p, min_p, top_k)
-    steps = _steps(model, drafter, prompt, prompt_cache, beam_width, beam_length, sampling, warp, profile, controller)
+    steps = _steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, profile=profile)
 
     detok = tokenizer.detokenizer
     detok.reset()

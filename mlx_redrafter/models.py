@@ -79,7 +79,8 @@ def apply_dtype(model: nn.Module, dtype=None, keep_quantized: Optional[bool] = N
     return model
 
 
-def _is_path_like(spec: str) -> bool:
+def is_path_like(spec: str) -> bool:
+    """Whether ``spec`` names a local path (not a Hub id ``owner/name``)."""
     return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").split("/", 1)[-1] or spec.endswith(".gguf")
 
 
@@ -104,16 +105,16 @@ def resolve_model_path(spec: str) -> Path:
             f"{path} is neither a model folder nor a .gguf file.",
             "Point --model at a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
         )
-    if _is_path_like(spec) or spec.count("/") != 1:
+    if is_path_like(spec) or spec.count("/") != 1:
         raise RedrafterError(
             f"Model path does not exist: {spec}",
             "Check the path, or give a Hugging Face repo id such as "
             "mlx-community/SmolLM2-135M-Instruct, or 'default'.",
         )
-    return _hub_snapshot(spec)
+    return hub_snapshot(spec)
 
 
-def _hub_snapshot(repo: str, allow_patterns=None, what: str = "Model") -> Path:
+def hub_snapshot(repo: str, allow_patterns=None, what: str = "Model") -> Path:
     """The local snapshot of a Hub repo (the cache alone when offline).
 
     ``allow_patterns`` defaults to mlx-lm's model files; ``what`` names the
@@ -159,6 +160,7 @@ def load_model(
     with _explain_load_errors(path):
         model, tokenizer = mlx_load(str(path), lazy=True)
     apply_dtype(model, dtype, keep_quantized)
+    model.redrafter_spec = spec  # keys the tuned profile of the library's default shape
     return model, tokenizer
 
 

@@ -28,7 +28,9 @@ def device_id() -> str:
     return f"{platform.system()}-{platform.machine()}-{kind}-{blas}".lower()
 
 
-def _drafter_id(drafter_path) -> str:
+def drafter_id(drafter_path) -> str:
+    """The drafter's absolute folder plus its weights' size and mtime: a
+    retrained drafter gets a new profile and sweep results key."""
     p = Path(drafter_path).resolve()
     st = (p / "model.safetensors").stat()
     return f"{p}:{st.st_size}:{st.st_mtime_ns}"
@@ -43,7 +45,7 @@ def _model_id(model_spec) -> str:
 
 
 def profile_path(model_spec: str, drafter_path) -> Path:
-    key = json.dumps([device_id(), _model_id(model_spec), _drafter_id(drafter_path)])
+    key = json.dumps([device_id(), _model_id(model_spec), drafter_id(drafter_path)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "profiles" / f"{digest}.json"
 

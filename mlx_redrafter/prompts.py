@@ -11,9 +11,10 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from .errors import RedrafterError
+from .generate import encode_prompt
 
 DATA = Path(__file__).parent / "data"
 PROMPT_SETS = {
@@ -84,6 +85,74 @@ def load_prompt_set(name_or_path: str) -> List[dict]:
         f"Unknown prompt set {name_or_path!r}.",
         f"Use one of {', '.join(PROMPT_SETS)} or a path to a JSONL file.",
     )
+
+
+def select_conversations(conversations: List[dict], n: Optional[int]) -> List[dict]:
+    """The first ``n`` conversations taken round-robin over categories, so
+    that a few prompts still cover every kind of task (MT-Bench lists its
+    categories in blocks)."""
+    if n is None or n >= len(conversations):
+        return list(conversations)
+    if n < 1:
+        raise RedrafterError(f"--num-prompts must be at least 1 (got {n}).")
+    by_cat: Dict[str, List[dict]] = {}
+    for c in conversations:
+        by_cat.setdefault(c.get("category", ""), []).append(c)
+    queues = list(by_cat.values())
+    out: List[dict] = []
+    i = 0
+    while len(out) < n:
+        q = queues[i % len(queues)]
+        k = i // len(queues)
+        if k < len(q):
+            out.append(q[k])
+        i += 1
+    return out
+
+
+
+# --------------------------------------------------------------------------- chat templating
+# One templating path for chat, generate, sweep/bench and distillation: the
+# drafter is trained on exactly the ids that inference and benchmarks feed.
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer (mlx-lm's wrapper or a Hugging Face one) has a chat template."""
+    flag = getattr(tokenizer, "has_chat_template", None)
+    return bool(flag) if flag is not None else getattr(tokenizer, "chat_template", None) is not None
+
+
+def build_messages(system: Optional[str], exchanges: Sequence[tuple], user: Optional[str] = None) -> List[dict]:
+    """Chat-template messages: the system message, ``(user, assistant)``
+    exchanges, then the pending user message."""
+    messages = [{"role": "system", "content": system}] if system else []
+    for u, a in exchanges:
+        messages += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    if user is not None:
+        messages.append({"role": "user", "content": user})
+    return messages
+
+
+def render_messages(tokenizer, messages: List[dict]) -> str:
+    """The prompt text for ``messages``, ending where the assistant speaks.
+
+    Models without a chat template get plain ``role: content`` lines.
+    """
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines + ["assistant:"])
+
+
+def chat_prompt_ids(tokenizer, messages: List[dict]) -> List[int]:
+    """Token ids of ``messages`` (:func:`render_messages`), encoded as
+    ``generate`` encodes a prompt string."""
+    return list(encode_prompt(tokenizer, render_messages(tokenizer, messages)))
+
+
+def first_turn_ids(tokenizer, conversations: List[dict]) -> List[List[int]]:
+    """The first user turn of every conversation, templated."""
+    return [chat_prompt_ids(tokenizer, build_messages(None, [], c["turns"][0])) for c in conversations]
 
 
 # --------------------------------------------------------------------------- eval-set guard

@@ -15,11 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import RedrafterError
-
-# The best cell of the sweep of the default model and its drafter on a 2-core
-# Linux CPU (bench/RESULTS.md); `mlx-redrafter sweep --save-profile` tunes yours.
-DEFAULT_WIDTH = 2
-DEFAULT_LENGTH = 1
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, draft_shape
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 
 
@@ -93,18 +89,7 @@ def resolve_session(
     s.drafter = load_drafter(path, dtype=dtype)
     check_fits(s.drafter, model)
     s.drafter_path = path
-    from .profiles import lookup_profile
-
-    profile = lookup_profile(model_spec, path)
-    if profile is not None:
-        s.beam_width, s.beam_length = profile["beam_width"], profile["beam_length"]
-        s.shape_source = f"tuned profile {profile['file']}"
-    if beam_width is not None or beam_length is not None:
-        s.beam_width = beam_width or s.beam_width
-        s.beam_length = beam_length or s.beam_length
-        # One flag alone keeps the other value from the profile (or the default): say so.
-        both = beam_width is not None and beam_length is not None
-        s.shape_source = "flags" if both else f"flags + {s.shape_source}"
+    s.beam_width, s.beam_length, s.shape_source, profile = draft_shape(model_spec, path, beam_width, beam_length)
     if adaptive:
         from .controller import load_controller
 

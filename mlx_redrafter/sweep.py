@@ -3,7 +3,7 @@ plain mlx-lm decoding measured in the same run.
 
 The measuring core works on token ids (``measure``, ``run_pass``,
 ``run_sweep``), so that it runs on tiny random models without a tokenizer;
-``chat_prompt_ids`` is the thin layer that turns conversations into ids
+``prompts.chat_prompt_ids`` is the thin layer that turns conversations into ids
 through a real model's chat template. ``bench/run.py`` reuses the same core.
 
 Plain decoding drifts with the machine (thermal state, other processes), so
@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import RedrafterError
 from .files import write_json_atomic
-from .generate import StepStats, generate_tokens
+from .generate import DraftConfig, SamplingConfig, StepStats, generate_tokens
 
 RESULTS_VERSION = 1
 # Figures: sizes in inches that are exact binary fractions, so the PNG's
@@ -78,8 +78,7 @@ class SweepConfig:
             raise RedrafterError(f"--max-tokens must be at least 1 (got {self.max_tokens}).")
         if self.baseline_every < 1:
             raise RedrafterError(f"--baseline-every must be at least 1 (got {self.baseline_every}).")
-        if self.temp < 0 or not 0 <= self.top_p <= 1:
-            raise RedrafterError(f"--temp must be >= 0 and --top-p in [0, 1] (got {self.temp}, {self.top_p}).")
+        SamplingConfig(self.temp, self.top_p)  # raises on a bad value
 
 
 def parse_grid(text: str, flag: str = "--widths") -> List[int]:
@@ -105,46 +104,6 @@ def parse_grid(text: str, flag: str = "--widths") -> List[int]:
     if not values:
         raise RedrafterError(f"{flag} is empty: the grid would have no cells.", f"Use e.g. {flag} 1,2,3,4.")
     return sorted(values)
-
-
-def select_conversations(conversations: List[dict], n: Optional[int]) -> List[dict]:
-    """The first ``n`` conversations taken round-robin over categories, so
-    that a few prompts still cover every kind of task (MT-Bench lists its
-    categories in blocks)."""
-    if n is None or n >= len(conversations):
-        return list(conversations)
-    if n < 1:
-        raise RedrafterError(f"--num-prompts must be at least 1 (got {n}).")
-    by_cat: Dict[str, List[dict]] = {}
-    for c in conversations:
-        by_cat.setdefault(c.get("category", ""), []).append(c)
-    queues = list(by_cat.values())
-    out: List[dict] = []
-    i = 0
-    while len(out) < n:
-        q = queues[i % len(queues)]
-        k = i // len(queues)
-        if k < len(q):
-            out.append(q[k])
-        i += 1
-    return out
-
-
-def chat_prompt_ids(tokenizer, messages: List[dict]) -> List[int]:
-    """Token ids of a conversation through the model's chat template (plain
-    text when it has none), encoded as ``generate`` encodes a prompt."""
-    from .generate import encode_prompt
-
-    if getattr(tokenizer, "has_chat_template", False):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n\n".join(m["content"] for m in messages)
-    return list(encode_prompt(tokenizer, text))
-
-
-def first_turn_ids(tokenizer, conversations: List[dict]) -> List[List[int]]:
-    """The first user turn of every conversation, through the chat template."""
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": c["turns"][0]}]) for c in conversations]
 
 
 def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
@@ -228,9 +187,10 @@ def measure(
     """
     mx.reset_peak_memory()
     tic = time.perf_counter()
+    draft = DraftConfig(drafter, beam_width, beam_length, controller=controller)
     tokens, steps = generate_tokens(
-        model, list(prompt), drafter, beam_width, beam_length, max_tokens, eos_ids,
-        temp=temp, top_p=top_p, profile=profile, controller=controller,
+        model, list(prompt), draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
+        temp=temp, top_p=top_p, profile=profile,
     )
     wall = time.perf_counter() - tic
     return Run(tokens, steps, wall, mx.get_peak_memory())
@@ -794,11 +754,11 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
     """What identifies the measured system, stored with the results (and
     matched when a sweep resumes)."""
     from .models import default_dtype, parse_dtype
-    from .profiles import _drafter_id, device_id
+    from .profiles import drafter_id, device_id
 
     return {
         "model": str(model_spec),
-        "drafter": _drafter_id(drafter_path),
+        "drafter": drafter_id(drafter_path),
         "prompt_set": str(prompt_set),
         "dtype": str(parse_dtype(dtype) or default_dtype()).split(".")[-1],
         "device": device_id(),

@@ -13,7 +13,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_redrafter import RedrafterError, generate
-from mlx_redrafter.chat import ChatSession, ChatSettings, _Output, build_messages, render_messages
+from mlx_redrafter.chat import ChatSession, ChatSettings, _Output
+from mlx_redrafter.prompts import build_messages, render_messages
 from mlx_redrafter.drafter import Drafter, DrafterConfig, save_drafter
 from mlx_redrafter.generate import RedrafterResponse
 

@@ -17,7 +17,7 @@ from mlx_redrafter.controller import (
     save_controller,
     train_controller,
 )
-from mlx_redrafter.generate import generate_tokens
+from mlx_redrafter.generate import DraftConfig, generate_tokens
 
 W, L = 2, 4
 
@@ -69,7 +69,7 @@ def test_adaptive_generation_is_exact(llama):
     depths = []
     for p, ref in zip(ps, refs):
         oracle = OracleDrafter(model, p, 48, L)
-        out, stats = generate_tokens(model, p, oracle, W, L, max_tokens=48, controller=ctrl)
+        out, stats = generate_tokens(model, p, draft=DraftConfig(oracle, W, L, controller=ctrl), max_tokens=48)
         assert out == ref
         depths += [s.depth for s in stats[1:]]
         assert all(s.accepted <= s.depth for s in stats[1:])
@@ -91,7 +91,7 @@ def test_train_controller_end_to_end_on_a_tiny_model(llama, tmp_path):
     again = load_controller(tmp_path / "d")
     conf = mx.array(episodes.confidences[:3])
     assert np.array_equal(np.array(ctrl.depth(conf)), np.array(again.depth(conf)))
-    out, _ = generate_tokens(model, ps[0], drafter, W, L, max_tokens=48, controller=again)
+    out, _ = generate_tokens(model, ps[0], draft=DraftConfig(drafter, W, L, controller=again), max_tokens=48)
     assert out == refs[0]
 
 

@@ -9,7 +9,7 @@ from mlx_lm.utils import load_model as mlx_load_model
 from helpers import TINY_CONFIGS, OracleDrafter, prompts, random_drafter, tiny_model
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.drafter import Drafter, DrafterConfig
-from mlx_redrafter.generate import generate_tokens, stream_generate
+from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
 
 GRID = [(w, l) for w in (1, 2, 4) for l in (1, 3, 5)]
 N_PROMPTS, N_TOKENS = 5, 64
@@ -30,7 +30,7 @@ def test_tiny_models_random_drafter(tiny, width, length):
     kind, model, ps, refs = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
     for p, ref in zip(ps, refs):
-        out, stats = generate_tokens(model, p, drafter, width, length, max_tokens=N_TOKENS)
+        out, stats = generate_tokens(model, p, draft=DraftConfig(drafter, width, length), max_tokens=N_TOKENS)
         assert out == ref, kind
         assert all(s.tree_size <= 1 + width * length for s in stats)
 
@@ -41,7 +41,7 @@ def test_tiny_models_oracle_drafter(tiny, width, length):
     accepted = []
     for p, ref in zip(ps, refs):
         oracle = OracleDrafter(model, p, N_TOKENS, length)
-        out, stats = generate_tokens(model, p, oracle, width, length, max_tokens=N_TOKENS)
+        out, stats = generate_tokens(model, p, draft=DraftConfig(oracle, width, length), max_tokens=N_TOKENS)
         assert out == ref, kind
         accepted += [s.accepted for s in stats[1:]]
     # The oracle really drives long acceptances and compactions of every length.
@@ -63,7 +63,7 @@ def test_quantized_kv_cache_compaction():
     for p in prompts(3):
         ref, _ = generate_tokens(model, p, max_tokens=48, prompt_cache=qcache())
         oracle = OracleDrafter(model, p, 48, 4)
-        out, stats = generate_tokens(model, p, oracle, 2, 4, max_tokens=48, prompt_cache=qcache())
+        out, stats = generate_tokens(model, p, draft=DraftConfig(oracle, 2, 4), max_tokens=48, prompt_cache=qcache())
         assert out == ref
         assert max(s.accepted for s in stats) == 4
 
@@ -93,7 +93,7 @@ def test_default_model_random_drafter(default_model, default_refs):
     d = Drafter(DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=128, num_draft_layers=1, draft_vocab_size=4096))
     mx.eval(d.parameters())
     for p, ref in zip(*default_refs):
-        out, _ = generate_tokens(model, p, d, 2, 3, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
+        out, _ = generate_tokens(model, p, draft=DraftConfig(d, 2, 3), max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
         assert out == ref
 
 
@@ -102,7 +102,7 @@ def test_default_model_oracle_drafter(default_model, default_refs):
     accepted = []
     for p, ref in zip(*default_refs):
         oracle = OracleDrafter(model, p, N_TOKENS, 5)
-        out, stats = generate_tokens(model, p, oracle, 3, 5, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
+        out, stats = generate_tokens(model, p, draft=DraftConfig(oracle, 3, 5), max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
         assert out == ref
         accepted += [s.accepted for s in stats[1:]]
     assert np.mean(accepted) > 3
@@ -130,7 +130,7 @@ def test_fixture_generation_matches_official(fixture_llm, fixtures_dir, tag, fol
     plain, _ = generate_tokens(model, prompt, max_tokens=32)
     assert plain == ref[f"gen_p{p}_autoregressive_new_tokens"].tolist()
     for warp in (False, True):
-        out, stats = generate_tokens(model, prompt, drafter, 2, 3, max_tokens=32, warp=warp)
+        out, stats = generate_tokens(model, prompt, draft=DraftConfig(drafter, 2, 3, warp=warp), max_tokens=32)
         assert out == ref[f"gen_{tag}_p{p}_redrafter_new_tokens"].tolist()
     # With the official warping, each step accepts as many drafts, from the same beam.
     official = ref[f"gen_{tag}_p{p}_accepted"].tolist()
@@ -211,20 +211,20 @@ def test_drafter_for_another_model_is_refused():
         (dict(vocab=120), "vocab_size is 120 but the model's embedding has 97 rows"),
     ):
         with pytest.raises(RedrafterError, match=msg):
-            generate_tokens(model, [1, 2, 3], random_drafter(**kw), 2, 2, max_tokens=4)
+            generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(**kw), 2, 2), max_tokens=4)
 
 
 @pytest.mark.parametrize("width,length", [(0, 3), (2, 0), (-1, -1)])
 def test_beam_shape_below_one_is_refused(width, length):
     model = tiny_model("llama")
     with pytest.raises(RedrafterError, match="Beam width and length must be at least 1"):
-        generate_tokens(model, [1, 2, 3], random_drafter(), width, length, max_tokens=4)
+        generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(), width, length), max_tokens=4)
 
 
 def test_prompt_longer_than_context_is_refused():
     model = tiny_model("llama")
     with pytest.raises(RedrafterError, match="prompt has 600 tokens but the model's context is 512"):
-        generate_tokens(model, [1] * 600, random_drafter(), 2, 2, max_tokens=4)
+        generate_tokens(model, [1] * 600, draft=DraftConfig(random_drafter(), 2, 2), max_tokens=4)
 
 
 def test_unsupported_rope_is_named():
@@ -235,4 +235,4 @@ def test_unsupported_rope_is_named():
     finally:
         del TINY_CONFIGS["llama_dyn"]
     with pytest.raises(RedrafterError, match="DynamicNTKScalingRoPE"):
-        generate_tokens(model, [1, 2, 3], random_drafter(), 2, 2, max_tokens=4)
+        generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(), 2, 2), max_tokens=4)

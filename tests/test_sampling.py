@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 from helpers import TINY_CONFIGS, random_drafter, tiny_model
 from mlx_redrafter import accept as accept_mod
 from mlx_redrafter.accept import first_occurrence, target_probs, walk_tree
-from mlx_redrafter.generate import SamplingConfig, generate_tokens
+from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
 from mlx_redrafter.models import model_parts
 from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack
 
@@ -261,7 +261,7 @@ def exact_first_tokens(model, prompt, cfg, k=3):
 def sample_runs(model, prompt, drafter, cfg, n, seed):
     mx.random.seed(seed)
     return Counter(
-        tuple(generate_tokens(model, prompt, drafter, 3, 2, max_tokens=3, temp=cfg.temp, top_p=cfg.top_p)[0])
+        tuple(generate_tokens(model, prompt, draft=DraftConfig(drafter, 3, 2), max_tokens=3, temp=cfg.temp, top_p=cfg.top_p)[0])
         for _ in range(n)
     )
 
@@ -300,5 +300,45 @@ def test_seed_makes_sampling_reproducible(small_model):
     runs = []
     for _ in range(2):
         mx.random.seed(123)
-        runs.append(generate_tokens(small_model, PROMPT, drafter, 3, 2, max_tokens=20, temp=0.8)[0])
+        runs.append(generate_tokens(small_model, PROMPT, draft=DraftConfig(drafter, 3, 2), max_tokens=20, temp=0.8)[0])
     assert runs[0] == runs[1]
+
+
+# --------------------------------------------------------------------------- bad sampling values
+
+
+BAD_SAMPLING = [
+    (dict(temp=-1.0), "temp must be at least 0"),
+    (dict(top_p=1.5), "top_p must be between 0 and 1"),
+    (dict(top_p=-0.1), "top_p must be between 0 and 1"),
+    (dict(top_k=-1), "top_k must be at least 0"),
+    (dict(min_p=-0.5), "min_p must be between 0 and 1"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_SAMPLING)
+def test_bad_sampling_values_are_refused_by_the_api(bad, message):
+    from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.errors import RedrafterError
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message) as e:
+        generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter()), max_tokens=2, **bad)
+    assert isinstance(e.value, RedrafterError) and e.value.fix
+    with pytest.raises(ValueError, match=message):
+        next(stream_generate(model, None, [1, 2, 3], max_tokens=2, **bad))  # refused before the tokenizer is read
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temp", "-1"], "temp must be at least 0"),
+    (["--top-p", "2"], "top_p must be between 0 and 1"),
+    (["--top-k", "-3"], "top_k must be at least 0"),
+    (["--min-p", "-1"], "min_p must be between 0 and 1"),
+])
+def test_bad_sampling_flags_are_one_clear_cli_error(flags, message, capsys):
+    from mlx_redrafter.cli import main
+
+    # A model that does not exist: the check must come before any load.
+    assert main(["generate", "-p", "hi", "--model", "/no/such/model"] + flags) == 1
+    err = capsys.readouterr().err
+    assert f"Error: {message}" in err and "Fix:" in err and "Traceback" not in err

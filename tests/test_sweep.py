@@ -150,10 +150,12 @@ def test_config_rejects_empty_grid_and_small_values():
 
 
 def test_select_conversations_round_robin():
+    from mlx_redrafter.prompts import select_conversations
+
     convs = [{"id": str(i), "category": c, "turns": ["x"]} for i, c in enumerate("aaabbc")]
-    picked = sw.select_conversations(convs, 4)
+    picked = select_conversations(convs, 4)
     assert [c["category"] for c in picked] == ["a", "b", "c", "a"]
-    assert sw.select_conversations(convs, 99) == convs
+    assert select_conversations(convs, 99) == convs
 
 
 def test_bad_prompt_sets(tmp_path):
@@ -176,11 +178,45 @@ def test_bad_prompt_sets(tmp_path):
 def test_chat_prompt_ids_use_the_template(tiny_folder):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    from mlx_redrafter.prompts import first_turn_ids
+
     tok = load_tokenizer(tiny_folder)
-    ids = sw.first_turn_ids(tok, [{"turns": ["w1 w2"]}])[0]
+    ids = first_turn_ids(tok, [{"turns": ["w1 w2"]}])[0]
     user, assistant = SPECIALS.index("<user>"), SPECIALS.index("<assistant>")
     w1, w2 = len(SPECIALS) + 1, len(SPECIALS) + 2
     assert ids == [user, w1, w2, assistant]
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_chat_sweep_bench_and_distill_feed_the_same_ids(tiny_folder, templated):
+    """Training (distill), benchmarks (sweep, bench, train-controller) and
+    inference (chat, generate) tokenize a conversation alike."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import AutoTokenizer
+
+    from mlx_redrafter.chat import ChatSession
+    from mlx_redrafter.cli import format_prompt
+    from mlx_redrafter.generate import encode_prompt
+    from mlx_redrafter.prompts import chat_prompt_ids, first_turn_ids
+    from mlx_redrafter.train.distill import DistillConfig, Distiller
+
+    hf = AutoTokenizer.from_pretrained(tiny_folder)
+    if not templated:
+        hf.chat_template = None
+    tok = TokenizerWrapper(hf)
+    assert tok.has_chat_template == templated
+    model = tiny_model("llama")
+    system, user = "w3 w4", "w1 w2"
+    chat = ChatSession(model, tok, system=system)
+    messages = chat.messages(user)
+    ids = chat._fit_context(user)[0]  # what the chat feeds the model
+    assert ids == Distiller(model, tok, DistillConfig(system=system)).encode(messages)
+    assert ids == chat_prompt_ids(hf, messages)  # a bare Hugging Face tokenizer too
+    alone = ChatSession(model, tok)._fit_context(user)[0]
+    assert alone == first_turn_ids(tok, [{"turns": [user]}])[0]
+    assert len(set(ids)) > 2 and ids != alone  # the system message is in there
+    if templated:  # `generate` without --raw (a model without a template continues the text as given)
+        assert alone == encode_prompt(tok, format_prompt(tok, user, None, False))
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -461,7 +497,8 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     from rich.console import Console
 
     from mlx_redrafter.profiles import save_profile
-    from mlx_redrafter.session import DEFAULT_LENGTH, DEFAULT_WIDTH, resolve_session
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH
+    from mlx_redrafter.session import resolve_session
 
     dfolder = save_random_drafter(tmp_path / "d", seed=7)
     s = resolve_session(str(tiny_folder), str(dfolder))
@@ -481,6 +518,26 @@ def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeyp
     assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
     s = resolve_session(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
     assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
+
+
+def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
+    from mlx_redrafter.drafter import load_drafter
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft, stream_generate
+    from mlx_redrafter.models import load_model
+    from mlx_redrafter.profiles import save_profile
+
+    model, tok = load_model(str(tiny_folder))
+    dfolder = save_random_drafter(tmp_path / "d", seed=9)
+    drafter = load_drafter(dfolder)
+    shape = lambda w=None, l=None: (lambda d: (d.beam_width, d.beam_length))(library_draft(model, drafter, w, l))
+    assert shape() == (DEFAULT_WIDTH, DEFAULT_LENGTH)
+    save_profile(str(tiny_folder), dfolder, 3, 5)
+    assert shape() == (3, 5)
+    assert shape(w=1) == (1, 5) and shape(2, 2) == (2, 2)  # a given value wins, the other comes from the profile
+    depths = {r.stats.depth for r in stream_generate(model, tok, "w5 w6 w7", drafter=drafter, max_tokens=12)}
+    assert depths - {0} == {5}  # step 0 (the prompt's token) drafts nothing
+    # A drafter built in code has no folder, hence no profile: the built-in shape.
+    assert library_draft(model, random_drafter(), None, None).beam_length == DEFAULT_LENGTH
 
 
 def test_a_profile_slower_than_plain_decoding_is_announced(tmp_path, tiny_folder):

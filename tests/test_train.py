@@ -12,7 +12,7 @@ import pytest
 from helpers import TINY_CONFIGS, tiny_model
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.drafter import load_drafter
-from mlx_redrafter.generate import generate_tokens
+from mlx_redrafter.generate import DraftConfig, generate_tokens
 from mlx_redrafter.prompts import FINGERPRINTS, build_fingerprints, refuse_eval_set
 from mlx_redrafter.train.distill import DistillConfig, distill
 from mlx_redrafter.train.shards import Manifest, read_corpus
@@ -190,7 +190,7 @@ def test_train_lowers_the_loss_and_writes_a_usable_drafter(tiny_llm, data_dir, t
     assert d.config.draft_vocab_size == 256 and 2 in np.array(d.draft_vocab).tolist()
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     ref, _ = generate_tokens(model, prompt, max_tokens=20)
-    out_tokens, _ = generate_tokens(model, prompt, d, 2, 3, max_tokens=20)
+    out_tokens, _ = generate_tokens(model, prompt, draft=DraftConfig(d, 2, 3), max_tokens=20)
     assert out_tokens == ref
 
 

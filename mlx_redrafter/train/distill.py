@@ -22,7 +22,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ..errors import RedrafterError
 from ..models import model_parts
-from ..prompts import read_conversations, refuse_eval_set
+from ..prompts import chat_prompt_ids, read_conversations, refuse_eval_set
 from .shards import Manifest, Sequence, write_shard
 
 
@@ -83,7 +83,7 @@ class Distiller:
         self.skipped = 0
 
     def encode(self, messages) -> List[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def _prefill(self, items) -> None:
         """Prefill new rows and merge them into the running batch.
