@@ -13,6 +13,16 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
 
+from .tree import PAD
+
+# Measured offline on the default model's greedy replies (MT-Bench, Spec-Bench
+# summarization): suffixes of 3 then 2 tokens, the latest occurrence, 4 tokens.
+# A 1-token suffix matches nearly always and is mostly wrong: it doubles the
+# tree for little. A most-frequent continuation or a second lookup beam
+# accepted no more. Lookup beams may be longer than the drafter's.
+LOOKUP_LENGTH = 4
+N_MAX, N_MIN = 3, 2
+
 
 class Lookup:
     """An incremental n-gram proposer over a growing token history.
@@ -26,7 +36,7 @@ class Lookup:
     every draft has exactly ``L`` tokens.
     """
 
-    def __init__(self, tokens: Iterable[int] = (), n_max: int = 3, n_min: int = 1):
+    def __init__(self, tokens: Iterable[int] = (), n_max: int = N_MAX, n_min: int = N_MIN):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max (got {n_min}, {n_max})")
         self.n_min, self.n_max = n_min, n_max
@@ -72,3 +82,17 @@ class Lookup:
             if draft not in drafts:
                 drafts.append(draft)
         return drafts
+
+
+def join_beams(drafted: List[List[int]], proposals: List[List[int]], k: int) -> List[List[int]]:
+    """The rows of a step's tree: the drafter's beams, then ``k`` lookup rows.
+
+    A missing lookup row is a copy of row 0 (dedup removes it, and the array
+    keeps its shape); rows are padded with ``PAD`` to the longest. With no
+    drafter and no proposal every row is padding: a tree of ``g0`` alone.
+    """
+    rows = drafted + proposals[:k]
+    filler = rows[0] if rows else [PAD]
+    rows += [filler] * (len(drafted) + k - len(rows))
+    length = max(len(r) for r in rows)
+    return [r + [PAD] * (length - len(r)) for r in rows]

@@ -179,15 +179,17 @@ def measure(
     temp: float = 0.0,
     top_p: float = 0.0,
     controller=None,
+    lookup: int = 0,
 ) -> Run:
     """Generate from token ids (greedy unless ``temp > 0``) and time it.
 
-    ``drafter=None`` is plain mlx-lm decoding: ``generate_tokens`` then runs
-    mlx-lm's own ``generate_step`` on the same model object, not our loop.
+    ``drafter=None, lookup=0`` is plain mlx-lm decoding: ``generate_tokens``
+    then runs mlx-lm's own ``generate_step`` on the same model object, not
+    our loop. ``lookup`` is the number of lookup beams.
     """
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    draft = DraftConfig(drafter, beam_width, beam_length, controller=controller)
+    draft = DraftConfig(drafter, beam_width, beam_length, controller=controller, lookup=lookup)
     tokens, steps = generate_tokens(
         model, list(prompt), draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
         temp=temp, top_p=top_p, profile=profile,

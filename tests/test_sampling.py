@@ -278,6 +278,24 @@ def test_redrafter_sampling_matches_the_model(small_model, cfg):
     assert chi2_passes(observed, expected, N_RUNS)
 
 
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["lookup_only", "merged"])
+def test_sampling_with_lookup_beams_matches_the_model(small_model, with_drafter):
+    """Lookup beams in the tree (alone, or beside the drafter's): still the model's distribution."""
+    cfg = SamplingConfig(temp=1.0)
+    drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1) if with_drafter else None
+    draft = DraftConfig(drafter, 2, 1, lookup=1, lookup_length=3)
+    prompt = PROMPT * 3  # every 2-token suffix of a 5-token vocabulary soon has a match
+    expected = exact_first_tokens(small_model, prompt, cfg)
+    mx.random.seed(4)
+    observed, looked_up = Counter(), 0
+    for _ in range(N_RUNS):
+        tokens, stats = generate_tokens(small_model, prompt, draft=draft, max_tokens=3, temp=cfg.temp)
+        observed[tuple(tokens)] += 1
+        looked_up += sum(s.tree_size > 1 + 2 * (drafter is not None) for s in stats)
+    assert looked_up > N_RUNS // 10  # lookup beams were really in many trees
+    assert chi2_passes(observed, expected, N_RUNS)
+
+
 def test_plain_mlx_lm_sampling_matches_the_same_reference(small_model):
     cfg = SamplingConfig(temp=1.0)
     expected = exact_first_tokens(small_model, PROMPT, cfg)
