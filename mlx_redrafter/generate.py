@@ -230,15 +230,17 @@ def redrafter_steps(
     draft: DraftConfig,
     sampling: Optional[SamplingConfig] = None,
     profile: bool = False,
+    history: Sequence[int] = (),
 ) -> Iterator[StepTokens]:
     """Yield the tokens of each step: the first one (from the prompt), then
     ``accepted drafts + the LLM's own next token`` per step. Endless; the
-    caller stops it."""
+    caller stops it. ``history``: tokens before ``prompt`` (already in the
+    cache) that lookup drafts may copy from."""
     sampling = sampling or SamplingConfig()
     embed, backbone, head = model_parts(model)
     check_cache(cache)
     if draft.lookup:
-        drafts = _JoinedBeams(embed, draft, prompt.tolist())
+        drafts = _JoinedBeams(embed, draft, list(history) + prompt.tolist())
     else:
         drafts = _DrafterBeams(embed, draft)
 
@@ -334,12 +336,12 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
         tic = now
 
 
-def _steps(model, prompt, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig, profile: bool = False):
+def _steps(model, prompt, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig, profile: bool = False, history=()):
     """ReDrafter's step iterator, or plain decoding's when nothing drafts."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if not draft.drafting:
         return plain_steps(model, prompt, cache, sampling)
-    return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, profile=profile)
+    return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, profile=profile, history=history)
 
 
 def generate_tokens(
@@ -509,6 +511,7 @@ def stream_generate(
     profile: bool = False,
     controller=None,
     lookup: Optional[Union[bool, int]] = None,
+    lookup_context: Sequence[int] = (),
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
@@ -517,7 +520,8 @@ def stream_generate(
     lookup): ``True`` or a number of lookup beams, ``False`` for none;
     ``None`` is ``DEFAULT_LOOKUP`` with a drafter and none without.
     ``drafter=None, lookup=True`` is speculative decoding with lookup drafts
-    only, for any model.
+    only, for any model. ``lookup_context``: earlier tokens already in
+    ``prompt_cache`` (a chat's previous turns) that lookup may copy from.
 
     ``beam_length`` counts drafted tokens (not ``g0``). A width or length
     not given comes from this device's tuned profile (``mlx-redrafter sweep
@@ -548,7 +552,7 @@ def stream_generate(
     check_generation_args(model, prompt, draft)
     if seed is not None:
         mx.random.seed(seed)
-    steps = _steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, profile=profile)
+    steps = _steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, profile=profile, history=lookup_context)
 
     detok = tokenizer.detokenizer
     detok.reset()

@@ -233,3 +233,29 @@ def test_eos_inside_lookup_run(lookup_run):
         tok.eos_token_ids = old
     assert got[0] == want[0] and got[1] == want[1]
     assert got[2][-1].finish_reason == "stop" and got[2][-1].token == rs[i].token
+
+
+def test_lookup_history_is_copied_from():
+    """Tokens before the prompt (a chat's earlier turns) feed the lookup too."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_redrafter.generate import redrafter_steps
+
+    model = tiny_model("llama")  # a model that does not repeat itself
+    p = prompts(1)[0]
+    ref, _ = generate_tokens(model, p, max_tokens=30)
+
+    def run(history):
+        steps = redrafter_steps(model, mx.array(p), make_prompt_cache(model), draft=DraftConfig(lookup=1), history=history)
+        out, accepted = [], 0
+        for s in steps:
+            out += s.tokens
+            accepted += s.stats.accepted
+            if len(out) >= 30:
+                steps.close()
+                return out[:30], accepted
+
+    out, accepted = run(p + ref)  # the history already holds this very reply
+    assert out == ref and accepted >= 20
+    out, accepted = run(())
+    assert out == ref and accepted < 20
