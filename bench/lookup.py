@@ -131,23 +131,23 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from mlx_redrafter import load_drafter, load_model
-    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH
-    from mlx_redrafter.sweep import measure, resolve_drafter_path
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig
+    from mlx_redrafter.measure import measure
+    from mlx_redrafter.session import resolve_drafter_path
 
     model, tok = load_model(a.model)
     drafter = load_drafter(resolve_drafter_path(a.model, a.drafter))
     eos = sorted(tok.eos_token_ids)
     W, L = DEFAULT_WIDTH, DEFAULT_LENGTH
-    settings = {
-        "plain": dict(drafter=None, lookup=0),
-        "drafter": dict(drafter=drafter, lookup=0),
-        "lookup": dict(drafter=None, lookup=a.lookup),
-        "merged": dict(drafter=drafter, lookup=a.lookup),
+    drafts = {
+        "plain": DraftConfig(),
+        "drafter": DraftConfig(drafter, W, L),
+        "lookup": DraftConfig(lookup=a.lookup),
+        "merged": DraftConfig(drafter, W, L, lookup=a.lookup),
     }
 
     def run(mode, prompt, max_tokens):
-        s = settings[mode]
-        return measure(model, prompt, s["drafter"], W, L, max_tokens, eos, lookup=s["lookup"])
+        return measure(model, prompt, draft=drafts[mode], max_tokens=max_tokens, eos_ids=eos)
 
     sets = groups(tok, a.mt_bench, a.per_task, a.copy)
     first = next(iter(sets.values()))[0]

@@ -3,7 +3,8 @@
 Uses a random drafter (its drafts are never accepted, so every step verifies
 a full tree and no KV rows move): this measures pure overhead, not speedup. Phases are timed with
 ``profile=True`` (one extra sync per phase); the plain-decoding time per token
-is measured with mlx-lm's own ``stream_generate`` in the same process,
+is measured with mlx-lm's own ``stream_generate`` in the same process
+(on the same templated prompt),
 before and after the grid, and the ratios use their mean.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 \\
@@ -23,7 +24,9 @@ from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_redrafter import load_model
 from mlx_redrafter.doctor import report
 from mlx_redrafter.drafter import Drafter, DrafterConfig
-from mlx_redrafter.generate import stream_generate
+from mlx_redrafter.generate import DraftConfig
+from mlx_redrafter.measure import measure
+from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
 
 PROMPT = "Write a short story about a robot who learns to paint."
 HEADS = {
@@ -42,12 +45,9 @@ def plain_ms_per_token(model, tok, prompt, n):
     return 1000 * (time.perf_counter() - tic) / max(count, 1)
 
 
-def step_phases(model, tok, prompt, drafter, width, length, n):
-    stats = {}
-    for r in stream_generate(model, tok, prompt, drafter=drafter, beam_width=width, beam_length=length, max_tokens=n, profile=True):
-        if r.stats.step > 1:  # skip the prefill step and the first (warm-up) step
-            stats[r.stats.step] = r.stats
-    s = list(stats.values())
+def step_phases(model, ids, drafter, width, length, n):
+    run = measure(model, ids, draft=DraftConfig(drafter, width, length), max_tokens=n, profile=True)
+    s = run.steps[2:]  # skip the prefill step and the first (warm-up) step
     med = lambda xs: float(np.median(xs)) * 1000  # noqa: E731
     out = {
         "step_ms": med([x.step_time for x in s]),
@@ -68,16 +68,17 @@ def main():
     ap.add_argument("--out", default=None, help="write JSON results here")
     args = ap.parse_args()
     model, tok = load_model("default")
-    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    messages = build_messages(None, [], PROMPT)
+    prompt, ids = render_messages(tok, messages), chat_prompt_ids(tok, messages)
     grid = [tuple(int(v) for v in cell.split("x")) for cell in args.grid.split(",")]
     base = [plain_ms_per_token(model, tok, prompt, args.tokens)]
     rows = []
     for name, kw in HEADS.items():
         mx.random.seed(0)
-        d = Drafter(DrafterConfig(vocab_size=49152, hidden_size=576, **kw))
+        d = Drafter(DrafterConfig(vocab_size=model.args.vocab_size, hidden_size=model.args.hidden_size, **kw))
         mx.eval(d.parameters())
         for w, l in grid:
-            r = step_phases(model, tok, prompt, d, w, l, args.tokens)
+            r = step_phases(model, ids, d, w, l, args.tokens)
             rows.append({"head": name, "params_M": round(d.num_params() / 1e6, 1), "W": w, "L": l, **r})
     base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
     plain = float(np.mean(base))

@@ -109,8 +109,9 @@ def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) 
     """Answer every user turn, each one with the model's own earlier answers
     in the context. Stops early when a turn no longer fits the context."""
     from mlx_redrafter.generate import context_limit
+    from mlx_redrafter.generate import DraftConfig
+    from mlx_redrafter.measure import measure
     from mlx_redrafter.prompts import chat_prompt_ids
-    from mlx_redrafter.sweep import measure
 
     max_tokens = cfg.max_tokens
     limit = context_limit(session.model)
@@ -123,8 +124,9 @@ def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) 
             break
         if cfg.temp > 0:
             mx.random.seed(cfg.seed + len(turns))
-        run = measure(session.model, ids, drafter, session.beam_width, session.beam_length, max_tokens, eos_ids,
-                      temp=cfg.temp, top_p=cfg.top_p, controller=session.controller if drafter is not None else None)
+        draft = DraftConfig(drafter, session.beam_width, session.beam_length,
+                            controller=session.controller if drafter is not None else None)
+        run = measure(session.model, ids, draft=draft, max_tokens=max_tokens, eos_ids=eos_ids, temp=cfg.temp, top_p=cfg.top_p)
         answer = session.tokenizer.decode(run.tokens)
         messages.append({"role": "assistant", "content": answer})
         turns.append(Turn(
@@ -331,7 +333,9 @@ def run(argv=None) -> Path:
     from mlx_redrafter.doctor import report
     from mlx_redrafter.prompts import load_prompt_set
     from mlx_redrafter.session import resolve_session
-    from mlx_redrafter.sweep import resolve_drafter_path, warm_up
+    from mlx_redrafter.generate import DraftConfig
+    from mlx_redrafter.measure import warm_up
+    from mlx_redrafter.session import resolve_drafter_path
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg, out = parse_args(argv)
@@ -343,7 +347,7 @@ def run(argv=None) -> Path:
     s.announce(console)
     eos = sorted(s.tokenizer.eos_token_ids)
     first = chat_ids_of(s, next(iter(chosen.values()))[0])
-    warm_up(s.model, first, s.drafter, s.beam_width, s.beam_length)
+    warm_up(s.model, first, DraftConfig(s.drafter, s.beam_width, s.beam_length))
     total = sum(2 * len(c) for c in chosen.values())
     records = {}
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .tree import unique_mask
+
 
 @dataclass
 class Accepted:
@@ -95,13 +97,6 @@ def accept_sampling(beams: mx.array, tree, logits: mx.array, sampling) -> Accept
     return Accepted(n, beam, _path(tree.node_index, beam, n), last, token)
 
 
-def first_occurrence(node_index: mx.array) -> mx.array:
-    """``[W, L]`` bool: beam ``w`` is the first to reach its node at depth ``j``."""
-    width = node_index.shape[0]
-    first_beam = mx.argmax(node_index[:, None, :] == node_index[None, :, :], axis=1)
-    return first_beam == mx.arange(width)[:, None]
-
-
 def walk_tree(beams, node_index, parent, target, u, gumbel):
     """The sampling walk as a pure function of its random inputs.
 
@@ -116,7 +111,7 @@ def walk_tree(beams, node_index, parent, target, u, gumbel):
     """
     width, length = beams.shape
     batch = u.shape[:-2]
-    unique = first_occurrence(node_index)
+    unique = unique_mask(beams)  # beam w is the first to reach its node at depth j
     vocab = mx.arange(target.shape[-1])
     cur = mx.zeros(batch, mx.int32)
     beam = mx.zeros(batch, mx.int32)

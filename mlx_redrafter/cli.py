@@ -264,7 +264,9 @@ def chat(
     With a pipe on stdin, each line is a turn (or a /command); replies go to
     stdout as plain text and status lines to stderr.
     """
-    from .chat import ChatSession, ChatSettings, check_setting, run_chat
+    from .chat import ChatSession, ChatSettings, run_chat
+    from .chat_settings import check_setting
+    from .generate import SamplingConfig
     from .session import resolve_session
 
     values = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -278,7 +280,7 @@ def chat(
         import mlx.core as mx
 
         mx.random.seed(seed)
-    settings = ChatSettings(**values, show_drafts=show_drafts)
+    settings = ChatSettings(max_tokens, SamplingConfig(temp, top_p, min_p, top_k), show_drafts=show_drafts)
     session = ChatSession.from_session(s, settings, system=system, max_context=max_context)
     code = run_chat(session)
     if code:
@@ -310,7 +312,7 @@ def sweep(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from .prompts import first_turn_ids, load_prompt_set, select_conversations
-    from .session import resolve_session
+    from .session import resolve_drafter_path, resolve_session
     from . import sweep as sw
 
     # Every check that needs no model comes before the slow load.
@@ -320,7 +322,7 @@ def sweep(
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
     convs = select_conversations(load_prompt_set(prompts), num_prompts)
-    drafter_path = sw.resolve_drafter_path(model, drafter)
+    drafter_path = resolve_drafter_path(model, drafter)
     meta = {**sw.sweep_meta(model, drafter_path, prompts, dtype), "adaptive": adaptive}
     if not fresh:  # a mismatched --out fails now, not after the model load
         partial = sw.sweep_key(config, [], meta)
@@ -398,7 +400,7 @@ def train_controller_cmd(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from . import controller as ctl
+    from .controller import fit_and_save
     from .prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
     from .session import resolve_session
     from .train.trainer import is_eval_conversation
@@ -422,23 +424,14 @@ def train_controller_cmd(
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=err) as bar:
         task = bar.add_task("recording", total=len(ids))
-        episodes = ctl.record_episodes(s.model, s.drafter, ids, s.beam_width, s.beam_length, max_tokens,
-                                       eos_ids=s.tokenizer.eos_token_ids, progress=lambda i: bar.update(task, completed=i))
-        bar.update(task, description="measuring latency", completed=0, total=None)
-        latency = ctl.measure_latency(s.model, s.drafter, s.beam_width, s.beam_length)
-        cfg = ctl.ControllerConfig(beam_width=s.beam_width, beam_length=s.beam_length, alpha=alpha, latency=latency)
-        bar.update(task, description="training", completed=0, total=epochs)
-        controller = ctl.train_controller(episodes, cfg, epochs=epochs, seed=seed,
-                                          progress=lambda e, r: bar.update(task, completed=e))
-    ctl.save_controller(controller, s.drafter_path)
-    fixed = {d: ctl.expected_speedup(d, episodes, latency) for d in range(1, s.beam_length + 1)}
-    best = max(fixed, key=fixed.get)
-    learned = ctl.expected_speedup(controller, episodes, latency)
-    err.print(f"{len(episodes.accepted)} steps recorded; offline tokens per plain-step time: "
-              + ", ".join(f"L={d}: {v:.2f}" for d, v in fixed.items()) + f", adaptive: {learned:.2f}")
-    if learned <= fixed[best]:
-        err.print(f"[yellow]The controller does not beat the fixed depth L={best} on the recorded steps; keep using fixed (W, L).[/yellow]")
-    err.print(f"saved {s.drafter_path / ctl.WEIGHTS} (use it with --adaptive)")
+        fit = fit_and_save(s.model, s.drafter, s.drafter_path, ids, s.beam_width, s.beam_length, max_tokens,
+                           eos_ids=s.tokenizer.eos_token_ids, epochs=epochs, alpha=alpha, seed=seed,
+                           progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total))
+    err.print(f"{fit.steps} steps recorded; offline tokens per plain-step time: "
+              + ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items()) + f", adaptive: {fit.learned:.2f}")
+    if not fit.beats_fixed:
+        err.print(f"[yellow]The controller does not beat the fixed depth L={fit.best_depth} on the recorded steps; keep using fixed (W, L).[/yellow]")
+    err.print(f"saved {fit.path} (use it with --adaptive)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -136,7 +136,7 @@ class Episodes:
 
 
 def record_episodes(model, drafter, prompts: List[List[int]], width: int, length: int, max_tokens: int,
-                    eos_ids=(), top_k: int = 10, progress: Optional[Callable[[int], None]] = None) -> Episodes:
+                    eos_ids=(), top_k: int = ControllerConfig.top_k, progress: Optional[Callable[[int], None]] = None) -> Episodes:
     """Run ReDrafter (greedy) on tokenized training prompts; one episode per step."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -166,9 +166,11 @@ def record_episodes(model, drafter, prompts: List[List[int]], width: int, length
 # --------------------------------------------------------------------------- cost model
 
 
-def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats: int = 5) -> Dict[str, float]:
+def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats: int = 5,
+                    top_k: int = ControllerConfig.top_k) -> Dict[str, float]:
     """Device latencies in ms: one plain decode step, the verify call for each
-    tree size, one full beam search, and the controller itself."""
+    tree size, one full beam search (returning ``top_k`` confidences per
+    depth, as the controller reads them), and the controller itself."""
     from .cost import median_ms, warm_cache
     from .models import model_parts
 
@@ -188,10 +190,10 @@ def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats
     sizes = sizes or range(1, width * length + 2)
     out = {f"verify_{n}": timed(forward(n)) for n in sizes}
     ctx = mx.random.normal((embed.weight.shape[-1],))
-    out["draft"] = timed(lambda: mx.eval(drafter.draft(embed, ctx, mx.array(1), width, length, confidences=10).tokens))
-    probe = Controller(ControllerConfig())
+    out["draft"] = timed(lambda: mx.eval(drafter.draft(embed, ctx, mx.array(1), width, length, confidences=top_k).tokens))
+    probe = Controller(ControllerConfig(top_k=top_k))
     mx.eval(probe.parameters())
-    conf = mx.random.uniform(shape=(length, 10))
+    conf = mx.random.uniform(shape=(length, top_k))
     out["controller"] = timed(lambda: mx.eval(probe.depth(conf)))
     out["plain"] = out["verify_1"]
     return out
@@ -265,3 +267,47 @@ def expected_speedup(ctrl_or_depth, episodes: Episodes, latency: Dict[str, float
     t = cost[np.arange(len(depth)), depth - 1]
     tokens = np.minimum(episodes.accepted, depth) + 1
     return float(tokens.sum() / t.sum())
+
+
+# --------------------------------------------------------------------------- fitting for a drafter
+
+
+@dataclass
+class FitReport:
+    """What :func:`fit_and_save` measured: offline tokens per plain-step time
+    of each fixed depth and of the trained controller."""
+
+    steps: int  # recorded steps (episodes)
+    fixed: Dict[int, float]  # depth -> expected speedup
+    learned: float
+    path: Path  # the saved weights
+
+    @property
+    def best_depth(self) -> int:
+        return max(self.fixed, key=self.fixed.get)
+
+    @property
+    def beats_fixed(self) -> bool:
+        return self.learned > self.fixed[self.best_depth]
+
+
+def fit_and_save(model, drafter, drafter_path, prompts: List[List[int]], width: int, length: int, max_tokens: int,
+                 eos_ids=(), epochs: int = 100, alpha: float = 0.05, seed: int = 0,
+                 progress: Optional[Callable[[str, int, Optional[int]], None]] = None) -> FitReport:
+    """Record greedy ReDrafter steps on ``prompts`` (token ids), measure this
+    device's latencies, train the controller and save it next to the
+    drafter. ``progress(stage, done, total)`` follows the three stages."""
+    tell = progress or (lambda stage, done, total: None)
+    config = ControllerConfig(beam_width=width, beam_length=length, alpha=alpha)
+    tell("recording", 0, len(prompts))
+    episodes = record_episodes(model, drafter, prompts, width, length, max_tokens, eos_ids=eos_ids,
+                               top_k=config.top_k, progress=lambda i: tell("recording", i, len(prompts)))
+    tell("measuring latency", 0, None)
+    config.latency = measure_latency(model, drafter, width, length, top_k=config.top_k)
+    tell("training", 0, epochs)
+    controller = train_controller(episodes, config, epochs=epochs, seed=seed,
+                                  progress=lambda e, _: tell("training", e, epochs))
+    path = save_controller(controller, drafter_path) / WEIGHTS
+    fixed = {d: expected_speedup(d, episodes, config.latency) for d in range(1, length + 1)}
+    learned = expected_speedup(controller, episodes, config.latency)
+    return FitReport(len(episodes.accepted), fixed, learned, path)

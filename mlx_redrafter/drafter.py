@@ -266,10 +266,11 @@ def check_fits(drafter: Drafter, model) -> None:
     from .models import model_parts
 
     embed, _, _ = model_parts(model)
-    if "weight" in embed:
-        vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
-        if "scales" in embed:  # quantized: packed columns
-            hidden = embed.scales.shape[-1] * embed.group_size
+    if "weight" not in embed:  # nothing to compare with: e.g. a custom embedding module
+        return
+    vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
+    if "scales" in embed:  # quantized: packed columns
+        hidden = embed.scales.shape[-1] * embed.group_size
     cfg = drafter.config
     if cfg.hidden_size != hidden:
         raise RedrafterError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse, generate_step
@@ -643,6 +643,13 @@ class Tally:
                 self.steps += 1
                 self._step = r.stats.step
         self.last = r
+
+    def merge(self, other: "Tally") -> None:
+        """Add the totals of another stream (e.g. one chat turn) to these."""
+        self.tokens += other.tokens
+        self.steps += other.steps
+        self.drafted_tokens += other.drafted_tokens
+        self.last = other.last or self.last
 
     @property
     def tokens_per_step(self) -> float:

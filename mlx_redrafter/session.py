@@ -16,6 +16,7 @@ from typing import Optional
 
 from .errors import RedrafterError
 from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, draft_shape
+
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 
 
@@ -26,6 +27,23 @@ def shipped_drafter_path(model_spec: str) -> Optional[Path]:
         return None
     path = Path(__file__).parent / "drafters" / name
     return path if (path / "config.json").exists() else None
+
+
+def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
+    """``--drafter``, else the drafter shipped for ``model_spec``, else a clear error."""
+    if drafter is not None:
+        path = Path(drafter).expanduser()
+        if not path.exists():
+            raise RedrafterError(f"Drafter path does not exist: {drafter}", "Check the --drafter path.")
+        return path
+    path = shipped_drafter_path(model_spec)
+    if path is None:
+        hint = "(the default model's drafter is not installed yet)" if model_spec == "default" else f"for {model_spec!r}"
+        raise RedrafterError(
+            f"No drafter given and none ships {hint}.",
+            "Pass --drafter PATH (train one with `mlx-redrafter distill` + `mlx-redrafter train`).",
+        )
+    return path
 
 
 @dataclass

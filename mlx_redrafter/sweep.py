@@ -1,10 +1,12 @@
 """``mlx-redrafter sweep``: ReDrafter over a beam width x length grid, against
 plain mlx-lm decoding measured in the same run.
 
-The measuring core works on token ids (``measure``, ``run_pass``,
-``run_sweep``), so that it runs on tiny random models without a tokenizer;
-``prompts.chat_prompt_ids`` is the thin layer that turns conversations into ids
-through a real model's chat template. ``bench/run.py`` reuses the same core.
+The sweep works on token ids, so that it runs on tiny random models
+without a tokenizer: the timing core is :mod:`~mlx_redrafter.measure` (which
+``bench/`` shares), :mod:`~mlx_redrafter.prompts` templates conversations
+into ids, and :mod:`~mlx_redrafter.report` writes the CSV, Markdown and
+heatmaps. This module holds the grid, the baseline interleaving, the
+summaries and the resumable results file.
 
 Plain decoding drifts with the machine (thermal state, other processes), so
 the baseline is measured before the grid and again after every
@@ -14,7 +16,6 @@ passes right before and after it.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import math
@@ -29,20 +30,11 @@ import numpy as np
 
 from .errors import RedrafterError
 from .files import write_json_atomic
-from .generate import DraftConfig, SamplingConfig, StepStats, generate_tokens
+from .generate import DraftConfig, SamplingConfig
+from .measure import Pass, run_pass, time_split_ms, warm_up
+from .report import HEATMAPS, grid_matrix, heatmap_table, markdown_table, plot_heatmap, write_csv
 
 RESULTS_VERSION = 1
-# Figures: sizes in inches that are exact binary fractions, so the PNG's
-# pixel size is exactly inches * DPI (tests check it).
-DPI = 80
-HEATMAPS = {
-    # key in the cell records: (file name, title, number format)
-    "speedup": ("speedup.png", "Speedup over plain mlx-lm decoding", "{:.2f}x"),
-    "tokens_per_s": ("tokens_per_s.png", "Tokens per second", "{:.1f}"),
-    "tokens_per_step": ("tokens_per_step.png", "Tokens per step", "{:.2f}"),
-}
-PHASES = ("draft", "pack", "verify", "accept", "other")
-
 Progress = Callable[[int, int, str], None]  # (units done, units in all, label)
 
 
@@ -106,130 +98,6 @@ def parse_grid(text: str, flag: str = "--widths") -> List[int]:
     return sorted(values)
 
 
-def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
-    """``--drafter``, else the drafter shipped for ``model_spec``, else a clear error."""
-    from .session import shipped_drafter_path
-
-    if drafter is not None:
-        path = Path(drafter).expanduser()
-        if not path.exists():
-            raise RedrafterError(f"Drafter path does not exist: {drafter}", "Check the --drafter path.")
-        return path
-    path = shipped_drafter_path(model_spec)
-    if path is None:
-        hint = "(the default model's drafter is not installed yet)" if model_spec == "default" else f"for {model_spec!r}"
-        raise RedrafterError(
-            f"No drafter given and none ships {hint}.",
-            "Pass --drafter PATH (train one with `mlx-redrafter distill` + `mlx-redrafter train`).",
-        )
-    return path
-
-
-# --------------------------------------------------------------------------- measuring core
-
-
-@dataclass
-class Run:
-    """One greedy generation and its timings (seconds)."""
-
-    tokens: List[int]
-    steps: List[StepStats]  # steps[0] is the prefill (+ the first draft)
-    wall_time: float
-    peak_memory: int  # bytes, mx.get_peak_memory() over this generation
-
-    @property
-    def ttft(self) -> float:
-        """Time to the first token."""
-        return self.steps[0].step_time if self.steps else self.wall_time
-
-    @property
-    def decode_tokens(self) -> int:
-        return max(len(self.tokens) - 1, 0)
-
-    @property
-    def decode_time(self) -> float:
-        return max(self.wall_time - self.ttft, 0.0)
-
-    def step_tokens(self) -> List[Tuple[int, StepStats]]:
-        """``(tokens emitted, stats)`` of each decode step. The last step may
-        be cut by ``max_tokens`` or EOS; a step that emitted nothing is left out."""
-        left = self.decode_tokens
-        out = []
-        for s in self.steps[1:]:
-            n = min(1 + s.accepted, left)
-            left -= n
-            if n > 0:
-                out.append((n, s))
-        return out
-
-    def token_latencies(self) -> List[float]:
-        """Per-token latency: each decode step's time shared by the tokens it emitted."""
-        return [s.step_time / n for n, s in self.step_tokens() for _ in range(n)]
-
-
-def measure(
-    model,
-    prompt: Sequence[int],
-    drafter=None,
-    beam_width: int = 1,
-    beam_length: int = 1,
-    max_tokens: int = 128,
-    eos_ids: Sequence[int] = (),
-    profile: bool = False,
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    controller=None,
-    lookup: int = 0,
-) -> Run:
-    """Generate from token ids (greedy unless ``temp > 0``) and time it.
-
-    ``drafter=None, lookup=0`` is plain mlx-lm decoding: ``generate_tokens``
-    then runs mlx-lm's own ``generate_step`` on the same model object, not
-    our loop. ``lookup`` is the number of lookup beams.
-    """
-    mx.reset_peak_memory()
-    tic = time.perf_counter()
-    draft = DraftConfig(drafter, beam_width, beam_length, controller=controller, lookup=lookup)
-    tokens, steps = generate_tokens(
-        model, list(prompt), draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
-        temp=temp, top_p=top_p, profile=profile,
-    )
-    wall = time.perf_counter() - tic
-    return Run(tokens, steps, wall, mx.get_peak_memory())
-
-
-@dataclass
-class Pass:
-    """One configuration (the baseline or one cell) over every prompt."""
-
-    runs: List[Run]
-
-    @property
-    def peak_memory(self) -> int:
-        return max((r.peak_memory for r in self.runs), default=0)
-
-
-def run_pass(model, prompts, drafter, width, length, config: SweepConfig, eos_ids=(), tick=None, controller=None) -> Pass:
-    """Measure every prompt once; ``tick()`` after each."""
-    runs = []
-    for i, p in enumerate(prompts):
-        if config.temp > 0:
-            mx.random.seed(config.seed + i)  # the same draws for every pass
-        runs.append(measure(model, p, drafter, width, length, config.max_tokens, eos_ids,
-                            config.profile and drafter is not None, config.temp, config.top_p,
-                            controller if drafter is not None else None))
-        if tick:
-            tick()
-    return Pass(runs)
-
-
-def warm_up(model, prompt, drafter, width: int, length: int) -> None:
-    """One short untimed generation each way: the first call in a process
-    pays for allocations and kernel set-up that later calls do not."""
-    measure(model, prompt, None, max_tokens=4)
-    measure(model, prompt, drafter, width, length, max_tokens=4)
-
-
 # --------------------------------------------------------------------------- summaries
 
 
@@ -286,22 +154,6 @@ def summarize_cell(p: Pass, width: int, length: int, seq: int, reference: Option
         # Greedy ReDrafter must reproduce plain decoding token for token.
         rec["identical_outputs"] = sum(r.tokens == ref for r, ref in zip(p.runs, reference))
     return rec
-
-
-def time_split_ms(steps: List[StepStats]) -> Dict[str, float]:
-    """Mean milliseconds per step in draft / pack / verify / accept, and the
-    rest of the step ("other": host sync, cache bookkeeping, Python)."""
-    if not steps:
-        return {k: 0.0 for k in PHASES}
-    n = len(steps)
-    out = {
-        "draft": sum(s.draft_time for s in steps),
-        "pack": sum(s.pack_time for s in steps),
-        "verify": sum(s.verify_time for s in steps),
-        "accept": sum(s.accept_time for s in steps),
-    }
-    out["other"] = max(sum(s.step_time for s in steps) - sum(out.values()), 0.0)
-    return {k: 1000 * v / n for k, v in out.items()}
 
 
 def attach_speedups(results: dict) -> None:
@@ -520,13 +372,13 @@ def run_sweep(
 
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
     if todo:
-        warm_up(model, prompts[0], drafter, *todo[0])
+        warm_up(model, prompts[0], DraftConfig(drafter, *todo[0], controller=controller))
     reference = None
     for i, (w, l) in enumerate(todo):
         if i % config.baseline_every == 0:
             reference, seq = _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick)
         stage(f"W={w} L={l}")
-        p = run_pass(model, prompts, drafter, w, l, config, eos_ids, tick, controller)
+        p = _pass(model, prompts, DraftConfig(drafter, w, l, controller=controller), config, eos_ids, tick)
         results["cells"].append(summarize_cell(p, w, l, seq, reference if config.temp == 0 else None))
         seq += 1
         save_results(out_dir, results)
@@ -536,9 +388,14 @@ def run_sweep(
     return results
 
 
+def _pass(model, prompts, draft: Optional[DraftConfig], config: SweepConfig, eos_ids, tick) -> Pass:
+    return run_pass(model, prompts, draft, max_tokens=config.max_tokens, eos_ids=eos_ids, temp=config.temp,
+                    top_p=config.top_p, seed=config.seed, profile=config.profile, tick=tick)
+
+
 def _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick):
     stage("baseline (plain mlx-lm)")
-    p = run_pass(model, prompts, None, 1, 1, config, eos_ids, tick)
+    p = _pass(model, prompts, None, config, eos_ids, tick)
     results["baselines"].append(summarize_baseline(p, seq))
     save_results(out_dir, results)
     return [r.tokens for r in p.runs], seq + 1
@@ -567,121 +424,6 @@ def skip_oversized(model, drafter, cells, prompts, config: SweepConfig, results:
 # --------------------------------------------------------------------------- outputs
 
 
-CSV_FIELDS = [
-    "kind", "width", "length", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
-    "speedup", "tokens_per_step", "tree_size", "compression", "verified_depth",
-    *[f"{p}_ms" for p in PHASES], "ttft_s", "peak_memory_gb", "memory_overhead_gb",
-    "estimated_memory_gb", "identical_outputs", "note",
-]
-
-
-def csv_rows(results: dict) -> Tuple[List[dict], List[str]]:
-    """One row per baseline pass, then one per cell; acceptance by depth in
-    columns ``accept_ge_1 .. accept_ge_{max L}``."""
-    max_len = max([c["length"] for c in results["cells"]], default=0)
-    rows = []
-    for b in results["baselines"]:
-        rows.append({"kind": "baseline", **{k: b.get(k) for k in CSV_FIELDS if k in b}})
-    for c in results["cells"]:
-        row = {"kind": "cell", **{k: c.get(k) for k in CSV_FIELDS if k in c}}
-        for p, v in c.get("time_split_ms", {}).items():
-            row[f"{p}_ms"] = v
-        for d, v in enumerate(c.get("acceptance_by_depth", []), 1):
-            row[f"accept_ge_{d}"] = v
-        rows.append(row)
-    return rows, CSV_FIELDS + [f"accept_ge_{d}" for d in range(1, max_len + 1)]
-
-
-def write_csv(results: dict, path: Path) -> None:
-    rows, fields = csv_rows(results)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
-
-
-def markdown_table(results: dict) -> str:
-    """The cells as a Markdown table (for reports such as bench/RESULTS.md)."""
-    head = ("| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
-            "| draft / pack / verify / accept / other ms | peak GB |")
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for c in sorted(results["cells"], key=lambda c: (c["width"], c["length"])):
-        if c["status"] != "ok":
-            lines.append(f"| {c['width']} | {c['length']} | {c['status']}: {c.get('note', '')} |")
-            continue
-        sp = "" if c.get("speedup") is None else f"{c['speedup']:.2f}x"
-        acc = " / ".join(f"{v:.2f}" for v in c["acceptance_by_depth"])
-        split = " / ".join(f"{c.get('time_split_ms', {}).get(p, float('nan')):.1f}" for p in PHASES)
-        if not results["config"].get("profile", True):  # --no-profile: only the whole step was timed
-            split = f"step {sum(c.get('time_split_ms', {}).values()):.1f}"
-        lines.append(
-            f"| {c['width']} | {c['length']} | {sp} | {c['tokens_per_s']:.1f} | {c['tokens_per_step']:.2f} | {acc} "
-            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} |"
-        )
-    base = [f"{b['tokens_per_s']:.1f}" for b in results["baselines"]]
-    lines.append("")
-    lines.append(f"Plain decoding baselines (tok/s, in run order): {', '.join(base)}")
-    return "\n".join(lines) + "\n"
-
-
-def grid_matrix(results: dict, key: str, widths: List[int], lengths: List[int]) -> np.ndarray:
-    """``[len(widths), len(lengths)]`` of a cell metric; NaN where a cell was skipped or not measured."""
-    m = np.full((len(widths), len(lengths)), np.nan)
-    for c in results["cells"]:
-        if c["status"] == "ok" and c.get(key) is not None and c["width"] in widths and c["length"] in lengths:
-            m[widths.index(c["width"]), lengths.index(c["length"])] = c[key]
-    return m
-
-
-def heatmap_pixels(n_widths: int, n_lengths: int) -> Tuple[int, int]:
-    """(width, height) in pixels of a heatmap PNG for a grid of that shape."""
-    w_in, h_in = _figsize(n_widths, n_lengths)
-    return int(w_in * DPI), int(h_in * DPI)
-
-
-def _figsize(n_widths: int, n_lengths: int) -> Tuple[float, float]:
-    return 3.0 + 1.0 * n_lengths, 1.5 + 0.75 * n_widths
-
-
-def plot_heatmap(matrix: np.ndarray, widths, lengths, title: str, path, fmt: str = "{:.2f}", center: Optional[float] = None) -> np.ndarray:
-    """An annotated width x length heatmap (like the paper's Figure 7) as a
-    PNG; returns the matrix that was drawn (read back from the image artist)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    # Figure + the Agg canvas directly: no pyplot global state, no display.
-    fig = Figure(figsize=_figsize(len(widths), len(lengths)), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    data = np.ma.masked_invalid(np.asarray(matrix, dtype=float))
-    norm = None
-    if center is not None and data.count():
-        from matplotlib.colors import TwoSlopeNorm
-
-        lo, hi = float(data.min()), float(data.max())
-        if lo < center < hi:
-            norm = TwoSlopeNorm(vcenter=center, vmin=lo, vmax=hi)
-    im = ax.imshow(data, cmap="RdYlGn" if center is not None else "viridis", norm=norm, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [str(v) for v in lengths])
-    ax.set_yticks(range(len(widths)), [str(v) for v in widths])
-    ax.set_xlabel("beam length L (drafted tokens)")
-    ax.set_ylabel("beam width W")
-    ax.set_title(title, fontsize=10)
-    for i in range(len(widths)):
-        for j in range(len(lengths)):
-            v = matrix[i][j]
-            if not np.isfinite(v):
-                ax.text(j, i, "skipped", ha="center", va="center", fontsize=9, color="grey")
-                continue
-            r, g, b, _ = im.cmap(im.norm(v))
-            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5  # white text on dark cells
-            ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=9, color="white" if dark else "black")
-    fig.colorbar(im, ax=ax)
-    fig.savefig(path, dpi=DPI)
-    return np.ma.filled(np.ma.asarray(im.get_array(), dtype=float), np.nan)
-
-
 def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.ndarray]:
     """results.csv, results.md and the three heatmap PNGs; returns the matrices drawn, by metric."""
     out_dir = Path(out_dir)
@@ -694,42 +436,6 @@ def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.n
         drawn[key] = plot_heatmap(m, config.widths, config.lengths, title, out_dir / name, fmt,
                                   center=1.0 if key == "speedup" else None)
     return drawn
-
-
-def heatmap_table(matrix: np.ndarray, widths, lengths, title: str, fmt: str = "{:.2f}", center: Optional[float] = None):
-    """The same heatmap as a rich Table with coloured cells, for the terminal."""
-    from rich.table import Table
-
-    table = Table(title=title, min_width=len(title) + 4)  # a narrow grid would wrap the title
-    table.add_column("W \\ L", justify="right", style="bold")
-    for l in lengths:
-        table.add_column(str(l), justify="right")
-    finite = matrix[np.isfinite(matrix)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    for i, w in enumerate(widths):
-        cells = []
-        for j in range(len(lengths)):
-            v = matrix[i][j]
-            if not np.isfinite(v):
-                cells.append("[dim]-[/dim]")
-            else:
-                cells.append(f"[{_colour(v, lo, hi, center)}]{fmt.format(v)}[/]")
-        table.add_row(str(w), *cells)
-    return table
-
-
-def _colour(v: float, lo: float, hi: float, center: Optional[float]) -> str:
-    """Background from red (worst) through yellow to green (best); around
-    ``center`` when given, so that a speedup below 1 is always red."""
-    if center is not None:
-        span = max(abs(hi - center), abs(center - lo), 1e-9)
-        t = 0.5 + 0.5 * (v - center) / span
-    else:
-        t = 0.5 if hi <= lo else (v - lo) / (hi - lo)
-    t = min(max(t, 0.0), 1.0)
-    r = int(255 * min(1.0, 2 * (1 - t)))
-    g = int(255 * min(1.0, 2 * t))
-    return f"black on #{r:02x}{g:02x}40"
 
 
 # --------------------------------------------------------------------------- command-line layer

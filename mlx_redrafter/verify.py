@@ -177,11 +177,9 @@ def compact_cache(cache, start_offsets: List[int], path: mx.array) -> None:
         if isinstance(c, QuantizedKVCache):
             c.keys = tuple(_move_rows(a, start, path) for a in c.keys)
             c.values = tuple(_move_rows(a, start, path) for a in c.values)
-        elif isinstance(c, RotatingKVCache):
-            # [old | new] in time order after a multi-token update; start = len(old).
-            c.keys = _move_rows(c.keys, start, path)
-            c.values = _move_rows(c.values, start, path)
         else:
+            # A RotatingKVCache holds [old | new] in time order after a
+            # multi-token update (start = len(old)), like a plain KVCache.
             c.keys = _move_rows(c.keys, start, path)
             c.values = _move_rows(c.values, start, path)
 

@@ -177,7 +177,7 @@ def test_help_lists_every_command(chat):
 def test_set_validates_keys_and_values(chat, drafter, default_model):
     res = chat.handle_command("/set temp=0.7 top_p=0.9 max_tokens=32 show_drafts=on")
     assert not res.error and "temp=0.7" in res.message
-    assert (chat.settings.temp, chat.settings.top_p, chat.settings.max_tokens, chat.settings.show_drafts) == (0.7, 0.9, 32, True)
+    assert (chat.settings.sampling.temp, chat.settings.sampling.top_p, chat.settings.max_tokens, chat.settings.show_drafts) == (0.7, 0.9, 32, True)
     for args, msg in [
         ("bogus=1", "'bogus' is not a setting"),
         ("temp=-1", "temp must be a number >= 0"),
@@ -191,7 +191,7 @@ def test_set_validates_keys_and_values(chat, drafter, default_model):
         assert res.error and msg in res.message, args
     # A bad item anywhere leaves every setting as it was.
     chat.handle_command("/set temp=0.1 top_k=-2")
-    assert chat.settings.temp == 0.7 and chat.settings.top_k == 0
+    assert chat.settings.sampling.temp == 0.7 and chat.settings.sampling.top_k == 0
     model, tok = default_model
     drafting = ChatSession(model, tok, drafter)
     res = drafting.handle_command("/set beam_width=3 beam_length=4")

@@ -95,6 +95,23 @@ def test_train_controller_end_to_end_on_a_tiny_model(llama, tmp_path):
     assert out == refs[0]
 
 
+def test_fit_and_save_trains_saves_and_compares_every_depth(llama, tmp_path):
+    from mlx_redrafter.controller import fit_and_save
+
+    model, ps, _ = llama
+    drafter = OracleDrafter(model, ps[0], 24, L)
+    (tmp_path / "d").mkdir()
+    stages = []
+    fit = fit_and_save(model, drafter, tmp_path / "d", [ps[0]], W, L, 24, epochs=2,
+                       progress=lambda stage, done, total: stages.append(stage))
+    assert list(dict.fromkeys(stages)) == ["recording", "measuring latency", "training"]
+    assert set(fit.fixed) == set(range(1, L + 1)) and fit.steps > 0
+    assert fit.beats_fixed == (fit.learned > max(fit.fixed.values()))
+    saved = load_controller(tmp_path / "d")
+    assert fit.path.is_file() and (saved.config.beam_width, saved.config.beam_length) == (W, L)
+    assert set(saved.config.latency) >= {"plain", "draft", "controller"}
+
+
 def test_missing_controller_is_a_clear_error(tmp_path):
     with pytest.raises(RedrafterError, match="train-controller"):
         load_controller(tmp_path)

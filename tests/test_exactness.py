@@ -214,6 +214,19 @@ def test_drafter_for_another_model_is_refused():
             generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(**kw), 2, 2), max_tokens=4)
 
 
+def test_fit_check_skips_an_embedding_without_weight():
+    import mlx.nn as nn
+
+    from mlx_redrafter.drafter import check_fits
+
+    model = tiny_model("llama")
+    check_fits(random_drafter(), model)  # the same sizes: fits
+    with pytest.raises(RedrafterError, match="hidden_size"):
+        check_fits(random_drafter(hidden=32), model)
+    model.model.embed_tokens = nn.Module()  # nothing to compare with: no error from the check itself
+    check_fits(random_drafter(hidden=32), model)
+
+
 @pytest.mark.parametrize("width,length", [(0, 3), (2, 0), (-1, -1)])
 def test_beam_shape_below_one_is_refused(width, length):
     model = tiny_model("llama")

@@ -18,10 +18,10 @@ from mlx_lm.sample_utils import make_sampler
 
 from helpers import TINY_CONFIGS, random_drafter, tiny_model
 from mlx_redrafter import accept as accept_mod
-from mlx_redrafter.accept import first_occurrence, target_probs, walk_tree
+from mlx_redrafter.accept import target_probs, walk_tree
 from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
 from mlx_redrafter.models import model_parts
-from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack
+from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack, unique_mask
 
 P_VALUE = 1e-6
 Z = {1e-6: 4.753}  # one-sided normal quantile
@@ -80,7 +80,7 @@ def walk_unnormalized_ratio(beams, node_index, parent, target, u, gumbel):
     (here 0.5 for every drafted token), and never renormalize after a rejection."""
     width, length = beams.shape
     batch = u.shape[:-2]
-    unique = first_occurrence(node_index)
+    unique = unique_mask(beams)
     cur = mx.zeros(batch, mx.int32)
     beam = mx.zeros(batch, mx.int32)
     n = mx.zeros(batch, mx.int32)

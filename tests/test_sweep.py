@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from helpers import OracleDrafter, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, tiny_model
-from mlx_redrafter import sweep as sw
+from mlx_redrafter import report, sweep as sw
+from mlx_redrafter.measure import PHASES
+from mlx_redrafter.session import resolve_drafter_path
 from mlx_redrafter.errors import RedrafterError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,7 +270,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert c["tokens_per_step"] >= 1
         assert 1 < c["tree_size"] <= 1 + w * l
         assert math.isclose(c["compression"], (c["tree_size"] - 1) / (w * l))
-        assert set(c["time_split_ms"]) == set(sw.PHASES)
+        assert set(c["time_split_ms"]) == set(PHASES)
         assert all(v >= 0 for v in c["time_split_ms"].values()) and c["time_split_ms"]["verify"] > 0
         assert c["peak_memory_gb"] > 0 and "memory_overhead_gb" in c
     best = max(data["cells"], key=lambda c: c["speedup"])
@@ -283,7 +285,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert (int(r["width"]), int(r["length"]), r["status"]) == (c["width"], c["length"], "ok")
         for k in ("tokens_per_s", "speedup", "baseline_tokens_per_s", "tokens_per_step", "tree_size", "compression", "peak_memory_gb"):
             assert num(r[k]) == c[k], k
-        for p in sw.PHASES:
+        for p in PHASES:
             assert num(r[f"{p}_ms"]) == c["time_split_ms"][p]
         for d, a in enumerate(c["acceptance_by_depth"], 1):
             assert num(r[f"accept_ge_{d}"]) == a
@@ -299,15 +301,15 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     assert md[-1].startswith("Plain decoding baselines") and md[-1].split(": ")[1].count(",") == 2
 
     # The heatmaps: PNGs of the grid's size, drawing exactly the JSON values.
-    size = sw.heatmap_pixels(2, 2)
-    for key, (name, _, _) in sw.HEATMAPS.items():
+    size = report.heatmap_pixels(2, 2)
+    for key, (name, _, _) in report.HEATMAPS.items():
         assert png_size(tmp_path / name) == size
         with Image.open(tmp_path / name) as im:
             assert im.size == size and im.format == "PNG"
     drawn = sw.write_outputs(data, tmp_path, cfg)
-    for key in sw.HEATMAPS:
+    for key in report.HEATMAPS:
         np.testing.assert_array_equal(drawn[key], expected_matrix(data, key, [1, 2], [2, 3]))
-    assert sw.heatmap_pixels(3, 4) != size  # the size follows the grid
+    assert report.heatmap_pixels(3, 4) != size  # the size follows the grid
 
 
 def test_heatmap_table_colours_and_blanks():
@@ -315,11 +317,11 @@ def test_heatmap_table_colours_and_blanks():
 
     m = np.array([[0.5, 1.5], [np.nan, 1.0]])
     console = Console(record=True, width=80, color_system="truecolor")
-    console.print(sw.heatmap_table(m, [1, 2], [2, 3], "speedup", "{:.2f}x", center=1.0))
+    console.print(report.heatmap_table(m, [1, 2], [2, 3], "speedup", "{:.2f}x", center=1.0))
     text = console.export_text()
     assert "0.50x" in text and "1.50x" in text and "-" in text
-    assert "on #ff0040" in sw._colour(0.5, 0.5, 1.5, 1.0)  # below 1: red
-    assert "on #00ff40" in sw._colour(1.5, 0.5, 1.5, 1.0)  # best: green
+    assert "on #ff0040" in report._colour(0.5, 0.5, 1.5, 1.0)  # below 1: red
+    assert "on #00ff40" in report._colour(1.5, 0.5, 1.5, 1.0)  # best: green
 
 
 def test_sweep_metrics_with_accepting_drafter(tmp_path, model):
@@ -359,9 +361,9 @@ def test_sweep_resumes_without_redoing_cells(tmp_path, model, drafter, monkeypat
     passes = []
     real_pass = sw.run_pass
 
-    def counting_pass(model, prompts, drafter, width, length, *a, **k):
-        passes.append(None if drafter is None else (width, length))
-        return real_pass(model, prompts, drafter, width, length, *a, **k)
+    def counting_pass(model, prompts, draft, **k):
+        passes.append(None if draft is None else (draft.beam_width, draft.beam_length))
+        return real_pass(model, prompts, draft, **k)
 
     monkeypatch.setattr(sw, "run_pass", counting_pass)
     results = sw.run_sweep(model, ps, drafter, cfg, tmp_path)
@@ -450,7 +452,7 @@ def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(session, "shipped_drafter_path", lambda spec: None)
     with pytest.raises(RedrafterError, match="No drafter given") as e:
-        sw.resolve_drafter_path("default", None)
+        resolve_drafter_path("default", None)
     assert "--drafter" in e.value.fix
 
 

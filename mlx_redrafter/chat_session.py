@@ -1,0 +1,303 @@
+"""The chat's core: a conversation with a model, its KV cache and its totals.
+
+:class:`ChatSession` works without a terminal (the tests drive it
+directly); ``chat.run_chat`` is the read-reply loop around it and
+:mod:`~mlx_redrafter.chat_commands` its slash commands and transcripts.
+
+The cache contract: ``ChatSession.cached`` lists the token ids whose KV the
+cache holds. Before a turn the whole conversation is templated and
+tokenized; the cache is trimmed to the common prefix of the two and only the
+rest is prefilled. Re-tokenizing the history (rather than appending to the
+cache) keeps the cache exactly equal to what a fresh session would compute,
+whatever the template does to earlier replies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from .chat_commands import CommandResult, handle_command
+from .chat_settings import ChatSettings
+from .errors import RedrafterError
+from .generate import RedrafterResponse, Tally, context_limit, stream_generate, trim_cache
+from .prompts import build_messages, chat_prompt_ids, render_messages
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Turn:
+    """One user message and the reply to it."""
+
+    user: str
+    reply: str = ""
+    tally: Tally = field(default_factory=Tally)
+    prefilled_tokens: int = 0  # prompt tokens computed this turn
+    reused_tokens: int = 0  # prompt tokens whose KV came from the cache
+    finish_reason: Optional[str] = None  # "stop", "length", or None when interrupted
+    interrupted: bool = False
+    in_context: bool = True  # False once dropped to fit the model's context
+
+    @property
+    def generation_seconds(self) -> float:
+        r = self.tally.last
+        return self.tally.tokens / r.generation_tps if r is not None and r.generation_tps > 0 else 0.0
+
+    def stats(self) -> dict:
+        r = self.tally.last
+        return {
+            "tokens": self.tally.tokens,
+            "tokens_per_second": round(r.generation_tps, 2) if r is not None else 0.0,
+            "tokens_per_step": round(self.tally.tokens_per_step, 3),
+            "from_drafts": round(self.tally.draft_share, 3),
+            "prefilled_tokens": self.prefilled_tokens,
+            "reused_tokens": self.reused_tokens,
+            "finish_reason": self.finish_reason,
+            "interrupted": self.interrupted,
+        }
+
+
+@dataclass
+class Totals:
+    """Session totals for ``/stats`` (they survive ``/reset``)."""
+
+    turns: int = 0
+    interrupted: int = 0
+    generated: Tally = field(default_factory=Tally)  # tokens, steps and drafted tokens of every turn
+    generation_seconds: float = 0.0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    dropped_turns: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.generated.tokens
+
+    def add(self, turn: Turn) -> None:
+        self.turns += 1
+        self.interrupted += int(turn.interrupted)
+        self.generated.merge(turn.tally)
+        self.generation_seconds += turn.generation_seconds
+        self.prefilled_tokens += turn.prefilled_tokens
+        self.reused_tokens += turn.reused_tokens
+
+    def as_dict(self) -> dict:
+        g = self.generated
+        return {
+            "turns": self.turns, "interrupted": self.interrupted, "tokens": g.tokens, "steps": g.steps,
+            "drafted_tokens": g.drafted_tokens, "generation_seconds": self.generation_seconds,
+            "prefilled_tokens": self.prefilled_tokens, "reused_tokens": self.reused_tokens,
+            "dropped_turns": self.dropped_turns,
+        }
+
+
+class ChatSession:
+    """A conversation with a model: history, KV cache, settings and totals.
+
+    ``stream_reply(text)`` streams one turn; ``reply(text)`` runs it to the
+    end; ``handle_command("/...")`` runs a slash command. Notices (dropped
+    turns) go to ``notify``.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafter=None,
+        settings: Optional[ChatSettings] = None,
+        system: Optional[str] = None,
+        history: Sequence[tuple] = (),
+        max_context: Optional[int] = None,
+        notify: Optional[Callable[[str], None]] = None,
+        controller=None,
+        info: Optional[dict] = None,
+    ):
+        """``history``: earlier ``(user, assistant)`` exchanges. ``max_context``:
+        keep the conversation within this many tokens (default: the model's
+        context)."""
+        self.model, self.tokenizer, self.drafter, self.controller = model, tokenizer, drafter, controller
+        self.settings = settings or ChatSettings()
+        self.system = system
+        self.turns: List[Turn] = [Turn(u, a) for u, a in history]
+        self.max_context = max_context or context_limit(model)
+        self.notify = notify or (lambda message: None)
+        self.info = info or {}
+        self.totals = Totals()
+        self.last_turn: Optional[Turn] = None
+        self.cache = None
+        self.cached: List[int] = []  # the token ids whose KV self.cache holds
+
+    @classmethod
+    def from_session(cls, s, settings: Optional[ChatSettings] = None, **kwargs) -> "ChatSession":
+        """A chat on a resolved :class:`~mlx_redrafter.session.Session`
+        (its beam shape wins over ``settings``)."""
+        settings = settings or ChatSettings()
+        settings.beam_width, settings.beam_length = s.beam_width, s.beam_length
+        info = {"model": s.model_spec, "drafter": str(s.drafter_path) if s.drafter_path else None}
+        return cls(s.model, s.tokenizer, s.drafter, settings, controller=s.controller, info=info, **kwargs)
+
+    # ------------------------------------------------------------------ conversation
+
+    @property
+    def history(self) -> List[tuple]:
+        """The ``(user, assistant)`` exchanges the model sees."""
+        return [(t.user, t.reply) for t in self.turns if t.in_context]
+
+    def messages(self, user: Optional[str] = None) -> List[dict]:
+        return build_messages(self.system, self.history, user)
+
+    def prompt_text(self, user: str) -> str:
+        """The templated conversation with ``user`` as the next message."""
+        return render_messages(self.tokenizer, self.messages(user))
+
+    def _encode(self, messages: List[dict]) -> List[int]:
+        return chat_prompt_ids(self.tokenizer, messages)
+
+    def reset(self) -> None:
+        """Start a new conversation. The cache stays: its system-message
+        prefix is still valid, and the next turn trims the rest."""
+        self.turns = []
+
+    def reset_cache(self) -> None:
+        """Forget the cache (the next turn prefills the whole conversation)."""
+        self.cache, self.cached = None, []
+
+    # ------------------------------------------------------------------ context
+
+    def _margin(self) -> int:
+        # A verification briefly puts the drafted tokens behind the last one.
+        return self.settings.beam_length + 1 if self.drafter is not None else 0
+
+    def _fit_context(self, user: str) -> tuple:
+        """``(prompt ids, max_tokens)`` for the next turn, dropping the oldest
+        turns while the conversation and the reply would not fit."""
+        ids = self._encode(self.messages(user))
+        limit, want = self.max_context, self.settings.max_tokens
+        if not limit:
+            return ids, want
+        alone = self._encode(build_messages(self.system, [], user))
+        if limit - len(alone) - self._margin() < 1:
+            raise RedrafterError(
+                f"This message takes {len(alone)} tokens with the template, and the context holds {limit}.",
+                "Send a shorter message.",
+            )
+        dropped = 0
+        while len(ids) + want + self._margin() > limit and self.history:
+            next(t for t in self.turns if t.in_context).in_context = False
+            dropped += 1
+            ids = self._encode(self.messages(user))
+        if dropped:
+            self.totals.dropped_turns += dropped
+            self.notify(
+                f"Dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} from the model's view: "
+                f"the conversation outgrew the context ({limit} tokens, keeping room for a "
+                f"{want}-token reply)."
+            )
+        return ids, min(want, limit - len(ids) - self._margin())
+
+    # ------------------------------------------------------------------ the cache
+
+    def _reuse_cache(self, ids: List[int]) -> int:
+        """Trim the cache to its common prefix with ``ids``; return its length."""
+        # stream_generate needs at least one prompt token to produce logits.
+        keep = min(common_prefix(self.cached, ids), len(ids) - 1)
+        self.cached = []  # unknown until the turn ends
+        if self.cache is None or not trim_cache(self.cache, keep):
+            self.cache, keep = make_prompt_cache(self.model), 0
+        return keep
+
+    def _settle_cache(self, known: List[int]) -> None:
+        """After a turn: the cache holds a prefix of ``known`` (prompt + reply
+        tokens), sometimes missing the last token or holding a few accepted
+        drafts past EOS (stream_generate's contract); trim it to what we know."""
+        held = min(self.cache[0].offset, len(known))
+        if trim_cache(self.cache, held):
+            self.cached = known[:held]
+        else:
+            self.reset_cache()
+
+    # ------------------------------------------------------------------ a turn
+
+    def stream_reply(self, text: str) -> Iterator[RedrafterResponse]:
+        """Stream the reply to ``text`` and add the turn to the conversation.
+
+        Closing the stream early or a ``KeyboardInterrupt`` ends the turn as
+        interrupted: the partial reply stays in the conversation (unless it
+        is empty) and the cache is dropped, so the next turn continues
+        exactly as a fresh session with the same history would.
+        """
+        ids, max_tokens = self._fit_context(text)
+        turn = self.last_turn = Turn(text)
+        s = self.settings
+        generated: List[int] = []
+        eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
+        try:
+            reused = self._reuse_cache(ids)
+            turn.reused_tokens, turn.prefilled_tokens = reused, len(ids) - reused
+            for r in stream_generate(
+                self.model, self.tokenizer, ids[reused:], drafter=self.drafter,
+                beam_width=s.beam_width, beam_length=s.beam_length, max_tokens=max_tokens,
+                temp=s.sampling.temp, top_p=s.sampling.top_p, min_p=s.sampling.min_p, top_k=s.sampling.top_k,
+                prompt_cache=self.cache, controller=self.controller,
+            ):
+                if r.generation_tokens > turn.tally.tokens:
+                    generated.append(r.token)
+                else:  # the EOS response emits no token
+                    eos = [r.token]
+                turn.tally.add(r)
+                turn.reply += r.text
+                turn.finish_reason = r.finish_reason
+                yield r
+        except (KeyboardInterrupt, GeneratorExit):
+            if turn.finish_reason is not None:  # stopped after the last response: complete
+                self._settle_cache(ids + generated + eos)
+            else:
+                turn.interrupted = True
+                # The cache may hold part of a verification: rebuild it next turn.
+                self.reset_cache()
+            self._record(turn)
+            raise
+        except BaseException:
+            self.reset_cache()
+            raise
+        self._settle_cache(ids + generated + eos)
+        self._record(turn)
+
+    def _record(self, turn: Turn) -> None:
+        self.totals.add(turn)
+        if turn.reply or not turn.interrupted:
+            self.turns.append(turn)
+
+    def reply(self, text: str, on_response: Optional[Callable[[RedrafterResponse], None]] = None) -> Turn:
+        """Run one turn to the end (``on_response`` sees each response) and
+        return it. Ctrl-C stops the reply and returns the interrupted turn."""
+        self.last_turn = None
+        stream = self.stream_reply(text)
+        try:
+            for r in stream:
+                if on_response is not None:
+                    on_response(r)
+        except KeyboardInterrupt:
+            # stream_reply recorded the turn as interrupted, unless it was
+            # stopped before the turn began (while templating).
+            if self.last_turn is None:
+                self.last_turn = Turn(text, interrupted=True)
+        finally:
+            stream.close()
+        return self.last_turn
+
+    # ------------------------------------------------------------------ commands
+
+    def handle_command(self, line: str) -> CommandResult:
+        """Run a slash command (``line`` starts with ``/``)."""
+        return handle_command(self, line)
