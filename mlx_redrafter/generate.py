@@ -649,6 +649,7 @@ class Tally:
         self.tokens += other.tokens
         self.steps += other.steps
         self.drafted_tokens += other.drafted_tokens
+        self.lookup_tokens += other.lookup_tokens
         self.last = other.last or self.last
 
     @property
