@@ -313,18 +313,21 @@ def sweep(
     top_p: float = typer.Option(0.0, "--top-p"),
     seed: int = typer.Option(0, "--seed", help="With --temp > 0, prompt i is sampled from seed + i in every pass."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."),
+    lookup: Optional[bool] = typer.Option(None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."),
     dtype: Optional[str] = DtypeOpt,
 ):
-    """Measure ReDrafter over a beam width x length grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
+    """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from .lookup import LOOKUP_LENGTH
     from .prompts import first_turn_ids, load_prompt_set, select_conversations
     from .session import resolve_drafter_path, resolve_session
     from . import sweep as sw
 
     # Every check that needs no model comes before the slow load.
+    lookups = [0, 1] if lookup is None else [int(lookup)]
     config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
-                            baseline_every, profile, memory_limit, temp, top_p, seed)
+                            baseline_every, profile, memory_limit, temp, top_p, seed, lookups)
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
@@ -338,7 +341,7 @@ def sweep(
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
     ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
-                                  1 + max(config.widths) * max(config.lengths))
+                                  1 + max(config.widths) * max(config.lengths) + max(lookups) * LOOKUP_LENGTH)
     if dropped:
         err.print(f"[yellow]{dropped} prompts do not fit the model's context with --max-tokens {max_tokens}; left out.[/yellow]")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
@@ -361,7 +364,7 @@ def sweep(
         else:
             best = results["best"]
             note = "" if best["speedup"] > 1 else " (slower than plain decoding here: consider --no-draft)"
-            err.print(f"saved profile {path}: W={best['width']} L={best['length']}{note}")
+            err.print(f"saved profile {path}: {sw.cell_label(*sw.cell_key(best))}{note}")
 
 
 @app.command()

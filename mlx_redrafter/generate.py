@@ -470,12 +470,15 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
         )
 
 
-def lookup_beams(lookup, drafter) -> int:
+def lookup_beams(lookup, drafter, profile: Optional[dict] = None) -> int:
     """Lookup beams for a public ``lookup=`` (True, False, a count, or None:
-    ``DEFAULT_LOOKUP`` with a drafter, none without)."""
-    if lookup is None:
-        return DEFAULT_LOOKUP if drafter is not None else 0
-    return int(lookup)
+    the tuned profile's choice, else ``DEFAULT_LOOKUP`` with a drafter and
+    none without)."""
+    if lookup is not None:
+        return int(lookup)
+    if drafter is None:
+        return 0
+    return int(profile.get("lookup", DEFAULT_LOOKUP)) if profile else DEFAULT_LOOKUP
 
 
 def library_draft(model, drafter, beam_width: Optional[int], beam_length: Optional[int], lookup=None, **kw) -> DraftConfig:
@@ -484,12 +487,13 @@ def library_draft(model, drafter, beam_width: Optional[int], beam_length: Option
     drafter were loaded by :func:`~mlx_redrafter.models.load_model` and
     :func:`~mlx_redrafter.drafter.load_drafter` (they record where from), else
     from the built-in defaults; so does ``lookup`` (see :func:`lookup_beams`)."""
-    if drafter is not None and (beam_width is None or beam_length is None):
+    profile = None
+    if drafter is not None and (beam_width is None or beam_length is None or lookup is None):
         spec, path = getattr(model, "redrafter_spec", None), getattr(drafter, "source_path", None)
-        beam_width, beam_length, _, _ = draft_shape(spec, path, beam_width, beam_length)
+        beam_width, beam_length, _, profile = draft_shape(spec, path, beam_width, beam_length)
     width = DEFAULT_WIDTH if beam_width is None else beam_width
     length = DEFAULT_LENGTH if beam_length is None else beam_length
-    return DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter), **kw)
+    return DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), **kw)
 
 
 def stream_generate(

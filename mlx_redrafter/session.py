@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import RedrafterError
-from .generate import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig, draft_shape
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig, draft_shape, lookup_beams
 
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
@@ -81,10 +81,10 @@ class Session:
                 console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
         extra = ", adaptive depth" if self.controller is not None else ""
-        extra += f", + {self.lookup} lookup beam{'s' if self.lookup > 1 else ''}" if self.lookup else ", no lookup"
+        lookup = f" + {self.lookup} lookup beam{'s' if self.lookup > 1 else ''}" if self.lookup else ", no lookup"
         console.print(
             f"[dim]model {self.model_spec}, drafter {self.drafter_path}: "
-            f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra})[/dim]"
+            f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra}){lookup}[/dim]"
         )
         if self.note:
             console.print(f"[yellow]Note: {self.note}[/yellow]")
@@ -143,9 +143,7 @@ def resolve_session(
     check_fits(s.drafter, model)
     s.drafter_path = path
     s.beam_width, s.beam_length, s.shape_source, profile = draft_shape(model_spec, path, beam_width, beam_length)
-    s.lookup = DEFAULT_LOOKUP if lookup is None else int(lookup)
-    if lookup is None and profile is not None and "lookup" in profile:
-        s.lookup = int(profile["lookup"])
+    s.lookup = lookup_beams(lookup, s.drafter, profile)
     if adaptive:
         from .controller import load_controller
 
