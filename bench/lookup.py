@@ -113,6 +113,7 @@ def parse_args(argv=None):
     ap.add_argument("--copy", type=int, default=len(COPY_PROMPTS), help="Copy-heavy prompts (at most 4).")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=1, help="Lookup beams in the lookup and merged modes.")
+    ap.add_argument("--lookup-length", type=int, default=None, help="Tokens per lookup draft (default: lookup.LOOKUP_LENGTH).")
     ap.add_argument("--modes", default=",".join(MODES), help="Comma-separated subset of " + ",".join(MODES) + ".")
     ap.add_argument("--quick", action="store_true", help="Smoke run: 1 prompt per group, 32 tokens.")
     ap.add_argument("--out", type=Path, default=None, help="Output folder (default bench/out/lookup[-quick]).")
@@ -131,25 +132,38 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from mlx_redrafter import load_drafter, load_model
-    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig
+    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig, context_limit
+    from mlx_redrafter.lookup import LOOKUP_LENGTH
     from mlx_redrafter.measure import measure
     from mlx_redrafter.session import resolve_drafter_path
 
     model, tok = load_model(a.model)
     drafter = load_drafter(resolve_drafter_path(a.model, a.drafter))
     eos = sorted(tok.eos_token_ids)
-    W, L = DEFAULT_WIDTH, DEFAULT_LENGTH
+    W, L, K = DEFAULT_WIDTH, DEFAULT_LENGTH, a.lookup_length or LOOKUP_LENGTH
     drafts = {
         "plain": DraftConfig(),
         "drafter": DraftConfig(drafter, W, L),
-        "lookup": DraftConfig(lookup=a.lookup),
-        "merged": DraftConfig(drafter, W, L, lookup=a.lookup),
+        "lookup": DraftConfig(lookup=a.lookup, lookup_length=K),
+        "merged": DraftConfig(drafter, W, L, lookup=a.lookup, lookup_length=K),
     }
 
     def run(mode, prompt, max_tokens):
         return measure(model, prompt, draft=drafts[mode], max_tokens=max_tokens, eos_ids=eos)
 
-    sets = groups(tok, a.mt_bench, a.per_task, a.copy)
+    # Prompts that leave no room in the context for the reply and a tree are left out.
+    limit, room = context_limit(model), a.max_tokens + 1 + W * L + a.lookup * K
+    sets, dropped = {}, 0
+    for g, prompts in groups(tok, a.mt_bench, a.per_task, a.copy).items():
+        fit = [p for p in prompts if not limit or len(p) + room <= limit]
+        dropped += len(prompts) - len(fit)
+        if fit:
+            sets[g] = fit
+    if dropped:
+        print(f"{dropped} prompts do not fit the model's context ({limit} tokens); left out", file=sys.stderr)
+    if not sets:
+        print("Error: no prompt fits the model's context.", file=sys.stderr)
+        return 1
     first = next(iter(sets.values()))[0]
     for mode in a.modes:  # untimed: allocations and kernel set-up
         run(mode, first, 4)
@@ -165,8 +179,8 @@ def main(argv=None) -> int:
             print(f"{g}: {k} prompts done", file=sys.stderr, flush=True)
     results = {
         "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "model": a.model, "beam_width": W, "beam_length": L, "lookup_beams": a.lookup,
-        "max_tokens": a.max_tokens, "prompts": {g: len(p) for g, p in sets.items()},
+        "model": a.model, "beam_width": W, "beam_length": L, "lookup_beams": a.lookup, "lookup_length": K,
+        "max_tokens": a.max_tokens, "prompts": {g: len(p) for g, p in sets.items()}, "dropped_prompts": dropped,
         "groups": {g: {m: t.row(totals[g]["plain"]) for m, t in ts.items()} for g, ts in totals.items()},
     }
     all_modes = {m: Tally() for m in a.modes}
@@ -192,7 +206,7 @@ def markdown(results: dict, modes: List[str]) -> str:
     lines = [
         f"Command: `{results['command']}`",
         f"Model {results['model']}, drafter W={results['beam_width']} L={results['beam_length']}, "
-        f"{results['lookup_beams']} lookup beam(s), {results['max_tokens']} tokens, greedy.",
+        f"{results['lookup_beams']} lookup beam(s) of {results['lookup_length']} tokens, {results['max_tokens']} tokens, greedy.",
         "",
         head,
         "|" + "---|" * (3 + 2 * len(drafted)),

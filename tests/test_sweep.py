@@ -641,3 +641,22 @@ def test_cli_lookup_flags(tiny_folder, capsys):
     assert "plaindecoding(--drafternone)" in squeeze(capsys.readouterr().err)
     assert cli(gen + ["--no-draft", "--lookup"]) == 1
     assert "--drafter none --lookup" in capsys.readouterr().err
+
+
+def test_lookup_bench_runs_every_mode_exactly(tmp_path, tiny_folder, drafter_folder, capsys):
+    spec = importlib.util.spec_from_file_location("bench_lookup", REPO / "bench" / "lookup.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "lookup"
+    rc = bench.main(["--model", str(tiny_folder), "--drafter", str(drafter_folder), "--mt-bench", "1", "--per-task", "1",
+                     "--copy", "1", "--max-tokens", "4", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    # The tiny model's 512-token context leaves out the long Spec-Bench prompts.
+    assert list(results["groups"])[0] == "mt_bench" and list(results["groups"])[-2:] == ["copy", "all"]
+    assert len(results["groups"]) - 1 + results["dropped_prompts"] == 2 + len(bench.SPEC_TASKS)
+    for group in results["groups"].values():
+        assert set(group) == set(bench.MODES)
+        assert all(row["mismatches"] == 0 and row["tokens_per_step"] >= 1 for row in group.values())
+    assert "| copy | 1 |" in (out / "report.md").read_text()
