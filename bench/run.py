@@ -105,17 +105,18 @@ class Turn:
     peak_memory: int  # bytes
 
 
-def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) -> List[Turn]:
+def run_conversation(session, conv: dict, draft, cfg: "BenchConfig", eos_ids) -> List[Turn]:
     """Answer every user turn, each one with the model's own earlier answers
-    in the context. Stops early when a turn no longer fits the context."""
+    in the context, drafting as ``draft`` says (a ``DraftConfig``; one that
+    drafts nothing is plain decoding). Stops early when a turn no longer fits
+    the context."""
     from mlx_redrafter.generate import context_limit
-    from mlx_redrafter.generate import DraftConfig
     from mlx_redrafter.measure import measure
     from mlx_redrafter.prompts import chat_prompt_ids
 
     max_tokens = cfg.max_tokens
     limit = context_limit(session.model)
-    tree = 1 + session.beam_width * session.beam_length
+    tree = 1 + session.beam_width * session.beam_length + session.lookup * draft.lookup_length
     messages, turns = [], []
     for text in conv["turns"]:
         messages.append({"role": "user", "content": text})
@@ -124,8 +125,6 @@ def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) 
             break
         if cfg.temp > 0:
             mx.random.seed(cfg.seed + len(turns))
-        draft = DraftConfig(drafter, session.beam_width, session.beam_length,
-                            controller=session.controller if drafter is not None else None)
         run = measure(session.model, ids, draft=draft, max_tokens=max_tokens, eos_ids=eos_ids, temp=cfg.temp, top_p=cfg.top_p)
         answer = session.tokenizer.decode(run.tokens)
         messages.append({"role": "assistant", "content": answer})
@@ -138,13 +137,15 @@ def run_conversation(session, conv: dict, drafter, cfg: "BenchConfig", eos_ids) 
 
 def run_set(session, set_name: str, conversations: List[dict], cfg: BenchConfig, eos_ids, progress) -> List[dict]:
     """Both modes on every conversation, alternating which goes first."""
+    from mlx_redrafter.generate import DraftConfig
+
+    drafts = {"baseline": DraftConfig(), "redrafter": session.draft()}
     records = []
     for i, conv in enumerate(conversations):
         order = MODES if i % 2 == 0 else MODES[::-1]
         rec = {"id": conv["id"], "category": conv["category"], "task": task_of(set_name, conv["category"])}
         for mode in order:
-            drafter = session.drafter if mode == "redrafter" else None
-            rec[mode] = run_conversation(session, conv, drafter, cfg, eos_ids)
+            rec[mode] = run_conversation(session, conv, drafts[mode], cfg, eos_ids)
             progress()
         # Turns that did not fit the model's context (the same for both modes).
         rec["skipped_turns"] = len(conv["turns"]) - len(rec["redrafter"])
@@ -246,7 +247,8 @@ def markdown_report(results: dict) -> str:
         "",
         f"- command: `{results['command']}`",
         f"- date: {results['date']}",
-        f"- model: {c['model']}, drafter: {c['drafter']}, W={c['beam_width']} L={c['beam_length']} ({c['shape_source']})",
+        f"- model: {c['model']}, drafter: {c['drafter']}, W={c['beam_width']} L={c['beam_length']} ({c['shape_source']}), "
+        f"lookup beams: {c.get('lookup', 0)}",
         f"- greedy, max {c['max_tokens']} new tokens per turn, dtype {m.get('default_dtype')}",
         f"- machine: {m.get('machine')}, {m.get('cpu_count')} cores, device {m.get('device')}, BLAS {m.get('blas')}, "
         f"mlx {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}",
@@ -293,7 +295,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 conversation per category, 64 tokens (make bench).")
     p.add_argument("--model", default="default", help="'default', an mlx-lm folder, a Hub id or a .gguf.")
-    p.add_argument("--drafter", default=None, help="Drafter folder (default: the one shipped for the model).")
+    p.add_argument("--drafter", default=None, help="Drafter folder (default: the one shipped for the model); 'none' with --lookup: lookup drafts only.")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="Lookup drafts beside the drafter's (default: the tuned profile, else on).")
     p.add_argument("-W", "--beam-width", type=int, default=None, help="Default: the tuned profile, else 2.")
     p.add_argument("-L", "--beam-length", type=int, default=None, help="Default: the tuned profile, else 4.")
     p.add_argument("--sets", default=",".join(SETS), help="Comma-separated: mt_bench, spec_bench, alpaca_eval or files.")
@@ -333,21 +337,23 @@ def run(argv=None) -> Path:
     from mlx_redrafter.doctor import report
     from mlx_redrafter.prompts import load_prompt_set
     from mlx_redrafter.session import resolve_session
-    from mlx_redrafter.generate import DraftConfig
     from mlx_redrafter.measure import warm_up
-    from mlx_redrafter.session import resolve_drafter_path
+    from mlx_redrafter.session import resolve_drafter_path, wants_no_drafter
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg, out = parse_args(argv)
     console = Console(stderr=True)
     chosen = {set_name_of(spec): select(set_name_of(spec), load_prompt_set(spec), cfg) for spec in cfg.sets}
-    drafter_path = resolve_drafter_path(args.model, args.drafter)
+    no_drafter = wants_no_drafter(args.drafter)
+    if no_drafter and not args.lookup:
+        raise RedrafterError("--drafter none leaves nothing to benchmark.", "Add --lookup (lookup drafts only).")
+    drafter_path = args.drafter if no_drafter else resolve_drafter_path(args.model, args.drafter)
     s = resolve_session(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length,
-                        dtype=args.dtype, adaptive=args.adaptive)
+                        dtype=args.dtype, adaptive=args.adaptive, lookup=args.lookup)
     s.announce(console)
     eos = sorted(s.tokenizer.eos_token_ids)
     first = chat_ids_of(s, next(iter(chosen.values()))[0])
-    warm_up(s.model, first, DraftConfig(s.drafter, s.beam_width, s.beam_length))
+    warm_up(s.model, first, s.draft())
     total = sum(2 * len(c) for c in chosen.values())
     records = {}
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
@@ -360,7 +366,8 @@ def run(argv=None) -> Path:
         "command": "python bench/run.py " + " ".join(shlex.quote(a) for a in argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "config": {**asdict(cfg), "model": args.model, "drafter": str(drafter_path), "beam_width": s.beam_width,
-                   "beam_length": s.beam_length, "shape_source": s.shape_source, "adaptive": args.adaptive},
+                   "beam_length": s.beam_length, "shape_source": s.shape_source, "adaptive": args.adaptive,
+                   "lookup": s.lookup},
         "machine": report(),
         "sets": {name: summarize_set(recs) for name, recs in records.items()},
         "all": summarize([r for recs in records.values() for r in recs]),

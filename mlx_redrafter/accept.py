@@ -32,7 +32,8 @@ def _path(node_index: mx.array, beam: mx.array, n: mx.array) -> mx.array:
 def accept_greedy(beams: mx.array, node_index: mx.array, logits: mx.array) -> Accepted:
     """Greedy acceptance: a node is kept if its token is the argmax of its
     parent's logits and its parent is kept; the deepest kept node wins
-    (lowest beam index on ties, like the official code)."""
+    (lowest beam index on ties, like the official code). Padding (a negative
+    token) never equals an argmax, so it ends a run."""
     pred = mx.argmax(logits, axis=-1).astype(mx.int32)  # [N+1]
     parents = mx.concatenate(
         [mx.zeros((beams.shape[0], 1), mx.int32), node_index[:, :-1]], axis=1
@@ -102,7 +103,9 @@ def walk_tree(beams, node_index, parent, target, u, gumbel):
     ``target [N+1, V]``: target distribution after each node; ``u [..., L, W]``
     uniforms for the tests; ``gumbel [..., V]`` noise for the final draw
     (Gumbel-max). Leading ``...`` axes run independent walks over the same
-    tree (the generation loop uses none; tests use many). Returns
+    tree (the generation loop uses none; tests use many). Padding (``PAD``,
+    node 0) is never a child: its parent is g0, and a walk still at g0 past
+    depth 0 is done. Returns
     ``(n, beam, last, token)``: accepted drafts, the beam they lie on, the
     last accepted node and the emitted token.
     """

@@ -22,7 +22,8 @@ from .generate import RedrafterResponse
 
 __all__ = ["ChatSession", "ChatSettings", "run_chat"]
 
-DRAFT_STYLE = "cyan"
+DRAFT_STYLE = "cyan"  # tokens from the drafter's accepted drafts
+LOOKUP_STYLE = "magenta"  # tokens from accepted lookup drafts
 
 
 # --------------------------------------------------------------------------- the terminal loop
@@ -39,7 +40,9 @@ class _Output:
 
     def token(self, r: RedrafterResponse, show_drafts: bool) -> None:
         if self.interactive:
-            style = DRAFT_STYLE if show_drafts and r.from_draft else None
+            style = None
+            if show_drafts and r.from_draft:
+                style = LOOKUP_STYLE if r.stats.source == "lookup" else DRAFT_STYLE
             self.console.out(r.text, end="", style=style)
         else:
             sys.stdout.write(r.text)
@@ -95,8 +98,11 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
         # Ctrl-C must interrupt a reply even when started with SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         out.console.print("[dim]Type a message. /help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]")
-        if chat.settings.show_drafts and chat.drafter is not None:
-            out.console.print(f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]{DRAFT_STYLE}[/{DRAFT_STYLE}].[/dim]")
+        if chat.settings.show_drafts and (chat.drafter is not None or chat.settings.lookup):
+            out.console.print(
+                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter) "
+                f"and [{LOOKUP_STYLE}]{LOOKUP_STYLE}[/{LOOKUP_STYLE}] (lookup).[/dim]"
+            )
     while True:
         try:
             line = _read_line(interactive)

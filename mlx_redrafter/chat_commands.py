@@ -42,7 +42,7 @@ def status_line(turn) -> str:
     head = "interrupted: " if turn.interrupted else ""
     return (
         f"{head}{t.tokens} tokens, {tps:.1f} tok/s, {t.tokens_per_step:.2f} tokens/step, "
-        f"{t.draft_share:.0%} from drafts | prefill {turn.prefilled_tokens} tokens "
+        f"{t.draft_summary()} | prefill {turn.prefilled_tokens} tokens "
         f"({turn.reused_tokens} reused from the cache)"
     )
 
@@ -118,14 +118,16 @@ def stats_text(chat) -> str:
     t, g = chat.totals, chat.totals.generated
     tps = g.tokens / t.generation_seconds if t.generation_seconds > 0 else 0.0
     reuse = t.reused_tokens / max(t.reused_tokens + t.prefilled_tokens, 1)
+    lookup = chat.settings.lookup
     if chat.drafter is None:
-        how = "plain decoding (no drafter)"
+        how = "lookup drafts only (no drafter)" if lookup else "plain decoding (no drafter)"
     else:
         how = f"ReDrafter W={chat.settings.beam_width} L={chat.settings.beam_length}"
+        how += f" + {lookup} lookup beam{'s' if lookup > 1 else ''}" if lookup else ""
     lines = [
         f"turns: {t.turns} ({t.interrupted} interrupted, {t.dropped_turns} dropped to fit the context)",
         f"generated: {g.tokens} tokens in {g.steps} steps, {tps:.1f} tok/s",
-        f"tokens/step: {g.tokens_per_step:.2f}, from accepted drafts: {g.draft_share:.0%}",
+        f"tokens/step: {g.tokens_per_step:.2f}, {g.draft_summary()} (accepted)",
         f"prefill: {t.prefilled_tokens} tokens computed, {t.reused_tokens} reused from the cache ({reuse:.0%})",
         f"decoding: {how}, temp {chat.settings.sampling.temp:g}",
     ]

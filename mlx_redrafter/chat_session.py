@@ -50,6 +50,7 @@ class Turn:
             "tokens_per_second": round(r.generation_tps, 2) if r is not None else 0.0,
             "tokens_per_step": round(self.tally.tokens_per_step, 3),
             "from_drafts": round(self.tally.draft_share, 3),
+            "from_lookup": round(self.tally.lookup_share, 3),
             "prefilled_tokens": self.prefilled_tokens,
             "reused_tokens": self.reused_tokens,
             "finish_reason": self.finish_reason,
@@ -131,7 +132,7 @@ class ChatSession:
         """A chat on a resolved :class:`~mlx_redrafter.session.Session`
         (its beam shape wins over ``settings``)."""
         settings = settings or ChatSettings()
-        settings.beam_width, settings.beam_length = s.beam_width, s.beam_length
+        settings.beam_width, settings.beam_length, settings.lookup = s.beam_width, s.beam_length, s.lookup
         info = {"model": s.model_spec, "drafter": str(s.drafter_path) if s.drafter_path else None}
         return cls(s.model, s.tokenizer, s.drafter, settings, controller=s.controller, info=info, **kwargs)
 
@@ -227,6 +228,7 @@ class ChatSession:
                 beam_width=s.beam_width, beam_length=s.beam_length, max_tokens=max_tokens,
                 temp=s.sampling.temp, top_p=s.sampling.top_p, min_p=s.sampling.min_p, top_k=s.sampling.top_k,
                 prompt_cache=self.cache, controller=self.controller,
+                lookup=s.lookup, lookup_context=ids[:reused],
             ):
                 if r.generation_tokens > turn.tally.tokens:
                     generated.append(r.token)

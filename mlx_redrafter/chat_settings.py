@@ -18,6 +18,7 @@ class ChatSettings:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     beam_width: int = DEFAULT_WIDTH
     beam_length: int = DEFAULT_LENGTH
+    lookup: int = 0  # lookup beams (drafts copied from the conversation)
     show_drafts: bool = False
 
     def as_dict(self) -> dict:
@@ -59,6 +60,7 @@ SETTABLE: Dict[str, tuple] = {
     "min_p": (_parse_float, lambda v: 0 <= v <= 1, "a number from 0 to 1 (0 = off)"),
     "beam_width": (int, lambda v: v >= 1, "an integer >= 1"),
     "beam_length": (int, lambda v: v >= 1, "an integer >= 1"),
+    "lookup": (int, lambda v: v >= 0, "an integer >= 0 (lookup beams; 0 = off)"),
     "show_drafts": (_parse_bool, lambda v: True, "on or off"),
 }
 DRAFT_KEYS = ("beam_width", "beam_length")

@@ -23,6 +23,11 @@ err = Console(stderr=True)
 
 ModelOpt = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a Hub id or a .gguf file.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16 (default: float16 on a GPU, float32 on the CPU).")
+LookupOpt = typer.Option(
+    None, "--lookup/--no-lookup",
+    help="Add drafts copied from the prompt and reply (n-gram lookup) to the drafter's (default: tuned profile, "
+    "else on with a drafter). With --drafter none: lookup drafts only.",
+)
 
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
@@ -55,8 +60,9 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from a file."),
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (enables ReDrafter)."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any); 'none' for no drafter."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
+    lookup: Optional[bool] = LookupOpt,
     beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
     beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
@@ -77,14 +83,14 @@ def generate(
 
     SamplingConfig(temp, top_p, min_p, top_k)  # refuse bad values before the slow load
     text = read_prompt(prompt, file)
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
+    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     s.announce(err)
     full = format_prompt(s.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(
         s.model, s.tokenizer, full, drafter=s.drafter, beam_width=s.beam_width,
         beam_length=s.beam_length, max_tokens=max_tokens, temp=temp, top_p=top_p,
-        top_k=top_k, min_p=min_p, seed=seed, stop=stop, controller=s.controller,
+        top_k=top_k, min_p=min_p, seed=seed, stop=stop, controller=s.controller, lookup=s.lookup,
     ):
         print(r.text, end="", flush=True)
         tally.add(r)
@@ -258,8 +264,9 @@ def train(
 @app.command()
 def chat(
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any)."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any); 'none' for no drafter."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
+    lookup: Optional[bool] = LookupOpt,
     beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
     beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply, in tokens."),
@@ -289,7 +296,7 @@ def chat(
         check_setting(k, v, name="--" + k.replace("_", "-"))
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
+    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     s.announce(err)
     if seed is not None:
         import mlx.core as mx
@@ -376,18 +383,21 @@ def sweep(
     top_p: float = typer.Option(0.0, "--top-p"),
     seed: int = typer.Option(0, "--seed", help="With --temp > 0, prompt i is sampled from seed + i in every pass."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."),
+    lookup: Optional[bool] = typer.Option(None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."),
     dtype: Optional[str] = DtypeOpt,
 ):
-    """Measure ReDrafter over a beam width x length grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
+    """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from .lookup import LOOKUP_LENGTH
     from .prompts import first_turn_ids, load_prompt_set, select_conversations
     from .session import resolve_drafter_path, resolve_session
     from . import sweep as sw
 
     # Every check that needs no model comes before the slow load.
+    lookups = [0, 1] if lookup is None else [int(lookup)]
     config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
-                            baseline_every, profile, memory_limit, temp, top_p, seed)
+                            baseline_every, profile, memory_limit, temp, top_p, seed, lookups)
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
@@ -401,7 +411,7 @@ def sweep(
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
     ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
-                                  1 + max(config.widths) * max(config.lengths))
+                                  1 + max(config.widths) * max(config.lengths) + max(lookups) * LOOKUP_LENGTH)
     if dropped:
         err.print(f"[yellow]{dropped} prompts do not fit the model's context with --max-tokens {max_tokens}; left out.[/yellow]")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
@@ -424,7 +434,7 @@ def sweep(
         else:
             best = results["best"]
             note = "" if best["speedup"] > 1 else " (slower than plain decoding here: consider --no-draft)"
-            err.print(f"saved profile {path}: W={best['width']} L={best['length']}{note}")
+            err.print(f"saved profile {path}: {sw.cell_label(*sw.cell_key(best))}{note}")
 
 
 @app.command()

@@ -4,7 +4,10 @@ One step: draft beams from ``(g0, c)``, pack them into a tree, verify the tree
 in one LLM call, accept the longest matching prefix, compact the KV cache,
 and draft the next beams, all lazily. The loop then syncs once to read the
 accepted tokens and the next tree's size (the verify call needs a static
-shape). With ``drafter=None`` tokens come from mlx-lm's own ``generate_step``.
+shape). Lookup beams (n-gram matches in the prompt and reply, lookup.py)
+join the drafter's beams on the host after that sync, or replace them when
+there is no drafter. With neither, tokens come from mlx-lm's own
+``generate_step``.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationResponse, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from .accept import accept_greedy, accept_sampling, sample_first
+from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .errors import RedrafterError
+from .lookup import LOOKUP_LENGTH, Lookup, join_beams
 from .models import model_parts
 from .profiles import lookup_profile
-from .tree import count_nodes, pack
+from .tree import count_nodes, count_rows, pack
 from .verify import check_cache, compact_cache, set_cache_length, verify, verify_starts
 
 PREFILL_STEP = 512
@@ -31,6 +35,8 @@ PREFILL_STEP = 512
 # model and its drafter on a 2-core Linux CPU (bench/RESULTS.md).
 DEFAULT_WIDTH = 2
 DEFAULT_LENGTH = 1
+# Lookup beams beside the drafter's when the caller does not say (see lookup.py).
+DEFAULT_LOOKUP = 1
 
 
 @dataclass
@@ -44,6 +50,7 @@ class StepStats:
     host_syncs: int = 0  # cumulative device->host syncs of the loop
     beam: int = 0  # index of the beam the accepted drafts came from (best first)
     depth: int = 0  # drafted depth verified (beam_length, or the controller's choice)
+    source: str = ""  # where the accepted drafts came from: "drafter" or "lookup" ("" if none)
     # Phase times in seconds, measured only with profile=True (which adds syncs):
     draft_time: float = 0.0  # beam search for the next step
     pack_time: float = 0.0  # dedup + packing of this step's beams
@@ -96,11 +103,14 @@ class SamplingConfig:
 
 @dataclass
 class DraftConfig:
-    """How the step loop drafts: ``drafter=None`` is plain mlx-lm decoding.
+    """How the step loop drafts: ``drafter=None, lookup=0`` is plain mlx-lm decoding.
 
     ``beam_length`` counts drafted tokens (not ``g0``). ``controller`` (an
     adaptive-depth :class:`~mlx_redrafter.controller.Controller`) picks the
-    depth to verify each step, up to ``beam_length``.
+    depth to verify each step, up to ``beam_length``. ``lookup`` adds that
+    many lookup beams (``lookup_length`` tokens copied from the prompt and
+    reply, :mod:`~mlx_redrafter.lookup`) to the drafter's beams; with no
+    drafter they are the only drafts.
     """
 
     drafter: object = None
@@ -108,6 +118,12 @@ class DraftConfig:
     beam_length: int = DEFAULT_LENGTH
     warp: bool = False
     controller: object = None
+    lookup: int = 0
+    lookup_length: int = LOOKUP_LENGTH
+
+    @property
+    def drafting(self) -> bool:
+        return self.drafter is not None or self.lookup > 0
 
 
 def draft_shape(model_spec, drafter_path, beam_width: Optional[int] = None, beam_length: Optional[int] = None):
@@ -147,6 +163,65 @@ def _prefill(backbone, head, cache, prompt: mx.array):
     return head(hidden), hidden
 
 
+class _DrafterBeams:
+    """Drafter beams only: they stay on the device; the tree size is counted
+    there and read in the step's sync."""
+
+    padded = False
+
+    def __init__(self, embed, draft: DraftConfig):
+        self.embed, self.cfg = embed, draft
+        self.rows = draft.beam_width  # rows of the beams that come from the drafter
+
+    def draft(self, context, g0):
+        """``(beams, depth to verify)``, lazily."""
+        cfg = self.cfg
+        top_k = cfg.controller.top_k if cfg.controller is not None else 0
+        b = cfg.drafter.draft(self.embed, context, g0, cfg.beam_width, cfg.beam_length, warp=cfg.warp, confidences=top_k)
+        if cfg.controller is None:
+            return b.tokens, mx.array(cfg.beam_length, mx.int32)
+        return b.tokens, cfg.controller.choose_depth(b)
+
+    def start(self, context, g0) -> List[mx.array]:
+        """Draft the next beams lazily; return what the step's sync reads."""
+        self.beams, depth = self.draft(context, g0)
+        return [count_nodes(self.beams, depth), depth]
+
+    def finish(self, vals: List[int], emitted: List[int]):
+        """``(beams, n_nodes, depth)`` of the next tree, from the synced values."""
+        n_nodes, depth = vals
+        return self.beams, n_nodes, depth
+
+
+class _JoinedBeams(_DrafterBeams):
+    """The drafter's beams (if any), read in the step's sync, joined on the
+    host with lookup beams over the history of emitted tokens; the tree size
+    is counted on the host. Rows have different lengths (PAD-padded)."""
+
+    padded = True
+
+    def __init__(self, embed, draft: DraftConfig, prompt: List[int]):
+        super().__init__(embed, draft)
+        self.rows = draft.beam_width if draft.drafter is not None else 0
+        self.lookup = Lookup(prompt)
+
+    def start(self, context, g0) -> List[mx.array]:
+        if self.cfg.drafter is None:
+            return []
+        beams, depth = self.draft(context, g0)
+        return [depth, beams]
+
+    def finish(self, vals: List[int], emitted: List[int]):
+        cfg = self.cfg
+        self.lookup.extend(emitted)
+        drafted = []
+        if cfg.drafter is not None:
+            depth, flat, length = vals[0], vals[1:], cfg.beam_length
+            drafted = [flat[w * length : w * length + depth] for w in range(cfg.beam_width)]
+        rows = join_beams(drafted, self.lookup.propose(cfg.lookup_length, cfg.lookup), cfg.lookup)
+        return mx.array(rows, dtype=mx.int32), count_rows(rows), len(rows[0])
+
+
 def redrafter_steps(
     model,
     prompt: mx.array,
@@ -155,32 +230,28 @@ def redrafter_steps(
     draft: DraftConfig,
     sampling: Optional[SamplingConfig] = None,
     profile: bool = False,
+    history: Sequence[int] = (),
 ) -> Iterator[StepTokens]:
     """Yield the tokens of each step: the first one (from the prompt), then
     ``accepted drafts + the LLM's own next token`` per step. Endless; the
-    caller stops it."""
+    caller stops it. ``history``: tokens before ``prompt`` (already in the
+    cache) that lookup drafts may copy from."""
     sampling = sampling or SamplingConfig()
     embed, backbone, head = model_parts(model)
     check_cache(cache)
-    drafter, controller, warp = draft.drafter, draft.controller, draft.warp
-    width, length = draft.beam_width, draft.beam_length
-
-    def next_beams(context, g0):
-        """Beams, their tree size and the depth to verify (all lazy)."""
-        top_k = controller.top_k if controller is not None else 0
-        b = drafter.draft(embed, context, g0, width, length, warp=warp, confidences=top_k)
-        if controller is None:
-            return b.tokens, count_nodes(b.tokens), mx.array(length, mx.int32)
-        depth = controller.choose_depth(b)
-        return b.tokens, count_nodes(b.tokens, depth), depth
+    if draft.lookup:
+        drafts = _JoinedBeams(embed, draft, list(history) + prompt.tolist())
+    else:
+        drafts = _DrafterBeams(embed, draft)
 
     syncs = 0
     tic = time.perf_counter()
     logits, context = _prefill(backbone, head, cache, prompt)
     g0 = sample_first(logits, sampling)
-    beams, n_nodes, depth = next_beams(context, g0)
-    g0_val, n_val, d_val = _host(g0, n_nodes, depth)
+    vals = _host(g0, *drafts.start(context, g0))
     syncs += 1
+    g0_val = vals[0]
+    beams, n_val, d_val = drafts.finish(vals[1:], [g0_val])
     yield StepTokens([g0_val], [False], StepStats(0, 0, 1, time.perf_counter() - tic, syncs))
     step = 0
     while True:
@@ -190,38 +261,55 @@ def redrafter_steps(
         offsets = [c.offset for c in cache]
         starts = verify_starts(cache)
         beams = beams[:, :d_val]
-        tree = pack(beams, n_val, g0)
-        _lap(profile, times, "pack", tic, tree.tokens, tree.mask, tree.node_index)
-        # A single path (W=1, or all beams alike) has the model's own causal
-        # positions and mask: verify it unhooked.
-        logits, hidden = verify(model, backbone, head, cache, tree, chain=n_val == d_val)
-        _lap(profile, times, "verify", tic, logits, hidden)
-        if sampling.greedy:
-            acc = accept_greedy(beams, tree.node_index, logits)
+        if n_val == 0:
+            # Nothing drafted (lookup only, no match): a plain one-token step.
+            logits, hidden, acc = _plain_step(backbone, head, cache, g0, d_val, sampling)
+            tree_size = 1
         else:
-            acc = accept_sampling(beams, tree, logits, sampling)
+            tree = pack(beams, n_val, g0, padded=drafts.padded)
+            tree_size = tree.size
+            _lap(profile, times, "pack", tic, tree.tokens, tree.mask, tree.node_index)
+            # A single path (W=1, or all beams alike) has the model's own causal
+            # positions and mask: verify it unhooked.
+            logits, hidden = verify(model, backbone, head, cache, tree, chain=n_val == d_val)
+            _lap(profile, times, "verify", tic, logits, hidden)
+            if sampling.greedy:
+                acc = accept_greedy(beams, tree.node_index, logits)
+            else:
+                acc = accept_sampling(beams, tree, logits, sampling)
         _lap(profile, times, "accept", tic, acc.n, acc.next_token, acc.path)
         prev_beams = beams
         g0 = acc.next_token
-        beams, n_nodes, depth = next_beams(hidden[acc.last], g0)
-        _lap(profile, times, "draft", tic, beams, n_nodes, depth)
-        vals = _host(acc.n, acc.beam, n_nodes, g0, depth, acc.path, prev_beams[acc.beam])
+        pending = drafts.start(hidden[acc.last], g0)
+        _lap(profile, times, "draft", tic, *pending)
+        vals = _host(acc.n, acc.beam, g0, acc.path, prev_beams[acc.beam], *pending)
         syncs += 1
-        n, beam, n_val, g0_val, next_depth = vals[:5]
-        path, row = vals[5 : 6 + d_val], vals[6 + d_val :]
+        n, beam, g0_val = vals[:3]
+        path, row, rest = vals[3 : 4 + d_val], vals[4 + d_val : 4 + 2 * d_val], vals[4 + 2 * d_val :]
         # Most steps accept nothing, or a prefix packed in place (always so for
         # a single path): the cache rows need moving only otherwise. The move
         # stays lazy and runs with the next verify.
         if path[: n + 1] != list(range(n + 1)):
             compact_cache(cache, starts, acc.path)
         set_cache_length(cache, starts, offsets, 1 + n)
+        emitted = row[:n] + [g0_val]
         stats = StepStats(
-            step, n, tree.size, time.perf_counter() - tic, syncs, beam, d_val,
+            step, n, tree_size, time.perf_counter() - tic, syncs, beam, d_val,
+            source=("drafter" if beam < drafts.rows else "lookup") if n else "",
             draft_time=times.get("draft", 0.0), pack_time=times.get("pack", 0.0),
             verify_time=times.get("verify", 0.0), accept_time=times.get("accept", 0.0),
         )
-        d_val = next_depth
-        yield StepTokens(row[:n] + [g0_val], [True] * n + [False], stats)
+        beams, n_val, d_val = drafts.finish(rest, emitted)
+        yield StepTokens(emitted, [True] * n + [False], stats)
+
+
+def _plain_step(backbone, head, cache, g0, length: int, sampling):
+    """Verify ``g0`` alone: ``(logits, hidden, Accepted)`` of a step that drafted nothing."""
+    hidden = backbone(g0.reshape(1, 1), cache=cache)[0]
+    logits = head(hidden)
+    zero = mx.array(0, mx.int32)
+    path = mx.zeros((length + 1,), mx.int32)
+    return logits, hidden, Accepted(zero, zero, path, zero, sample_first(logits[0], sampling))
 
 
 def _lap(profile: bool, times: dict, name: str, start: float, *arrays) -> None:
@@ -248,12 +336,12 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
         tic = now
 
 
-def _steps(model, prompt, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig, profile: bool = False):
-    """ReDrafter's step iterator, or plain decoding's when there is no drafter."""
+def _steps(model, prompt, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig, profile: bool = False, history=()):
+    """ReDrafter's step iterator, or plain decoding's when nothing drafts."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    if draft.drafter is None:
+    if not draft.drafting:
         return plain_steps(model, prompt, cache, sampling)
-    return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, profile=profile)
+    return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, profile=profile, history=history)
 
 
 def generate_tokens(
@@ -375,20 +463,37 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
         from .drafter import check_fits
 
         check_fits(draft.drafter, model)
+    if draft.lookup < 0 or draft.lookup_length < 1:
+        raise RedrafterError(
+            f"lookup must be at least 0 beams of at least 1 token (got {draft.lookup} of {draft.lookup_length}).",
+            "Use lookup=True (one lookup beam) or lookup=False.",
+        )
 
 
-def library_draft(model, drafter, beam_width: Optional[int], beam_length: Optional[int], **kw) -> DraftConfig:
+def lookup_beams(lookup, drafter, profile: Optional[dict] = None) -> int:
+    """Lookup beams for a public ``lookup=`` (True, False, a count, or None:
+    the tuned profile's choice, else ``DEFAULT_LOOKUP`` with a drafter and
+    none without)."""
+    if lookup is not None:
+        return int(lookup)
+    if drafter is None:
+        return 0
+    return int(profile.get("lookup", DEFAULT_LOOKUP)) if profile else DEFAULT_LOOKUP
+
+
+def library_draft(model, drafter, beam_width: Optional[int], beam_length: Optional[int], lookup=None, **kw) -> DraftConfig:
     """The :class:`DraftConfig` of a public call: a width or length not given
     (None) comes from the tuned profile of this device when the model and the
     drafter were loaded by :func:`~mlx_redrafter.models.load_model` and
     :func:`~mlx_redrafter.drafter.load_drafter` (they record where from), else
-    from the built-in defaults."""
-    if drafter is not None and (beam_width is None or beam_length is None):
+    from the built-in defaults; so does ``lookup`` (see :func:`lookup_beams`)."""
+    profile = None
+    if drafter is not None and (beam_width is None or beam_length is None or lookup is None):
         spec, path = getattr(model, "redrafter_spec", None), getattr(drafter, "source_path", None)
-        beam_width, beam_length, _, _ = draft_shape(spec, path, beam_width, beam_length)
+        beam_width, beam_length, _, profile = draft_shape(spec, path, beam_width, beam_length)
     width = DEFAULT_WIDTH if beam_width is None else beam_width
     length = DEFAULT_LENGTH if beam_length is None else beam_length
-    return DraftConfig(drafter, width, length, **kw)
+    return DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), **kw)
 
 
 def stream_generate(
@@ -409,9 +514,18 @@ def stream_generate(
     warp: bool = False,
     profile: bool = False,
     controller=None,
+    lookup: Optional[Union[bool, int]] = None,
+    lookup_context: Sequence[int] = (),
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
+
+    ``lookup`` adds drafts copied from the prompt and the reply (n-gram
+    lookup): ``True`` or a number of lookup beams, ``False`` for none;
+    ``None`` is ``DEFAULT_LOOKUP`` with a drafter and none without.
+    ``drafter=None, lookup=True`` is speculative decoding with lookup drafts
+    only, for any model. ``lookup_context``: earlier tokens already in
+    ``prompt_cache`` (a chat's previous turns) that lookup may copy from.
 
     ``beam_length`` counts drafted tokens (not ``g0``). A width or length
     not given comes from this device's tuned profile (``mlx-redrafter sweep
@@ -438,11 +552,11 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _prepare_prompt(tokenizer, prompt)
-    draft = library_draft(model, drafter, beam_width, beam_length, warp=warp, controller=controller)
+    draft = library_draft(model, drafter, beam_width, beam_length, lookup, warp=warp, controller=controller)
     check_generation_args(model, prompt, draft)
     if seed is not None:
         mx.random.seed(seed)
-    steps = _steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, profile=profile)
+    steps = _steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, profile=profile, history=lookup_context)
 
     detok = tokenizer.detokenizer
     detok.reset()
@@ -520,6 +634,7 @@ class Tally:
     tokens: int = 0
     steps: int = 0
     drafted_tokens: int = 0
+    lookup_tokens: int = 0  # the part of drafted_tokens that came from lookup beams
     last: Optional[RedrafterResponse] = None
     _step: int = -1
 
@@ -527,6 +642,7 @@ class Tally:
         if r.generation_tokens > self.tokens:  # the EOS response emits nothing
             self.tokens = r.generation_tokens
             self.drafted_tokens += int(r.from_draft)
+            self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
             if r.stats.step != self._step:
                 self.steps += 1
                 self._step = r.stats.step
@@ -537,6 +653,7 @@ class Tally:
         self.tokens += other.tokens
         self.steps += other.steps
         self.drafted_tokens += other.drafted_tokens
+        self.lookup_tokens += other.lookup_tokens
         self.last = other.last or self.last
 
     @property
@@ -548,6 +665,19 @@ class Tally:
         """The fraction of tokens that came from accepted drafts."""
         return self.drafted_tokens / max(self.tokens, 1)
 
+    @property
+    def lookup_share(self) -> float:
+        """The fraction of tokens that came from accepted lookup drafts."""
+        return self.lookup_tokens / max(self.tokens, 1)
+
+    def draft_summary(self) -> str:
+        """``"40% from drafts"``, split by source when lookup drafts were accepted."""
+        text = f"{self.draft_share:.0%} from drafts"
+        if self.lookup_tokens:
+            drafter = (self.drafted_tokens - self.lookup_tokens) / max(self.tokens, 1)
+            text += f" ({drafter:.0%} drafter, {self.lookup_share:.0%} lookup)"
+        return text
+
     def summary(self) -> str:
         r = self.last
         if r is None:
@@ -556,7 +686,7 @@ class Tally:
             f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
             f"generation: {self.tokens} tokens, {r.generation_tps:.1f} tok/s, "
             f"{self.tokens_per_step:.2f} tokens/step, "
-            f"{self.draft_share:.0%} from drafts | "
+            f"{self.draft_summary()} | "
             f"peak memory {r.peak_memory:.2f} GB"
         )
 

@@ -68,7 +68,7 @@ def measure(
 ) -> Run:
     """Generate from token ids (greedy unless ``temp > 0``) and time it.
 
-    ``draft=None`` (or no drafter in it) is plain mlx-lm decoding:
+    ``draft=None`` (or one that drafts nothing: no drafter, no lookup) is plain mlx-lm decoding:
     ``generate_tokens`` then runs mlx-lm's own ``generate_step`` on the same
     model object, not our loop.
     """
@@ -109,7 +109,7 @@ def run_pass(
     """Measure every prompt once (prompt ``i`` sampled from ``seed + i`` when
     ``temp > 0``, the same draws for every pass); ``tick()`` after each.
     ``profile`` splits the steps of a drafting pass into phases."""
-    drafting = draft is not None and draft.drafter is not None
+    drafting = draft is not None and draft.drafting
     runs = []
     for i, p in enumerate(prompts):
         if temp > 0:

@@ -25,7 +25,7 @@ HEATMAPS = {
 
 
 CSV_FIELDS = [
-    "kind", "width", "length", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
+    "kind", "width", "length", "lookup", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
     "speedup", "tokens_per_step", "tree_size", "compression", "verified_depth",
     *[f"{p}_ms" for p in PHASES], "ttft_s", "peak_memory_gb", "memory_overhead_gb",
     "estimated_memory_gb", "identical_outputs", "note",
@@ -61,9 +61,9 @@ def write_csv(results: dict, path: Path) -> None:
 def markdown_table(results: dict) -> str:
     """The cells as a Markdown table (for reports such as bench/RESULTS.md)."""
     head = ("| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
-            "| draft / pack / verify / accept / other ms | peak GB |")
+            "| draft / pack / verify / accept / other ms | peak GB | lookup beams |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for c in sorted(results["cells"], key=lambda c: (c["width"], c["length"])):
+    for c in sorted(results["cells"], key=lambda c: (c["width"], c["length"], c.get("lookup", 0))):
         if c["status"] != "ok":
             lines.append(f"| {c['width']} | {c['length']} | {c['status']}: {c.get('note', '')} |")
             continue
@@ -74,7 +74,7 @@ def markdown_table(results: dict) -> str:
             split = f"step {sum(c.get('time_split_ms', {}).values()):.1f}"
         lines.append(
             f"| {c['width']} | {c['length']} | {sp} | {c['tokens_per_s']:.1f} | {c['tokens_per_step']:.2f} | {acc} "
-            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} |"
+            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} | {c.get('lookup', 0)} |"
         )
     base = [f"{b['tokens_per_s']:.1f}" for b in results["baselines"]]
     lines.append("")

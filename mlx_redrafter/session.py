@@ -5,7 +5,9 @@ saved by ``mlx-redrafter sweep --save-profile`` for this device + model +
 drafter, then the built-in defaults. When the profile's best cell was slower
 than plain decoding, the session still drafts (the drafter is used unless
 ``--no-draft`` is given) and its announcement says that ``--no-draft`` is
-faster on this device.
+faster on this device. Lookup drafts (``--lookup/--no-lookup``) follow the
+same order: the flag, the profile's choice, ``DEFAULT_LOOKUP`` with a drafter
+(none without); ``--drafter none --lookup`` drafts by lookup alone.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import RedrafterError
-from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, draft_shape
+from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig, draft_shape, lookup_beams
 
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
+NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
+
+
+def wants_no_drafter(drafter: Optional[str]) -> bool:
+    return drafter is not None and drafter.lower() == NO_DRAFTER
 
 
 def shipped_drafter_path(model_spec: str) -> Optional[Path]:
@@ -59,15 +66,25 @@ class Session:
     controller: object = None
     plain_reason: str = "no drafter"
     note: Optional[str] = None  # a measured fact the user should see, e.g. drafting is slower here
+    lookup: int = 0  # lookup beams
+
+    def draft(self, **kw) -> DraftConfig:
+        """The session's :class:`DraftConfig`."""
+        return DraftConfig(self.drafter, self.beam_width, self.beam_length, controller=self.controller,
+                           lookup=self.lookup, **kw)
 
     def announce(self, console) -> None:
         if self.drafter is None:
-            console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
+            if self.lookup:
+                console.print(f"[dim]model {self.model_spec}: lookup drafts only (no drafter)[/dim]")
+            else:
+                console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
         extra = ", adaptive depth" if self.controller is not None else ""
+        lookup = f" + {self.lookup} lookup beam{'s' if self.lookup > 1 else ''}" if self.lookup else ", no lookup"
         console.print(
             f"[dim]model {self.model_spec}, drafter {self.drafter_path}: "
-            f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra})[/dim]"
+            f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra}){lookup}[/dim]"
         )
         if self.note:
             console.print(f"[yellow]Note: {self.note}[/yellow]")
@@ -81,13 +98,26 @@ def resolve_session(
     beam_length: Optional[int] = None,
     dtype: Optional[str] = None,
     adaptive: bool = False,
+    lookup: Optional[bool] = None,
 ) -> Session:
-    """Load the model and pick its drafter and beam shape."""
+    """Load the model and pick its drafter, beam shape and lookup beams
+    (``lookup=None``: the tuned profile's choice, else ``DEFAULT_LOOKUP``
+    with a drafter and none without). ``drafter_path="none"``: no drafter."""
     from .drafter import check_fits, load_drafter
     from .models import load_model, parse_dtype
 
+    no_drafter = wants_no_drafter(drafter_path)
     if no_draft and drafter_path:
         raise RedrafterError("--no-draft and --drafter contradict each other.", "Drop one of them.")
+    if no_draft and lookup:
+        raise RedrafterError(
+            "--no-draft and --lookup contradict each other.",
+            "For lookup drafts without a drafter use --drafter none --lookup.",
+        )
+    if no_drafter and adaptive:
+        raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
+    if no_drafter:
+        drafter_path = None
     for name, v in (("--beam-width", beam_width), ("--beam-length", beam_length)):
         if v is not None and v < 1:
             raise RedrafterError(f"{name} must be at least 1 (got {v}).")
@@ -99,15 +129,21 @@ def resolve_session(
     if no_draft:
         s.plain_reason = "--no-draft"
         return s
-    path = Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec)
+    if no_drafter:
+        path = None
+    else:
+        path = Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec)
     if path is None:
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
+        s.plain_reason = "--drafter none" if no_drafter else "no drafter"
+        s.lookup = int(bool(lookup))
         return s
     s.drafter = load_drafter(path, dtype=dtype)
     check_fits(s.drafter, model)
     s.drafter_path = path
     s.beam_width, s.beam_length, s.shape_source, profile = draft_shape(model_spec, path, beam_width, beam_length)
+    s.lookup = lookup_beams(lookup, s.drafter, profile)
     if adaptive:
         from .controller import load_controller
 

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -54,9 +54,11 @@ class SweepConfig:
     temp: float = 0.0  # > 0: sampled (distribution-exact) instead of greedy
     top_p: float = 0.0
     seed: int = 0  # with temp > 0, prompt i is sampled from seed + i, for every pass
+    lookups: List[int] = field(default_factory=lambda: [0])  # lookup beams: [0] off, [1] on, [0, 1] both
 
-    def cells(self) -> List[Tuple[int, int]]:
-        return [(w, l) for w in self.widths for l in self.lengths]
+    def cells(self) -> List[Tuple[int, int, int]]:
+        """``(width, length, lookup beams)`` of every cell."""
+        return [(w, l, k) for w in self.widths for l in self.lengths for k in self.lookups]
 
     def check(self) -> None:
         if not self.widths or not self.lengths:
@@ -71,6 +73,8 @@ class SweepConfig:
         if self.baseline_every < 1:
             raise RedrafterError(f"--baseline-every must be at least 1 (got {self.baseline_every}).")
         SamplingConfig(self.temp, self.top_p)  # raises on a bad value
+        if not self.lookups or min(self.lookups) < 0:
+            raise RedrafterError(f"Lookup beams must be at least 0 (got {self.lookups}).")
 
 
 def parse_grid(text: str, flag: str = "--widths") -> List[int]:
@@ -256,6 +260,7 @@ def sweep_key(config: SweepConfig, prompts: List[List[int]], meta: dict) -> dict
     return {
         "widths": list(config.widths),
         "lengths": list(config.lengths),
+        "lookups": list(config.lookups),
         "max_tokens": config.max_tokens,
         "profile": config.profile,
         "temp": config.temp,
@@ -313,7 +318,10 @@ def save_results(out_dir: Path, results: dict) -> None:
     attach_speedups(results)
     results["cells"].sort(key=lambda c: (c["width"], c["length"]))
     best = best_cell(results)
-    results["best"] = None if best is None else {k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")}
+    results["best"] = None if best is None else {
+        **{k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")},
+        "lookup": best.get("lookup", 0),
+    }
     write_json_atomic(Path(out_dir) / "results.json", results)
 
 
@@ -352,7 +360,7 @@ def run_sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     key = json.loads(json.dumps(sweep_key(config, prompts, meta or {})))  # as it reads back from JSON
     results = load_results(out_dir, key, fresh)
-    done = {(c["width"], c["length"]) for c in results["cells"]}
+    done = {cell_key(c) for c in results["cells"]}
     todo = [c for c in config.cells() if c not in done]
     todo = skip_oversized(model, drafter, todo, prompts, config, results)
     save_results(out_dir, results)
@@ -372,14 +380,15 @@ def run_sweep(
 
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
     if todo:
-        warm_up(model, prompts[0], DraftConfig(drafter, *todo[0], controller=controller))
+        w, l, k = todo[0]
+        warm_up(model, prompts[0], DraftConfig(drafter, w, l, controller=controller, lookup=k))
     reference = None
-    for i, (w, l) in enumerate(todo):
+    for i, (w, l, k) in enumerate(todo):
         if i % config.baseline_every == 0:
             reference, seq = _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick)
-        stage(f"W={w} L={l}")
-        p = _pass(model, prompts, DraftConfig(drafter, w, l, controller=controller), config, eos_ids, tick)
-        results["cells"].append(summarize_cell(p, w, l, seq, reference if config.temp == 0 else None))
+        stage(cell_label(w, l, k))
+        p = _pass(model, prompts, DraftConfig(drafter, w, l, controller=controller, lookup=k), config, eos_ids, tick)
+        results["cells"].append({**summarize_cell(p, w, l, seq, reference if config.temp == 0 else None), "lookup": k})
         seq += 1
         save_results(out_dir, results)
     if todo:
@@ -408,17 +417,36 @@ def skip_oversized(model, drafter, cells, prompts, config: SweepConfig, results:
     longest = max(len(p) for p in prompts)
     kv = kv_bytes_per_token(model)
     keep = []
-    for w, l in cells:
+    for w, l, k in cells:
         need = estimate_cell_bytes(model, drafter, w, l, longest, config.max_tokens, kv)
         if need > budget:
             results["cells"].append({
-                "width": w, "length": l, "status": "skipped",
+                "width": w, "length": l, "lookup": k, "status": "skipped",
                 "estimated_memory_gb": _gb(need),
                 "note": f"skipped: needs about {need / 1e9:.2f} GB, the budget is {budget / 1e9:.2f} GB",
             })
         else:
-            keep.append((w, l))
+            keep.append((w, l, k))
     return keep
+
+
+def cell_key(c: dict) -> Tuple[int, int, int]:
+    """``(width, length, lookup beams)`` of a cell record (older records have no lookup: 0)."""
+    return c["width"], c["length"], c.get("lookup", 0)
+
+
+def cell_label(width: int, length: int, lookup: int) -> str:
+    return f"W={width} L={length}" + (f" +lookup{'' if lookup == 1 else lookup}" if lookup else "")
+
+
+def best_per_shape(cells: List[dict]) -> List[dict]:
+    """For the width x length heatmaps: each (W, L) once, its fastest lookup setting."""
+    best: Dict[Tuple[int, int], dict] = {}
+    for c in cells:
+        shape, old = (c["width"], c["length"]), best.get((c["width"], c["length"]))
+        if old is None or (c.get("speedup") or -1.0) > (old.get("speedup") or -1.0):
+            best[shape] = c
+    return list(best.values())
 
 
 # --------------------------------------------------------------------------- outputs
@@ -431,8 +459,11 @@ def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.n
     write_csv(results, out_dir / "results.csv")
     (out_dir / "results.md").write_text(markdown_table(results))
     drawn = {}
+    shown = {**results, "cells": best_per_shape(results["cells"])}
     for key, (name, title, fmt) in HEATMAPS.items():
-        m = grid_matrix(results, key, config.widths, config.lengths)
+        if len(config.lookups) > 1:
+            title += " (the faster of lookup on/off)"
+        m = grid_matrix(shown, key, config.widths, config.lengths)
         drawn[key] = plot_heatmap(m, config.widths, config.lengths, title, out_dir / name, fmt,
                                   center=1.0 if key == "speedup" else None)
     return drawn
@@ -475,9 +506,12 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
 
 def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
     """Heatmaps in the terminal, the best cell, the notes and the files."""
+    shown = {**results, "cells": best_per_shape(results["cells"])}
     for key in ("speedup", "tokens_per_step", "tokens_per_s"):
         _, title, fmt = HEATMAPS[key]
-        m = grid_matrix(results, key, config.widths, config.lengths)
+        if len(config.lookups) > 1:
+            title += " (the faster of lookup on/off)"
+        m = grid_matrix(shown, key, config.widths, config.lengths)
         console.print(heatmap_table(m, config.widths, config.lengths, title, fmt, center=1.0 if key == "speedup" else None))
     base = [b["tokens_per_s"] for b in results["baselines"]]
     if base:
@@ -485,27 +519,27 @@ def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
                       f"{min(base):.1f}-{max(base):.1f})")
     for c in results["cells"]:
         if c["status"] != "ok":
-            console.print(f"[yellow]W={c['width']} L={c['length']}: {c['note']}[/yellow]")
+            console.print(f"[yellow]{cell_label(*cell_key(c))}: {c['note']}[/yellow]")
         elif c.get("identical_outputs") is not None and c["identical_outputs"] < results["config"]["num_prompts"]:
-            console.print(f"[yellow]W={c['width']} L={c['length']}: {c['identical_outputs']}/{results['config']['num_prompts']} "
+            console.print(f"[yellow]{cell_label(*cell_key(c))}: {c['identical_outputs']}/{results['config']['num_prompts']} "
                           "outputs equal plain greedy decoding (expected all in float32)[/yellow]")
     best = results.get("best")
     if best:
-        console.print(f"best: W={best['width']} L={best['length']}, {best['speedup']:.2f}x, "
+        console.print(f"best: {cell_label(*cell_key(best))}, {best['speedup']:.2f}x, "
                       f"{best['tokens_per_s']:.1f} tok/s, {best['tokens_per_step']:.2f} tokens/step")
     names = ["results.json", "results.csv", "results.md"] + [v[0] for v in HEATMAPS.values()]
     console.print(f"wrote {', '.join(str(Path(out_dir) / n) for n in names)}")
 
 
 def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> Optional[Path]:
-    """Store the best (W, L) as the tuned profile of this device + model + drafter."""
+    """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter."""
     from .profiles import save_profile
 
     best = results.get("best")
     if best is None:
         return None
     return save_profile(
-        model_spec, drafter_path, best["width"], best["length"],
+        model_spec, drafter_path, best["width"], best["length"], lookup=best.get("lookup", 0),
         speedup=best["speedup"], tokens_per_s=best["tokens_per_s"],
         sweep=str((Path(out_dir) / "results.json").resolve()), saved_at=time.time(),
     )

@@ -7,6 +7,10 @@ is a unique prefix. Nodes are ordered depth-major (all depth-1 nodes, then
 depth-2, ...; beam order within a depth) by default; ``order="beam"`` gives the
 official row-major order. Any topological order is valid because the mask is
 explicit.
+
+Beams may have different lengths: a negative token (``PAD``) after a beam's
+last token is padding. Padding is no node (it is not counted or packed), its
+``node_index`` is 0, and acceptance never takes it (no LLM token is negative).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+PAD = -1  # token id of padding after the end of a shorter beam
 
 
 @dataclass
@@ -55,6 +61,17 @@ def count_nodes(beams: mx.array, depth=None) -> mx.array:
     return unique.sum()
 
 
+def count_rows(rows) -> int:
+    """Host-side :func:`count_nodes` of a list of beams (lists of ints; PAD ends a beam)."""
+    prefixes = set()
+    for row in rows:
+        for j, t in enumerate(row):
+            if t < 0:
+                break
+            prefixes.add(tuple(row[: j + 1]))
+    return len(prefixes)
+
+
 def _order_keys(width: int, length: int, order: str) -> mx.array:
     w = mx.arange(width, dtype=mx.int32)[:, None]
     j = mx.arange(length, dtype=mx.int32)[None, :]
@@ -65,16 +82,20 @@ def _order_keys(width: int, length: int, order: str) -> mx.array:
     raise ValueError(f"unknown packing order {order!r}")
 
 
-def pack(beams: mx.array, n_nodes: int, g0: mx.array, order: str = "depth") -> Tree:
+def pack(beams: mx.array, n_nodes: int, g0: mx.array, order: str = "depth", padded: bool = False) -> Tree:
     """Pack ``beams`` into a tree of ``n_nodes`` unique nodes after ``g0``.
 
-    ``n_nodes`` must equal ``count_nodes(beams)``; it is a host integer so that
-    the verify call has a static shape (the generation loop reads it in the
-    same sync that reads the accepted length).
+    ``n_nodes`` must equal ``count_nodes(beams)`` (``count_rows`` for padded
+    beams); it is a host integer so that the verify call has a static shape
+    (the generation loop reads it in the same sync that reads the accepted
+    length). ``padded=True`` allows ``PAD`` after a beam's end (a few more
+    ops, so equal-length drafter beams skip it).
     """
     width, length = beams.shape
     first = prefix_tree(beams)
     unique = first == mx.arange(width, dtype=mx.int32)[:, None]
+    if padded:
+        unique = unique & (beams >= 0)
     keys = _order_keys(width, length, order)
     big = width * length
     sort_keys = mx.where(unique, keys, keys + big).reshape(-1)
@@ -82,6 +103,8 @@ def pack(beams: mx.array, n_nodes: int, g0: mx.array, order: str = "depth") -> T
     rank = mx.argsort(mx.argsort(sort_keys))  # flat -> position in sorted order
     canonical = first * length + mx.arange(length, dtype=mx.int32)[None, :]
     node_index = (rank[canonical.reshape(-1)].reshape(width, length) + 1).astype(mx.int32)
+    if padded:
+        node_index = mx.where(beams >= 0, node_index, 0)
 
     flat_tokens = beams.reshape(-1)
     tokens = mx.concatenate([g0.reshape(1).astype(beams.dtype), flat_tokens[perm]])

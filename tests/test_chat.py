@@ -16,7 +16,7 @@ from mlx_redrafter import RedrafterError, generate
 from mlx_redrafter.chat import ChatSession, ChatSettings, _Output
 from mlx_redrafter.prompts import build_messages, render_messages
 from mlx_redrafter.drafter import Drafter, DrafterConfig, save_drafter
-from mlx_redrafter.generate import RedrafterResponse
+from mlx_redrafter.generate import RedrafterResponse, StepStats
 
 TIMEOUT = 300  # seconds for one expect: the machine is shared and slow
 
@@ -44,10 +44,12 @@ def greedy(model, tok, history, user, max_tokens, system=None):
 # --------------------------------------------------------------------------- exactness of cache reuse
 
 
-@pytest.mark.parametrize("use_drafter", [False, True], ids=["plain", "redrafter"])
-def test_turns_reuse_the_cache_and_equal_plain_greedy(default_model, drafter, use_drafter):
+@pytest.mark.parametrize(
+    "use_drafter,lookup", [(False, 0), (True, 0), (False, 1), (True, 1)], ids=["plain", "redrafter", "lookup", "merged"]
+)
+def test_turns_reuse_the_cache_and_equal_plain_greedy(default_model, drafter, use_drafter, lookup):
     model, tok = default_model
-    settings = ChatSettings(max_tokens=16, beam_width=2, beam_length=3)
+    settings = ChatSettings(max_tokens=16, beam_width=2, beam_length=3, lookup=lookup)
     s = ChatSession(model, tok, drafter if use_drafter else None, settings)
     q1, q2, q3 = "What is 2+2?", "Write a poem about the sea.", "Thanks! Now one about the sky."
     t1 = s.reply(q1)
@@ -238,15 +240,18 @@ def test_show_drafts_colours_drafted_tokens():
     out = _Output(interactive=True)
     out.console = Console(file=io.StringIO(), force_terminal=True, color_system="standard", highlight=False)
 
-    def response(text, from_draft):
+    def response(text, from_draft, source="drafter"):
         return RedrafterResponse(text=text, token=0, logprobs=None, from_draft=from_draft, prompt_tokens=1,
-                                 prompt_tps=0.0, generation_tokens=1, generation_tps=0.0, peak_memory=0.0)
+                                 prompt_tps=0.0, generation_tokens=1, generation_tps=0.0, peak_memory=0.0,
+                                 stats=StepStats(accepted=1, source=source if from_draft else ""))
 
     out.token(response("drafted", True), show_drafts=True)
+    out.token(response("copied", True, "lookup"), show_drafts=True)
     out.token(response("own", False), show_drafts=True)
     out.token(response("plain", True), show_drafts=False)
     written = out.console.file.getvalue()
     assert "\x1b[36mdrafted\x1b[0m" in written  # cyan
+    assert "\x1b[35mcopied\x1b[0m" in written  # magenta: a lookup draft
     assert "own" in written and "\x1b[36mown" not in written
     assert "\x1b[36mplain" not in written
 

@@ -21,7 +21,7 @@ from mlx_redrafter import accept as accept_mod
 from mlx_redrafter.accept import target_probs, walk_tree
 from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
 from mlx_redrafter.models import model_parts
-from mlx_redrafter.tree import count_nodes, pack, unique_mask
+from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack, unique_mask
 
 P_VALUE = 1e-6
 Z = {1e-6: 4.753}  # one-sided normal quantile
@@ -116,6 +116,8 @@ def step_distribution(beams, tree, target):
     paths = {0: ()}
     for w in range(beams_np.shape[0]):
         for d in range(beams_np.shape[1]):
+            if beams_np[w, d] == PAD:
+                break
             node, par = node_index[w, d], (0 if d == 0 else node_index[w, d - 1])
             children.setdefault(int(par), set()).add(int(beams_np[w, d]))
             paths[int(node)] = tuple(beams_np[w, : d + 1].tolist())
@@ -161,6 +163,29 @@ def test_walk_emits_the_target_distribution(seed, width, length):
     assert abs(sum(expected.values()) - 1) < 1e-6
     n = 200_000
     assert chi2_passes(run_walks(walk_tree, beams, tree, target, n, seed), expected, n)
+
+
+def padded_tree(seed, vocab=5, peak=2.0):
+    """Drafter beams of 1 token, a lookup beam of 3 and a copy of beam 0 (a
+    missing lookup beam), as the generation loop builds them."""
+    rng = np.random.default_rng(seed)
+    a, b, c, d = rng.integers(0, vocab, 4).tolist()
+    beams = mx.array([[a, PAD, PAD], [(a + 1) % vocab, PAD, PAD], [a, c, d], [a, PAD, PAD], [b, d, c]], dtype=mx.int32)
+    n = count_rows(beams.tolist())
+    tree = pack(beams, n, mx.array(0), padded=True)
+    target = mx.softmax(mx.array(rng.normal(size=(n + 1, vocab)) * peak, dtype=mx.float32), axis=-1)
+    return beams, tree, target
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_walk_over_padded_beams_emits_the_target_distribution(seed):
+    beams, tree, target = padded_tree(seed)
+    expected = step_distribution(beams, tree, target)
+    assert abs(sum(expected.values()) - 1) < 1e-6
+    n = 200_000
+    observed = run_walks(walk_tree, beams, tree, target, n, seed)
+    assert all(PAD not in k for k in observed)
+    assert chi2_passes(observed, expected, n)
 
 
 @pytest.mark.parametrize("name", list(WRONG))
@@ -250,6 +275,24 @@ def test_redrafter_sampling_matches_the_model(small_model, cfg):
     drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1)
     expected = exact_first_tokens(small_model, PROMPT, cfg)
     observed = sample_runs(small_model, PROMPT, drafter, cfg, N_RUNS, seed=1)
+    assert chi2_passes(observed, expected, N_RUNS)
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["lookup_only", "merged"])
+def test_sampling_with_lookup_beams_matches_the_model(small_model, with_drafter):
+    """Lookup beams in the tree (alone, or beside the drafter's): still the model's distribution."""
+    cfg = SamplingConfig(temp=1.0)
+    drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1) if with_drafter else None
+    draft = DraftConfig(drafter, 2, 1, lookup=1, lookup_length=3)
+    prompt = PROMPT * 3  # every 2-token suffix of a 5-token vocabulary soon has a match
+    expected = exact_first_tokens(small_model, prompt, cfg)
+    mx.random.seed(4)
+    observed, looked_up = Counter(), 0
+    for _ in range(N_RUNS):
+        tokens, stats = generate_tokens(small_model, prompt, draft=draft, max_tokens=3, temp=cfg.temp)
+        observed[tuple(tokens)] += 1
+        looked_up += sum(s.tree_size > 1 + 2 * (drafter is not None) for s in stats)
+    assert looked_up > N_RUNS // 10  # lookup beams were really in many trees
     assert chi2_passes(observed, expected, N_RUNS)
 
 

@@ -254,7 +254,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     seqs = {b["seq"]: b for b in data["baselines"]}
     assert {"device", "blas", "default_dtype", "machine"} <= set(data["machine"])
 
-    assert [(c["width"], c["length"]) for c in data["cells"]] == cfg.cells()
+    assert [sw.cell_key(c) for c in data["cells"]] == cfg.cells()
     for c in data["cells"]:
         w, l = c["width"], c["length"]
         assert c["status"] == "ok" and c["tokens"] == 2 * 10
@@ -294,7 +294,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     # The Markdown table: one row per cell, in (W, L) order, with the JSON's speedups.
     md = (tmp_path / "results.md").read_text().splitlines()
     cell_rows = [line.split(" | ") for line in md[2:] if line.startswith("| ")]
-    assert [(int(r[0][2:]), int(r[1])) for r in cell_rows] == sorted(cfg.cells())
+    assert [(int(r[0][2:]), int(r[1])) for r in cell_rows] == sorted((w, l) for w, l, _ in cfg.cells())
     by_cell = {(c["width"], c["length"]): c for c in data["cells"]}
     for r in cell_rows:
         assert r[2] == f"{by_cell[(int(r[0][2:]), int(r[1]))]['speedup']:.2f}x"
@@ -467,7 +467,9 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     captured = capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["num_prompts"] == 2 and results["config"]["model"] == str(tiny_folder)
-    assert len(results["cells"]) == 2 and results["baselines"]
+    # Every (W, L) with lookup off and on (the default lookup dimension), each exact.
+    assert sorted(sw.cell_key(c) for c in results["cells"]) == [(1, 2, 0), (1, 2, 1), (2, 2, 0), (2, 2, 1)]
+    assert all(c["identical_outputs"] == 2 for c in results["cells"]) and results["baselines"]
     best = results["best"]
     assert "saved profile" in captured.err and "Speedupoverplain" in squeeze(captured.out)  # tables on stdout
 
@@ -483,7 +485,7 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     monkeypatch.undo()
 
     profile = lookup_profile(str(tiny_folder), dfolder)
-    assert (profile["beam_width"], profile["beam_length"]) == (best["width"], best["length"])
+    assert (profile["beam_width"], profile["beam_length"], profile["lookup"]) == (best["width"], best["length"], best["lookup"])
 
     gen = ["generate", "--model", str(tiny_folder), "--drafter", str(dfolder), "--prompt", "w1 w2", "-n", "4"]
     assert cli(gen) == 0
@@ -491,6 +493,9 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     assert squeeze(f"W={best['width']} L={best['length']} (tuned profile {profile['file']}") in err
     # A profile slower than plain decoding is pointed out (the drafter is still used).
     assert (squeeze("--no-draft is faster here") in err) == (best["speedup"] < 1)
+    assert ("+1lookupbeam" in err) == (best["lookup"] == 1) and ("nolookup" in err) == (best["lookup"] == 0)
+    assert cli(gen + ["--no-lookup"]) == 0
+    assert "nolookup" in squeeze(capsys.readouterr().err)
     assert cli(gen + ["-W", "3", "-L", "1"]) == 0
     assert "W=3L=1(flags)" in squeeze(capsys.readouterr().err)
 
@@ -572,13 +577,17 @@ def load_bench():
     return mod
 
 
-def test_bench_quick_run_writes_report_and_spec_bench_answers(tmp_path, tiny_folder, drafter_folder, prompt_file, capsys):
+@pytest.mark.parametrize("drafting", ["drafter", "merged", "lookup_only"])
+def test_bench_quick_run_writes_report_and_spec_bench_answers(tmp_path, tiny_folder, drafter_folder, prompt_file, capsys, drafting):
     bench = load_bench()
     out = tmp_path / "bench"
-    rc = bench.main(["--quick", "--model", str(tiny_folder), "--drafter", str(drafter_folder), "-W", "2", "-L", "2",
+    how = {"drafter": ["--drafter", str(drafter_folder), "--no-lookup"], "merged": ["--drafter", str(drafter_folder), "--lookup"],
+           "lookup_only": ["--drafter", "none", "--lookup"]}[drafting]
+    rc = bench.main(["--quick", "--model", str(tiny_folder), *how, "-W", "2", "-L", "2",
                      "--sets", str(prompt_file), "--max-tokens", "5", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
+    assert results["config"]["lookup"] == (drafting != "drafter")
     s = results["sets"]["prompts"]
     assert list(s["by_category"]) == ["alpha", "beta"]  # --quick: one conversation per category
     assert s["by_category"]["alpha"]["redrafter"]["turns"] == 2  # both turns of question 1
@@ -613,4 +622,41 @@ def test_bench_rejects_bad_input(tmp_path, capsys):
     bench = load_bench()
     assert bench.main(["--sets", "no_such_set", "--out", str(tmp_path)]) == 1
     assert "Unknown prompt set" in capsys.readouterr().err
+    assert bench.main(["--drafter", "none", "--out", str(tmp_path)]) == 1
+    assert "--lookup" in capsys.readouterr().err
     assert bench.main(["--max-tokens", "0", "--out", str(tmp_path)]) == 1
+
+
+def test_cli_lookup_flags(tiny_folder, capsys):
+    """--drafter none --lookup drafts by lookup alone (same text as plain
+    decoding); --no-draft --lookup contradict each other."""
+    gen = ["generate", "--model", str(tiny_folder), "--prompt", "w1 w2 w3 w1 w2 w3 w1", "-n", "12", "--raw"]
+    assert cli(gen + ["--no-draft"]) == 0
+    plain = capsys.readouterr()
+    assert "plaindecoding(--no-draft)" in squeeze(plain.err)
+    assert cli(gen + ["--drafter", "none", "--lookup"]) == 0
+    looked = capsys.readouterr()
+    assert "lookupdraftsonly(nodrafter)" in squeeze(looked.err) and looked.out == plain.out
+    assert cli(gen + ["--drafter", "none"]) == 0
+    assert "plaindecoding(--drafternone)" in squeeze(capsys.readouterr().err)
+    assert cli(gen + ["--no-draft", "--lookup"]) == 1
+    assert "--drafter none --lookup" in capsys.readouterr().err
+
+
+def test_lookup_bench_runs_every_mode_exactly(tmp_path, tiny_folder, drafter_folder, capsys):
+    spec = importlib.util.spec_from_file_location("bench_lookup", REPO / "bench" / "lookup.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "lookup"
+    rc = bench.main(["--model", str(tiny_folder), "--drafter", str(drafter_folder), "--mt-bench", "1", "--per-task", "1",
+                     "--copy", "1", "--max-tokens", "4", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    # The tiny model's 512-token context leaves out the long Spec-Bench prompts.
+    assert list(results["groups"])[0] == "mt_bench" and list(results["groups"])[-2:] == ["copy", "all"]
+    assert len(results["groups"]) - 1 + results["dropped_prompts"] == 2 + len(bench.SPEC_TASKS)
+    for group in results["groups"].values():
+        assert set(group) == set(bench.MODES)
+        assert all(row["mismatches"] == 0 and row["tokens_per_step"] >= 1 for row in group.values())
+    assert "| copy | 1 |" in (out / "report.md").read_text()

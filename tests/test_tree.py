@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_redrafter.tree import count_nodes, pack, prefix_tree
+from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack, prefix_tree
 
 CASES = ["hand1", "hand2", "hand3", "bs_rnn_w1_row0", "bs_rnn_w2_row0", "bs_rnn_w4_row0"]
 
@@ -98,3 +98,40 @@ def test_packing_is_a_trie(beams, order):
         want = {0, idx} | {i for i, p in prefix_of.items() if p in trie[prefix]}
         assert set(np.nonzero(mask[idx])[0].tolist()) == want
     assert mask[0].tolist() == [True] + [False] * n
+
+
+padded_sets = st.integers(1, 5).flatmap(
+    lambda length: st.lists(
+        st.lists(st.integers(0, 3), min_size=1, max_size=length).map(lambda b: b + [PAD] * (length - len(b))),
+        min_size=1, max_size=5,
+    )
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(padded_sets)
+def test_padded_beams_pack_as_the_trie_of_their_tokens(beams):
+    """Beams of different lengths (PAD after the end): the same tree as their unpadded tokens."""
+    real = [[t for t in b if t != PAD] for b in beams]
+    trie = trie_of(real)
+    n = count_rows(beams)
+    assert n == len(trie)
+    tree = pack(mx.array(beams, dtype=mx.int32), n, mx.array(99), padded=True)
+    tokens, node_index, depth = np.array(tree.tokens), np.array(tree.node_index), np.array(tree.depth)
+    mask, parent = np.array(tree.mask), np.array(tree.parent)
+    assert tree.size == n + 1 and (tokens[1:] >= 0).all()
+    prefix_of = {}
+    for w, beam in enumerate(beams):
+        for j, t in enumerate(beam):
+            idx = node_index[w, j]
+            if t == PAD:
+                assert idx == 0
+                continue
+            assert tokens[idx] == t and depth[idx] == j + 1
+            assert parent[idx] == (node_index[w, j - 1] if j else 0)
+            prefix_of.setdefault(idx, tuple(beam[: j + 1]))
+            assert prefix_of[idx] == tuple(beam[: j + 1])
+    assert sorted(prefix_of) == list(range(1, n + 1))
+    for idx, prefix in prefix_of.items():
+        want = {0, idx} | {i for i, p in prefix_of.items() if p in trie[prefix]}
+        assert set(np.nonzero(mask[idx])[0].tolist()) == want
