@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 from .chat_commands import CommandResult, handle_command
 from .chat_settings import ChatSettings
 from .errors import RedrafterError
-from .generate import RedrafterResponse, Tally, context_limit, stream_generate
+from .generate import DraftConfig, RedrafterResponse, Tally, context_limit, stream_generate
 from .prompt_cache import PromptCache
 from .prompts import build_messages, chat_prompt_ids, render_messages
 
@@ -176,7 +176,8 @@ class ChatSession:
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        return self.settings.beam_length + 1 if self.drafter is not None else 0
+        s = self.settings
+        return DraftConfig(self.drafter, s.beam_width, s.beam_length, lookup=s.lookup).margin
 
     def _fit_context(self, user: str) -> tuple:
         """``(prompt ids, max_tokens)`` for the next turn, dropping the oldest

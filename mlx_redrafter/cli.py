@@ -337,6 +337,7 @@ def serve(
     queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait for the model; past it the server answers 503."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth."),
     dtype: Optional[str] = DtypeOpt,
+    lookup: Optional[bool] = LookupOpt,
 ):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     # Every check before the slow imports and the model load.
@@ -357,7 +358,7 @@ def serve(
                              "pip install 'mlx-redrafter[server]'") from None
     from .serve import Engine
 
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive)
+    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     s.announce(err)
     app_ = create_app(Engine(s, max_tokens=max_tokens, temp=temp, queue_size=queue_size))
     err.print(f"serving {s.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)

@@ -125,6 +125,15 @@ class DraftConfig:
     def drafting(self) -> bool:
         return self.drafter is not None or self.lookup > 0
 
+    @property
+    def margin(self) -> int:
+        """Context a verification needs past the last token: ``g0`` and the
+        deepest draft (positions run to offset + depth)."""
+        if not self.drafting:
+            return 0
+        depth = max(self.beam_length if self.drafter is not None else 0, self.lookup_length if self.lookup else 0)
+        return depth + 1
+
 
 def draft_shape(model_spec, drafter_path, beam_width: Optional[int] = None, beam_length: Optional[int] = None):
     """``(width, length, source, profile)``: the given values, each missing one

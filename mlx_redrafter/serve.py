@@ -58,7 +58,7 @@ class Result:
 
 def draft_source(r: RedrafterResponse) -> Optional[str]:
     """Where an emitted token's draft came from (``None``: the LLM's own token)."""
-    return "drafter" if r.from_draft else None
+    return (r.stats.source or "drafter") if r.from_draft else None
 
 
 @dataclass(eq=False)  # compared and hashed by identity: the queue keeps a set of live jobs
@@ -178,7 +178,7 @@ class Engine:
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        return self.s.beam_length + 1 if self.s.drafter is not None else 0
+        return self.s.draft().margin
 
     def fit(self, ids: List[int], max_tokens: int) -> int:
         """``max_tokens`` cut to what the context leaves after the prompt;
@@ -203,7 +203,7 @@ class Engine:
         s = self.s
         return dict(
             drafter=s.drafter, beam_width=s.beam_width, beam_length=s.beam_length,
-            controller=s.controller, max_tokens=params.max_tokens, temp=params.temp,
+            controller=s.controller, lookup=s.lookup, max_tokens=params.max_tokens, temp=params.temp,
             top_p=params.top_p, seed=params.seed, stop=params.stop,
         )
 
@@ -235,7 +235,7 @@ class Engine:
             res.reused_tokens = self.cache.reuse(ids)
             stream = stream_generate(
                 self.s.model, self.s.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
-                **self.generation_kwargs(job.params),
+                lookup_context=ids[:res.reused_tokens], **self.generation_kwargs(job.params),
             )
             try:
                 for r in stream:
