@@ -33,8 +33,11 @@ $(VENV)/.installed: pyproject.toml
 setup-gemma: setup
 	$(PY) -m pip install --quiet -e '.[test,server,gemma]'
 
+# Two pytest workers (pytest-xdist), whole files per worker: most tests are
+# bound by Python on one core, so two workers halve the suite on 2 cores.
+TEST_WORKERS ?= 2
 test: setup
-	$(RUN)$(PY) -m pytest -q
+	$(RUN)$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 chat: setup
 	$(RUN)$(BIN)/mlx-redrafter chat
