@@ -10,7 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED_DIRS = ("mlx_redrafter", "converters", "tests", "bench", ".ci")
-SCANNED_FILES = ("Makefile", "pyproject.toml")
+# README.md too: its commands are what a user runs in a clone.
+SCANNED_FILES = ("Makefile", "pyproject.toml", "README.md")
 CODE_SUFFIXES = {".py", ".sh", ".toml", ".cfg", ".ini", ".yml", ".yaml"}
 
 # Each pattern is written so that its own source text does not match it: this
@@ -60,7 +61,7 @@ def test_no_module_test_or_build_file_refers_outside_the_repository():
     files = scanned_files()
     names = {p.relative_to(REPO).as_posix() for p in files}
     # The scan sees what it must (this file included), or it proves nothing.
-    assert {"Makefile", ".ci/run", "mlx_redrafter/prompts.py", "mlx_redrafter/train/distill.py",
+    assert {"Makefile", "README.md", ".ci/run", "mlx_redrafter/prompts.py", "mlx_redrafter/train/distill.py",
             "converters/gguf.py", "tests/conftest.py", "tests/test_self_contained.py", "bench/run.py"} <= names
     found = [
         f"{p.relative_to(REPO)}:{n}: {why}"
