@@ -288,7 +288,7 @@ class _Reply:
         else:
             choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
         return {**self._head(False), "choices": [choice], "usage": self.usage(res),
-                "redrafter": self.engine.stats(res, self.job)}
+                "redrafter": self.engine.stats(res)}
 
     def _chunk(self, text: Optional[str] = None, finish: Optional[str] = None, role: bool = False) -> dict:
         if self.chat:
@@ -312,7 +312,7 @@ class _Reply:
                 yield _data(_generation_error(value).body())
                 return
             elif not value.cancelled:
-                yield _data({**self._chunk(finish=value.finish_reason), "redrafter": self.engine.stats(value, self.job)})
+                yield _data({**self._chunk(finish=value.finish_reason), "redrafter": self.engine.stats(value)})
                 if self.include_usage:
                     yield _data({**self._head(True), "choices": [], "usage": self.usage(value)})
                 yield "data: [DONE]\n\n"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from .errors import RedrafterError
-from .generate import RedrafterResponse, Tally, context_limit, encode_prompt, stream_generate
+from .generate import Tally, context_limit, encode_prompt, stream_generate
 from .prompt_cache import PromptCache
 from .prompts import chat_prompt_ids
 
@@ -56,11 +56,6 @@ class Result:
         return self.tally.tokens
 
 
-def draft_source(r: RedrafterResponse) -> Optional[str]:
-    """Where an emitted token's draft came from (``None``: the LLM's own token)."""
-    return (r.stats.source or "drafter") if r.from_draft else None
-
-
 @dataclass(eq=False)  # compared and hashed by identity: the queue keeps a set of live jobs
 class Job:
     """One request: its prompt ids, its parameters, and where its output goes.
@@ -74,7 +69,6 @@ class Job:
     params: GenParams
     emit: Callable[[str, object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    sources: dict = field(default_factory=dict)  # draft source -> tokens
 
     def cancel(self) -> None:
         """Stop the job at its next step (or skip it if it has not started)."""
@@ -241,9 +235,6 @@ class Engine:
                 for r in stream:
                     if r.generation_tokens > res.tally.tokens:
                         generated.append(r.token)
-                        source = draft_source(r)
-                        if source is not None:
-                            job.sources[source] = job.sources.get(source, 0) + 1
                     else:  # the EOS response emits no token
                         eos = [r.token]
                     res.tally.add(r)
@@ -269,17 +260,18 @@ class Engine:
 
     # ------------------------------------------------------------------ reports
 
-    def stats(self, res: Result, job: Job) -> dict:
+    def stats(self, res: Result) -> dict:
         """The drafting stats of a reply (an extra response field)."""
         t = res.tally
+        by_source = {"drafter": t.drafted_tokens - t.lookup_tokens, "lookup": t.lookup_tokens}
         return {
-            "drafting": self.s.drafter is not None,
+            "drafting": self.s.draft().drafting,  # a drafter, lookup drafts, or both
             "beam_width": self.s.beam_width if self.s.drafter is not None else None,
             "beam_length": self.s.beam_length if self.s.drafter is not None else None,
             "steps": t.steps,
             "tokens_per_step": round(t.tokens_per_step, 3),
             "from_drafts": round(t.draft_share, 3),
-            "from_drafts_by_source": {k: round(v / max(t.tokens, 1), 3) for k, v in job.sources.items()},
+            "from_drafts_by_source": {k: round(v / max(t.tokens, 1), 3) for k, v in by_source.items() if v},
             "prompt_tokens_reused": res.reused_tokens,
             "prompt_tokens_prefilled": res.prompt_tokens - res.reused_tokens,
             "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
