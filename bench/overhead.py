@@ -1,14 +1,23 @@
-"""Per-step cost of ReDrafter's phases against plain decoding, in one run.
+"""What a ReDrafter step costs against a plain decoding step, in one run.
 
-Uses a random drafter (its drafts are never accepted, so every step verifies
-a full tree and no KV rows move): this measures pure overhead, not speedup. Phases are timed with
-``profile=True`` (one extra sync per phase); the plain-decoding time per token
-is measured with mlx-lm's own ``stream_generate`` in the same process
-(on the same templated prompt),
-before and after the grid, and the ratios use their mean.
+For each draft shape the step is timed in both loops, the synchronous one
+(``DraftConfig(pipelined=False)``: read step t, then build step t+1) and the
+pipelined one (build step t+1, then read step t; pipeline.py), without
+profiling syncs, and split into phases by a third, profiled run of the
+synchronous loop (``profile=True`` adds a sync per phase). Shapes:
+
+* **g0 only**: lookup drafts with the proposer switched off, so every step
+  verifies the LLM's own token alone through our loop: the loop's tax;
+* W x L trees of a random drafter (never accepted, so every step verifies a
+  full tree) and of the shipped drafter (its real acceptance; its step
+  sizes vary).
+
+Plain decoding (mlx-lm's ``stream_generate`` on the same model object and
+templated prompt) is timed before and after the grid; ratios use the mean.
+Step times are medians over the steps after the first two.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 \\
-        .venv/bin/python bench/overhead.py --tokens 48
+        .venv/bin/python bench/overhead.py --tokens 64 --out bench/results/overhead/overhead.json
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -23,21 +34,19 @@ from mlx_lm import stream_generate as mlx_stream_generate
 
 from mlx_redrafter import load_model
 from mlx_redrafter.doctor import report
-from mlx_redrafter.drafter import Drafter, DrafterConfig
+from mlx_redrafter.drafter import Drafter, DrafterConfig, load_drafter
 from mlx_redrafter.generate import DraftConfig
+from mlx_redrafter.lookup import Lookup
 from mlx_redrafter.measure import measure
 from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
+from mlx_redrafter.session import shipped_drafter_path
 
 PROMPT = "Write a short story about a robot who learns to paint."
-HEADS = {
-    "official default (E=1152, 2 layers, full vocab)": dict(exit_dim=1152, num_draft_layers=2),
-    "shipped preset (E=576, 1 layer, 4096-token vocab)": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096),
-}
 
 
 def plain_ms_per_token(model, tok, prompt, n):
     tic, count = None, 0
-    for r in mlx_stream_generate(model, tok, prompt, max_tokens=n):
+    for _ in mlx_stream_generate(model, tok, prompt, max_tokens=n):
         if tic is None:
             tic = time.perf_counter()  # exclude the prompt
         else:
@@ -45,52 +54,86 @@ def plain_ms_per_token(model, tok, prompt, n):
     return 1000 * (time.perf_counter() - tic) / max(count, 1)
 
 
-def step_phases(model, ids, drafter, width, length, n):
-    run = measure(model, ids, draft=DraftConfig(drafter, width, length), max_tokens=n, profile=True)
-    s = run.steps[2:]  # skip the prefill step and the first (warm-up) step
-    med = lambda xs: float(np.median(xs)) * 1000  # noqa: E731
-    out = {
-        "step_ms": med([x.step_time for x in s]),
-        "draft_ms": med([x.draft_time for x in s]),
-        "pack_ms": med([x.pack_time for x in s]),
-        "verify_ms": med([x.verify_time for x in s]),
-        "accept_ms": med([x.accept_time for x in s]),
-        "tree_size": float(np.mean([x.tree_size for x in s])),
-    }
-    out["other_ms"] = out["step_ms"] - sum(out[k] for k in ("draft_ms", "pack_ms", "verify_ms", "accept_ms"))
+@contextmanager
+def no_proposals():
+    """Lookup that never proposes: every step of a lookup-only run is g0 alone."""
+    propose = Lookup.propose
+    Lookup.propose = lambda self, length, k=1: []
+    try:
+        yield
+    finally:
+        Lookup.propose = propose
+
+
+def med(xs) -> float:
+    return float(np.median(xs)) * 1000
+
+
+def time_steps(model, ids, draft, n, profile=False):
+    run = measure(model, ids, draft=draft, max_tokens=n, profile=profile)
+    s = run.steps[3:]  # skip the prefill step and two warm-up steps
+    return run, s
+
+
+def row(model, ids, draft, n):
+    out = {}
+    for name, pipelined in (("sync", False), ("pipelined", True)):
+        run, s = time_steps(model, ids, DraftConfig(**{**draft.__dict__, "pipelined": pipelined}), n)
+        out[f"{name}_step_ms"] = med([x.step_time for x in s])
+        out[f"{name}_ms_per_token"] = 1000 * run.decode_time / max(run.decode_tokens, 1)
+        out[f"{name}_tokens_per_step"] = float(np.mean([1 + x.accepted for x in s]))
+        out["tokens"] = out.get("tokens", run.tokens)
+        assert run.tokens == out["tokens"], "the two loops gave different tokens"
+    _, s = time_steps(model, ids, DraftConfig(**{**draft.__dict__, "pipelined": False}), n, profile=True)
+    for phase in ("draft", "pack", "verify", "accept"):
+        out[f"{phase}_ms"] = med([getattr(x, f"{phase}_time") for x in s])
+    out["profiled_step_ms"] = med([x.step_time for x in s])
+    out["tree_size"] = float(np.mean([x.tree_size for x in s]))
+    del out["tokens"]
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--grid", default="1x2,1x4,2x4,4x4,4x5")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--grid", default="1x1,2x3,4x5")
     ap.add_argument("--out", default=None, help="write JSON results here")
     args = ap.parse_args()
     model, tok = load_model("default")
     messages = build_messages(None, [], PROMPT)
     prompt, ids = render_messages(tok, messages), chat_prompt_ids(tok, messages)
     grid = [tuple(int(v) for v in cell.split("x")) for cell in args.grid.split(",")]
+    shipped = load_drafter(shipped_drafter_path("default"))
+    mx.random.seed(0)
+    rand = Drafter(DrafterConfig(**{**shipped.config.__dict__}))
+    mx.eval(rand.parameters())
     base = [plain_ms_per_token(model, tok, prompt, args.tokens)]
     rows = []
-    for name, kw in HEADS.items():
-        mx.random.seed(0)
-        d = Drafter(DrafterConfig(vocab_size=model.args.vocab_size, hidden_size=model.args.hidden_size, **kw))
-        mx.eval(d.parameters())
+    with no_proposals():
+        rows.append({"drafter": "none", "W": 0, "L": 0, "shape": "g0 only",
+                     **row(model, ids, DraftConfig(None, lookup=1), args.tokens)})
+    for name, d in (("random", rand), ("shipped", shipped)):
         for w, l in grid:
-            r = step_phases(model, ids, d, w, l, args.tokens)
-            rows.append({"head": name, "params_M": round(d.num_params() / 1e6, 1), "W": w, "L": l, **r})
+            rows.append({"drafter": name, "W": w, "L": l, "shape": f"W={w} L={l}",
+                         **row(model, ids, DraftConfig(d, w, l), args.tokens)})
+    rows.append({"drafter": "shipped", "W": 2, "L": 1, "shape": "default: W=2 L=1 + lookup",
+                 **row(model, ids, DraftConfig(shipped, 2, 1, lookup=1), args.tokens)})
     base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
     plain = float(np.mean(base))
     print(f"plain mlx-lm decoding: {plain:.1f} ms/token (runs: {', '.join(f'{b:.1f}' for b in base)})")
-    print("| head | W | L | tree | step ms | break-even tokens/step | draft | pack | verify | accept | other |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| drafter | shape | tree | step / plain, sync | step / plain, pipelined | tokens/step | "
+          "token ms / plain, sync | token ms / plain, pipelined | draft | pack | verify | accept | other (ms, profiled sync) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        other = r["profiled_step_ms"] - sum(r[f"{p}_ms"] for p in ("draft", "pack", "verify", "accept"))
         print(
-            f"| {r['head']} | {r['W']} | {r['L']} | {r['tree_size']:.0f} | {r['step_ms']:.1f} | {r['step_ms'] / plain:.2f} | "
-            f"{r['draft_ms']:.1f} | {r['pack_ms']:.1f} | {r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {r['other_ms']:.1f} |"
+            f"| {r['drafter']} | {r['shape']} | {r['tree_size']:.1f} | {r['sync_step_ms'] / plain:.2f} | "
+            f"{r['pipelined_step_ms'] / plain:.2f} | {r['pipelined_tokens_per_step']:.2f} | "
+            f"{r['sync_ms_per_token'] / plain:.2f} | {r['pipelined_ms_per_token'] / plain:.2f} | "
+            f"{r['draft_ms']:.1f} | {r['pack_ms']:.1f} | {r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {other:.1f} |"
         )
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"machine": report(), "plain_ms_per_token": base, "rows": rows}, f, indent=1)
 

@@ -103,15 +103,15 @@ def walk_tree(beams, node_index, parent, target, u, gumbel):
     ``target [N+1, V]``: target distribution after each node; ``u [..., L, W]``
     uniforms for the tests; ``gumbel [..., V]`` noise for the final draw
     (Gumbel-max). Leading ``...`` axes run independent walks over the same
-    tree (the generation loop uses none; tests use many). Padding (``PAD``,
-    node 0) is never a child: its parent is g0, and a walk still at g0 past
-    depth 0 is done. Returns
+    tree (the generation loop uses none; tests use many). Padding (``PAD``)
+    is never a child, not even at depth 0 (a lookup row of the pipelined
+    loop that did not line up is all padding). Returns
     ``(n, beam, last, token)``: accepted drafts, the beam they lie on, the
     last accepted node and the emitted token.
     """
     width, length = beams.shape
     batch = u.shape[:-2]
-    unique = unique_mask(beams)  # beam w is the first to reach its node at depth j
+    unique = unique_mask(beams) & (beams >= 0)  # beam w is the first to reach its node at depth j
     vocab = mx.arange(target.shape[-1])
     cur = mx.zeros(batch, mx.int32)
     beam = mx.zeros(batch, mx.int32)

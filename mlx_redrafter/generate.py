@@ -24,11 +24,11 @@ from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .errors import RedrafterError
 from .lookup import LOOKUP_LENGTH, Lookup, join_beams
 from .models import model_parts
+from .pipeline import can_pipeline, pipelined_steps
 from .profiles import lookup_profile
+from .steps import StepStats, StepTokens, host_read, prefill
 from .tree import count_nodes, count_rows, pack
 from .verify import check_cache, compact_cache, set_cache_length, verify, verify_starts
-
-PREFILL_STEP = 512
 
 # The draft shape when neither the caller nor a tuned profile (``mlx-redrafter
 # sweep --save-profile``) gives one: the best cell of the sweep of the default
@@ -37,32 +37,6 @@ DEFAULT_WIDTH = 2
 DEFAULT_LENGTH = 1
 # Lookup beams beside the drafter's when the caller does not say (see lookup.py).
 DEFAULT_LOOKUP = 1
-
-
-@dataclass
-class StepStats:
-    """What one ReDrafter step did (``drafter=None``: accepted 0, tree_size 1)."""
-
-    step: int = 0
-    accepted: int = 0  # drafted tokens accepted in this step
-    tree_size: int = 1  # tokens verified (g0 + packed unique prefixes)
-    step_time: float = 0.0  # wall time of the whole step, seconds
-    host_syncs: int = 0  # cumulative device->host syncs of the loop
-    beam: int = 0  # index of the beam the accepted drafts came from (best first)
-    depth: int = 0  # drafted depth verified (beam_length, or the controller's choice)
-    source: str = ""  # where the accepted drafts came from: "drafter" or "lookup" ("" if none)
-    # Phase times in seconds, measured only with profile=True (which adds syncs):
-    draft_time: float = 0.0  # beam search for the next step
-    pack_time: float = 0.0  # dedup + packing of this step's beams
-    verify_time: float = 0.0  # the LLM's tree forward
-    accept_time: float = 0.0  # acceptance (a needed KV-cache move runs lazily with the next verify)
-
-
-@dataclass
-class StepTokens:
-    tokens: List[int]
-    from_draft: List[bool]
-    stats: StepStats
 
 
 @dataclass
@@ -110,7 +84,9 @@ class DraftConfig:
     depth to verify each step, up to ``beam_length``. ``lookup`` adds that
     many lookup beams (``lookup_length`` tokens copied from the prompt and
     reply, :mod:`~mlx_redrafter.lookup`) to the drafter's beams; with no
-    drafter they are the only drafts.
+    drafter they are the only drafts. ``pipelined=False`` runs the
+    synchronous step loop where the pipelined one (pipeline.py) could run:
+    for comparisons; the tokens are the same.
     """
 
     drafter: object = None
@@ -120,6 +96,7 @@ class DraftConfig:
     controller: object = None
     lookup: int = 0
     lookup_length: int = LOOKUP_LENGTH
+    pipelined: bool = True  # False: the synchronous loop even where the pipelined one can run
 
     @property
     def drafting(self) -> bool:
@@ -154,22 +131,6 @@ def draft_shape(model_spec, drafter_path, beam_width: Optional[int] = None, beam
 
 
 # --------------------------------------------------------------------------- the step loop
-
-
-def _host(*arrays: mx.array) -> List[int]:
-    """The loop's one sync: read several int arrays in one transfer."""
-    flat = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in arrays])
-    return flat.tolist()
-
-
-def _prefill(backbone, head, cache, prompt: mx.array):
-    """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy)."""
-    for start in range(0, prompt.size - 1, PREFILL_STEP):
-        chunk = prompt[start : min(start + PREFILL_STEP, prompt.size - 1)]
-        backbone(chunk[None], cache=cache)
-        mx.eval([c.state for c in cache])
-    hidden = backbone(prompt[-1:][None], cache=cache)[0, -1]
-    return head(hidden), hidden
 
 
 class _DrafterBeams:
@@ -244,20 +205,25 @@ def redrafter_steps(
     """Yield the tokens of each step: the first one (from the prompt), then
     ``accepted drafts + the LLM's own next token`` per step. Endless; the
     caller stops it. ``history``: tokens before ``prompt`` (already in the
-    cache) that lookup drafts may copy from."""
+    cache) that lookup drafts may copy from. The pipelined loop
+    (pipeline.py) runs where it can (:func:`~mlx_redrafter.pipeline.can_pipeline`);
+    ``draft.pipelined=False`` forces this synchronous one."""
     sampling = sampling or SamplingConfig()
-    embed, backbone, head = model_parts(model)
     check_cache(cache)
+    if draft.pipelined and can_pipeline(cache, draft, profile):
+        yield from pipelined_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
+        return
+    embed, backbone, head = model_parts(model)
     if draft.lookup:
-        drafts = _JoinedBeams(embed, draft, list(history) + prompt.tolist())
+        drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
     else:
         drafts = _DrafterBeams(embed, draft)
 
     syncs = 0
     tic = time.perf_counter()
-    logits, context = _prefill(backbone, head, cache, prompt)
+    logits, context = prefill(backbone, head, cache, prompt)
     g0 = sample_first(logits, sampling)
-    vals = _host(g0, *drafts.start(context, g0))
+    vals = host_read(g0, *drafts.start(context, g0))
     syncs += 1
     g0_val = vals[0]
     beams, n_val, d_val = drafts.finish(vals[1:], [g0_val])
@@ -291,7 +257,7 @@ def redrafter_steps(
         g0 = acc.next_token
         pending = drafts.start(hidden[acc.last], g0)
         _lap(profile, times, "draft", tic, *pending)
-        vals = _host(acc.n, acc.beam, g0, acc.path, prev_beams[acc.beam], *pending)
+        vals = host_read(acc.n, acc.beam, g0, acc.path, prev_beams[acc.beam], *pending)
         syncs += 1
         n, beam, g0_val = vals[:3]
         path, row, rest = vals[3 : 4 + d_val], vals[4 + d_val : 4 + 2 * d_val], vals[4 + 2 * d_val :]

@@ -15,6 +15,7 @@ last token is padding. Padding is no node (it is not counted or packed), its
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -133,3 +134,76 @@ def ancestor_mask(node_index: mx.array, node_beam: mx.array, depth: mx.array) ->
     idx = mx.arange(n, dtype=mx.int32)
     mask = (along_beam == idx[None, :]) & (depth[None, :] <= depth[:, None])
     return mask | (idx[None, :] == 0)
+
+
+# --------------------------------------------------------------------------- unpacked trees
+
+
+@dataclass
+class Layout:
+    """A tree whose rows share no nodes: row ``r`` owns ``lengths[r]`` nodes.
+
+    The pipelined loop verifies these: their size (``1 + sum(lengths)``) is
+    known before the beams are, so the next verify can be built while the
+    current one runs. Shared prefixes are verified twice (each copy gets the
+    same logits), which costs compute but no sync. Nodes are row-major:
+    row ``r``'s token ``j`` is node ``1 + sum(lengths[:r]) + j``.
+    """
+
+    lengths: tuple
+    node_row: mx.array  # [N] row of each node after g0
+    node_pos: mx.array  # [N] position of each node in its row
+    node_index: mx.array  # [R, L] node of row r's token j (0 past the row's end)
+    depth: mx.array  # [N+1]
+    parent: mx.array  # [N+1]
+    mask: mx.array  # [N+1, N+1]
+
+    @property
+    def size(self) -> int:
+        return self.depth.shape[0]
+
+    def tree(self, beams: mx.array, g0: mx.array) -> Tree:
+        """The :class:`Tree` of ``beams [R, L]`` (PAD past each row's end) under ``g0``.
+
+        A PAD inside a row's length (a lookup draft that did not line up) is
+        fed to the model as token 0; acceptance never takes it.
+        """
+        nodes = beams[self.node_row, self.node_pos]
+        tokens = mx.concatenate([g0.reshape(1).astype(beams.dtype), mx.maximum(nodes, 0)])
+        return Tree(tokens, self.depth, self.parent, self.node_index, self.mask)
+
+
+@functools.lru_cache(maxsize=64)
+def layout(lengths: tuple) -> Layout:
+    """The :class:`Layout` of rows of these lengths (cached: the loop reuses a few)."""
+    import numpy as np
+
+    width, length = len(lengths), max(lengths)
+    node_index = np.zeros((width, length), np.int32)
+    rows, pos = [], []
+    for r, n in enumerate(lengths):
+        for j in range(n):
+            node_index[r, j] = 1 + len(rows)
+            rows.append(r)
+            pos.append(j)
+    depth = np.array([0] + [j + 1 for j in pos], np.int32)
+    parent = np.array([0] + [node_index[r, j - 1] if j else 0 for r, j in zip(rows, pos)], np.int32)
+    node_beam = mx.array([0] + rows, mx.int32)
+    ni, dep = mx.array(node_index), mx.array(depth)
+    return Layout(tuple(lengths), mx.array(rows, mx.int32), mx.array(pos, mx.int32), ni, dep, mx.array(parent),
+                  ancestor_mask(ni, node_beam, dep))
+
+
+def merged_parent(lay: Layout, beams: mx.array) -> mx.array:
+    """``[N+1]``: each node's parent in the merged tree of ``beams``.
+
+    In an unpacked tree a row that repeats an earlier row's prefix has its
+    own copies of those nodes; the sampling walk visits only the first row
+    to reach a prefix (:func:`unique_mask`), so a node's parent is the
+    first row's node at the depth above.
+    """
+    first = prefix_tree(beams)
+    canon = lay.node_index[first, mx.arange(beams.shape[1])[None, :]]
+    pos = lay.node_pos
+    parents = mx.where(pos > 0, canon[lay.node_row, mx.maximum(pos - 1, 0)], 0)
+    return mx.concatenate([mx.zeros((1,), mx.int32), parents.astype(mx.int32)])

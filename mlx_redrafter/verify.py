@@ -32,15 +32,24 @@ SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
 
 
 class TreeRoPE(nn.Module):
-    """Wraps a model's RoPE module; applies per-token positions while ``depth`` is set."""
+    """Wraps a model's RoPE module; applies per-token positions while a tree is verified.
+
+    ``_depth`` (set): token ``i`` sits at ``offset + depth[i]``, ``offset``
+    being the cache's. ``_base`` (set): positions count from this device
+    scalar instead of the cache's offset (the pipelined loop's cache holds
+    holes, so its offset is not the position).
+    """
 
     def __init__(self, rope: nn.Module):
         super().__init__()
         self.inner = rope
         self._depth: Optional[mx.array] = None
+        self._base: Optional[mx.array] = None
 
     def __call__(self, x, offset=0, **kwargs):
-        depth = self._depth
+        depth, base = self._depth, self._base
+        if base is not None:
+            offset = base
         if depth is None:
             return self.inner(x, offset=offset, **kwargs)
         B, H, L, D = x.shape
@@ -99,13 +108,21 @@ def cached_length(c) -> int:
     return c.offset
 
 
-def tree_attention_mask(tree_mask: mx.array, depth: mx.array, cached: int, window: Optional[int]) -> mx.array:
+def tree_attention_mask(
+    tree_mask: mx.array, depth: mx.array, cached: int, window: Optional[int], valid: Optional[mx.array] = None
+) -> mx.array:
     """``[N, cached + N]`` bool mask: every cached key, then the tree's ancestors-or-self.
 
     With a sliding ``window``, a key is visible only if its position is within
     ``window`` of the query's (as in mlx-lm's ``create_causal_mask``).
+    ``valid [cached]`` (the pipelined loop's cache, which holds holes): only
+    the cached keys marked valid are visible; windows are not supported then.
     """
     n = tree_mask.shape[0]
+    if valid is not None:
+        if window is not None:
+            raise RedrafterError("A cache with holes cannot serve a sliding-window layer.")
+        return mx.concatenate([mx.broadcast_to(valid[None], (n, cached)), tree_mask], axis=1)
     prefix = mx.ones((n, cached), dtype=mx.bool_)
     tree = tree_mask
     if window is not None:
@@ -117,25 +134,32 @@ def tree_attention_mask(tree_mask: mx.array, depth: mx.array, cached: int, windo
 
 
 @contextmanager
-def tree_hooks(model, cache, tree):
-    """Inside the block, a model call on ``tree.tokens`` runs as a tree."""
+def tree_hooks(model, cache, tree, base: Optional[mx.array] = None, valid: Optional[mx.array] = None,
+               chain: bool = False):
+    """Inside the block, a model call on ``tree.tokens`` runs as a tree.
+
+    ``base`` and ``valid`` (the pipelined loop): the position of ``g0`` as a
+    device scalar, and which cached rows are real tokens. ``chain=True`` (a
+    single path) gives consecutive positions from ``base`` without moving
+    the token axis.
+    """
     ropes = install_tree_hooks(model)
     patched = []
     try:
         for r in ropes:
-            r._depth = tree.depth
+            r._depth, r._base = (None if chain else tree.depth), base
         for c in cache:
-            cached = cached_length(c)
+            cached = c.offset if valid is not None else cached_length(c)
 
             def make_mask(N, return_array=False, window_size=None, _cached=cached):
-                return tree_attention_mask(tree.mask, tree.depth, _cached, window_size)
+                return tree_attention_mask(tree.mask, tree.depth, _cached, window_size, valid)
 
             c.make_mask = make_mask  # shadows the class method for this call only
             patched.append(c)
         yield
     finally:
         for r in ropes:
-            r._depth = None
+            r._depth = r._base = None
         for c in patched:
             del c.make_mask
 

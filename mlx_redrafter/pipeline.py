@@ -1,0 +1,260 @@
+"""The pipelined ReDrafter loop: step t+1 is queued before step t is read.
+
+The synchronous loop (generate.py) must read each step before it can build
+the next one: the next tree's size and the cache's length depend on what was
+accepted. Meanwhile the device idles while Python builds the next graph.
+Here every shape is known on the host a step ahead, so the loop works like
+mlx-lm's ``generate_step``: build step t+1, ``async_eval`` it, then read
+step t (the one sync per step), which has usually finished by then.
+
+* **Unpacked trees.** Each row (a drafter beam, a lookup draft) owns its
+  nodes (:class:`~mlx_redrafter.tree.Layout`), so a tree's size is
+  ``1 + sum(row lengths)``, known before the beams are.
+* **A cache with holes.** Every verified node's key and value row stays in
+  the cache; the rejected ones are holes, masked out by a validity vector
+  built on the device. Positions come from a device count of real tokens
+  (``TreeRoPE``'s base). Holes the host has read about are squeezed out when
+  they reach ``COMPACT_HOLES`` rows, and when the loop ends (so the caller
+  gets an ordinary cache back).
+* **Lookup one step late.** Lookup drafts are proposed from the tokens read
+  so far, one step longer than needed, and lined up on the device with what
+  the step in flight accepts; a draft that does not line up is padding.
+
+Used when every cache is a ``KVCache`` or ``QuantizedKVCache`` and neither
+the adaptive-depth controller nor profiling is on; otherwise the
+synchronous loop runs (generate.py). Exactness is the same: the verified
+logits of a node depend only on its real ancestors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, List, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from .accept import accept_greedy, accept_sampling, sample_first
+from .lookup import Lookup
+from .models import model_parts
+from .steps import StepStats, StepTokens, host_read, prefill
+from .tree import PAD, Tree, layout, merged_parent
+from .verify import install_tree_hooks, tree_hooks
+
+# Squeeze holes out of the cache once this many are known. Attention over a
+# hole costs a little every step; a compaction moves every cached row once.
+COMPACT_HOLES = 48
+PIPELINED_CACHES = (KVCache, QuantizedKVCache)
+
+
+def can_pipeline(cache, draft, profile: bool = False) -> bool:
+    """Whether :func:`pipelined_steps` can run this generation (else the
+    synchronous loop does): plain or quantized caches, no controller, no profiling."""
+    return not profile and draft.controller is None and all(type(c) in PIPELINED_CACHES for c in cache)
+
+
+@dataclass
+class _Queued:
+    """A step queued on the device. The host knows its shape, not its result."""
+
+    read: mx.array  # [n, beam, next token, path (depth + 1), accepted row (depth)]
+    g0: mx.array  # the LLM's own token after the accepted drafts: the next root
+    context: mx.array  # hidden state of the last accepted node
+    real: mx.array  # tokens in the cache once this step is kept (device scalar)
+    row: mx.array  # [depth] the row the accepted drafts come from
+    n: mx.array  # accepted drafts
+    depth: int  # longest row (0: a tree of g0 alone)
+    size: int  # tokens verified
+    drafter_rows: int  # rows past these are lookup rows
+
+
+class _HoleyCache:
+    """Host bookkeeping of a cache that keeps every verified row.
+
+    Rows ``[0, solid)`` are real tokens. ``flags`` say which rows after them
+    (of steps already read) are real; ``tail`` (device, bool) covers every
+    row after ``solid``, read or not.
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.solid = cache[0].offset
+        self.flags: List[bool] = []
+        self.unread: List[int] = []  # sizes of the steps queued but not read
+        self.tail = mx.zeros((0,), mx.bool_)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the cache may hold holes (then masks and positions need the device's view)."""
+        return not all(self.flags) or any(size > 1 for size in self.unread)
+
+    def valid(self) -> mx.array:
+        return mx.concatenate([mx.ones((self.solid,), mx.bool_), self.tail])
+
+    def append(self, size: int, kept: mx.array) -> None:
+        self.tail = mx.concatenate([self.tail, kept])
+        self.unread.append(size)
+
+    def settle(self, flags: List[bool]) -> None:
+        """The oldest unread step was read: ``flags`` say which of its rows are real."""
+        self.unread.pop(0)
+        self.flags += flags
+        if all(self.flags):  # nothing to squeeze: the read rows join the solid part
+            self.solid += len(self.flags)
+            self.tail = self.tail[len(self.flags) :]
+            self.flags = []
+        elif len(self.flags) - sum(self.flags) >= COMPACT_HOLES:
+            self.compact()
+
+    def compact(self, drop_unread: bool = False) -> None:
+        """Move the real rows of the read steps together (lazily); ``drop_unread``
+        also cuts off the rows of steps queued but not read (the loop ends)."""
+        unread = sum(self.unread)
+        keep = list(range(self.solid)) + [self.solid + i for i, f in enumerate(self.flags) if f]
+        solid = len(keep)
+        if not drop_unread:
+            end = self.solid + len(self.flags)
+            keep += list(range(end, end + unread))
+        if len(keep) < self.cache[0].offset - (unread if drop_unread else 0) or drop_unread:
+            idx = mx.array(keep, mx.int32)
+            for c in self.cache:
+                if isinstance(c, QuantizedKVCache):
+                    c.keys = tuple(mx.take(a, idx, axis=2) for a in c.keys)
+                    c.values = tuple(mx.take(a, idx, axis=2) for a in c.values)
+                else:
+                    c.keys, c.values = mx.take(c.keys, idx, axis=2), mx.take(c.values, idx, axis=2)
+                c.offset = len(keep)
+        self.tail = mx.zeros((0,), mx.bool_) if drop_unread else self.tail[len(self.flags) :]
+        self.solid, self.flags = solid, []
+        if drop_unread:
+            self.unread = []
+
+
+def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
+    """Lookup drafts proposed one step late, lined up with the step in flight.
+
+    ``proposals [K, P]`` continue the history the host has read; the step in
+    flight emits ``row[:n]`` then ``g0``. A proposal that starts with those
+    tokens yields its next ``length`` tokens; one that does not is all
+    ``PAD`` (verified, never accepted). ``P`` is ``len(row) + 1 + length``.
+    """
+    d = row.shape[0]
+    idx = mx.arange(d + 1)
+    emitted = mx.where(idx == n, g0, mx.concatenate([row, mx.zeros((1,), row.dtype)]))
+    same = (proposals[:, : d + 1] == emitted[None]) | (idx > n)[None]
+    rest = mx.take(proposals, n + 1 + mx.arange(length), axis=1)
+    return mx.where(same.all(axis=1, keepdims=True), rest, PAD)
+
+
+class _Pipeline:
+    def __init__(self, model, cache, draft, sampling, history: List[int]):
+        self.model, self.cache, self.cfg, self.sampling = model, cache, draft, sampling
+        self.embed, self.backbone, self.head = model_parts(model)
+        self.lookup = Lookup(history) if draft.lookup else None
+        self.kv = None  # set after the prefill
+
+    def rows(self, prev: _Queued):
+        """The next step's rows (lazy) and their lengths (host)."""
+        cfg, parts, lengths = self.cfg, [], []
+        if cfg.drafter is not None:
+            b = cfg.drafter.draft(self.embed, prev.context, prev.g0, cfg.beam_width, cfg.beam_length, warp=cfg.warp)
+            parts.append(b.tokens)
+            lengths += [cfg.beam_length] * cfg.beam_width
+        if self.lookup is not None:
+            proposals = self.lookup.propose(cfg.lookup_length + prev.depth + 1, cfg.lookup)
+            if proposals:
+                parts.append(line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length))
+                lengths += [cfg.lookup_length] * len(proposals)
+        return parts, lengths
+
+    def queue(self, prev: _Queued) -> _Queued:
+        """Build the step after ``prev`` (lazily)."""
+        parts, lengths = self.rows(prev)
+        drafter_rows = self.cfg.beam_width if self.cfg.drafter is not None else 0
+        if not lengths:
+            return self._queue_g0(prev, drafter_rows)
+        depth = max(lengths)
+        beams = mx.concatenate([mx.pad(p, [(0, 0), (0, depth - p.shape[1])], constant_values=PAD) for p in parts])
+        lay = layout(tuple(lengths))
+        tree = lay.tree(beams, prev.g0)
+        hidden = self._forward(tree, prev.real, chain=len(lengths) == 1)
+        logits = self.head(hidden)
+        if self.sampling.greedy:
+            acc = accept_greedy(beams, lay.node_index, logits)
+        else:
+            merged = Tree(tree.tokens, tree.depth, merged_parent(lay, beams), lay.node_index, tree.mask)
+            acc = accept_sampling(beams, merged, logits, self.sampling)
+        on_path = mx.arange(depth + 1) <= acc.n
+        kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
+        self.kv.append(lay.size, kept)
+        row = beams[acc.beam]
+        read = mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, row])
+        return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size,
+                       drafter_rows)
+
+    def _queue_g0(self, prev: _Queued, drafter_rows: int) -> _Queued:
+        """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
+        one = Tree(prev.g0.reshape(1), mx.zeros((1,), mx.int32), None, None, mx.ones((1, 1), mx.bool_))
+        hidden = self._forward(one, prev.real, chain=True)
+        g0 = sample_first(self.head(hidden)[0], self.sampling)
+        self.kv.append(1, mx.ones((1,), mx.bool_))
+        zero = mx.zeros((1,), mx.int32)
+        read = mx.concatenate([zero, zero, g0.reshape(1), zero])
+        return _Queued(read, g0, hidden[0], prev.real + 1, zero[:0], zero[0], 0, 1, drafter_rows)
+
+    def _forward(self, tree: Tree, base: mx.array, chain: bool) -> mx.array:
+        """``hidden [N, h]`` of the tree. A cache without holes needs no device
+        positions, and a chain without holes is the model's own causal call."""
+        tokens = tree.tokens[None]
+        if self.kv.dirty:
+            with tree_hooks(self.model, self.cache, tree, base=base, valid=self.kv.valid(), chain=chain):
+                return self.backbone(tokens, cache=self.cache)[0]
+        if chain:
+            return self.backbone(tokens, cache=self.cache)[0]
+        with tree_hooks(self.model, self.cache, tree):
+            return self.backbone(tokens, cache=self.cache)[0]
+
+
+def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+    """:func:`~mlx_redrafter.generate.redrafter_steps`, pipelined (see the module doc)."""
+    install_tree_hooks(model)  # refuses unsupported positions before any work
+    pipe = _Pipeline(model, cache, draft, sampling, list(history) + host_read(prompt))
+    tic = time.perf_counter()
+    logits, context = prefill(pipe.backbone, pipe.head, cache, prompt)
+    pipe.kv = _HoleyCache(cache)
+    g0 = sample_first(logits, sampling)
+    zero = mx.array(0, mx.int32)
+    queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1, 0)
+    try:
+        # Read g0 before queueing step 1: a read queued behind a step waits for it.
+        g0_val = host_read(g0)[0]
+        syncs = 1
+        queued = pipe.queue(queued)
+        mx.async_eval(queued.read)
+        if pipe.lookup is not None:
+            pipe.lookup.extend([g0_val])
+        yield StepTokens([g0_val], [False], StepStats(0, 0, 1, time.perf_counter() - tic, syncs))
+        step = 0
+        while True:
+            step += 1
+            tic = time.perf_counter()
+            following = pipe.queue(queued)
+            mx.async_eval(following.read)
+            vals = host_read(queued.read)
+            syncs += 1
+            d = queued.depth
+            n, beam, g0_val = vals[:3]
+            path, row = vals[3 : 4 + d], vals[4 + d : 4 + 2 * d]
+            kept = set(path[: n + 1])
+            pipe.kv.settle([i in kept for i in range(queued.size)])
+            emitted = row[:n] + [g0_val]
+            if pipe.lookup is not None:
+                pipe.lookup.extend(emitted)
+            source = ("drafter" if beam < queued.drafter_rows else "lookup") if n else ""
+            stats = StepStats(step, n, queued.size, time.perf_counter() - tic, syncs, beam, d, source=source)
+            yield StepTokens(emitted, [True] * n + [False], stats)
+            queued = following
+    finally:
+        if pipe.kv is not None:
+            pipe.kv.compact(drop_unread=True)
