@@ -5,8 +5,9 @@
 
 Four modes on the same prompts, in one run: ``plain`` (mlx-lm decoding),
 ``drafter`` (the shipped drafter, lookup off), ``lookup`` (no drafter,
-lookup drafts only) and ``merged`` (the drafter's beams and lookup beams in
-one tree). Groups: MT-Bench first turns, the Spec-Bench tasks
+lookup drafts only), ``merged`` (the drafter's beams and lookup beams in
+one tree: the default) and ``merged_sync`` (the same in the synchronous step
+loop, ``DraftConfig(pipelined=False)``, the loop before pipeline.py). Groups: MT-Bench first turns, the Spec-Bench tasks
 (summarization, rag, translation, qa, math_reasoning) and a copy-heavy task
 (rewrite a given paragraph with one change, prompts below). Greedy; every
 mode's tokens are checked against plain decoding. The modes rotate their
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Dict, List
 
 BENCH_DIR = Path(__file__).resolve().parent
-MODES = ("plain", "drafter", "lookup", "merged")
+MODES = ("plain", "drafter", "lookup", "merged", "merged_sync")
 SPEC_TASKS = ("summarization", "rag", "translation", "qa", "math_reasoning")
 
 PARAGRAPHS = [
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
         "drafter": DraftConfig(drafter, W, L),
         "lookup": DraftConfig(lookup=a.lookup, lookup_length=K),
         "merged": DraftConfig(drafter, W, L, lookup=a.lookup, lookup_length=K),
+        "merged_sync": DraftConfig(drafter, W, L, lookup=a.lookup, lookup_length=K, pipelined=False),
     }
 
     def run(mode, prompt, max_tokens):

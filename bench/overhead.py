@@ -2,7 +2,8 @@
 
 For each draft shape the step is timed in both loops, the synchronous one
 (``DraftConfig(pipelined=False)``: read step t, then build step t+1) and the
-pipelined one (build step t+1, then read step t; pipeline.py), without
+pipelined one (build step t+1, then read step t; pipeline.py, here even for
+the wide trees it leaves to the synchronous loop by default), without
 profiling syncs, and split into phases by a third, profiled run of the
 synchronous loop (``profile=True`` adds a sync per phase). Shapes:
 
@@ -31,8 +32,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm import stream_generate as mlx_stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_redrafter import load_model
+from mlx_redrafter import load_model, pipeline
 from mlx_redrafter.doctor import report
 from mlx_redrafter.drafter import Drafter, DrafterConfig, load_drafter
 from mlx_redrafter.generate import DraftConfig
@@ -75,10 +77,22 @@ def time_steps(model, ids, draft, n, profile=False):
     return run, s
 
 
+@contextmanager
+def always_pipelined():
+    """The pipelined loop even for trees it leaves to the synchronous one (pipeline.MAX_SHARED_NODES)."""
+    limit = pipeline.MAX_SHARED_NODES
+    pipeline.MAX_SHARED_NODES = 10**9
+    try:
+        yield
+    finally:
+        pipeline.MAX_SHARED_NODES = limit
+
+
 def row(model, ids, draft, n):
-    out = {}
+    out = {"default_loop": "pipelined" if pipeline.can_pipeline(make_prompt_cache(model), draft) else "sync"}
     for name, pipelined in (("sync", False), ("pipelined", True)):
-        run, s = time_steps(model, ids, DraftConfig(**{**draft.__dict__, "pipelined": pipelined}), n)
+        with always_pipelined():
+            run, s = time_steps(model, ids, DraftConfig(**{**draft.__dict__, "pipelined": pipelined}), n)
         out[f"{name}_step_ms"] = med([x.step_time for x in s])
         out[f"{name}_ms_per_token"] = 1000 * run.decode_time / max(run.decode_tokens, 1)
         out[f"{name}_tokens_per_step"] = float(np.mean([1 + x.accepted for x in s]))
@@ -121,13 +135,13 @@ def main():
     base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
     plain = float(np.mean(base))
     print(f"plain mlx-lm decoding: {plain:.1f} ms/token (runs: {', '.join(f'{b:.1f}' for b in base)})")
-    print("| drafter | shape | tree | step / plain, sync | step / plain, pipelined | tokens/step | "
+    print("| drafter | shape | default loop | tree | step / plain, sync | step / plain, pipelined | tokens/step | "
           "token ms / plain, sync | token ms / plain, pipelined | draft | pack | verify | accept | other (ms, profiled sync) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         other = r["profiled_step_ms"] - sum(r[f"{p}_ms"] for p in ("draft", "pack", "verify", "accept"))
         print(
-            f"| {r['drafter']} | {r['shape']} | {r['tree_size']:.1f} | {r['sync_step_ms'] / plain:.2f} | "
+            f"| {r['drafter']} | {r['shape']} | {r['default_loop']} | {r['tree_size']:.1f} | {r['sync_step_ms'] / plain:.2f} | "
             f"{r['pipelined_step_ms'] / plain:.2f} | {r['pipelined_tokens_per_step']:.2f} | "
             f"{r['sync_ms_per_token'] / plain:.2f} | {r['pipelined_ms_per_token'] / plain:.2f} | "
             f"{r['draft_ms']:.1f} | {r['pack_ms']:.1f} | {r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {other:.1f} |"

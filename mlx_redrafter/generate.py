@@ -240,6 +240,7 @@ def redrafter_steps(
             # Nothing drafted (lookup only, no match): a plain one-token step.
             logits, hidden, acc = _plain_step(backbone, head, cache, g0, d_val, sampling)
             tree_size = 1
+            _lap(profile, times, "verify", tic, logits, hidden)
         else:
             tree = pack(beams, n_val, g0, padded=drafts.padded)
             tree_size = tree.size

@@ -20,8 +20,9 @@ step t (the one sync per step), which has usually finished by then.
   so far, one step longer than needed, and lined up on the device with what
   the step in flight accepts; a draft that does not line up is padding.
 
-Used when every cache is a ``KVCache`` or ``QuantizedKVCache`` and neither
-the adaptive-depth controller nor profiling is on; otherwise the
+Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
+the adaptive-depth controller nor profiling is on, and the drafter's tree
+is small or shares no prefixes (:func:`can_pipeline`); otherwise the
 synchronous loop runs (generate.py). Exactness is the same: the verified
 logits of a node depend only on its real ancestors.
 """
@@ -46,12 +47,22 @@ from .verify import install_tree_hooks, tree_hooks
 # hole costs a little every step; a compaction moves every cached row once.
 COMPACT_HOLES = 48
 PIPELINED_CACHES = (KVCache, QuantizedKVCache)
+# Wide and deep drafter trees whose beams share prefixes verify fewer nodes
+# packed: past this many drafter nodes (W x L) the synchronous loop, which
+# packs them, measured faster (bench/RESULTS.md section 11: W=2 L=3 is faster
+# pipelined, W=4 L=5 synchronous).
+MAX_SHARED_NODES = 8
 
 
 def can_pipeline(cache, draft, profile: bool = False) -> bool:
-    """Whether :func:`pipelined_steps` can run this generation (else the
-    synchronous loop does): plain or quantized caches, no controller, no profiling."""
-    return not profile and draft.controller is None and all(type(c) in PIPELINED_CACHES for c in cache)
+    """Whether :func:`pipelined_steps` runs this generation (else the
+    synchronous loop does): plain or quantized caches, no controller, no
+    profiling, and drafter beams that share few prefixes (see ``MAX_SHARED_NODES``)."""
+    if profile or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in cache):
+        return False
+    w, length = draft.beam_width, draft.beam_length
+    # Beams of one token, or a single beam, share no prefix: nothing to dedup.
+    return draft.drafter is None or w == 1 or length == 1 or w * length <= MAX_SHARED_NODES
 
 
 @dataclass

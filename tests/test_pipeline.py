@@ -41,7 +41,7 @@ def both(draft):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
-@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (2, 3), (4, 5)], ids=lambda s: f"W{s[0]}L{s[1]}")
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (2, 3), (1, 5)], ids=lambda s: f"W{s[0]}L{s[1]}")
 @pytest.mark.parametrize("lookup", [0, 1])
 def test_pipelined_equals_synchronous_and_plain(kind, shape, lookup):
     model = tiny_model(kind)
@@ -125,7 +125,7 @@ def test_compaction_during_a_long_run(monkeypatch):
     model = tiny_model("qwen3")
     p = prompts(2)[1]
     ref, _ = generate_tokens(model, p, max_tokens=40)
-    got, stats, cache = run_steps(model, p, DraftConfig(OracleDrafter(model, p, 40, 3), 3, 3), n=40)
+    got, stats, cache = run_steps(model, p, DraftConfig(OracleDrafter(model, p, 40, 3), 2, 3), n=40)
     assert got == ref
     assert cache[0].offset == len(p) + sum(1 + s.accepted for s in stats[1:])
     assert len(calls) > 3 and calls[-1] == {"drop_unread": True}
@@ -141,6 +141,10 @@ def test_the_synchronous_loop_serves_what_cannot_pipeline():
     rotating = [RotatingKVCache(max_size=64) for _ in plain]
     assert not can_pipeline(rotating, DraftConfig(d))
     assert can_pipeline([QuantizedKVCache() for _ in plain], DraftConfig(d))
+    # Wide, deep beams share prefixes: packed (synchronous) verifies fewer nodes.
+    assert not can_pipeline(plain, DraftConfig(d, 4, 5))
+    assert can_pipeline(plain, DraftConfig(d, 1, 5)) and can_pipeline(plain, DraftConfig(d, 6, 1))
+    assert can_pipeline(plain, DraftConfig(None, 4, 5, lookup=1))
     # Gemma's sliding-window layers have rotating caches: the synchronous loop, still exact.
     gemma = tiny_model("gemma3_text")
     p = prompts(1)[0]
