@@ -15,6 +15,8 @@ synchronous loop (``profile=True`` adds a sync per phase). Shapes:
 
 Plain decoding (mlx-lm's ``stream_generate`` on the same model object and
 templated prompt) is timed before and after the grid; ratios use the mean.
+The LLM's forward alone over 1, 2, 3, 7 and 15 tokens, pipelined, gives
+the floor under a step that verifies that many tokens.
 Step times are medians over the steps after the first two.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 \\
@@ -54,6 +56,35 @@ def plain_ms_per_token(model, tok, prompt, n):
         else:
             count += 1
     return 1000 * (time.perf_counter() - tic) / max(count, 1)
+
+
+def forward_ms(model, ids, n_tokens, steps):
+    """Median ms of the LLM's own forward over ``n_tokens`` tokens after the
+    prompt, pipelined like mlx-lm (the next call queued before the last is
+    read), the cache growing by one token per call: the floor under a step
+    that verifies a tree of that size on this machine."""
+    cache = make_prompt_cache(model)
+    prompt = mx.array(ids, mx.int32)
+    model(prompt[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    tokens = mx.zeros((1, n_tokens), mx.int32)
+
+    def call():
+        out = mx.argmax(model(tokens, cache=cache)[0, -1]).reshape(1)
+        for c in cache:
+            c.trim(n_tokens - 1)
+        return out
+
+    times, pending = [], call()
+    mx.async_eval(pending)
+    for _ in range(steps):
+        tic = time.perf_counter()
+        following = call()
+        mx.async_eval(following)
+        pending.tolist()
+        pending = following
+        times.append(time.perf_counter() - tic)
+    return med(times[2:])
 
 
 @contextmanager
@@ -132,8 +163,15 @@ def main():
                          **row(model, ids, DraftConfig(d, w, l), args.tokens)})
     rows.append({"drafter": "shipped", "W": 2, "L": 1, "shape": "default: W=2 L=1 + lookup",
                  **row(model, ids, DraftConfig(shipped, 2, 1, lookup=1), args.tokens)})
+    floors = {n: forward_ms(model, ids, n, args.tokens) for n in (1, 2, 3, 7, 15)}
     base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
     plain = float(np.mean(base))
+    print("The LLM's forward alone, pipelined, per tree size (the floor under a step of that size):")
+    print("| tokens | ms | / plain decoding step |")
+    print("|---|---|---|")
+    for n, ms in floors.items():
+        print(f"| {n} | {ms:.1f} | {ms / plain:.2f} |")
+    print()
     print(f"plain mlx-lm decoding: {plain:.1f} ms/token (runs: {', '.join(f'{b:.1f}' for b in base)})")
     print("| drafter | shape | default loop | tree | step / plain, sync | step / plain, pipelined | tokens/step | "
           "token ms / plain, sync | token ms / plain, pipelined | draft | pack | verify | accept | other (ms, profiled sync) |")
@@ -149,7 +187,7 @@ def main():
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"machine": report(), "plain_ms_per_token": base, "rows": rows}, f, indent=1)
+            json.dump({"machine": report(), "plain_ms_per_token": base, "forward_ms": floors, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -378,7 +378,7 @@ def sweep(
     baseline_every: int = typer.Option(4, "--baseline-every", help="Measure plain decoding again after every k cells."),
     save_profile: bool = typer.Option(False, "--save-profile", help="Store the best (W, L) for this device + model + drafter; generate and chat use it."),
     memory_limit: Optional[float] = typer.Option(None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."),
-    profile: bool = typer.Option(True, "--profile/--no-profile", help="Split each step into draft / pack / verify / accept (a few extra syncs)."),
+    profile: bool = typer.Option(False, "--profile/--no-profile", help="Split each step into draft / pack / verify / accept: a sync per phase, in the synchronous step loop, so the speedups are that loop's."),
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the results in --out."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every run (0 = greedy)."),
     top_p: float = typer.Option(0.0, "--top-p"),

@@ -8,6 +8,11 @@ shape). Lookup beams (n-gram matches in the prompt and reply, lookup.py)
 join the drafter's beams on the host after that sync, or replace them when
 there is no drafter. With neither, tokens come from mlx-lm's own
 ``generate_step``.
+
+This synchronous loop serves what the pipelined one (pipeline.py, the
+default) does not: the adaptive-depth controller, profiling, rotating
+(sliding-window) caches and wide, deep drafter trees; and any run with
+``DraftConfig(pipelined=False)``.
 """
 
 from __future__ import annotations
