@@ -96,3 +96,69 @@ def join_beams(drafted: List[List[int]], proposals: List[List[int]], k: int) -> 
     rows += [filler] * (len(drafted) + k - len(rows))
     length = max(len(r) for r in rows)
     return [r + [PAD] * (length - len(r)) for r in rows]
+
+
+class DeviceLookup:
+    """:class:`Lookup`'s first draft (``k = 1``), computed on the device.
+
+    The pipelined loop appends each step's accepted tokens while that step
+    is still in flight, so the next step's lookup draft continues the
+    freshest history without a sync. The history lives in a buffer whose
+    length is a device scalar; the host only tracks an upper bound, to grow
+    the buffer (in ``GROW``-token chunks) before a write could pass its end.
+    Every op has a static shape; the draft is ``PAD`` where nothing matches.
+    """
+
+    GROW = 512
+
+    def __init__(self, tokens: Iterable[int], n_max: int = N_MAX, n_min: int = N_MIN):
+        import mlx.core as mx
+
+        tokens = [int(t) for t in tokens]
+        self.n_max, self.n_min = n_max, n_min
+        self.bound = len(tokens)  # host upper bound of the device length
+        self.buf = mx.array(tokens + [0] * (self._capacity(self.bound) - len(tokens)), dtype=mx.int32)
+        self.length = mx.array(len(tokens), dtype=mx.int32)
+
+    def _capacity(self, need: int) -> int:
+        return (need // self.GROW + 1) * self.GROW
+
+    def append(self, row, n, last, room: int) -> None:
+        """Append ``row[:n]`` then ``last`` (lazy; ``row [room - 1]``)."""
+        import mlx.core as mx
+
+        if self.bound + room > self.buf.shape[0]:
+            extra = self._capacity(self.bound + room) - self.buf.shape[0]
+            self.buf = mx.concatenate([self.buf, mx.zeros((extra,), mx.int32)])
+        idx = mx.arange(room)
+        tokens = mx.where(idx == n, last, mx.concatenate([row.astype(mx.int32), mx.zeros((1,), mx.int32)]))
+        self.buf = mx.slice_update(self.buf, tokens, self.length.reshape(1), axes=(0,))
+        self.length = self.length + n + 1
+        self.bound += room
+
+    def settle(self, exact: int, unread_room: int) -> None:
+        """The host read the length up to ``exact``; ``unread_room`` more may follow."""
+        self.bound = exact + unread_room
+
+    def propose(self, length: int):
+        """``[length]``: the tokens after the latest earlier occurrence of the
+        longest suffix (``n_max`` down to ``n_min``), repeating past the end
+        of the history like :meth:`Lookup.continuation`; all ``PAD`` if none."""
+        import mlx.core as mx
+
+        buf, size = self.buf, self.buf.shape[0]
+        start = mx.array(-1, mx.int32)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            suffix = mx.take(buf, mx.maximum(self.length - n + mx.arange(n), 0))
+            windows = size - n + 1
+            match = buf[:windows] == suffix[0]
+            for k in range(1, n):
+                match = match & (buf[k : windows + k] == suffix[k])
+            pos = mx.arange(windows, dtype=mx.int32)
+            # An occurrence counts once the token after it exists, before the suffix itself.
+            ok = match & (pos + n <= self.length - 1) & (self.length >= n)
+            found = mx.max(mx.where(ok, pos + n, -1))
+            start = mx.where(start >= 0, start, found)
+        period = mx.maximum(self.length - start, 1)
+        tokens = mx.take(buf, mx.maximum(start, 0) + mx.arange(length) % period)
+        return mx.where(start >= 0, tokens, PAD)

@@ -16,9 +16,14 @@ step t (the one sync per step), which has usually finished by then.
   (``TreeRoPE``'s base). Holes the host has read about are squeezed out when
   they reach ``COMPACT_HOLES`` rows, and when the loop ends (so the caller
   gets an ordinary cache back).
-* **Lookup one step late.** Lookup drafts are proposed from the tokens read
-  so far, one step longer than needed, and lined up on the device with what
-  the step in flight accepts; a draft that does not line up is padding.
+* **Lookup on the device.** One lookup draft (the default) is proposed on
+  the device (:class:`~mlx_redrafter.lookup.DeviceLookup`) from a history
+  that each queued step extends with its accepted tokens, so it is as fresh
+  as in the synchronous loop. Whether a step verifies a lookup row at all is
+  decided on the host from the tokens read so far (a row costs its tokens'
+  compute even when it matches nothing). More lookup drafts are proposed on
+  the host, one step longer than needed, and lined up on the device with
+  what the step in flight accepts; a draft that does not line up is padding.
 
 Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
 the adaptive-depth controller nor profiling is on, and the drafter's tree
@@ -37,7 +42,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .accept import accept_greedy, accept_sampling, sample_first
-from .lookup import Lookup
+from .lookup import DeviceLookup, Lookup
 from .models import model_parts
 from .steps import StepStats, StepTokens, host_read, prefill
 from .tree import PAD, Tree, layout, merged_parent
@@ -163,6 +168,9 @@ class _Pipeline:
         self.model, self.cache, self.cfg, self.sampling = model, cache, draft, sampling
         self.embed, self.backbone, self.head = model_parts(model)
         self.lookup = Lookup(history) if draft.lookup else None
+        # One lookup draft (the default) is proposed on the device from the
+        # freshest history; more come from the host, one step late.
+        self.fresh = DeviceLookup(history) if draft.lookup == 1 else None
         self.kv = None  # set after the prefill
 
     def rows(self, prev: _Queued):
@@ -172,11 +180,17 @@ class _Pipeline:
             b = cfg.drafter.draft(self.embed, prev.context, prev.g0, cfg.beam_width, cfg.beam_length, warp=cfg.warp)
             parts.append(b.tokens)
             lengths += [cfg.beam_length] * cfg.beam_width
+        if self.fresh is not None:
+            self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
         if self.lookup is not None:
+            # Whether to verify lookup rows is decided from what the host has
+            # read (a row costs its tokens' compute even when it matches nothing).
             proposals = self.lookup.propose(cfg.lookup_length + prev.depth + 1, cfg.lookup)
-            if proposals:
+            if proposals and self.fresh is not None:
+                parts.append(self.fresh.propose(cfg.lookup_length)[None])
+            elif proposals:
                 parts.append(line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length))
-                lengths += [cfg.lookup_length] * len(proposals)
+            lengths += [cfg.lookup_length] * (1 if self.fresh is not None and proposals else len(proposals))
         return parts, lengths
 
     def queue(self, prev: _Queued) -> _Queued:
@@ -262,6 +276,8 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             emitted = row[:n] + [g0_val]
             if pipe.lookup is not None:
                 pipe.lookup.extend(emitted)
+            if pipe.fresh is not None:
+                pipe.fresh.settle(len(pipe.lookup.history), 0)
             source = ("drafter" if beam < queued.drafter_rows else "lookup") if n else ""
             stats = StepStats(step, n, queued.size, time.perf_counter() - tic, syncs, beam, d, source=source)
             yield StepTokens(emitted, [True] * n + [False], stats)

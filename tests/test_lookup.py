@@ -259,3 +259,31 @@ def test_lookup_history_is_copied_from():
     assert out == ref and accepted >= 20
     out, accepted = run(())
     assert out == ref and accepted < 20
+
+
+def test_device_lookup_equals_the_host_proposer():
+    """DeviceLookup's draft equals Lookup's first, on random histories
+    appended in chunks (with padding after each chunk, as the loop writes)."""
+    import random
+
+    import mlx.core as mx
+
+    from mlx_redrafter.lookup import DeviceLookup
+    from mlx_redrafter.tree import PAD
+
+    rng = random.Random(0)
+    for _ in range(150):
+        vocab = rng.choice([3, 5, 20])
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        head, rest = history[:5], history[5:]
+        dev = DeviceLookup(head)
+        dev.GROW = 8  # grow the buffer often
+        room = 5
+        while rest:
+            k = rng.randint(1, room)
+            chunk, rest = rest[:k], rest[k:]
+            row = mx.array(chunk[:-1] + [99] * (room - len(chunk)))  # 99: junk after the accepted tokens
+            dev.append(row, mx.array(len(chunk) - 1), mx.array(chunk[-1]), room)
+        length = rng.randint(1, 6)
+        want = Lookup(history).propose(length)
+        assert dev.propose(length).tolist() == (want[0] if want else [PAD] * length), history

@@ -235,7 +235,7 @@ def expected_matrix(results: dict, key: str, widths, lengths) -> np.ndarray:
 def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter):
     from PIL import Image
 
-    cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=10, baseline_every=2)
+    cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=10, baseline_every=2, profile=True)
     ps = random_prompts(2)
     events = []
     results = sw.run_sweep(model, ps, drafter, cfg, tmp_path, {"model": "tiny"},
@@ -329,7 +329,8 @@ def test_sweep_metrics_with_accepting_drafter(tmp_path, model):
     metrics are not trivial and must agree with each other."""
     prompt = random_prompts(1)[0]
     oracle = OracleDrafter(model, prompt, max_tokens=16, length=3)
-    cfg = sw.SweepConfig([1, 2], [3], max_tokens=16, baseline_every=4)
+    # Profiled: the synchronous loop, which packs the beams' shared prefixes.
+    cfg = sw.SweepConfig([1, 2], [3], max_tokens=16, baseline_every=4, profile=True)
     results = sw.run_sweep(model, [prompt], oracle, cfg, tmp_path)
     for c in results["cells"]:
         acc = c["acceptance_by_depth"]
@@ -339,6 +340,10 @@ def test_sweep_metrics_with_accepting_drafter(tmp_path, model):
         assert 1 < c["tokens_per_step"] <= 1 + sum(acc) + 1e-9
     wide = results["cells"][1]
     assert wide["compression"] < 1  # the oracle's beams share prefixes: dedup packs them
+    # Unprofiled, the pipelined loop verifies every beam's own nodes.
+    cfg = sw.SweepConfig([2], [3], max_tokens=16, baseline_every=4)
+    wide = sw.run_sweep(model, [prompt], oracle, cfg, tmp_path / "pipelined")["cells"][0]
+    assert wide["compression"] == 1 and wide["identical_outputs"] == 1
 
 
 def test_sweep_resumes_without_redoing_cells(tmp_path, model, drafter, monkeypatch):
