@@ -57,7 +57,7 @@ def main():
         log = [json.loads(line) for line in open(folder / "train_log.jsonl")]
         last = [r for r in log if "eval_acc" in r][-1]
         d = load_drafter(folder)
-        ctx = mx.random.normal((model.args.hidden_size,))
+        ctx = mx.random.normal((d.context_size,))
         cost = draft_step_cost(d.config).macs / decode_step_cost(model).macs
         rows.append({
             "head": name, "params_M": d.num_params() / 1e6, "steps": last["step"],

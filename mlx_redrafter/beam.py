@@ -72,6 +72,7 @@ def beam_search(
     """
     if width < 1 or length < 1:
         raise ValueError(f"beam width and length must be >= 1 (got W={width}, L={length})")
+    context = drafter.context(context)  # fuses intermediate-layer features, when the drafter has them
     tokens = mx.broadcast_to(g0.reshape(1).astype(mx.int32), (width,))
     state = mx.zeros((width, context.shape[-1]), dtype=context.dtype)
     scores = mx.array([0.0] + [NEG] * (width - 1), dtype=mx.float32)

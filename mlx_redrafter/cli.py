@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -139,6 +140,23 @@ TRAIN_PRESETS = {
 }
 
 
+def _feature_layers(spec: str, model: str) -> list:
+    """``--feature-layers``: 'none', 'default' or comma-separated layer indices."""
+    spec = spec.strip().lower()
+    if spec in ("", "none"):
+        return []
+    if spec == "default":
+        from .features import default_feature_layers
+        from .models import resolve_model_path
+
+        config = json.loads((resolve_model_path(model) / "config.json").read_text())
+        return default_feature_layers(int(config["num_hidden_layers"]))
+    try:
+        return sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise RedrafterError(f"--feature-layers {spec!r} is not 'none', 'default' or a list like 2,15.") from None
+
+
 @app.command()
 def distill(
     model: str = ModelOpt,
@@ -153,6 +171,9 @@ def distill(
     system: Optional[str] = typer.Option(None, "--system"),
     seed: int = typer.Option(0, "--seed"),
     stop_loops: int = typer.Option(12, "--stop-loops", help="End a reply after N tokens in a row that repeat its own text (0 = never)."),
+    top_k: int = typer.Option(16, "--top-k", help="Keep the LLM's top-k probabilities per token as soft targets (0 = none)."),
+    feature_layers: str = typer.Option("none", "--feature-layers", help="Also keep these layers' hidden states for feature fusion: 'none', 'default' (a low and a middle layer) or indices like 2,15."),
+    prompt_positions: bool = typer.Option(True, "--prompt-positions/--no-prompt-positions", help="Also keep the prompts' positions (computed by the prefill anyway; needs --top-k for their labels)."),
 ):
     """Answer training prompts with the LLM (greedy) and keep its tokens and hidden states."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -163,11 +184,15 @@ def distill(
 
     if turns < 1 or batch_size < 1 or max_new_tokens < 1:
         raise RedrafterError("--turns, --batch-size and --max-new-tokens must be at least 1.")
+    if not 0 <= top_k <= 256:
+        raise RedrafterError(f"--top-k must be between 0 and 256 (got {top_k}).")
+    layers = _feature_layers(feature_layers, model)
     prompts = prompts or default_training_prompts()
     if prompts is None:
         raise RedrafterError("No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).", "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
     cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations,
-                        system=system, seed=seed, stop_loops=stop_loops)
+                        system=system, seed=seed, stop_loops=stop_loops, top_k=top_k, feature_layers=layers,
+                        prompt_positions=prompt_positions and top_k > 0)
     w = world()
     if w.size > 1:  # under mlx.launch: rank 0 shows the bar, every rank says where it is
         err.print(f"{w.label}: distilling its share of the prompts into {out}")
@@ -220,6 +245,10 @@ def train(
     checkpoint_every: int = typer.Option(500, "--checkpoint-every"),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint."),
     seed: int = typer.Option(0, "--seed"),
+    soft_weight: float = typer.Option(1.0, "--soft-weight", help="Weight of the KL to the LLM's top-k probabilities, when the data holds them (0 = hard labels only)."),
+    depth_decay: float = typer.Option(0.8, "--depth-decay", help="Loss weight of depth d is DECAY**d (1 = equal weights)."),
+    fuse_features: bool = typer.Option(False, "--fuse-features", help="Fuse the intermediate-layer features the data holds (distill --feature-layers) into the context."),
+    prompt_positions: bool = typer.Option(True, "--prompt-positions/--no-prompt-positions", help="Train on the prompts' positions too, when the data holds them."),
 ):
     """Train a drafter on distilled data (the LLM stays frozen)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -237,7 +266,10 @@ def train(
     epochs = epochs if epochs is not None else (1000.0 if minutes else 2.0)
     cfg = TrainConfig(**base, rnn=rnn, depth=depth, batch_size=batch_size, lr=lr, epochs=epochs,
                       max_steps=max_steps, minutes=minutes, eval_every=eval_every,
-                      checkpoint_every=checkpoint_every, seed=seed)
+                      checkpoint_every=checkpoint_every, seed=seed, soft_weight=soft_weight,
+                      depth_decay=depth_decay, fuse_features=fuse_features, prompt_positions=prompt_positions)
+    if soft_weight < 0 or not 0 < depth_decay <= 1:
+        raise RedrafterError(f"--soft-weight must be >= 0 and --depth-decay in (0, 1] (got {soft_weight}, {depth_decay}).")
     if not data.is_dir():
         raise RedrafterError(f"Data folder does not exist: {data}", "Run `mlx-redrafter distill --out DIR` first.")
     llm, tok = load_model(model)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,6 +44,9 @@ class DrafterConfig:
     rnn: bool = True
     num_lookback_tokens: int = -1  # official, unused
     draft_vocab_size: Optional[int] = None  # extension: reduced draft vocabulary
+    # Extension: LLM layers whose hidden states are fused into the context
+    # (EAGLE-3 style, see features.py); None = the last layer's alone (official).
+    feature_layers: Optional[List[int]] = None
     model_type: str = field(default=MODEL_TYPE)
 
     def __post_init__(self):
@@ -68,8 +71,9 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["draft_vocab_size"] is None:
-            del d["draft_vocab_size"]  # official checkpoints stay byte-for-byte official
+        for ext in ("draft_vocab_size", "feature_layers"):
+            if d[ext] is None:
+                del d[ext]  # official checkpoints stay byte-for-byte official
         return d
 
 
@@ -103,10 +107,29 @@ class Drafter(nn.Module):
         if config.rnn:
             self.rnn_u = nn.Linear(h, h)
             self.rnn_w = nn.Linear(h, h, bias=False)
+        if config.feature_layers:
+            self.fuse = nn.Linear((len(config.feature_layers) + 1) * h, h, bias=False)
         if config.draft_vocab_size:
             # Token ids of the head's outputs: data, not a trainable parameter.
             self.draft_vocab = mx.arange(config.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_vocab"], recurse=False)
+
+    def context(self, hidden: mx.array) -> mx.array:
+        """The context ``c`` from what the LLM gives: its last post-norm hidden
+        state ``[..., h]``, or with ``feature_layers`` the fused
+        ``[..., (n+1)*h]`` of those layers' outputs followed by it."""
+        if "fuse" not in self:
+            return hidden
+        from .features import rms_each
+
+        h = self.config.hidden_size
+        feats = rms_each(hidden[..., :-h], h).astype(hidden.dtype)
+        return self.fuse(mx.concatenate([feats, hidden[..., -h:]], axis=-1))
+
+    @property
+    def context_size(self) -> int:
+        """Width of the hidden vector the LLM side must supply."""
+        return (len(self.config.feature_layers or []) + 1) * self.config.hidden_size
 
     def state_step(self, state: mx.array, token_emb: mx.array) -> mx.array:
         """Next recurrent state from the previous one and the embedding of the last token."""

@@ -108,6 +108,11 @@ class DraftConfig:
         return self.drafter is not None or self.lookup > 0
 
     @property
+    def feature_layers(self):
+        """LLM layers the drafter fuses into its context (None: the last one alone)."""
+        return getattr(getattr(self.drafter, "config", None), "feature_layers", None)
+
+    @property
     def margin(self) -> int:
         """Context a verification needs past the last token: ``g0`` and the
         deepest draft (positions run to offset + depth)."""
@@ -218,7 +223,7 @@ def redrafter_steps(
     if draft.pipelined and can_pipeline(cache, draft, profile):
         yield from pipelined_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
         return
-    embed, backbone, head = model_parts(model)
+    embed, backbone, head = model_parts(model, draft.feature_layers)
     if draft.lookup:
         drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
     else:

@@ -166,7 +166,7 @@ def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, lengt
 class _Pipeline:
     def __init__(self, model, cache, draft, sampling, history: List[int]):
         self.model, self.cache, self.cfg, self.sampling = model, cache, draft, sampling
-        self.embed, self.backbone, self.head = model_parts(model)
+        self.embed, self.backbone, self.head = model_parts(model, draft.feature_layers)
         self.lookup = Lookup(history) if draft.lookup else None
         # One lookup draft (the default) is proposed on the device from the
         # freshest history; more come from the host, one step late.

@@ -34,13 +34,26 @@ def _open(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
+def _json_line(line: str, number: int):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise json.JSONDecodeError(f"line {number}: {e.msg}", e.doc, e.pos) from None
+
+
 def _conversation(record, index: int) -> Optional[dict]:
+    """A conversation, or None for a record that holds no usable prompt
+    (not an object, no text field, or turns that are not all text)."""
     if isinstance(record, str):
-        return {"id": str(index), "category": "", "turns": [record]}
+        return {"id": str(index), "category": "", "turns": [record]} if record.strip() else None
+    if not isinstance(record, dict):
+        return None
     for key in TEXT_FIELDS:
         value = record.get(key)
         if value:
             turns = value if isinstance(value, list) else [value]
+            if not all(isinstance(t, str) and t.strip() for t in turns):
+                return None
             cid = record.get("id", record.get("question_id", record.get("task_id", index)))
             category = record.get("category", record.get("dataset", ""))
             return {"id": str(cid), "category": str(category), "turns": [str(t) for t in turns]}
@@ -64,7 +77,7 @@ def read_conversations(path) -> List[dict]:
             elif path.suffix == ".txt":
                 records = [line.rstrip("\n") for line in f if line.strip()]
             else:
-                records = [json.loads(line) for line in f if line.strip()]
+                records = [_json_line(line, n) for n, line in enumerate(f, 1) if line.strip()]
         convs = [c for i, r in enumerate(records) if (c := _conversation(r, i)) is not None]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as e:
         raise RedrafterError(f"Cannot read prompts from {path}: {e}", "Use a JSONL file with a 'turns' or 'prompt' field per line.") from None
@@ -73,6 +86,11 @@ def read_conversations(path) -> List[dict]:
             f"No prompts found in {path}.",
             f"Each line needs one of the fields: {', '.join(TEXT_FIELDS)}.",
         )
+    seen = set()
+    for c in convs:  # resumable runs track conversations by id
+        if c["id"] in seen:
+            raise RedrafterError(f"{path}: the id {c['id']!r} appears more than once.", "Give every conversation its own id (or drop the ids).")
+        seen.add(c["id"])
     return convs
 
 

@@ -65,17 +65,22 @@ def test_distilled_replies_are_the_model_s_greedy_replies(tiny_llm, prompt_file,
     assert m.sequences == 4 and len(m.done) == 4 and len(m.shards) == 2
     corpus = read_corpus(tmp_path / "data")
     convs = {json.loads(line)["id"]: json.loads(line) for line in open(prompt_file)}
+    from mlx_redrafter.models import model_parts
+
+    _, backbone, _ = model_parts(model)
     for k, cid in enumerate(corpus.ids):
-        toks = corpus.tokens[corpus.offsets[k] : corpus.offsets[k + 1]].tolist()
+        a, b = corpus.offsets[k], corpus.offsets[k + 1]
+        reply = corpus.reply[a:b]
+        toks = corpus.tokens[a:b][reply].tolist()
         prompt = tok.apply_chat_template([{"role": "user", "content": convs[cid]["turns"][0]}], add_generation_prompt=True)
         ref, _ = generate_tokens(model, prompt, max_tokens=10, eos_ids=tok.eos_token_ids)
         assert toks[: len(ref)] == ref
-        # hidden[i] is the state that produced tokens[i]: the last prompt position first.
-        from mlx_redrafter.models import model_parts
-
-        _, backbone, _ = model_parts(model)
-        h = backbone(mx.array([prompt + toks[:-1]]))[0, len(prompt) - 1 :]
-        got = corpus.hidden[corpus.offsets[k] : corpus.offsets[k + 1]].astype(np.float32)
+        # The prompt's positions come first (prompt[1:], each predicted by
+        # the position before it), then the reply's.
+        assert corpus.tokens[a:b][~reply].tolist() == prompt[1:] and not reply[: len(prompt) - 1].any()
+        # hidden[i] is the state that produced tokens[i].
+        h = backbone(mx.array([prompt + toks[:-1]]))[0]
+        got = corpus.hidden[a:b].astype(np.float32)
         np.testing.assert_allclose(got, np.array(h), atol=2e-2 * float(mx.abs(h).max()))
 
 
@@ -250,3 +255,153 @@ def test_head_starts_from_the_llm_output_rows(tiny_llm, data_dir, tmp_path):
     d = load_drafter(out, dtype="float32")
     want = llm_output_rows(model, d.draft_vocab)
     np.testing.assert_allclose(np.array(d.lm_head[-1].weight), np.array(want), atol=1e-2 * float(mx.abs(want).max()))
+
+
+# --------------------------------------------------------------------------- soft targets, features, accumulation
+
+
+def test_soft_target_kl_has_the_known_answer():
+    from mlx_redrafter.train.trainer import kl_to_soft, soft_targets
+
+    # q = (1/2, 1/4, 1/4); p = (1/2, 1/2, 0) given on ids 0 and 1:
+    # KL(p || q) = 1/2 log(1/2 / 1/2) + 1/2 log(1/2 / 1/4) = log(2) / 2.
+    logits = mx.log(mx.array([[0.5, 0.25, 0.25]]))
+    kl = kl_to_soft(logits + 3.0, mx.array([[0, 1]]), mx.array([[0.5, 0.5]]))  # shift-invariant in the logits
+    assert abs(kl.item() - np.log(2) / 2) < 1e-6
+    # The LLM's top-k over the full vocabulary -> the draft vocabulary: ids
+    # outside it drop out and the rest are renormalized.
+    vmap = np.array([-1, 0, 1, -1, 2])  # full id -> draft index
+    idx, p = soft_targets(np.array([[1, 3, 4]]), np.log(np.array([[0.2, 0.5, 0.3]])), vmap)
+    assert idx[0, 0] == 0 and idx[0, 2] == 2
+    np.testing.assert_allclose(p, [[0.4, 0.0, 0.6]], atol=1e-6)
+    # No id inside: no soft target at all.
+    _, p = soft_targets(np.array([[0, 3]]), np.array([[1.0, 2.0]]), vmap)
+    assert (p == 0).all()
+
+
+def test_distill_keeps_top_k_logits_and_layer_features(tiny_llm, prompt_file, tmp_path):
+    from mlx_redrafter.features import capture_layers
+    from mlx_redrafter.models import model_parts
+
+    model, tok = tiny_llm
+    run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=2, top_k=5, feature_layers=[0])
+    c = read_corpus(tmp_path / "data")
+    assert c.soft_targets and c.feature_layers == [0]
+    assert c.extra["topk_ids"].shape == (len(c.tokens), 5) and c.extra["features"].shape == c.hidden.shape
+    # A reply's token is the argmax of its own top-k.
+    best = c.extra["topk_ids"][np.arange(len(c.tokens)), c.extra["topk_logits"].argmax(1)]
+    assert (best[c.reply] == c.tokens[c.reply]).all() and (~c.reply).any()
+    # The features are layer 0's outputs at the positions that produced each
+    # token, the prompt's included; the top-k logits are the head's largest.
+    convs = {json.loads(line)["id"]: json.loads(line) for line in open(prompt_file)}
+    _, backbone, head = model_parts(model)
+    a, b = c.offsets[0], c.offsets[1]
+    reply = c.tokens[a:b][c.reply[a:b]].tolist()
+    prompt = tok.apply_chat_template([{"role": "user", "content": convs[c.ids[0]]["turns"][0]}], add_generation_prompt=True)
+    with capture_layers(model, [0]) as taps:
+        h = backbone(mx.array([prompt + reply[:-1]]))
+    want = np.array(taps[0][0])
+    np.testing.assert_allclose(c.extra["features"][a:b].astype(np.float32), want, atol=2e-2 * np.abs(want).max())
+    logits = np.array(head(h[0]))
+    got = c.extra["topk_logits"][a:b]
+    np.testing.assert_allclose(np.sort(got, 1), np.sort(logits, 1)[:, -5:], atol=1e-3 * np.abs(logits).max())
+    # The model is left as it was: no wrapped layers after the run.
+    assert all(type(layer).__name__ != "_Tap" for layer in model.model.layers)
+
+
+def test_distill_runs_accumulate_in_the_manifest(tiny_llm, prompt_file, tmp_path):
+    first = run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=3)
+    second = run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=7)
+    assert [r["sequences"] for r in second.runs] == [3, 4]
+    assert second.sequences == 7 and second.tokens == sum(r["tokens"] for r in second.runs)
+    assert set(first.done) < set(second.done) and len(set(second.done)) == 7
+    assert len(set(read_corpus(tmp_path / "data").ids)) == 7  # nothing redone
+    # A run that would write shards of another format is refused.
+    with pytest.raises(RedrafterError, match="top_k"):
+        run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=9, top_k=4)
+    assert Manifest.load(tmp_path / "data").sequences == 7
+
+
+def test_hostile_prompt_files_give_clear_errors_or_are_skipped(tiny_llm, tmp_path):
+    from mlx_redrafter.prompts import read_conversations
+
+    def write(name, text):
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return path
+
+    # Records that hold no usable prompt are skipped; the rest are read.
+    mixed = write("mixed.jsonl", "\n".join([
+        json.dumps({"id": "a", "prompt": "Tell me about owls."}),
+        "5", "null", "[1, 2]", '"   "', json.dumps({"turns": [{"role": "user"}]}), json.dumps({"turns": ["ok", 7]}),
+        json.dumps({"text": "x" * 20000, "id": "long"}), json.dumps({"nothing": "here"}),
+    ]) + "\n")
+    convs = read_conversations(mixed)
+    assert [c["id"] for c in convs] == ["a", "long"]
+    # A prompt too long for --max-prompt-tokens is skipped by distill, and the rest answered.
+    m = run_distill(tiny_llm, mixed, tmp_path / "data", max_prompt_tokens=100)
+    assert m.sequences == 1 and sorted(m.done) == ["a", "long"]
+    for name, text, match in [
+        ("bad.jsonl", json.dumps({"prompt": "fine"}) + "\n{not json\n", "line 2"),
+        ("binary.jsonl", b'{"prompt": "hi"}\n\xff\xfe\x00\n', "decode"),
+        ("empty.jsonl", "\n\n", "No prompts"),
+        ("dupes.jsonl", json.dumps({"id": 1, "prompt": "a"}) + "\n" + json.dumps({"id": 1, "prompt": "b"}) + "\n", "more than once"),
+        ("junk.gz", b"not gzip at all", "Cannot read"),
+    ]:
+        with pytest.raises(RedrafterError, match=match):
+            read_conversations(write(name, text))
+    with pytest.raises(RedrafterError, match="does not exist"):
+        read_conversations(tmp_path / "missing.jsonl")
+
+
+def test_soft_targets_and_fused_features_train_an_exact_drafter(tiny_llm, prompt_file, tmp_path):
+    model, tok = tiny_llm
+    run_distill(tiny_llm, prompt_file, tmp_path / "data", max_new_tokens=24, top_k=8, feature_layers=[0])
+    runs = {}
+    for name, kw in {"hard": dict(soft_weight=0.0), "soft": dict(), "fused": dict(fuse_features=True)}.items():
+        out = train(model, tmp_path / "data", tmp_path / name, small_train_config(max_steps=40, **kw), eos_ids=[2])
+        log = read_log(out)
+        runs[name] = log
+        assert log[0]["soft_targets"] == (name != "hard")
+        evals = [r for r in log if "train_loss" in r]
+        assert evals[-1]["train_loss"] < evals[0]["train_loss"]
+    # The soft loss adds a non-negative KL term to the same first batch.
+    assert [r for r in runs["soft"] if "train_loss" in r][0]["train_loss"] > [r for r in runs["hard"] if "train_loss" in r][0]["train_loss"]
+    d = load_drafter(tmp_path / "fused")
+    assert d.config.feature_layers == [0] and d.context_size == 2 * model.args.hidden_size
+    assert "feature_layers" not in load_drafter(tmp_path / "soft").config.to_dict()  # unfused: the official layout
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    ref, _ = generate_tokens(model, prompt, max_tokens=20)
+    for cfg in (DraftConfig(d, 2, 3), DraftConfig(d, 1, 3), DraftConfig(d, 2, 3, pipelined=False), DraftConfig(d, 1, 2, lookup=1)):
+        out_tokens, _ = generate_tokens(model, prompt, draft=cfg, max_tokens=20)
+        assert out_tokens == ref
+
+
+def test_fuse_features_needs_features_in_the_data(tiny_llm, data_dir, tmp_path):
+    model, _ = tiny_llm
+    with pytest.raises(RedrafterError, match="feature-layers"):
+        train(model, data_dir, tmp_path / "d", small_train_config(fuse_features=True))
+
+
+def test_data_fraction_trains_on_nested_shares(tiny_llm, data_dir):
+    from mlx_redrafter.train.trainer import split_examples
+
+    c = read_corpus(data_dir)
+    full, held = split_examples(c, 0.25)
+    quarter, held_q = split_examples(c, 0.25, share=0.5)
+    assert set(quarter.positions) < set(full.positions) and (held.positions == held_q.positions).all()
+
+
+def test_prompt_positions_train_on_the_llm_s_predictions(tiny_llm, data_dir):
+    from mlx_redrafter.train.trainer import llm_labels, split_examples
+
+    c = read_corpus(data_dir)
+    assert (~c.reply).any()
+    train_all, held = split_examples(c, 0.25)
+    train_replies, _ = split_examples(c, 0.25, prompts=False)
+    assert c.reply[held.positions].all() and c.reply[train_replies.positions].all()  # held out: replies only
+    assert not c.reply[train_all.positions].all() and set(train_replies.positions) < set(train_all.positions)
+    labels = llm_labels(c)
+    top1 = c.extra["topk_ids"][np.arange(len(c.tokens)), c.extra["topk_logits"].argmax(1)]
+    assert (labels == top1).all()  # the text in replies, the LLM's own guess in prompts
+    assert (labels[~c.reply] != c.tokens[~c.reply]).any()

@@ -22,6 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ..errors import RedrafterError
+from ..features import capture_layers, check_layers
 from ..models import model_parts
 from ..prompts import chat_prompt_ids, read_conversations, refuse_eval_set
 from .shards import Manifest, Sequence, write_shard
@@ -42,6 +43,15 @@ class DistillConfig:
     stop_loops: int = 12
     system: Optional[str] = None
     seed: int = 0
+    # Soft targets: the LLM's top-k probabilities at each position (0 = none).
+    top_k: int = 16
+    # Intermediate layers whose hidden states are kept for feature fusion
+    # (see features.py); empty = the last layer only.
+    feature_layers: List[int] = field(default_factory=list)
+    # Also keep the prompt's positions: the hidden states and top-k logits
+    # that the prefill computes anyway (the LLM's predictions of the user's
+    # text, teacher-forced), several times cheaper per position than decoding.
+    prompt_positions: bool = True
 
 
 @dataclass
@@ -52,12 +62,16 @@ class _Row:
     prompt_len: int
     tokens: List[int] = field(default_factory=list)
     hidden: List[np.ndarray] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # name -> per-token arrays (soft targets, features)
+    lead: Optional[dict] = None  # the prompt's positions: "tokens" and the arrays, stacked
     seen: set = field(default_factory=set)  # LOOP_NGRAM-grams of the reply so far
     repeat_run: int = 0  # consecutive tokens that closed an already-seen n-gram
 
-    def add(self, token: int, hidden: np.ndarray) -> None:
+    def add(self, token: int, hidden: np.ndarray, extra: Optional[dict] = None) -> None:
         self.tokens.append(token)
         self.hidden.append(hidden)
+        for name, value in (extra or {}).items():
+            self.extra.setdefault(name, []).append(value)
         if len(self.tokens) >= LOOP_NGRAM:
             gram = tuple(self.tokens[-LOOP_NGRAM:])
             self.repeat_run = self.repeat_run + 1 if gram in self.seen else 0
@@ -67,13 +81,26 @@ class _Row:
 LOOP_NGRAM = 6
 
 
+def sequence(row: _Row) -> Sequence:
+    """What a finished row writes: its prompt's positions (when kept), then its reply's."""
+    extra = {n: np.stack(v) for n, v in row.extra.items()}
+    hidden, tokens, start = np.stack(row.hidden), list(row.tokens), 0
+    if row.lead is not None:
+        start = len(row.lead["tokens"])
+        tokens = list(row.lead["tokens"]) + tokens
+        hidden = np.concatenate([row.lead["hidden"], hidden])
+        extra = {n: np.concatenate([row.lead[n], v]) for n, v in extra.items()}
+    return Sequence(row.conv["id"], row.turn, row.prompt_len, tokens, hidden, extra, reply_start=start)
+
+
 def _messages(conv, turn, history, system):
     msgs = ([{"role": "system", "content": system}] if system else []) + list(history)
     return msgs + [{"role": "user", "content": conv["turns"][turn]}]
 
 
 class Distiller:
-    """Continuous-batching greedy generation that records hidden states."""
+    """Continuous-batching greedy generation that records hidden states
+    (and, per :class:`DistillConfig`, soft targets and intermediate layers)."""
 
     def __init__(self, model, tokenizer, cfg: DistillConfig):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
@@ -83,9 +110,40 @@ class Distiller:
         self.cache = None
         self.next_tokens = None
         self.skipped = 0
+        if cfg.feature_layers:
+            check_layers(model, cfg.feature_layers)
 
     def encode(self, messages) -> List[int]:
         return chat_prompt_ids(self.tokenizer, messages)
+
+    def _forward(self, tokens: mx.array, cache, every: bool = False):
+        """The batch's next tokens and what a row keeps of this position
+        (of every position with ``every``, batch 1), as numpy arrays: one
+        host transfer per decode step."""
+        with capture_layers(self.model, self.cfg.feature_layers) as taps:
+            hidden = self.backbone(tokens, cache=cache)
+        pick = (lambda x: x[0]) if every else (lambda x: x[:, -1])  # noqa: E731
+        hidden = pick(hidden)
+        logits = self.head(hidden)
+        nxt = mx.argmax(logits[-1:] if every else logits, axis=-1).astype(mx.int32)
+        out = {"hidden": hidden.astype(mx.float16)}
+        k = self.cfg.top_k
+        if k:
+            # The top-k of the distribution that produced each token (its
+            # argmax is the token itself), for training on soft targets. Their
+            # logits, not probabilities: training renormalizes over the ids in
+            # its draft vocabulary anyway, and a softmax over the full
+            # vocabulary costs more on the CPU than the rest of this.
+            top = mx.argpartition(logits, -k, axis=-1)[:, -k:].astype(mx.int32)
+            out["topk_ids"], out["topk_logits"] = top, mx.take_along_axis(logits, top, axis=-1).astype(mx.float32)
+        if self.cfg.feature_layers:
+            out["features"] = mx.concatenate([pick(taps[i]) for i in self.cfg.feature_layers], axis=-1).astype(mx.float16)
+        mx.eval(nxt, out)
+        return nxt, {name: np.array(v) for name, v in out.items()}
+
+    @staticmethod
+    def _keep(row: _Row, token: int, arrays: dict, i: int) -> None:
+        row.add(token, arrays["hidden"][i], {n: v[i] for n, v in arrays.items() if n != "hidden"})
 
     def _prefill(self, items) -> None:
         """Prefill new rows and merge them into the running batch.
@@ -99,10 +157,15 @@ class Distiller:
         for conv, turn, msgs in items:
             prompt = self.encode(msgs)
             cache = [BatchKVCache([0]) for _ in self.model.layers]
-            hidden = self.backbone(mx.array([prompt], dtype=mx.int32), cache=cache)[:, -1]
-            first = mx.argmax(self.head(hidden), axis=-1).astype(mx.int32)
-            mx.eval(first, hidden)
-            self.rows.append(_Row(conv, turn, msgs, len(prompt), first.tolist(), [np.array(hidden[0].astype(mx.float16))]))
+            first, arrays = self._forward(mx.array([prompt], dtype=mx.int32), cache, every=self.cfg.prompt_positions)
+            row = _Row(conv, turn, msgs, len(prompt))
+            if self.cfg.prompt_positions:
+                # Position j predicts prompt[j + 1]: the sequence starts with
+                # the prompt's own tokens from the second on.
+                row.lead = {"tokens": prompt[1:], **{n: v[:-1] for n, v in arrays.items()}}
+                arrays = {n: v[-1:] for n, v in arrays.items()}
+            self._keep(row, first.item(), arrays, 0)
+            self.rows.append(row)
             firsts.append(first)
             if group is None:
                 group = cache
@@ -134,12 +197,9 @@ class Distiller:
             for c in self.cache:
                 c.filter(idx)
             self.next_tokens = self.next_tokens[idx]
-        hidden = self.backbone(self.next_tokens[:, None], cache=self.cache)[:, 0]
-        nxt = mx.argmax(self.head(hidden), axis=-1).astype(mx.int32)
-        mx.eval(nxt, hidden)
-        hid = np.array(hidden.astype(mx.float16))
-        for r, t, h in zip(self.rows, nxt.tolist(), hid):
-            r.add(t, h)
+        nxt, arrays = self._forward(self.next_tokens[:, None], self.cache)
+        for i, (r, t) in enumerate(zip(self.rows, nxt.tolist())):
+            self._keep(r, t, arrays, i)
         self.next_tokens = nxt
         return done
 
@@ -191,6 +251,13 @@ def _open_manifest(folder: Path, model_spec, prompts_path: Path, cfg: DistillCon
                     f"{where} holds data distilled from {m.model} on {m.prompts}.",
                     "Resume with the same --model and --prompts, or pick a new --out.",
                 )
+            for key, before in FORMAT_KEYS.items():  # they decide what the shards hold
+                had, now = m.config.get(key, before), getattr(cfg, key)
+                if had != now:
+                    raise RedrafterError(
+                        f"{where} holds shards distilled with {key}={had}, this run asks for {key}={now}.",
+                        f"Resume with the same --{key.replace('_', '-')}, or pick a new --out.",
+                    )
             if m.world_size != w.size:
                 raise RedrafterError(
                     f"{where} was distilled by {m.world_size} process(es), this run has {w.size}: the prompt shares would differ.",
@@ -200,6 +267,11 @@ def _open_manifest(folder: Path, model_spec, prompts_path: Path, cfg: DistillCon
         error = e
     w.check(error)
     return manifest or Manifest(str(model_spec), str(prompts_path.resolve()), asdict(cfg), world_size=w.size)
+
+
+# Settings that decide the shards' arrays, which every run into a folder must
+# share, with their values in manifests written before the setting existed.
+FORMAT_KEYS = {"top_k": 0, "feature_layers": [], "prompt_positions": False}
 
 
 def _my_share(convs: list, done: set, cfg: DistillConfig, w: World) -> list:
@@ -227,7 +299,9 @@ def _merge_parts(out: Path, manifest: Manifest, w: World) -> Manifest:
         merged.done += part["done"]
         merged.sequences += part["sequences"]
         merged.tokens += part["tokens"]
+        merged.prompt_tokens += part.get("prompt_tokens", 0)
         merged.elapsed = max(merged.elapsed, part["elapsed"])
+        merged.runs += [{**r, "rank": rank} for r in part["runs"]]
     if w.rank == 0:
         merged.save(out)
     return merged
@@ -275,16 +349,25 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     open_turns = {}  # conv id -> replies still to come
     start = time.perf_counter()
     base_elapsed = manifest.elapsed
+    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sequences": 0, "tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
+    manifest.runs.append(run)
 
     def flush():
         nonlocal pending, pending_done
         if pending:
             name = write_shard(folder, len(manifest.shards), pending)
             manifest.shards.append(name)
+            added = sum(len(s.tokens) - s.reply_start for s in pending)
+            lead = sum(s.reply_start for s in pending)
             manifest.sequences += len(pending)
-            manifest.tokens += sum(len(s.tokens) for s in pending)
+            manifest.tokens += added
+            manifest.prompt_tokens += lead
+            run["sequences"] += len(pending)
+            run["tokens"] += added
+            run["prompt_tokens"] += lead
         manifest.done.extend(pending_done)
         manifest.elapsed = base_elapsed + time.perf_counter() - start
+        run["seconds"] = round(time.perf_counter() - start, 1)
         manifest.save(folder)
         pending, pending_done = [], []
 
@@ -296,7 +379,7 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
             return
         if row.turn == 0:
             open_turns[cid] = min(cfg.turns, len(conv["turns"]))
-        pending.append(Sequence(cid, row.turn, row.prompt_len, row.tokens, np.stack(row.hidden)))
+        pending.append(sequence(row))
         open_turns[cid] -= 1
         if open_turns[cid] == 0:
             pending_done.append(cid)

@@ -3,9 +3,13 @@
 Each example is a position ``i`` of a distilled reply: the drafter gets the
 LLM's hidden state ``hidden[i]`` (which produced ``g0 = tokens[i]``) and,
 teacher-forced, the embeddings of ``tokens[i..i+T-1]``; it predicts
-``tokens[i+1..i+T]`` (paper Eq. 2). The loss is the sum over depths of the
-cross-entropy; targets outside a reduced draft vocabulary cannot be predicted
-and are left out of the loss (but count as misses in the accuracy).
+``tokens[i+1..i+T]`` (paper Eq. 2). The loss at each depth is the
+cross-entropy of the LLM's token plus, when the data holds the LLM's top-k
+logits, ``soft_weight`` times the KL divergence from the LLM's distribution
+(restricted to those top-k ids in the draft vocabulary) to the drafter's;
+depth ``d`` (from 0) weighs ``depth_decay ** d``. Targets outside a reduced
+draft vocabulary cannot be predicted and are left out of the loss (but count
+as misses in the accuracy).
 """
 
 from __future__ import annotations
@@ -59,6 +63,20 @@ class TrainConfig:
     init_head_from_llm: bool = True
     # Leave out training positions whose g0 + next n tokens repeat earlier in the reply (0: keep all).
     skip_repeats: int = 0
+    # Weight of the KL to the LLM's top-k distribution (0: hard labels only;
+    # used when the data holds top-k logits).
+    soft_weight: float = 1.0
+    # Depth d (from 0) weighs depth_decay ** d in the loss: early drafts decide
+    # how many later ones are ever used.
+    depth_decay: float = 0.8
+    # Fuse the intermediate-layer features the data holds into the context
+    # (EAGLE-3 style; see features.py).
+    fuse_features: bool = False
+    # Train on this share of the training conversations (nested: the 1/4
+    # share is inside the 1/2 one), for data-scaling curves.
+    data_fraction: float = 1.0
+    # Train on the prompts' positions too, when the data holds them.
+    prompt_positions: bool = True
 
 
 def is_eval_conversation(conv_id: str, fraction: float) -> bool:
@@ -85,8 +103,16 @@ def repeated_windows(tokens: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def split_examples(corpus: Corpus, fraction: float, skip_repeats: int = 0):
-    """Train / held-out examples, split by conversation.
+def in_share(conv_id: str, share: float) -> bool:
+    """Deterministic nested subset of the conversations (independent of the held-out split)."""
+    return (zlib.crc32(b"share:" + conv_id.encode()) % 10_000) < share * 10_000
+
+
+def split_examples(corpus: Corpus, fraction: float, skip_repeats: int = 0, share: float = 1.0, prompts: bool = True):
+    """Train / held-out examples, split by conversation; ``share`` < 1 keeps
+    that share of the training conversations (the held-out set is unchanged).
+    Held-out examples are reply positions only; training ones include the
+    prompts' positions the data holds unless ``prompts=False``.
 
     With ``skip_repeats = n``, training positions whose next ``n`` tokens
     repeat a window seen earlier in the same reply are left out: small LLMs
@@ -99,13 +125,16 @@ def split_examples(corpus: Corpus, fraction: float, skip_repeats: int = 0):
         a, b = corpus.offsets[k], corpus.offsets[k + 1]
         ends[a:b] = b
         pos = np.arange(a, b - 1)  # at least one target token after g0
+        reply = corpus.reply[a : b - 1] if corpus.reply is not None else np.ones(len(pos), bool)
         if is_eval_conversation(cid, fraction):
-            held.append(pos)
+            held.append(pos[reply])
+            continue
+        if share < 1 and not in_share(cid, share):
             continue
         if skip_repeats:
             fresh = ~repeated_windows(corpus.tokens[a:b], skip_repeats + 1)[: b - a - 1]
-            pos = pos[fresh]
-        train.append(pos)
+            pos, reply = pos[fresh], reply[fresh]
+        train.append(pos if prompts else pos[reply])
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
     return Examples(cat(train), ends), Examples(cat(held), ends)
 
@@ -118,43 +147,111 @@ def choose_draft_vocab(tokens: np.ndarray, size: int, vocab_size: int, always=()
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
-class Batcher:
-    """Gathers ``(context, inputs, targets, mask)`` batches from the corpus."""
+@dataclass
+class Batch:
+    context: mx.array  # [B, c] the drafter's context (hidden state, with features when fused)
+    inputs: mx.array  # [B, T] g0 .. g_{T-1}
+    targets: mx.array  # [B, T] draft-vocabulary indices of g1 .. g_T
+    mask: mx.array  # [B, T] target exists and is in the draft vocabulary
+    valid: mx.array  # [B, T] target exists
+    soft_ids: Optional[mx.array] = None  # [B, T, k] draft-vocabulary indices of the LLM's top-k
+    soft_p: Optional[mx.array] = None  # [B, T, k] their probabilities, renormalized (0 outside)
 
-    def __init__(self, corpus: Corpus, examples: Examples, depth: int, vocab_map: np.ndarray):
-        self.hidden = mx.array(corpus.hidden)  # float16, on device
+
+def soft_targets(ids: np.ndarray, logits: np.ndarray, vocab_map: np.ndarray):
+    """The LLM's top-k (``ids``, ``logits``, ``[..., k]``) as a distribution
+    over the draft vocabulary: ``(indices, probabilities)``; ids outside it
+    get probability 0 and the rest are renormalized."""
+    idx = vocab_map[ids]
+    lg = np.where(idx >= 0, logits.astype(np.float32), -np.inf)
+    top = lg.max(-1, keepdims=True)
+    e = np.exp(lg - np.where(np.isfinite(top), top, 0))
+    total = e.sum(-1, keepdims=True)
+    p = np.where(total > 0, e / np.maximum(total, 1e-30), 0.0)
+    return np.maximum(idx, 0), p.astype(np.float32)
+
+
+def llm_labels(corpus: Corpus) -> np.ndarray:
+    """``[T]`` the LLM's greedy token at each position: the token itself,
+    except at prompt positions, where it is the top-1 of the stored top-k."""
+    if corpus.reply is None or corpus.reply.all() or not corpus.soft_targets:
+        return corpus.tokens
+    top1 = corpus.extra["topk_ids"][np.arange(len(corpus.tokens)), corpus.extra["topk_logits"].argmax(1)]
+    return np.where(corpus.reply, corpus.tokens, top1).astype(np.int32)
+
+
+def reply_tokens(corpus: Corpus) -> np.ndarray:
+    return corpus.tokens if corpus.reply is None else corpus.tokens[corpus.reply]
+
+
+class Batcher:
+    """Gathers :class:`Batch` es from the corpus."""
+
+    def __init__(self, corpus: Corpus, examples: Examples, depth: int, vocab_map: np.ndarray,
+                 soft: bool = False, fuse: bool = False):
+        context = corpus.hidden
+        if fuse:  # [features..., last]: the layout Drafter.context expects
+            context = np.concatenate([corpus.extra["features"], corpus.hidden], axis=1)
+        self.hidden = mx.array(context)  # float16, on device
         self.tokens = np.concatenate([corpus.tokens, np.zeros(depth + 1, np.int32)])
+        # The labels are the LLM's own next tokens: the text itself in replies,
+        # its top-1 prediction at a prompt's positions (where the text is the user's).
+        self.labels = np.concatenate([llm_labels(corpus), np.zeros(depth + 1, np.int32)])
+        self.soft = None
+        if soft:
+            k = corpus.extra["topk_ids"].shape[1]
+            pad = lambda a: np.concatenate([a, np.zeros((depth + 1, k), a.dtype)])  # noqa: E731
+            self.soft = (pad(corpus.extra["topk_ids"]), pad(corpus.extra["topk_logits"]))
         self.examples = examples
         self.depth = depth
         self.vocab_map = vocab_map  # full id -> draft index, or -1
 
-    def batch(self, idx: np.ndarray):
+    def batch(self, idx: np.ndarray) -> Batch:
         pos = self.examples.positions[idx]
         k = np.arange(self.depth + 1)
-        ids = self.tokens[pos[:, None] + k[None, :]]  # g0 .. g_T
-        valid = (pos[:, None] + k[None, 1:]) < self.examples.seq_end[pos][:, None]
-        targets = self.vocab_map[ids[:, 1:]]
+        at = pos[:, None] + k[None, :]
+        ids = self.tokens[at]  # g0 .. g_T
+        valid = at[:, 1:] < self.examples.seq_end[pos][:, None]
+        targets = self.vocab_map[self.labels[at[:, 1:]]]
         mask = valid & (targets >= 0)
-        context = self.hidden[mx.array(pos)].astype(mx.float32)
-        return (
-            context,
-            mx.array(ids[:, :-1]),
-            mx.array(np.maximum(targets, 0)),
-            mx.array(mask),
-            mx.array(valid),
-        )
+        out = Batch(self.hidden[mx.array(pos)].astype(mx.float32), mx.array(ids[:, :-1]),
+                    mx.array(np.maximum(targets, 0)), mx.array(mask), mx.array(valid))
+        if self.soft is not None:
+            sid, sp = soft_targets(self.soft[0][at[:, 1:]], self.soft[1][at[:, 1:]], self.vocab_map)
+            out.soft_ids, out.soft_p = mx.array(sid), mx.array(sp * mask[..., None])
+        return out
 
 
-def drafter_loss(drafter: Drafter, embed, context, inputs, targets, mask, count=None):
-    """Sum over depths of the mean cross-entropy of the counted targets.
-    ``count`` (per depth) defaults to this batch's own count; data-parallel
-    training passes the whole batch's, so that the ranks' gradients add up."""
-    logits = drafter(context, embed(inputs))  # [B, T, Vd]
-    ce = nn.losses.cross_entropy(logits, targets, reduction="none")  # [B, T]
-    m = mask.astype(ce.dtype)
+def depth_weights(cfg: TrainConfig) -> mx.array:
+    return mx.array(cfg.depth_decay ** np.arange(cfg.depth), dtype=mx.float32)
+
+
+def kl_to_soft(logits: mx.array, soft_ids: mx.array, soft_p: mx.array) -> mx.array:
+    """``KL(p || q)`` per position, ``[...]``: ``p`` given on ``soft_ids``
+    (zero elsewhere), ``q = softmax(logits)``."""
+    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logq = mx.take_along_axis(logq, soft_ids, axis=-1)
+    logp = mx.log(mx.maximum(soft_p, 1e-30))
+    return (soft_p * (logp - logq)).sum(-1)
+
+
+def drafter_loss(drafter: Drafter, embed, batch: Batch, count=None, weights=None, soft_weight: float = 0.0):
+    """``(loss, (per_depth_ce, logits))``: the depth-weighted sum of the mean
+    cross-entropy (plus ``soft_weight`` x KL to the soft targets) of the
+    counted targets. ``count`` (per depth) defaults to this batch's own count;
+    data-parallel training passes the whole batch's, so that the ranks'
+    gradients add up. ``per_depth_ce`` is the hard-label cross-entropy alone."""
+    logits = drafter(drafter.context(batch.context), embed(batch.inputs))  # [B, T, Vd]
+    ce = nn.losses.cross_entropy(logits, batch.targets, reduction="none")  # [B, T]
+    m = batch.mask.astype(ce.dtype)
     count = mx.maximum(m.sum(0), 1) if count is None else count
     per_depth = (ce * m).sum(0) / count
-    return per_depth.sum(), (per_depth, logits)
+    total = per_depth
+    if soft_weight and batch.soft_p is not None:
+        total = total + soft_weight * kl_to_soft(logits, batch.soft_ids, batch.soft_p).sum(0) / count
+    if weights is not None:
+        total = total * weights
+    return total.sum(), (per_depth, logits)
 
 
 def evaluate(drafter, embed, batcher: Batcher, batch_size: int, max_examples: int = 20_000):
@@ -166,13 +263,13 @@ def evaluate(drafter, embed, batcher: Batcher, batch_size: int, max_examples: in
     order = np.random.default_rng(0).permutation(len(batcher.examples.positions))[:n]
     loss_sum, right_sum, count, run_sum = 0.0, 0.0, 0.0, 0.0
     for s in range(0, n, batch_size):
-        context, inputs, targets, mask, valid = batcher.batch(order[s : s + batch_size])
-        _, (per_depth, logits) = drafter_loss(drafter, embed, context, inputs, targets, mask)
-        right = (mx.argmax(logits, -1) == targets) & mask
-        vf = valid.astype(mx.float32)
-        rows = valid[:, 0].astype(mx.float32)
+        b = batcher.batch(order[s : s + batch_size])
+        _, (per_depth, logits) = drafter_loss(drafter, embed, b)
+        right = (mx.argmax(logits, -1) == b.targets) & b.mask
+        vf = b.valid.astype(mx.float32)
+        rows = b.valid[:, 0].astype(mx.float32)
         run = mx.cumprod(right.astype(mx.float32), axis=1).sum(1)  # accepted prefix length
-        loss_sum = loss_sum + per_depth * mask.sum(0)
+        loss_sum = loss_sum + per_depth * b.mask.sum(0)
         right_sum = right_sum + right.astype(mx.float32).sum(0)
         count = count + vf.sum(0)
         run_sum = run_sum + (run * rows).sum()
@@ -277,10 +374,16 @@ def new_drafter(model, corpus: Corpus, cfg: TrainConfig, eos_ids=()) -> Drafter:
         DrafterConfig(
             vocab_size=vocab, hidden_size=hidden, exit_dim=cfg.exit_dim,
             num_draft_layers=cfg.num_draft_layers, rnn=cfg.rnn, draft_vocab_size=dv,
+            feature_layers=list(corpus.feature_layers) if cfg.fuse_features else None,
         )
     )
+    if cfg.fuse_features:
+        # Start as the unfused drafter (the last layer passes through) and
+        # learn what the other layers add.
+        n = len(corpus.feature_layers)
+        drafter.fuse.weight = mx.concatenate([mx.zeros((hidden, n * hidden)), mx.eye(hidden)], axis=1)
     if dv:
-        drafter.draft_vocab = mx.array(choose_draft_vocab(corpus.tokens, dv, vocab, always=list(eos_ids)))
+        drafter.draft_vocab = mx.array(choose_draft_vocab(reply_tokens(corpus), dv, vocab, always=list(eos_ids)))
     if cfg.init_head_from_llm and cfg.exit_dim == hidden:
         drafter.lm_head[-1].weight = llm_output_rows(model, drafter.draft_vocab if dv else None)
     drafter.set_dtype(mx.float32)
@@ -305,6 +408,11 @@ def _check_inputs(model, corpus: Corpus, data_dir, cfg: TrainConfig, w: World) -
         error = RedrafterError(
             f"The data in {data_dir} has hidden size {corpus.hidden_size} but the model's is {model.args.hidden_size}.",
             "Train with the --model the data was distilled from.",
+        )
+    elif cfg.fuse_features and "features" not in corpus.extra:
+        error = RedrafterError(
+            f"--fuse-features needs intermediate-layer features, and the data in {data_dir} has none.",
+            "Distill with --feature-layers default (or a list of layers) into a new --out.",
         )
     elif cfg.batch_size % w.size:
         error = RedrafterError(
@@ -349,27 +457,30 @@ def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos
     return drafter, optimizer, cfg, start
 
 
-def make_step(drafter: Drafter, embed, optimizer, w: World):
+def make_step(drafter: Drafter, embed, optimizer, w: World, cfg: TrainConfig):
     """``step(batch, lr) -> loss``: one optimizer update from this rank's
     slice of a batch, with the gradients averaged over the ranks; the loss
     returned is the whole batch's."""
     loss_and_grad = nn.value_and_grad(drafter, drafter_loss)
     state = [drafter.state, optimizer.state]
+    weights = depth_weights(cfg)
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def update(context, inputs, targets, mask, count):
-        (loss, _), grads = loss_and_grad(drafter, embed, context, inputs, targets, mask, count)
+    def update(count, *arrays):
+        (loss, _), grads = loss_and_grad(drafter, embed, Batch(*arrays), count, weights, cfg.soft_weight)
         optimizer.update(drafter, w.mean(grads))  # the only collective in here: see World.mean
         return loss
 
-    def step(batch, lr: float) -> float:
-        context, inputs, targets, mask, _ = batch
+    def step(batch: Batch, lr: float) -> float:
         # Loss denominators over the whole batch (all ranks), so that the
         # averaged gradient is the one-process gradient.
-        count = mx.maximum(w.sum(mask.sum(0).astype(mx.float32)), 1) / w.size
+        count = mx.maximum(w.sum(batch.mask.sum(0).astype(mx.float32)), 1) / w.size
         mx.eval(count)
         optimizer.learning_rate = mx.array(lr)
-        loss = update(context, inputs, targets, mask, count)
+        arrays = [batch.context, batch.inputs, batch.targets, batch.mask, batch.valid]
+        if batch.soft_p is not None:
+            arrays += [batch.soft_ids, batch.soft_p]
+        loss = update(count, *arrays)
         mx.eval(loss, state)
         return float(w.sum(loss) / w.size)
 
@@ -377,12 +488,15 @@ def make_step(drafter: Drafter, embed, optimizer, w: World):
 
 
 def _batchers(corpus: Corpus, cfg: TrainConfig, vmap: np.ndarray, data_dir):
-    """Training and held-out batchers (sharing the hidden states on device)."""
-    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats)
+    """Training and held-out batchers (sharing the hidden states on device).
+    Held-out batches carry no soft targets: the held-out metrics are the hard
+    labels', comparable between runs with and without them."""
+    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats, cfg.data_fraction, cfg.prompt_positions)
     if len(train_ex.positions) == 0:
         raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
-    train_b = Batcher(corpus, train_ex, cfg.depth, vmap)
-    eval_b = Batcher(corpus, eval_ex, cfg.depth, vmap)
+    soft = bool(cfg.soft_weight) and corpus.soft_targets
+    train_b = Batcher(corpus, train_ex, cfg.depth, vmap, soft=soft, fuse=cfg.fuse_features)
+    eval_b = Batcher(corpus, eval_ex, cfg.depth, vmap, fuse=cfg.fuse_features)
     eval_b.hidden = train_b.hidden
     return train_b, eval_b
 
@@ -430,12 +544,13 @@ def train(
     n_train = len(train_b.examples.positions)
     total = cfg.max_steps or int(math.ceil(cfg.epochs * max(1, n_train // cfg.batch_size)))
     embed.freeze()
-    step_fn = make_step(drafter, embed, optimizer, w)
+    step_fn = make_step(drafter, embed, optimizer, w, cfg)
     meta = {
         "data": str(Path(data_dir).resolve()),
         "train_examples": int(n_train),
         "eval_examples": int(len(eval_b.examples.positions)),
-        "draft_vocab_coverage": round(float((vmap[corpus.tokens] >= 0).mean()), 4),
+        "draft_vocab_coverage": round(float((vmap[reply_tokens(corpus)] >= 0).mean()), 4),
+        "soft_targets": train_b.soft is not None,
         "total_steps": total,
     }
     writer = Writer(out, cfg, meta, enabled=w.rank == 0, best=start.best_accepted, log_console=log_console)

@@ -1,0 +1,155 @@
+"""Drafter quality on MT-Bench first turns: acceptance by depth and tokens/step
+of greedy decoding with one beam, for several drafters from one set of replies.
+
+The LLM answers the MT-Bench first turns greedily (batched, with the
+distiller's continuous batching) and the hidden state at every position is
+kept (and the intermediate-layer features a fused drafter needs). From every
+position each drafter drafts ``L`` tokens teacher-forced; with one greedy
+beam, the draft accepted at a position is the longest prefix that matches the
+LLM's reply, so this is what ``W=1`` decoding accepts there. A walk over each
+reply (draft, accept, move on by ``1 + accepted``) gives the tokens per step
+of ``W=1 L=1..5`` decoding with the drafter alone (no lookup). No decoding
+loop runs, so every drafter is measured on the same replies in seconds; the
+live check is ``mlx-redrafter sweep`` (see bench/RESULTS.md).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 .venv/bin/python bench/acceptance.py \\
+        --drafters shipped=mlx_redrafter/drafters/smollm2-135m-instruct,new=runs/drafter-v2 --out bench/results/acceptance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_redrafter import load_model
+from mlx_redrafter.drafter import load_drafter
+from mlx_redrafter.features import default_feature_layers
+from mlx_redrafter.models import model_parts
+from mlx_redrafter.prompts import load_prompt_set
+from mlx_redrafter.train.distill import DistillConfig, Distiller
+
+MAX_L = 5
+
+
+def reply_layers(model) -> list:
+    """The replies keep the default feature layers' outputs too, so that fused
+    and unfused drafters are measured on one cached set."""
+    return default_feature_layers(len(model.model.layers))
+
+
+def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
+    """``[(tokens [n], context [n, c])]``: greedy replies and, at each
+    position, the hidden state that produced the token there (features
+    first when ``layers``). Cached in ``cache`` (keyed by the settings)."""
+    key = {"prompts": len(prompts), "max_tokens": max_tokens, "layers": list(layers)}
+    if cache.exists():
+        arrays, meta = mx.load(str(cache), return_metadata=True)
+        if json.loads(meta["key"]) == key:
+            offsets = np.array(arrays["offsets"])
+            t, c = np.array(arrays["tokens"]), np.array(arrays["context"])
+            return [(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    cfg = DistillConfig(batch_size=40, max_new_tokens=max_tokens, top_k=0, feature_layers=list(layers), stop_loops=0)
+    d = Distiller(model, tok, cfg)
+    queue = deque((c, 0, []) for c in prompts)
+    out = []
+
+    def done(row, conv):
+        if row is not None:
+            ctx = np.stack(row.hidden)
+            if layers:
+                ctx = np.concatenate([np.stack(row.extra["features"]), ctx], axis=1)
+            out.append((np.array(row.tokens, np.int32), ctx))
+
+    tic = time.perf_counter()
+    d.run(queue, done, lambda: False)
+    print(f"{len(out)} replies, {sum(len(t) for t, _ in out)} tokens in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
+    offsets = np.cumsum([0] + [len(t) for t, _ in out])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(cache), {"tokens": mx.array(np.concatenate([t for t, _ in out])),
+                                     "context": mx.array(np.concatenate([c for _, c in out])),
+                                     "offsets": mx.array(offsets)}, {"key": json.dumps(key)})
+    return out
+
+
+def pick(context: np.ndarray, have, want, hidden: int) -> np.ndarray:
+    """The columns of ``context`` (``have`` layers' features, then the last
+    state) that a drafter fusing ``want`` reads."""
+    cols = [context[:, have.index(i) * hidden : (have.index(i) + 1) * hidden] for i in want]
+    return np.concatenate(cols + [context[:, -hidden:]], axis=1)
+
+
+def accepted_runs(drafter, embed, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """``[n]`` drafted tokens a single greedy beam of length ``MAX_L`` gets
+    accepted from each position (capped by the reply's end)."""
+    n = len(tokens)
+    pad = np.concatenate([tokens, np.zeros(MAX_L + 1, np.int32)])
+    at = np.arange(n)[:, None] + np.arange(MAX_L + 1)[None, :]
+    ids = pad[at]
+    ctx = mx.array(context).astype(mx.float32)
+    logits = drafter(drafter.context(ctx), embed(mx.array(ids[:, :-1])))
+    drafted = np.array(drafter.token_ids(mx.argmax(logits, -1)))
+    right = (drafted == ids[:, 1:]) & (at[:, 1:] < n)
+    return np.cumprod(right, axis=1).sum(1)
+
+
+def walk(runs: np.ndarray, length: int) -> int:
+    """Steps greedy decoding takes over a reply when it accepts
+    ``min(runs[pos], length)`` drafts at ``pos`` and then moves on."""
+    pos, steps = 0, 0
+    while pos < len(runs) - 1:
+        pos += 1 + min(int(runs[pos]), length)
+        steps += 1
+    return steps
+
+
+def evaluate(drafter, embed, data, layers=()) -> dict:
+    """Acceptance by depth and W=1 tokens/step of ``drafter`` on ``data``
+    (replies whose contexts hold ``layers``' features, then the last state)."""
+    want, h = drafter.config.feature_layers or [], drafter.config.hidden_size
+    runs = [accepted_runs(drafter, embed, t, pick(c, list(layers), want, h)) for t, c in data]
+    allr = np.concatenate([r[:-1] for r in runs])  # positions with at least one token after g0
+    by_depth = [round(float((allr >= d).mean()), 4) for d in range(1, MAX_L + 1)]
+    tokens = sum(len(r) - 1 for r in runs)
+    tps = {f"W1L{L}": round(tokens / max(1, sum(walk(r, L) for r in runs)), 3) for L in range(1, MAX_L + 1)}
+    return {"first_draft_accepted": by_depth[0], "acceptance_by_depth": by_depth, "tokens_per_step": tps, "positions": int(len(allr))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafters", required=True, help="name=folder,name=folder,...")
+    ap.add_argument("--prompts", default="mt_bench")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/acceptance"))
+    args = ap.parse_args()
+    model, tok = load_model("default")
+    embed, _, _ = model_parts(model)
+    folders = dict(item.split("=", 1) for item in args.drafters.split(","))
+    drafters = {name: load_drafter(folder, dtype="float32") for name, folder in folders.items()}
+    layers = sorted({i for d in drafters.values() for i in (d.config.feature_layers or [])} | set(reply_layers(model)))
+    prompts = load_prompt_set(args.prompts)
+    data = replies(model, tok, prompts, args.max_tokens, layers, args.out / "replies.safetensors")
+    results = {}
+    for name, d in drafters.items():
+        results[name] = {"folder": folders[name], **evaluate(d, embed, data, layers)}
+        print(name, json.dumps(results[name]), file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "LD_PRELOAD=... .venv/bin/python " + " ".join(sys.argv)
+    (args.out / "results.json").write_text(json.dumps({"command": command, "prompts": args.prompts,
+                                                       "max_tokens": args.max_tokens, "drafters": results}, indent=1) + "\n")
+    lines = [f"`{command}`", "", "| drafter | first drafts accepted | acceptance by depth 1-5 | tokens/step W=1 L=1 / 2 / 3 / 4 / 5 |", "|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['first_draft_accepted']:.3f} | {' / '.join(f'{x:.3f}' for x in r['acceptance_by_depth'])} | "
+                     + " / ".join(f"{v:.2f}" for v in r["tokens_per_step"].values()) + " |")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
