@@ -35,6 +35,17 @@ def test_tiny_models_random_drafter(tiny, width, length):
         assert all(s.tree_size <= 1 + width * length for s in stats)
 
 
+@pytest.mark.parametrize("width,length,pipelined", [(1, 3, True), (2, 3, True), (4, 5, True), (2, 3, False)])
+def test_tiny_models_fused_feature_drafter(tiny, width, length, pipelined):
+    """A drafter that fuses layer 0's output (EAGLE-3 style) on every model
+    type, Gemma's sliding-window layers included: the output is plain decoding's."""
+    kind, model, ps, refs = tiny
+    drafter = random_drafter(exit_dim=48, num_draft_layers=1, feature_layers=[0])
+    for p, ref in zip(ps[:2], refs[:2]):
+        out, _ = generate_tokens(model, p, draft=DraftConfig(drafter, width, length, lookup=1, pipelined=pipelined), max_tokens=N_TOKENS)
+        assert out == ref, kind
+
+
 @pytest.mark.parametrize("width,length", GRID)
 def test_tiny_models_oracle_drafter(tiny, width, length):
     kind, model, ps, refs = tiny
@@ -223,6 +234,9 @@ def test_fit_check_skips_an_embedding_without_weight():
     check_fits(random_drafter(), model)  # the same sizes: fits
     with pytest.raises(RedrafterError, match="hidden_size"):
         check_fits(random_drafter(hidden=32), model)
+    check_fits(random_drafter(feature_layers=[0, 1]), model)
+    with pytest.raises(RedrafterError, match="layers"):  # a fused drafter made for a deeper model
+        check_fits(random_drafter(feature_layers=[1, 7]), model)
     model.model.embed_tokens = nn.Module()  # nothing to compare with: no error from the check itself
     check_fits(random_drafter(hidden=32), model)
 
