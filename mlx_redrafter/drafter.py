@@ -305,10 +305,11 @@ def check_fits(drafter: Drafter, model) -> None:
             f"The drafter's vocab_size is {cfg.vocab_size} but the model's embedding has {vocab} rows.",
             "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
         )
-    if cfg.feature_layers:
+    layers = getattr(cfg, "feature_layers", None)
+    if layers:
         n = len(getattr(getattr(model, "model", None), "layers", []) or [])
-        if max(cfg.feature_layers) >= n:
+        if max(layers) >= n:
             raise RedrafterError(
-                f"The drafter fuses features of layers {cfg.feature_layers} but the model has {n} layers.",
+                f"The drafter fuses features of layers {layers} but the model has {n} layers.",
                 "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
             )
