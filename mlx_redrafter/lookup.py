@@ -136,9 +136,9 @@ class DeviceLookup:
         self.length = self.length + n + 1
         self.bound += room
 
-    def settle(self, exact: int, unread_room: int) -> None:
-        """The host read the length up to ``exact``; ``unread_room`` more may follow."""
-        self.bound = exact + unread_room
+    def settle(self, exact: int) -> None:
+        """The host has read every appended step: the device length is ``exact``."""
+        self.bound = exact
 
     def propose(self, length: int):
         """``[length]``: the tokens after the latest earlier occurrence of the

@@ -46,7 +46,7 @@ from .lookup import DeviceLookup, Lookup
 from .models import model_parts
 from .steps import StepStats, StepTokens, host_read, prefill
 from .tree import PAD, Tree, layout, merged_parent
-from .verify import install_tree_hooks, tree_hooks
+from .verify import install_tree_hooks, map_rows, tree_hooks
 
 # Squeeze holes out of the cache once this many are known. Attention over a
 # hole costs a little every step; a compaction moves every cached row once.
@@ -82,7 +82,6 @@ class _Queued:
     n: mx.array  # accepted drafts
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
-    drafter_rows: int  # rows past these are lookup rows
 
 
 class _HoleyCache:
@@ -126,21 +125,19 @@ class _HoleyCache:
     def compact(self, drop_unread: bool = False) -> None:
         """Move the real rows of the read steps together (lazily); ``drop_unread``
         also cuts off the rows of steps queued but not read (the loop ends)."""
-        unread = sum(self.unread)
-        keep = list(range(self.solid)) + [self.solid + i for i, f in enumerate(self.flags) if f]
-        solid = len(keep)
-        if not drop_unread:
-            end = self.solid + len(self.flags)
-            keep += list(range(end, end + unread))
-        if len(keep) < self.cache[0].offset - (unread if drop_unread else 0) or drop_unread:
-            idx = mx.array(keep, mx.int32)
+        unread = 0 if drop_unread else sum(self.unread)
+        real = [self.solid + i for i, f in enumerate(self.flags) if f]
+        solid = self.solid + len(real)
+        if all(self.flags):  # no holes: keeping a prefix is a trim
+            length = solid + unread
             for c in self.cache:
-                if isinstance(c, QuantizedKVCache):
-                    c.keys = tuple(mx.take(a, idx, axis=2) for a in c.keys)
-                    c.values = tuple(mx.take(a, idx, axis=2) for a in c.values)
-                else:
-                    c.keys, c.values = mx.take(c.keys, idx, axis=2), mx.take(c.values, idx, axis=2)
-                c.offset = len(keep)
+                c.offset = length
+        else:
+            end = self.solid + len(self.flags)
+            idx = mx.array(list(range(self.solid)) + real + list(range(end, end + unread)), mx.int32)
+            for c in self.cache:
+                map_rows(c, lambda a: mx.take(a, idx, axis=2))
+                c.offset = idx.size
         self.tail = mx.zeros((0,), mx.bool_) if drop_unread else self.tail[len(self.flags) :]
         self.solid, self.flags = solid, []
         if drop_unread:
@@ -186,19 +183,20 @@ class _Pipeline:
             # Whether to verify lookup rows is decided from what the host has
             # read (a row costs its tokens' compute even when it matches nothing).
             proposals = self.lookup.propose(cfg.lookup_length + prev.depth + 1, cfg.lookup)
-            if proposals and self.fresh is not None:
-                parts.append(self.fresh.propose(cfg.lookup_length)[None])
-            elif proposals:
-                parts.append(line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length))
-            lengths += [cfg.lookup_length] * (1 if self.fresh is not None and proposals else len(proposals))
+            if proposals:
+                if self.fresh is not None:
+                    rows = self.fresh.propose(cfg.lookup_length)[None]
+                else:
+                    rows = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
+                parts.append(rows)
+                lengths += [cfg.lookup_length] * rows.shape[0]
         return parts, lengths
 
     def queue(self, prev: _Queued) -> _Queued:
         """Build the step after ``prev`` (lazily)."""
         parts, lengths = self.rows(prev)
-        drafter_rows = self.cfg.beam_width if self.cfg.drafter is not None else 0
         if not lengths:
-            return self._queue_g0(prev, drafter_rows)
+            return self._queue_g0(prev)
         depth = max(lengths)
         beams = mx.concatenate([mx.pad(p, [(0, 0), (0, depth - p.shape[1])], constant_values=PAD) for p in parts])
         lay = layout(tuple(lengths))
@@ -215,10 +213,9 @@ class _Pipeline:
         self.kv.append(lay.size, kept)
         row = beams[acc.beam]
         read = mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, row])
-        return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size,
-                       drafter_rows)
+        return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size)
 
-    def _queue_g0(self, prev: _Queued, drafter_rows: int) -> _Queued:
+    def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
         one = Tree(prev.g0.reshape(1), mx.zeros((1,), mx.int32), None, None, mx.ones((1, 1), mx.bool_))
         hidden = self._forward(one, prev.real, chain=True)
@@ -226,7 +223,7 @@ class _Pipeline:
         self.kv.append(1, mx.ones((1,), mx.bool_))
         zero = mx.zeros((1,), mx.int32)
         read = mx.concatenate([zero, zero, g0.reshape(1), zero])
-        return _Queued(read, g0, hidden[0], prev.real + 1, zero[:0], zero[0], 0, 1, drafter_rows)
+        return _Queued(read, g0, hidden[0], prev.real + 1, zero[:0], zero[0], 0, 1)
 
     def _forward(self, tree: Tree, base: mx.array, chain: bool) -> mx.array:
         """``hidden [N, h]`` of the tree. A cache without holes needs no device
@@ -248,9 +245,10 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
     tic = time.perf_counter()
     logits, context = prefill(pipe.backbone, pipe.head, cache, prompt)
     pipe.kv = _HoleyCache(cache)
+    drafter_rows = draft.beam_width if draft.drafter is not None else 0  # rows past these are lookup rows
     g0 = sample_first(logits, sampling)
     zero = mx.array(0, mx.int32)
-    queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1, 0)
+    queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1)
     try:
         # Read g0 before queueing step 1: a read queued behind a step waits for it.
         g0_val = host_read(g0)[0]
@@ -277,11 +275,10 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             if pipe.lookup is not None:
                 pipe.lookup.extend(emitted)
             if pipe.fresh is not None:
-                pipe.fresh.settle(len(pipe.lookup.history), 0)
-            source = ("drafter" if beam < queued.drafter_rows else "lookup") if n else ""
+                pipe.fresh.settle(len(pipe.lookup.history))
+            source = ("drafter" if beam < drafter_rows else "lookup") if n else ""
             stats = StepStats(step, n, queued.size, time.perf_counter() - tic, syncs, beam, d, source=source)
             yield StepTokens(emitted, [True] * n + [False], stats)
             queued = following
     finally:
-        if pipe.kv is not None:
-            pipe.kv.compact(drop_unread=True)
+        pipe.kv.compact(drop_unread=True)

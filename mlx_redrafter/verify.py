@@ -197,15 +197,20 @@ def compact_cache(cache, start_offsets: List[int], path: mx.array) -> None:
     Offsets are fixed later by :func:`set_cache_length` once the accepted
     length is known on the host, so no sync happens here.
     """
+    # A RotatingKVCache holds [old | new] in time order after a multi-token
+    # update (start = len(old)), like a plain KVCache.
     for c, start in zip(cache, start_offsets):
-        if isinstance(c, QuantizedKVCache):
-            c.keys = tuple(_move_rows(a, start, path) for a in c.keys)
-            c.values = tuple(_move_rows(a, start, path) for a in c.values)
-        else:
-            # A RotatingKVCache holds [old | new] in time order after a
-            # multi-token update (start = len(old)), like a plain KVCache.
-            c.keys = _move_rows(c.keys, start, path)
-            c.values = _move_rows(c.values, start, path)
+        map_rows(c, lambda a, start=start: _move_rows(a, start, path))
+
+
+def map_rows(c, fn) -> None:
+    """Apply ``fn`` to each of a layer cache's key and value arrays (a
+    quantized cache's are tuples of data, scales and biases, row-aligned)."""
+    if isinstance(c, QuantizedKVCache):
+        c.keys = tuple(fn(a) for a in c.keys)
+        c.values = tuple(fn(a) for a in c.values)
+    else:
+        c.keys, c.values = fn(c.keys), fn(c.values)
 
 
 def verify_starts(cache) -> List[int]:
