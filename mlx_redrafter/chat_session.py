@@ -231,11 +231,10 @@ class ChatSession:
                 prompt_cache=self.cache, controller=self.controller,
                 lookup=s.lookup, lookup_context=ids[:reused],
             ):
-                if r.generation_tokens > turn.tally.tokens:
+                if turn.tally.add(r):
                     generated.append(r.token)
                 else:  # the EOS response emits no token
                     eos = [r.token]
-                turn.tally.add(r)
                 turn.reply += r.text
                 turn.finish_reason = r.finish_reason
                 yield r

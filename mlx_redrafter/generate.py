@@ -624,15 +624,18 @@ class Tally:
     last: Optional[RedrafterResponse] = None
     _step: int = -1
 
-    def add(self, r: RedrafterResponse) -> None:
-        if r.generation_tokens > self.tokens:  # the EOS response emits nothing
-            self.tokens = r.generation_tokens
-            self.drafted_tokens += int(r.from_draft)
-            self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
-            if r.stats.step != self._step:
-                self.steps += 1
-                self._step = r.stats.step
+    def add(self, r: RedrafterResponse) -> bool:
+        """Count a response; False for the EOS response, which emits no token."""
         self.last = r
+        if r.generation_tokens <= self.tokens:
+            return False
+        self.tokens = r.generation_tokens
+        self.drafted_tokens += int(r.from_draft)
+        self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
+        if r.stats.step != self._step:
+            self.steps += 1
+            self._step = r.stats.step
+        return True
 
     def merge(self, other: "Tally") -> None:
         """Add the totals of another stream (e.g. one chat turn) to these."""

@@ -233,11 +233,10 @@ class Engine:
             )
             try:
                 for r in stream:
-                    if r.generation_tokens > res.tally.tokens:
+                    if res.tally.add(r):
                         generated.append(r.token)
                     else:  # the EOS response emits no token
                         eos = [r.token]
-                    res.tally.add(r)
                     res.text += r.text
                     res.finish_reason = r.finish_reason
                     if r.text:
