@@ -41,7 +41,6 @@ class StepTokens:
     stats: StepStats
 
 
-
 def host_read(*arrays: mx.array) -> List[int]:
     """The loop's one sync: read several int arrays in one transfer.
 
