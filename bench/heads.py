@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from acceptance import evaluate, replies, reply_layers  # noqa: E402
 
 from mlx_redrafter import load_model
 from mlx_redrafter.cost import decode_step_cost, draft_step_cost, median_ms, warm_cache
 from mlx_redrafter.drafter import load_drafter
 from mlx_redrafter.models import model_parts
+from mlx_redrafter.prompts import load_prompt_set
 from mlx_redrafter.train.trainer import TrainConfig, train
 
 HEADS = {
@@ -35,6 +41,14 @@ HEADS = {
     "E576-v4k-norepeat": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
     "E576-v4k-lr3e-3": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, lr=3e-3),
     "E576x2-v4k": dict(exit_dim=576, num_draft_layers=2, draft_vocab_size=4096),
+    # Issue 13's recipes at equal data and time (data distilled with --top-k
+    # and --feature-layers default): the previous recipe (hard labels, equal
+    # depth weights, replies only), soft targets, the prompts' positions, fusion.
+    "v4k-hard": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5, soft_weight=0.0, depth_decay=1.0, prompt_positions=False),
+    "v4k-soft": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5, prompt_positions=False),
+    "v4k-soft-prompts": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
+    "v4k-soft-prompts-fused": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5, fuse_features=True),
+    "v8k-soft-prompts": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192, skip_repeats=5),
 }
 
 
@@ -44,9 +58,12 @@ def main():
     ap.add_argument("--minutes", type=float, default=6.0, help="training budget per head")
     ap.add_argument("--heads", default=",".join(HEADS))
     ap.add_argument("--out", default="bench/out/heads")
+    ap.add_argument("--replies", type=Path, default=Path("bench/out/acceptance/replies.safetensors"), help="MT-Bench replies cached by bench/acceptance.py")
     args = ap.parse_args()
     model, tok = load_model("default")
     embed, backbone, head = model_parts(model)
+    layers = reply_layers(model)
+    replies_mt = replies(model, tok, load_prompt_set("mt_bench"), 128, layers, args.replies)
     out = Path(args.out)
     rows = []
     for name in args.heads.split(","):
@@ -55,8 +72,9 @@ def main():
             cfg = TrainConfig(**HEADS[name], minutes=args.minutes, max_steps=100_000, eval_every=250, checkpoint_every=10_000)
             train(model, args.data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
         log = [json.loads(line) for line in open(folder / "train_log.jsonl")]
-        last = [r for r in log if "eval_acc" in r][-1]
+        last = max((r for r in log if "eval_acc" in r), key=lambda r: r["eval_accepted_w1"])  # the saved drafter
         d = load_drafter(folder)
+        mt = evaluate(load_drafter(folder, dtype="float32"), embed, replies_mt, layers)
         ctx = mx.random.normal((d.context_size,))
         cost = draft_step_cost(d.config).macs / decode_step_cost(model).macs
         rows.append({
@@ -66,15 +84,17 @@ def main():
             "draft_ms_w2_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 2, 5).tokens)),
             "macs_vs_decode": cost,
             "coverage": log[0]["draft_vocab_coverage"],
+            "mt_bench_first_draft": mt["first_draft_accepted"], "mt_bench_w1l3": mt["tokens_per_step"]["W1L3"],
         })
     cache, rewind = warm_cache(model, backbone)
     plain = median_ms(lambda: mx.eval(mx.argmax(head(backbone(mx.array([[5]]), cache=cache)), -1)), after=rewind)
     print(f"plain decode step: {plain:.1f} ms")
-    print("| head | params | vocab coverage | train steps | top-1 acc by depth (held out) | expected accepted, 1 greedy beam | draft ms W=1 L=5 | draft ms W=2 L=5 | W=1 L=5 draft / decode step | MACs per draft step / decode step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| head | params | vocab coverage | train steps | top-1 acc by depth (held out) | expected accepted, 1 greedy beam | MT-Bench first drafts accepted | MT-Bench W=1 L=3 tokens/step | draft ms W=1 L=5 | draft ms W=2 L=5 | W=1 L=5 draft / decode step | MACs per draft step / decode step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["eval_acc"])
         print(f"| {r['head']} | {r['params_M']:.1f}M | {r['coverage']:.3f} | {r['steps']} | {acc} | {r['accepted_w1']:.2f} | "
+              f"{r['mt_bench_first_draft']:.3f} | {r['mt_bench_w1l3']:.2f} | "
               f"{r['draft_ms_w1_l5']:.1f} | {r['draft_ms_w2_l5']:.1f} | {r['draft_ms_w1_l5'] / plain:.3f} | {r['macs_vs_decode']:.3f} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "heads.json").write_text(json.dumps({"plain_ms": plain, "rows": rows}, indent=1))
