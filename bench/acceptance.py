@@ -55,7 +55,7 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
             offsets = np.array(arrays["offsets"])
             t, c = np.array(arrays["tokens"]), np.array(arrays["context"])
             return [(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
-    cfg = DistillConfig(batch_size=40, max_new_tokens=max_tokens, top_k=0, feature_layers=list(layers), stop_loops=0)
+    cfg = DistillConfig(batch_size=40, max_new_tokens=max_tokens, prompt_positions=False, top_k=0, feature_layers=list(layers), stop_loops=0)
     d = Distiller(model, tok, cfg)
     queue = deque((c, 0, []) for c in prompts)
     out = []
