@@ -66,7 +66,6 @@ class _Row:
     lead: Optional[dict] = None  # the prompt's positions: "tokens" and the arrays, stacked
     seen: set = field(default_factory=set)  # LOOP_NGRAM-grams of the reply so far
     repeat_run: int = 0  # consecutive tokens that closed an already-seen n-gram
-    dead: bool = False  # finished and reported; still in the batch until dropped
 
     def add(self, token: int, hidden: np.ndarray, extra: Optional[dict] = None) -> None:
         self.tokens.append(token)
@@ -185,52 +184,30 @@ class Distiller:
         looping = self.cfg.stop_loops and row.repeat_run >= self.cfg.stop_loops
         return row.tokens[-1] in self.eos or len(row.tokens) >= self.cfg.max_new_tokens or looping
 
-    @property
-    def live(self) -> int:
-        return sum(not r.dead for r in self.rows)
-
-    def drop_dead(self) -> None:
-        """Take the finished rows out of the batch and its cache."""
-        keep = [i for i, r in enumerate(self.rows) if not r.dead]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache, self.next_tokens = None, None
-            return
-        idx = mx.array(keep)
-        for c in self.cache:
-            c.filter(idx)
-        self.next_tokens = self.next_tokens[idx]
-
     def step(self) -> List[_Row]:
-        """One decode step for the whole batch; returns the rows that finished.
-
-        A finished row stays in the batch, dead, until a quarter of the batch
-        is dead or new prompts come in: ``BatchKVCache.filter`` copies the
-        whole cache, which costs about as much as a decode step of 64 rows,
-        so filtering at every finish cost more than the dead rows' compute.
-        """
-        done = [r for r in self.rows if not r.dead and self._finished(r)]
-        for r in done:
-            r.dead = True
-        if len(self.rows) - self.live > self.cfg.batch_size // 4 or not self.live:
-            self.drop_dead()
-        if not self.rows:
-            return done
+        """One decode step for the whole batch; returns the rows that finished."""
+        done = [r for r in self.rows if self._finished(r)]
+        keep = [i for i, r in enumerate(self.rows) if not self._finished(r)]
+        if done:
+            self.rows = [self.rows[i] for i in keep]
+            if not keep:
+                self.cache, self.next_tokens = None, None
+                return done
+            idx = mx.array(keep)
+            for c in self.cache:
+                c.filter(idx)
+            self.next_tokens = self.next_tokens[idx]
         nxt, arrays = self._forward(self.next_tokens[:, None], self.cache)
         for i, (r, t) in enumerate(zip(self.rows, nxt.tolist())):
-            if not r.dead:
-                self._keep(r, t, arrays, i)
+            self._keep(r, t, arrays, i)
         self.next_tokens = nxt
         return done
 
     def run(self, queue: deque, on_done, should_stop) -> None:
         """Generate until the queue is empty or ``should_stop()``."""
         B = self.cfg.batch_size
-        while (queue or self.live) and not should_stop():
-            if queue and self.live <= B - max(1, B // 6):
-                self.drop_dead()
+        while (queue or self.rows) and not should_stop():
+            if queue and len(self.rows) <= B - max(1, B // 6):
                 items = []
                 while queue and len(self.rows) + len(items) < B:
                     conv, turn, history = queue.popleft()
@@ -416,7 +393,7 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
 
     def should_stop():
         if progress:
-            progress(manifest, sum(len(s.tokens) for s in pending) + sum(len(r.tokens) for r in distiller.rows if not r.dead))
+            progress(manifest, sum(len(s.tokens) for s in pending) + sum(len(r.tokens) for r in distiller.rows))
         return deadline is not None and time.perf_counter() > deadline
 
     try:
