@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--minutes", type=float, default=24.0, help="training budget of the full share")
     ap.add_argument("--min-minutes", type=float, default=6.0)
     ap.add_argument("--preset", default="default")
+    ap.add_argument("--fuse-features", action="store_true", help="train fused drafters (data distilled with --feature-layers)")
     ap.add_argument("--runs", type=Path, default=Path("runs/scaling"), help="where the drafters are trained (reused when present)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/scaling"))
     ap.add_argument("--replies", type=Path, default=Path("bench/out/acceptance/replies.safetensors"), help="MT-Bench replies cached by bench/acceptance.py")
@@ -82,7 +83,8 @@ def main():
         folder = args.runs / f"share-{share:g}"
         if not (folder / "model.safetensors").exists():
             minutes = max(args.min_minutes, args.minutes * share)
-            cfg = TrainConfig(**TRAIN_PRESETS[args.preset], data_fraction=share, minutes=minutes, epochs=1000.0, eval_every=250)
+            cfg = TrainConfig(**TRAIN_PRESETS[args.preset], data_fraction=share, minutes=minutes, epochs=1000.0, eval_every=100,
+                              fuse_features=args.fuse_features)
             train(model, args.data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
         row = {"share": share, "folder": str(folder), **best_record(folder)}
         row["mt_bench"] = evaluate(load_drafter(folder, dtype="float32"), embed, mt, layers)
