@@ -38,6 +38,16 @@ from mlx_redrafter.train.distill import DistillConfig, Distiller
 MAX_L = 5
 
 
+REPLIES = Path("bench/out/acceptance/replies.safetensors")
+
+
+def mt_bench_replies(model, tok, path: Path = REPLIES):
+    """``(replies, layers)``: the MT-Bench first-turn replies (128 tokens)
+    that every drafter bench measures on, cached in ``path``."""
+    layers = reply_layers(model)
+    return replies(model, tok, load_prompt_set("mt_bench"), 128, layers, path), layers
+
+
 def reply_layers(model) -> list:
     """The replies keep the default feature layers' outputs too, so that fused
     and unfused drafters are measured on one cached set."""

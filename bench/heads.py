@@ -21,13 +21,12 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from acceptance import evaluate, replies, reply_layers  # noqa: E402
+from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model
 from mlx_redrafter.cost import decode_step_cost, draft_step_cost, median_ms, warm_cache
 from mlx_redrafter.drafter import load_drafter
 from mlx_redrafter.models import model_parts
-from mlx_redrafter.prompts import load_prompt_set
 from mlx_redrafter.train.trainer import TrainConfig, train
 
 HEADS = {
@@ -58,12 +57,11 @@ def main():
     ap.add_argument("--minutes", type=float, default=6.0, help="training budget per head")
     ap.add_argument("--heads", default=",".join(HEADS))
     ap.add_argument("--out", default="bench/out/heads")
-    ap.add_argument("--replies", type=Path, default=Path("bench/out/acceptance/replies.safetensors"), help="MT-Bench replies cached by bench/acceptance.py")
+    ap.add_argument("--replies", type=Path, default=REPLIES, help="MT-Bench replies cached by bench/acceptance.py")
     args = ap.parse_args()
     model, tok = load_model("default")
     embed, backbone, head = model_parts(model)
-    layers = reply_layers(model)
-    replies_mt = replies(model, tok, load_prompt_set("mt_bench"), 128, layers, args.replies)
+    replies_mt, layers = mt_bench_replies(model, tok, args.replies)
     out = Path(args.out)
     rows = []
     for name in args.heads.split(","):

@@ -21,13 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from acceptance import evaluate, replies, reply_layers  # noqa: E402
+from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model  # noqa: E402
 from mlx_redrafter.cli import TRAIN_PRESETS  # noqa: E402
 from mlx_redrafter.drafter import load_drafter  # noqa: E402
 from mlx_redrafter.models import model_parts  # noqa: E402
-from mlx_redrafter.prompts import load_prompt_set  # noqa: E402
 from mlx_redrafter.train.trainer import TrainConfig, train  # noqa: E402
 
 
@@ -72,12 +71,11 @@ def main():
     ap.add_argument("--fuse-features", action="store_true", help="train fused drafters (data distilled with --feature-layers)")
     ap.add_argument("--runs", type=Path, default=Path("runs/scaling"), help="where the drafters are trained (reused when present)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/scaling"))
-    ap.add_argument("--replies", type=Path, default=Path("bench/out/acceptance/replies.safetensors"), help="MT-Bench replies cached by bench/acceptance.py")
+    ap.add_argument("--replies", type=Path, default=REPLIES, help="MT-Bench replies cached by bench/acceptance.py")
     args = ap.parse_args()
     model, tok = load_model("default")
     embed, _, _ = model_parts(model)
-    layers = reply_layers(model)
-    mt = replies(model, tok, load_prompt_set("mt_bench"), 128, layers, args.replies)
+    mt, layers = mt_bench_replies(model, tok, args.replies)
     rows = []
     for share in map(float, args.shares.split(",")):
         folder = args.runs / f"share-{share:g}"
