@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model  # noqa: E402
-from mlx_redrafter.cli import TRAIN_PRESETS  # noqa: E402
 from mlx_redrafter.drafter import load_drafter  # noqa: E402
 from mlx_redrafter.models import model_parts  # noqa: E402
-from mlx_redrafter.train.trainer import TrainConfig, train  # noqa: E402
+from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train  # noqa: E402
 
 
 def best_record(folder: Path) -> dict:
@@ -81,7 +80,7 @@ def main():
         folder = args.runs / f"share-{share:g}"
         if not (folder / "model.safetensors").exists():
             minutes = max(args.min_minutes, args.minutes * share)
-            cfg = TrainConfig(**TRAIN_PRESETS[args.preset], data_fraction=share, minutes=minutes, epochs=1000.0, eval_every=100,
+            cfg = TrainConfig(**PRESETS[args.preset], data_fraction=share, minutes=minutes, epochs=1000.0, eval_every=100,
                               fuse_features=args.fuse_features)
             train(model, args.data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
         row = {"share": share, "folder": str(folder), **best_record(folder)}

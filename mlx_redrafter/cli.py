@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from .errors import RedrafterError
 from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH
+from .train.trainer import PRESETS
 
 app = typer.Typer(
     add_completion=False,
@@ -134,10 +135,6 @@ def convert_gguf_cmd(
 
 
 # Presets for `train`: the head sizes measured in bench/RESULTS.md.
-TRAIN_PRESETS = {
-    # Chosen by bench/heads.py (bench/RESULTS.md): best held-out accuracy per training minute.
-    "default": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
-}
 
 
 def _feature_layers(spec: str, model: str) -> list:
@@ -229,7 +226,7 @@ def train(
     model: str = ModelOpt,
     data: Path = typer.Option(..., "--data", help="Folder written by `distill`."),
     out: Path = typer.Option(..., "--out", "-o", help="Drafter folder to write."),
-    preset: Optional[str] = typer.Option(None, "--preset", help=f"Head size preset: {', '.join(TRAIN_PRESETS)}."),
+    preset: Optional[str] = typer.Option(None, "--preset", help=f"Head size preset: {', '.join(PRESETS)}."),
     exit_dim: Optional[int] = typer.Option(None, "--exit-dim"),
     num_draft_layers: Optional[int] = typer.Option(None, "--num-draft-layers"),
     rnn: bool = typer.Option(True, "--rnn/--no-rnn"),
@@ -257,9 +254,9 @@ def train(
     from .train.trainer import TrainConfig, train as run_train
     from .train.world import world
 
-    base = dict(TRAIN_PRESETS.get(preset or "default", {}))
-    if preset is not None and preset not in TRAIN_PRESETS:
-        raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(TRAIN_PRESETS)}.")
+    base = dict(PRESETS.get(preset or "default", {}))
+    if preset is not None and preset not in PRESETS:
+        raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(PRESETS)}.")
     for k, v in (("exit_dim", exit_dim), ("num_draft_layers", num_draft_layers), ("draft_vocab_size", draft_vocab_size), ("skip_repeats", skip_repeats)):
         if v is not None:
             base[k] = v if (k != "draft_vocab_size" or v > 0) else None

@@ -40,6 +40,13 @@ LOG = "train_log.jsonl"
 CHECKPOINT = "checkpoint"
 
 
+# Head shapes by name (`train --preset`). Chosen by bench/heads.py
+# (bench/RESULTS.md): best held-out accuracy per training minute.
+PRESETS = {
+    "default": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
+}
+
+
 @dataclass
 class TrainConfig:
     exit_dim: int = 576
