@@ -189,7 +189,8 @@ def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats
 
     sizes = sizes or range(1, width * length + 2)
     out = {f"verify_{n}": timed(forward(n)) for n in sizes}
-    ctx = mx.random.normal((drafter.context_size,))
+    # A fused drafter reads wider hidden states; any other drafter, the LLM's own.
+    ctx = mx.random.normal((getattr(drafter, "context_size", embed.weight.shape[-1]),))
     out["draft"] = timed(lambda: mx.eval(drafter.draft(embed, ctx, mx.array(1), width, length, confidences=top_k).tokens))
     probe = Controller(ControllerConfig(top_k=top_k))
     mx.eval(probe.parameters())
