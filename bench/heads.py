@@ -27,7 +27,7 @@ from mlx_redrafter import load_model
 from mlx_redrafter.cost import decode_step_cost, draft_step_cost, median_ms, warm_cache
 from mlx_redrafter.drafter import load_drafter
 from mlx_redrafter.models import model_parts
-from mlx_redrafter.train.trainer import TrainConfig, train
+from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train
 
 HEADS = {
     "E576-v4k": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096),
@@ -43,11 +43,11 @@ HEADS = {
     # Issue 13's recipes at equal data and time (data distilled with --top-k
     # and --feature-layers default): the previous recipe (hard labels, equal
     # depth weights, replies only), soft targets, the prompts' positions, fusion.
-    "v4k-hard": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5, soft_weight=0.0, depth_decay=1.0, prompt_positions=False),
-    "v4k-soft": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5, prompt_positions=False),
-    "v4k-soft-prompts": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5),
-    "v4k-soft-prompts-fused": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096, skip_repeats=5, fuse_features=True),
-    "v8k-soft-prompts": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=8192, skip_repeats=5),
+    "v4k-hard": dict(PRESETS["default"], soft_weight=0.0, depth_decay=1.0, prompt_positions=False),
+    "v4k-soft": dict(PRESETS["default"], prompt_positions=False),
+    "v4k-soft-prompts": dict(PRESETS["default"]),
+    "v4k-soft-prompts-fused": dict(PRESETS["default"], fuse_features=True),
+    "v8k-soft-prompts": dict(PRESETS["default"], draft_vocab_size=8192),
 }
 
 

@@ -134,9 +134,6 @@ def convert_gguf_cmd(
     err.print(f"wrote {out} (open it with mlx_lm.load or --model {out})")
 
 
-# Presets for `train`: the head sizes measured in bench/RESULTS.md.
-
-
 def _feature_layers(spec: str, model: str) -> list:
     """``--feature-layers``: 'none', 'default' or comma-separated layer indices."""
     spec = spec.strip().lower()
@@ -168,7 +165,7 @@ def distill(
     system: Optional[str] = typer.Option(None, "--system"),
     seed: int = typer.Option(0, "--seed"),
     stop_loops: int = typer.Option(12, "--stop-loops", help="End a reply after N tokens in a row that repeat its own text (0 = never)."),
-    top_k: int = typer.Option(16, "--top-k", help="Keep the LLM's top-k probabilities per token as soft targets (0 = none)."),
+    top_k: int = typer.Option(16, "--top-k", help="Keep the LLM's top-k logits per token as soft targets (0 = none)."),
     feature_layers: str = typer.Option("none", "--feature-layers", help="Also keep these layers' hidden states for feature fusion: 'none', 'default' (a low and a middle layer) or indices like 2,15."),
     prompt_positions: bool = typer.Option(True, "--prompt-positions/--no-prompt-positions", help="Also keep the prompts' positions (computed by the prefill anyway; needs --top-k for their labels)."),
 ):

@@ -22,7 +22,6 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ..errors import RedrafterError
-from ..features import capture_layers, check_layers
 from ..models import model_parts
 from ..prompts import chat_prompt_ids, read_conversations, refuse_eval_set
 from .shards import Manifest, Sequence, write_shard
@@ -43,7 +42,7 @@ class DistillConfig:
     stop_loops: int = 12
     system: Optional[str] = None
     seed: int = 0
-    # Soft targets: the LLM's top-k probabilities at each position (0 = none).
+    # Soft targets: the LLM's top-k logits at each position (0 = none).
     top_k: int = 16
     # Intermediate layers whose hidden states are kept for feature fusion
     # (see features.py); empty = the last layer only.
@@ -104,14 +103,14 @@ class Distiller:
 
     def __init__(self, model, tokenizer, cfg: DistillConfig):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
-        self.embed, self.backbone, self.head = model_parts(model)
+        # With feature layers the backbone also returns their outputs, before the last state.
+        self.embed, self.backbone, self.head = model_parts(model, cfg.feature_layers)
+        self.width = model.args.hidden_size
         self.eos = set(tokenizer.eos_token_ids)
         self.rows: List[_Row] = []
         self.cache = None
         self.next_tokens = None
         self.skipped = 0
-        if cfg.feature_layers:
-            check_layers(model, cfg.feature_layers)
 
     def encode(self, messages) -> List[int]:
         return chat_prompt_ids(self.tokenizer, messages)
@@ -120,10 +119,9 @@ class Distiller:
         """The batch's next tokens and what a row keeps of this position
         (of every position with ``every``, batch 1), as numpy arrays: one
         host transfer per decode step."""
-        with capture_layers(self.model, self.cfg.feature_layers) as taps:
-            hidden = self.backbone(tokens, cache=cache)
-        pick = (lambda x: x[0]) if every else (lambda x: x[:, -1])  # noqa: E731
-        hidden = pick(hidden)
+        wide = self.backbone(tokens, cache=cache)
+        wide = wide[0] if every else wide[:, -1]
+        hidden = wide[..., -self.width :]
         logits = self.head(hidden)
         nxt = mx.argmax(logits[-1:] if every else logits, axis=-1).astype(mx.int32)
         out = {"hidden": hidden.astype(mx.float16)}
@@ -137,7 +135,7 @@ class Distiller:
             top = mx.argpartition(logits, -k, axis=-1)[:, -k:].astype(mx.int32)
             out["topk_ids"], out["topk_logits"] = top, mx.take_along_axis(logits, top, axis=-1).astype(mx.float32)
         if self.cfg.feature_layers:
-            out["features"] = mx.concatenate([pick(taps[i]) for i in self.cfg.feature_layers], axis=-1).astype(mx.float16)
+            out["features"] = wide[..., : -self.width].astype(mx.float16)
         mx.eval(nxt, out)
         return nxt, {name: np.array(v) for name, v in out.items()}
 
