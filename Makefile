@@ -58,25 +58,28 @@ bench: setup
 bench-full: setup
 	$(RUN)$(PY) bench/run.py
 
-# The drafter shipped for the default model: ~75 min of distillation + ~35 min
-# of training on a 2-core machine with BLIS, then installed into the package.
+# The drafter shipped for the default model: ~106 min of distillation + 30 min
+# of training on a 2-core machine with BLIS, then installed into the package
+# with a depth controller measured on this machine (3.5 min, for --adaptive).
 # The prompts are the ShareGPT ones shipped in mlx_redrafter/data. Shorter runs:
 # `make train-default DISTILL_MINUTES=20 TRAIN_MINUTES=10` (a distill budget that
 # finishes no batch of replies leaves train no data).
-# The shipped drafter was trained with the first recipe (hard labels, equal
-# depth weights, replies only), which these flags keep; `make train-default
-# DISTILL_FLAGS= TRAIN_FLAGS=` uses the current defaults instead (soft targets,
-# depth weights 0.8^d, the prompts' positions: bench/RESULTS.md, section 12).
+# This is the current recipe (top-16 soft targets, depth weights 0.8^d, the
+# prompts' positions: bench/RESULTS.md, section 12). The previous drafter's
+# first recipe (hard labels, equal depth weights, replies only):
+# `make train-default DISTILL_MINUTES=75 TRAIN_MINUTES=35 DISTILL_FLAGS="--top-k 0 --batch-size 48"
+# TRAIN_FLAGS="--soft-weight 0 --depth-decay 1"`.
 SHIPPED := mlx_redrafter/drafters/smollm2-135m-instruct
-DISTILL_MINUTES ?= 75
-TRAIN_MINUTES ?= 35
-DISTILL_FLAGS ?= --top-k 0
-TRAIN_FLAGS ?= --soft-weight 0 --depth-decay 1
+DISTILL_MINUTES ?= 106
+TRAIN_MINUTES ?= 30
+DISTILL_FLAGS ?= --batch-size 80
+TRAIN_FLAGS ?=
 train-default: setup
 	$(RUN)$(BIN)/mlx-redrafter distill --model default --out runs/distill-default --minutes $(DISTILL_MINUTES) $(DISTILL_FLAGS)
 	$(RUN)$(BIN)/mlx-redrafter train --model default --data runs/distill-default --out runs/drafter-default --preset default --minutes $(TRAIN_MINUTES) $(TRAIN_FLAGS)
 	mkdir -p $(SHIPPED)
 	cp runs/drafter-default/config.json runs/drafter-default/model.safetensors runs/drafter-default/train_log.jsonl $(SHIPPED)/
+	$(RUN)$(BIN)/mlx-redrafter train-controller --model default -W 2 -L 4 --num-prompts 24 --max-tokens 96
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
