@@ -60,7 +60,7 @@ bench-full: setup
 
 # The drafter shipped for the default model: ~106 min of distillation + 30 min
 # of training on a 2-core machine with BLIS, then installed into the package
-# with a depth controller measured on this machine (3.5 min, for --adaptive).
+# with a depth controller measured on this machine (about 4.5 min, for --adaptive).
 # The prompts are the ShareGPT ones shipped in mlx_redrafter/data. Shorter runs:
 # `make train-default DISTILL_MINUTES=20 TRAIN_MINUTES=10` (a distill budget that
 # finishes no batch of replies leaves train no data).
