@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.drafter import load_drafter
-from mlx_redrafter.features import default_feature_layers
-from mlx_redrafter.models import model_parts
+from mlx_redrafter.draft.drafter import load_drafter
+from mlx_redrafter.llm.parts import default_feature_layers
+from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.prompts import load_prompt_set
 from mlx_redrafter.train.distill import DistillConfig, Distiller
 

@@ -13,11 +13,11 @@ import time
 import mlx.core as mx
 
 from mlx_redrafter import load_model
-from mlx_redrafter.accept import accept_greedy
-from mlx_redrafter.drafter import load_drafter
-from mlx_redrafter.models import model_parts
-from mlx_redrafter.session import shipped_drafter_path
-from mlx_redrafter.tree import layout
+from mlx_redrafter.step.accept import accept_greedy
+from mlx_redrafter.draft.drafter import load_drafter
+from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.runtime import shipped_drafter_path
+from mlx_redrafter.step.tree import layout
 
 
 def median_ms(f, n: int = 200) -> float:

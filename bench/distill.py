@@ -17,8 +17,8 @@ import time
 
 import mlx.core as mx
 
-from mlx_redrafter.cost import median_ms
-from mlx_redrafter.models import load_model
+from mlx_redrafter.tuning.cost import median_ms
+from mlx_redrafter.llm.load import load_model
 from mlx_redrafter.prompts import default_training_prompts, read_conversations
 from mlx_redrafter.train.distill import DistillConfig, Distiller, _messages
 

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from mlx_redrafter import load_drafter, load_model
-    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
-    from mlx_redrafter.measure import measure
+    from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
+    from mlx_redrafter.tuning.measure import measure
     from mlx_redrafter.prompts import first_turn_ids, load_prompt_set, select_conversations
 
     model, tok = load_model("default")

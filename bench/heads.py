@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model
-from mlx_redrafter.cost import decode_step_cost, draft_step_cost, median_ms, warm_cache
-from mlx_redrafter.drafter import load_drafter
-from mlx_redrafter.models import model_parts
+from mlx_redrafter.llm.cache import warm_cache
+from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost, median_ms
+from mlx_redrafter.draft.drafter import load_drafter
+from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train
 
 HEADS = {

@@ -133,10 +133,11 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from mlx_redrafter import load_drafter, load_model
-    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig, context_limit
-    from mlx_redrafter.lookup import LOOKUP_LENGTH
-    from mlx_redrafter.measure import measure
-    from mlx_redrafter.session import resolve_drafter_path
+    from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig
+    from mlx_redrafter.llm.parts import context_limit
+    from mlx_redrafter.config import LOOKUP_LENGTH
+    from mlx_redrafter.tuning.measure import measure
+    from mlx_redrafter.runtime import resolve_drafter_path
 
     model, tok = load_model(a.model)
     drafter = load_drafter(resolve_drafter_path(a.model, a.drafter))

@@ -2,10 +2,10 @@
 
 For each draft shape the step is timed in both loops, the synchronous one
 (``DraftConfig(pipelined=False)``: read step t, then build step t+1) and the
-pipelined one (build step t+1, then read step t; pipeline.py, here even for
+pipelined one (build step t+1, then read step t; step/pipelined.py, here even for
 the wide trees it leaves to the synchronous loop by default), without
 profiling syncs, and split into phases by a third, profiled run of the
-synchronous loop (``profile=True`` adds a sync per phase). Shapes:
+synchronous loop (``timings=True`` adds a sync per phase). Shapes:
 
 * **g0 only**: lookup drafts with the proposer switched off, so every step
   verifies the LLM's own token alone through our loop: the loop's tax;
@@ -36,14 +36,15 @@ import numpy as np
 from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_redrafter import load_model, pipeline
+from mlx_redrafter import load_model
 from mlx_redrafter.doctor import report
-from mlx_redrafter.drafter import Drafter, DrafterConfig, load_drafter
-from mlx_redrafter.generate import DraftConfig
-from mlx_redrafter.lookup import Lookup
-from mlx_redrafter.measure import measure
+from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, load_drafter
+from mlx_redrafter.config import DraftConfig
+from mlx_redrafter.draft.lookup import Lookup
+from mlx_redrafter.tuning.measure import measure
 from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
-from mlx_redrafter.session import shipped_drafter_path
+from mlx_redrafter.runtime import shipped_drafter_path
+from mlx_redrafter.step import dispatch
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -102,25 +103,25 @@ def med(xs) -> float:
     return float(np.median(xs)) * 1000
 
 
-def time_steps(model, ids, draft, n, profile=False):
-    run = measure(model, ids, draft=draft, max_tokens=n, profile=profile)
+def time_steps(model, ids, draft, n, timings=False):
+    run = measure(model, ids, draft=draft, max_tokens=n, timings=timings)
     s = run.steps[3:]  # skip the prefill step and two warm-up steps
     return run, s
 
 
 @contextmanager
 def always_pipelined():
-    """The pipelined loop even for trees it leaves to the synchronous one (pipeline.MAX_SHARED_NODES)."""
-    limit = pipeline.MAX_SHARED_NODES
-    pipeline.MAX_SHARED_NODES = 10**9
+    """The pipelined loop even for trees it leaves to the synchronous one (dispatch.MAX_SHARED_NODES)."""
+    limit = dispatch.MAX_SHARED_NODES
+    dispatch.MAX_SHARED_NODES = 10**9
     try:
         yield
     finally:
-        pipeline.MAX_SHARED_NODES = limit
+        dispatch.MAX_SHARED_NODES = limit
 
 
 def row(model, ids, draft, n):
-    out = {"default_loop": "pipelined" if pipeline.can_pipeline(make_prompt_cache(model), draft) else "sync"}
+    out = {"default_loop": "pipelined" if dispatch.can_pipeline(make_prompt_cache(model), draft) else "sync"}
     tokens = {}
     for name, pipelined in (("sync", False), ("pipelined", True)):
         with always_pipelined():
@@ -130,7 +131,7 @@ def row(model, ids, draft, n):
         out[f"{name}_tokens_per_step"] = float(np.mean([1 + x.accepted for x in s]))
         tokens[name] = run.tokens
     assert tokens["sync"] == tokens["pipelined"], "the two loops gave different tokens"
-    _, s = time_steps(model, ids, DraftConfig(**{**draft.__dict__, "pipelined": False}), n, profile=True)
+    _, s = time_steps(model, ids, DraftConfig(**{**draft.__dict__, "pipelined": False}), n, timings=True)
     for phase in ("draft", "pack", "verify", "accept"):
         out[f"{phase}_ms"] = med([getattr(x, f"{phase}_time") for x in s])
     out["profiled_step_ms"] = med([x.step_time for x in s])

@@ -110,8 +110,8 @@ def run_conversation(session, conv: dict, draft, cfg: "BenchConfig", eos_ids) ->
     in the context, drafting as ``draft`` says (a ``DraftConfig``; one that
     drafts nothing is plain decoding). Stops early when a turn no longer fits
     the context."""
-    from mlx_redrafter.generate import context_limit
-    from mlx_redrafter.measure import measure
+    from mlx_redrafter.llm.parts import context_limit
+    from mlx_redrafter.tuning.measure import measure
     from mlx_redrafter.prompts import chat_prompt_ids
 
     max_tokens = cfg.max_tokens
@@ -137,9 +137,9 @@ def run_conversation(session, conv: dict, draft, cfg: "BenchConfig", eos_ids) ->
 
 def run_set(session, set_name: str, conversations: List[dict], cfg: BenchConfig, eos_ids, progress) -> List[dict]:
     """Both modes on every conversation, alternating which goes first."""
-    from mlx_redrafter.generate import DraftConfig
+    from mlx_redrafter.config import DraftConfig
 
-    drafts = {"baseline": DraftConfig(), "redrafter": session.draft()}
+    drafts = {"baseline": DraftConfig(), "redrafter": session.draft}
     records = []
     for i, conv in enumerate(conversations):
         order = MODES if i % 2 == 0 else MODES[::-1]
@@ -336,9 +336,8 @@ def run(argv=None) -> Path:
 
     from mlx_redrafter.doctor import report
     from mlx_redrafter.prompts import load_prompt_set
-    from mlx_redrafter.session import resolve_session
-    from mlx_redrafter.measure import warm_up
-    from mlx_redrafter.session import resolve_drafter_path, wants_no_drafter
+    from mlx_redrafter.tuning.measure import warm_up
+    from mlx_redrafter.runtime import load_runtime, resolve_drafter_path, wants_no_drafter
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg, out = parse_args(argv)
@@ -348,12 +347,12 @@ def run(argv=None) -> Path:
     if no_drafter and not args.lookup:
         raise RedrafterError("--drafter none leaves nothing to benchmark.", "Add --lookup (lookup drafts only).")
     drafter_path = args.drafter if no_drafter else resolve_drafter_path(args.model, args.drafter)
-    s = resolve_session(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length,
-                        dtype=args.dtype, adaptive=args.adaptive, lookup=args.lookup)
+    s = load_runtime(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length,
+                     dtype=args.dtype, adaptive=args.adaptive, lookup=args.lookup)
     s.announce(console)
     eos = sorted(s.tokenizer.eos_token_ids)
     first = chat_ids_of(s, next(iter(chosen.values()))[0])
-    warm_up(s.model, first, s.draft())
+    warm_up(s.model, first, s.draft)
     total = sum(2 * len(c) for c in chosen.values())
     records = {}
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]

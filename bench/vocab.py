@@ -22,9 +22,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.cost import median_ms, warm_cache
-from mlx_redrafter.drafter import Drafter, DrafterConfig
-from mlx_redrafter.models import model_parts
+from mlx_redrafter.llm.cache import warm_cache
+from mlx_redrafter.tuning.cost import median_ms
+from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.shards import read_corpus
 from mlx_redrafter.train.trainer import choose_draft_vocab, reply_tokens
 

@@ -33,11 +33,11 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..cost import StepCost, decode_step_cost, draft_step_cost, model_dtype
-from ..drafter import MODEL_TYPE, Drafter, DrafterConfig, read_config, check_fits, check_weights, load_safetensors, save_drafter
+from ..draft.drafter import MODEL_TYPE, Drafter, DrafterConfig, read_config, check_fits, check_weights, load_safetensors, save_drafter
 from ..errors import RedrafterError
 from ..files import atomic_folder
-from ..models import hub_snapshot, is_path_like, load_model_only, parse_dtype
+from ..llm.load import hub_snapshot, is_path_like, load_model_only, parse_dtype
+from ..tuning.cost import StepCost, decode_step_cost, draft_step_cost, model_dtype
 
 # Files looked for in a drafter folder, in this order.
 WEIGHT_FILES = (

@@ -1,19 +1,24 @@
 """mlx-redrafter: ReDrafter speculative decoding for mlx-lm models."""
 
-from .drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from .config import DraftConfig, SamplingConfig
+from .draft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from .errors import RedrafterError
 from .generate import generate, stream_generate
-from .models import load_model
+from .llm.cache import trim_cache
+from .llm.load import load_model
 
 __version__ = "0.1.0"
 __all__ = [
+    "DraftConfig",
     "Drafter",
     "DrafterConfig",
     "RedrafterError",
+    "SamplingConfig",
     "generate",
     "load_drafter",
     "load_model",
     "save_drafter",
     "stream_generate",
+    "trim_cache",
     "__version__",
 ]

@@ -1,4 +1,10 @@
-"""The ``mlx-redrafter`` command line."""
+"""The ``mlx-redrafter`` command line.
+
+Every flag that several commands take is defined once below (``...Opt``);
+a command lists the ones it takes. The drafting flags become one
+:class:`~mlx_redrafter.runtime.Runtime` (:func:`_runtime`), the sampling
+flags one :class:`~mlx_redrafter.config.SamplingConfig` (:func:`_sampling`).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from .config import DEFAULT_LENGTH, DEFAULT_WIDTH
 from .errors import RedrafterError
-from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH
 from .train.trainer import PRESETS
 
 app = typer.Typer(
@@ -23,13 +29,55 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 
+# --------------------------------------------------------------------------- shared flags
+
 ModelOpt = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a Hub id or a .gguf file.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16 (default: float16 on a GPU, float32 on the CPU).")
+DrafterOpt = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any); 'none' for no drafter.")
+NeededDrafterOpt = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model).")
+NoDraftOpt = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available.")
 LookupOpt = typer.Option(
     None, "--lookup/--no-lookup",
     help="Add drafts copied from the prompt and reply (n-gram lookup) to the drafter's (default: tuned profile, "
     "else on with a drafter). With --drafter none: lookup drafts only.",
 )
+BeamWidthOpt = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH}).")
+BeamLengthOpt = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH}).")
+AdaptiveOpt = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth.")
+TempOpt = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy; serve: when a request does not say).")
+TopPOpt = typer.Option(0.0, "--top-p", help="Nucleus sampling (0 = off).")
+TopKOpt = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off).")
+MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
+SeedOpt = typer.Option(None, "--seed")
+SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
+
+
+def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool = False):
+    """The sampling flags as one :class:`~mlx_redrafter.config.SamplingConfig`,
+    checked before the slow model load (``as_set``: with ``/set``'s messages,
+    for the commands whose defaults ``/set`` or a request may change)."""
+    from .config import SamplingConfig
+
+    if as_set:
+        from .chat.settings import check_setting
+
+        for k, v in dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).items():
+            check_setting(k, v, name="--" + k.replace("_", "-"))
+    return SamplingConfig(temp, top_p, min_p, top_k)
+
+
+def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
+             lookup=None, announce=True):
+    """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
+    from .runtime import load_runtime
+
+    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    if announce:
+        rt.announce(err)
+    return rt
+
+
+# --------------------------------------------------------------------------- helpers
 
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
@@ -62,38 +110,34 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from a file."),
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any); 'none' for no drafter."),
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
+    drafter: Optional[str] = DrafterOpt,
+    no_draft: bool = NoDraftOpt,
     lookup: Optional[bool] = LookupOpt,
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
+    beam_width: Optional[int] = BeamWidthOpt,
+    beam_length: Optional[int] = BeamLengthOpt,
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(0.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
+    temp: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    min_p: float = MinPOpt,
+    seed: Optional[int] = SeedOpt,
+    system: Optional[str] = SystemOpt,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     dtype: Optional[str] = DtypeOpt,
-    adaptive: bool = typer.Option(False, "--adaptive", help="Let the trained controller decide the draft depth."),
+    adaptive: bool = AdaptiveOpt,
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter)."""
-    from .generate import SamplingConfig, Tally, stream_generate
-    from .session import resolve_session
+    from .generate import stream_generate
+    from .responses import Tally
 
-    SamplingConfig(temp, top_p, min_p, top_k)  # refuse bad values before the slow load
+    sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     text = read_prompt(prompt, file)
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    s.announce(err)
-    full = format_prompt(s.tokenizer, text, system, raw)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
-    for r in stream_generate(
-        s.model, s.tokenizer, full, drafter=s.drafter, beam_width=s.beam_width,
-        beam_length=s.beam_length, max_tokens=max_tokens, temp=temp, top_p=top_p,
-        top_k=top_k, min_p=min_p, seed=seed, stop=stop, controller=s.controller, lookup=s.lookup,
-    ):
+    for r in stream_generate(rt.model, rt.tokenizer, full, max_tokens=max_tokens, seed=seed, stop=stop,
+                             draft=rt.draft, sampling=sampling):
         print(r.text, end="", flush=True)
         tally.add(r)
     print()
@@ -140,8 +184,8 @@ def _feature_layers(spec: str, model: str) -> list:
     if spec in ("", "none"):
         return []
     if spec == "default":
-        from .features import default_feature_layers
-        from .models import resolve_model_path
+        from .llm.load import resolve_model_path
+        from .llm.parts import default_feature_layers
 
         config = json.loads((resolve_model_path(model) / "config.json").read_text())
         return default_feature_layers(int(config["num_hidden_layers"]))
@@ -162,7 +206,7 @@ def distill(
     max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens"),
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget in minutes, over all runs into --out (a rerun resumes within it)."),
     max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
-    system: Optional[str] = typer.Option(None, "--system"),
+    system: Optional[str] = SystemOpt,
     seed: int = typer.Option(0, "--seed"),
     stop_loops: int = typer.Option(12, "--stop-loops", help="End a reply after N tokens in a row that repeat its own text (0 = never)."),
     top_k: int = typer.Option(16, "--top-k", help="Keep the LLM's top-k logits per token as soft targets (0 = none)."),
@@ -247,7 +291,7 @@ def train(
     """Train a drafter on distilled data (the LLM stays frozen)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .models import load_model
+    from .llm.load import load_model
     from .train.trainer import TrainConfig, train as run_train
     from .train.world import world
 
@@ -290,21 +334,21 @@ def train(
 @app.command()
 def chat(
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any); 'none' for no drafter."),
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
+    drafter: Optional[str] = DrafterOpt,
+    no_draft: bool = NoDraftOpt,
     lookup: Optional[bool] = LookupOpt,
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
+    beam_width: Optional[int] = BeamWidthOpt,
+    beam_length: Optional[int] = BeamLengthOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply, in tokens."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(0.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    temp: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    min_p: float = MinPOpt,
+    seed: Optional[int] = SeedOpt,
+    system: Optional[str] = SystemOpt,
     show_drafts: bool = typer.Option(False, "--show-drafts", help="Colour the tokens that came from accepted drafts."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."),
-    adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth."),
+    adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
@@ -313,24 +357,20 @@ def chat(
     stdout as plain text and status lines to stderr.
     """
     from .chat import ChatSession, ChatSettings, run_chat
-    from .chat_settings import check_setting
-    from .generate import SamplingConfig
-    from .session import resolve_session
+    from .chat.settings import check_setting
 
-    values = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    for k, v in values.items():  # the checks of /set, before the slow model load
-        check_setting(k, v, name="--" + k.replace("_", "-"))
+    check_setting("max_tokens", max_tokens, name="--max-tokens")  # the checks of /set, before the slow load
+    sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    s.announce(err)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     if seed is not None:
         import mlx.core as mx
 
         mx.random.seed(seed)
-    settings = ChatSettings(max_tokens, SamplingConfig(temp, top_p, min_p, top_k), show_drafts=show_drafts)
-    session = ChatSession.from_session(s, settings, system=system, max_context=max_context)
-    code = run_chat(session)
+    settings = ChatSettings(max_tokens, sampling, show_drafts=show_drafts)
+    conversation = ChatSession.from_runtime(rt, settings, system=system, max_context=max_context)
+    code = run_chat(conversation)
     if code:
         raise typer.Exit(code)
 
@@ -352,16 +392,19 @@ def _check_port(host: str, port: int) -> None:
 @app.command()
 def serve(
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any)."),
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available."),
-    beam_width: Optional[int] = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."),
-    beam_length: Optional[int] = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH})."),
+    drafter: Optional[str] = DrafterOpt,
+    no_draft: bool = NoDraftOpt,
+    beam_width: Optional[int] = BeamWidthOpt,
+    beam_length: Optional[int] = BeamLengthOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens the server to your network)."),
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
-    temp: float = typer.Option(0.0, "--temp", help="Temperature when a request does not say (0 = greedy)."),
+    temp: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    min_p: float = MinPOpt,
     queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait for the model; past it the server answers 503."),
-    adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth."),
+    adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
 ):
@@ -370,31 +413,29 @@ def serve(
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
     _check_port(host, port)
-    from .chat_settings import check_setting
-    from .session import resolve_session
+    from .chat.settings import check_setting
 
-    for k, v in (("max_tokens", max_tokens), ("temp", temp)):
-        check_setting(k, v, name="--" + k.replace("_", "-"))
+    check_setting("max_tokens", max_tokens, name="--max-tokens")
+    sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     try:
         import uvicorn
 
-        from .openai_api import create_app
+        from .serve.openai_api import create_app
     except ImportError as e:
         raise RedrafterError(f"The server needs packages that are not installed ({e.name}).",
                              "pip install 'mlx-redrafter[server]'") from None
     from .serve import Engine
 
-    s = resolve_session(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    s.announce(err)
-    app_ = create_app(Engine(s, max_tokens=max_tokens, temp=temp, queue_size=queue_size))
-    err.print(f"serving {s.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    app_ = create_app(Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size))
+    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
 @app.command()
 def sweep(
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model)."),
+    drafter: Optional[str] = NeededDrafterOpt,
     widths: str = typer.Option("1,2,3,4", "--widths", help="Beam widths: a list or a range, e.g. 1,2,3,4 or 1-4."),
     lengths: str = typer.Option("2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5."),
     prompts: str = typer.Option("mt_bench", "--prompts", help="mt_bench | spec_bench | alpaca_eval | a .jsonl/.json/.txt file."),
@@ -404,10 +445,10 @@ def sweep(
     baseline_every: int = typer.Option(4, "--baseline-every", help="Measure plain decoding again after every k cells."),
     save_profile: bool = typer.Option(False, "--save-profile", help="Store the best (W, L) for this device + model + drafter; generate and chat use it."),
     memory_limit: Optional[float] = typer.Option(None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."),
-    profile: bool = typer.Option(False, "--profile/--no-profile", help="Split each step into draft / pack / verify / accept: a sync per phase, in the synchronous step loop, so the speedups are that loop's."),
+    timings: bool = typer.Option(False, "--timings/--no-timings", "--profile/--no-profile", help="Split each step into draft / pack / verify / accept: a sync per phase, in the synchronous step loop, so the speedups are that loop's (--profile: the old name)."),
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the results in --out."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every run (0 = greedy)."),
-    top_p: float = typer.Option(0.0, "--top-p"),
+    top_p: float = TopPOpt,
     seed: int = typer.Option(0, "--seed", help="With --temp > 0, prompt i is sampled from seed + i in every pass."),
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."),
     lookup: Optional[bool] = typer.Option(None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."),
@@ -416,15 +457,15 @@ def sweep(
     """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .lookup import LOOKUP_LENGTH
+    from .config import LOOKUP_LENGTH
     from .prompts import first_turn_ids, load_prompt_set, select_conversations
-    from .session import resolve_drafter_path, resolve_session
-    from . import sweep as sw
+    from .runtime import resolve_drafter_path
+    from .tuning import sweep as sw
 
     # Every check that needs no model comes before the slow load.
     lookups = [0, 1] if lookup is None else [int(lookup)]
     config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
-                            baseline_every, profile, memory_limit, temp, top_p, seed, lookups)
+                            baseline_every, timings, memory_limit, temp, top_p, seed, lookups)
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
@@ -434,7 +475,7 @@ def sweep(
     if not fresh:  # a mismatched --out fails now, not after the model load
         partial = sw.sweep_key(config, [], meta)
         sw.check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
-    s = resolve_session(model, str(drafter_path), dtype=dtype, adaptive=adaptive)
+    s = _runtime(model, str(drafter_path), dtype=dtype, adaptive=adaptive, announce=False)
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
     ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
@@ -492,7 +533,7 @@ def inspect_cmd(
 @app.command("train-controller")
 def train_controller_cmd(
     model: str = ModelOpt,
-    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model)."),
+    drafter: Optional[str] = NeededDrafterOpt,
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Training prompts, JSONL (default: held-out ShareGPT conversations)."),
     num_prompts: int = typer.Option(48, "--num-prompts"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
@@ -507,9 +548,8 @@ def train_controller_cmd(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .controller import fit_and_save
     from .prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
-    from .session import resolve_session
+    from .train.controller import fit_and_save
     from .train.trainer import is_eval_conversation
 
     if num_prompts < 1 or max_tokens < 1 or epochs < 1:
@@ -522,7 +562,7 @@ def train_controller_cmd(
     if prompts is None:  # ShareGPT: the conversations held out from drafter training
         convs = [c for c in convs if is_eval_conversation(c["id"], 0.02)]
     random.Random(seed).shuffle(convs)
-    s = resolve_session(model, drafter, beam_width=beam_width, beam_length=beam_length)
+    s = _runtime(model, drafter, beam_width=beam_width, beam_length=beam_length, announce=False)
     if s.drafter is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)

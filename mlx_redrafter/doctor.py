@@ -66,7 +66,7 @@ def report() -> dict:
     """Everything ``mlx-redrafter doctor`` prints, as a dict (also stored with benchmarks)."""
     import mlx_lm
 
-    from .models import default_dtype
+    from .llm.load import default_dtype
 
     device = mx.default_device()
     info = {

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from .errors import RedrafterError
-from .generate import encode_prompt
+from .llm.text import encode_prompt
 
 DATA = Path(__file__).parent / "data"
 PROMPT_SETS = {

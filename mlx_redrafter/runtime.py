@@ -1,9 +1,10 @@
-"""What the user-facing commands share: model + drafter + (W, L) resolution.
+"""What the user-facing commands run on: a :class:`Runtime` (the loaded model,
+its tokenizer, and the :class:`~mlx_redrafter.config.DraftConfig` resolved
+once from flags, the tuned profile and the built-in defaults, config.py).
 
-Order of precedence for the beam shape: explicit flags, then the tuned profile
-saved by ``mlx-redrafter sweep --save-profile`` for this device + model +
-drafter, then the built-in defaults. When the profile's best cell was slower
-than plain decoding, the session still drafts (the drafter is used unless
+A :class:`Runtime` is the model side of a command; a chat's conversation
+is :class:`~mlx_redrafter.chat.ChatSession`. When the profile's best cell
+was slower than plain decoding, the runtime still drafts (the drafter is used unless
 ``--no-draft`` is given) and its announcement says that ``--no-draft`` is
 faster on this device. Lookup drafts (``--lookup/--no-lookup``) follow the
 same order: the flag, the profile's choice, ``DEFAULT_LOOKUP`` with a drafter
@@ -12,12 +13,12 @@ same order: the flag, the profile's choice, ``DEFAULT_LOOKUP`` with a drafter
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .config import DraftConfig, resolve
 from .errors import RedrafterError
-from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig, draft_shape, lookup_beams
 
 SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
@@ -54,24 +55,25 @@ def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
 
 
 @dataclass
-class Session:
+class Runtime:
+    """A loaded model and how it drafts: what ``generate``, ``chat``, ``serve``
+    and the tools hand to the engine (``draft`` as it is, no keyword spreading)."""
+
     model: object
     tokenizer: object
     model_spec: str
-    drafter: object = None
+    draft: DraftConfig = field(default_factory=DraftConfig)
     drafter_path: Optional[Path] = None
-    beam_width: int = DEFAULT_WIDTH
-    beam_length: int = DEFAULT_LENGTH
     shape_source: str = "built-in default"
-    controller: object = None
     plain_reason: str = "no drafter"
     note: Optional[str] = None  # a measured fact the user should see, e.g. drafting is slower here
-    lookup: int = 0  # lookup beams
 
-    def draft(self, **kw) -> DraftConfig:
-        """The session's :class:`DraftConfig`."""
-        return DraftConfig(self.drafter, self.beam_width, self.beam_length, controller=self.controller,
-                           lookup=self.lookup, **kw)
+    # Read-only views of the resolved draft, for the announcement and reports.
+    drafter = property(lambda self: self.draft.drafter)
+    beam_width = property(lambda self: self.draft.beam_width)
+    beam_length = property(lambda self: self.draft.beam_length)
+    controller = property(lambda self: self.draft.controller)
+    lookup = property(lambda self: self.draft.lookup)
 
     def announce(self, console) -> None:
         if self.drafter is None:
@@ -90,21 +92,9 @@ class Session:
             console.print(f"[yellow]Note: {self.note}[/yellow]")
 
 
-def resolve_session(
-    model_spec: str = "default",
-    drafter_path: Optional[str] = None,
-    no_draft: bool = False,
-    beam_width: Optional[int] = None,
-    beam_length: Optional[int] = None,
-    dtype: Optional[str] = None,
-    adaptive: bool = False,
-    lookup: Optional[bool] = None,
-) -> Session:
-    """Load the model and pick its drafter, beam shape and lookup beams
-    (``lookup=None``: the tuned profile's choice, else ``DEFAULT_LOOKUP``
-    with a drafter and none without). ``drafter_path="none"``: no drafter."""
-    from .drafter import check_fits, load_drafter
-    from .models import load_model, parse_dtype
+def _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup) -> None:
+    """Refuse contradicting or out-of-range flags, before the slow load."""
+    from .llm.load import parse_dtype
 
     no_drafter = wants_no_drafter(drafter_path)
     if no_draft and drafter_path:
@@ -116,41 +106,58 @@ def resolve_session(
         )
     if no_drafter and adaptive:
         raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
-    if no_drafter:
-        drafter_path = None
     for name, v in (("--beam-width", beam_width), ("--beam-length", beam_length)):
         if v is not None and v < 1:
             raise RedrafterError(f"{name} must be at least 1 (got {v}).")
-    parse_dtype(dtype)  # fail on a bad dtype before the slow load
-    if drafter_path is not None and not Path(drafter_path).expanduser().exists():
+    parse_dtype(dtype)  # a bad dtype fails now, not after the load
+    if drafter_path is not None and not no_drafter and not Path(drafter_path).expanduser().exists():
         raise RedrafterError(f"Drafter path does not exist: {drafter_path}", "Check the --drafter path.")
+
+
+def load_runtime(
+    model_spec: str = "default",
+    drafter_path: Optional[str] = None,
+    no_draft: bool = False,
+    beam_width: Optional[int] = None,
+    beam_length: Optional[int] = None,
+    dtype: Optional[str] = None,
+    adaptive: bool = False,
+    lookup: Optional[bool] = None,
+) -> Runtime:
+    """Load the model and pick its drafter, beam shape and lookup beams
+    (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in).
+    ``drafter_path="none"``: no drafter."""
+    from .draft.drafter import check_fits, load_drafter
+    from .llm.load import load_model
+
+    _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    no_drafter = wants_no_drafter(drafter_path)
     model, tokenizer = load_model(model_spec, dtype=dtype)
-    s = Session(model, tokenizer, model_spec)
+    rt = Runtime(model, tokenizer, model_spec)
     if no_draft:
-        s.plain_reason = "--no-draft"
-        return s
-    if no_drafter:
-        path = None
-    else:
-        path = Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec)
+        rt.plain_reason = "--no-draft"
+        return rt
+    path = None if no_drafter else (Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec))
     if path is None:
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
-        s.plain_reason = "--drafter none" if no_drafter else "no drafter"
-        s.lookup = int(bool(lookup))
-        return s
-    s.drafter = load_drafter(path, dtype=dtype)
-    check_fits(s.drafter, model)
-    s.drafter_path = path
-    s.beam_width, s.beam_length, s.shape_source, profile = draft_shape(model_spec, path, beam_width, beam_length)
-    s.lookup = lookup_beams(lookup, s.drafter, profile)
+        rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
+        rt.draft = DraftConfig(lookup=int(bool(lookup)))
+        return rt
+    drafter = load_drafter(path, dtype=dtype)
+    check_fits(drafter, model)
+    controller = None
     if adaptive:
-        from .controller import load_controller
+        from .draft.controller import load_controller
 
-        s.controller = load_controller(path)
+        controller = load_controller(path)
+    resolved = resolve(drafter, beam_width, beam_length, lookup, model_spec=model_spec, drafter_path=path,
+                       controller=controller)
+    rt.draft, rt.drafter_path, rt.shape_source = resolved.draft, path, resolved.source
+    profile = resolved.profile
     if profile is not None and profile.get("speedup", 1.0) < 1.0:
-        s.note = (
+        rt.note = (
             f"this device's tuned profile measured ReDrafter at {profile['speedup']:.2f}x of plain decoding; "
             f"--no-draft is faster here (same output)"
         )
-    return s
+    return rt

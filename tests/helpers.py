@@ -8,8 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes
 
-from mlx_redrafter.beam import Beams
-from mlx_redrafter.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.beam import Beams
+from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import generate_tokens
 
 VOCAB = 97
@@ -84,7 +84,7 @@ class OracleDrafter:
     """
 
     def __init__(self, model, prompt, max_tokens: int, length: int):
-        from mlx_redrafter.models import model_parts
+        from mlx_redrafter.llm.parts import model_parts
 
         embed, backbone, head = model_parts(model)
         tokens, _ = generate_tokens(model, prompt, max_tokens=max_tokens + length + 2)

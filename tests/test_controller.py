@@ -6,17 +6,8 @@ import pytest
 
 from helpers import OracleDrafter, prompts, tiny_model
 from mlx_redrafter import RedrafterError
-from mlx_redrafter.controller import (
-    Controller,
-    ControllerConfig,
-    Episodes,
-    expected_speedup,
-    load_controller,
-    measure_latency,
-    record_episodes,
-    save_controller,
-    train_controller,
-)
+from mlx_redrafter.draft.controller import Controller, ControllerConfig, load_controller, save_controller
+from mlx_redrafter.train.controller import Episodes, expected_speedup, measure_latency, record_episodes, train_controller
 from mlx_redrafter.generate import DraftConfig, generate_tokens
 
 W, L = 2, 4
@@ -96,7 +87,7 @@ def test_train_controller_end_to_end_on_a_tiny_model(llama, tmp_path):
 
 
 def test_fit_and_save_trains_saves_and_compares_every_depth(llama, tmp_path):
-    from mlx_redrafter.controller import fit_and_save
+    from mlx_redrafter.train.controller import fit_and_save
 
     model, ps, _ = llama
     drafter = OracleDrafter(model, ps[0], 24, L)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from mlx_redrafter import RedrafterError
-from mlx_redrafter.beam import beam_search, warp_logits
-from mlx_redrafter.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from mlx_redrafter.draft.beam import beam_search, warp_logits
+from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 
 
 @pytest.mark.parametrize("kind", ["rnn", "norn"])

@@ -1,6 +1,12 @@
-"""Layering: the core imports nothing from the commands, and no module uses a
-command module (cli, chat, sweep) as a library. Imports are read with ``ast``
-(function-local ones included), so nothing is imported to check."""
+"""Layering by folder: a module's path says what it may import.
+
+From the bottom up: the ground floor (errors.py, files.py); config.py and
+profiles.py; llm/; draft/ and step/ (the engine); the front door
+(generate.py and its neighbours); the tools (tuning/, train/, converters);
+the apps (chat/, serve/); cli.py. Imports are read with ``ast``
+(function-local ones included), so nothing is imported to check. Every
+module named here must exist: a missing one fails, it is not skipped.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,30 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mlx_redrafter"
-CORE = ["beam", "tree", "accept", "verify", "drafter", "generate", "measure", "lookup", "files", "models"]
-# Command modules: a command's own parts (chat_session, ...) count as the command.
-COMMANDS = ("mlx_redrafter.cli", "mlx_redrafter.chat", "mlx_redrafter.sweep", "mlx_redrafter.serve",
-            "mlx_redrafter.train", "bench")
+P = "mlx_redrafter."
+
+# Layer -> the modules it holds (a folder's name holds every module in it).
+GROUND = ["errors", "files"]
+CONFIG = ["config", "profiles"]
+LLM = ["llm"]
+ENGINE = ["draft", "step"]
+FRONT = ["generate", "responses", "runtime", "prompts", "doctor", "__init__"]
+TOOLS = ["tuning", "train", "converters"]
+APPS = ["chat", "serve"]
+CLI = ["cli"]
+UPPER = TOOLS[:2] + APPS + CLI  # what nothing below may import (the converters are a tool, yet llm/ reads GGUF)
+# Modules the layout promises (more may join a folder).
+NAMED = [
+    "errors", "files", "config", "profiles", "generate", "responses", "runtime", "prompts", "doctor", "cli",
+    "llm/load", "llm/parts", "llm/text", "llm/cache",
+    "draft/drafter", "draft/beam", "draft/lookup", "draft/controller",
+    "step/tree", "step/verify", "step/accept", "step/protocol", "step/synchronous", "step/pipelined", "step/dispatch",
+    "tuning/measure", "tuning/cost", "tuning/sweep", "tuning/report",
+    "train/distill", "train/shards", "train/trainer", "train/world", "train/controller",
+    "chat/terminal", "chat/conversation", "chat/commands", "chat/settings",
+    "serve/engine", "serve/openai_api",
+]
+COMMANDS = (P + "cli", P + "chat", P + "tuning.sweep", P + "serve")
 
 
 def module_name(path: Path) -> str:
@@ -46,35 +72,111 @@ def imported_modules(path: Path) -> set:
     return out
 
 
-def is_command(module: str) -> bool:
-    return any(module == c or module.startswith(c + ".") or module.startswith(c + "_") for c in COMMANDS)
+def package_imports(path: Path) -> set:
+    """The package modules ``path`` imports (names of ours only; ``mlx_redrafter`` itself dropped)."""
+    return {m for m in imported_modules(path) if m.startswith(P)}
 
 
-def test_the_import_reader_sees_relative_and_local_imports(tmp_path):
+def in_group(module: str, group) -> bool:
+    return any(module == P + g or module.startswith(P + g + ".") for g in group)
+
+
+def package_files():
+    files = [p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts]
+    return files + list((REPO / "converters").rglob("*.py"))
+
+
+def _top_name(module: str) -> str:
+    """``mlx_redrafter.step.tree.PAD`` -> ``step``; ``mlx_redrafter.config.X`` -> ``config``."""
+    return module[len(P):].split(".")[0] if module.startswith(P) else module
+
+
+def offenders(files, allowed) -> dict:
+    """``{file: [imports outside allowed]}``; ``allowed``: top-level names of the package."""
+    out = {}
+    for path in files:
+        bad = sorted(m for m in package_imports(path) if _top_name(m) not in allowed)
+        if bad:
+            out[str(path.relative_to(REPO))] = bad
+    return out
+
+
+def files_of(group):
+    out = []
+    for g in group:
+        folder, single = PACKAGE / g, PACKAGE / f"{g}.py"
+        if folder.is_dir():
+            out += [p for p in folder.rglob("*.py") if "__pycache__" not in p.parts]
+        elif g == "converters":
+            out += list((REPO / "converters").rglob("*.py"))
+        else:
+            out.append(single)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_every_module_the_layout_names_exists(name):
+    assert (PACKAGE / f"{name}.py").is_file(), f"mlx_redrafter/{name}.py is missing: the layout names it"
+
+
+def test_every_package_module_has_a_layer():
+    every = GROUND + CONFIG + LLM + ENGINE + FRONT + TOOLS + APPS + CLI
+    loose = [p.relative_to(REPO) for p in package_files() if _top_name(module_name(p)) not in every
+             and module_name(p) != "mlx_redrafter"]
+    assert not loose, f"modules in no layer (add them to a folder, or to a layer here): {loose}"
+
+
+def test_the_import_reader_sees_relative_and_local_imports():
     imports = imported_modules(PACKAGE / "cli.py")
-    assert "mlx_redrafter.sweep" in imports and "mlx_redrafter.chat" in imports  # function-local, relative
-    assert is_command("mlx_redrafter.chat_session") and is_command("mlx_redrafter.train.trainer")
-    assert not is_command("mlx_redrafter.generate") and not is_command("mlx_redrafter.session")
+    assert P + "tuning.sweep" in imports and P + "chat" in imports  # function-local, relative
+    assert P + "config.LOOKUP_LENGTH" in imported_modules(PACKAGE / "cli.py")
+    assert _top_name(P + "step.tree.PAD") == "step" and in_group(P + "chat.settings", APPS)
+    # The checks below do find a bad import when there is one.
+    assert offenders(files_of(["cli"]), GROUND), "cli imports more than the ground floor"
 
 
-@pytest.mark.parametrize("name", CORE)
-def test_core_modules_import_no_command(name):
-    path = PACKAGE / f"{name}.py"
-    if not path.exists():
-        pytest.skip(f"{name}.py does not exist in this tree")
-    bad = sorted(m for m in imported_modules(path) if is_command(m))
-    assert not bad, f"{name}.py imports command modules: {bad}"
+def test_the_ground_floor_imports_nothing_of_ours():
+    assert not offenders(files_of(GROUND), GROUND)
+
+
+def test_config_imports_only_the_ground_floor():
+    # profiles.py names the device through doctor.py's BLAS probe.
+    assert not offenders(files_of(CONFIG), GROUND + CONFIG + ["doctor"])
+
+
+def test_llm_imports_only_the_ground_floor():
+    # GGUF files are converted on load (converters/gguf.py imports only the ground floor).
+    assert not offenders(files_of(LLM), GROUND + LLM + ["converters"])
+    assert not offenders([REPO / "converters" / "gguf.py"], GROUND)
+
+
+def test_step_and_draft_import_only_llm_config_and_each_other():
+    assert not offenders(files_of(ENGINE), GROUND + CONFIG + LLM + ENGINE)
+
+
+def test_nothing_below_imports_the_tools_the_apps_or_the_cli():
+    below = files_of(GROUND + CONFIG + LLM + ENGINE + FRONT) + [REPO / "converters" / "gguf.py"]
+    bad = {}
+    for path in below:
+        hits = sorted(m for m in package_imports(path) if in_group(m, UPPER))
+        if hits:
+            bad[str(path.relative_to(REPO))] = hits
+    assert not bad, bad
+
+
+def test_the_tools_import_no_app():
+    assert not offenders(files_of(TOOLS), GROUND + CONFIG + LLM + ENGINE + FRONT + TOOLS)
 
 
 def test_no_module_uses_a_command_module_as_a_library():
-    """Only cli.py (and a command's own parts) may import chat, sweep or cli."""
-    files = list(PACKAGE.rglob("*.py")) + list((REPO / "converters").rglob("*.py")) + list((REPO / "bench").rglob("*.py"))
-    offenders = {}
+    """Only cli.py (and a command's own parts) may import chat/, serve/, the sweep or cli."""
+    files = package_files() + list((REPO / "bench").rglob("*.py"))
+    found = {}
     for path in files:
         me = module_name(path)
         for m in imported_modules(path):
-            for cmd in ("mlx_redrafter.cli", "mlx_redrafter.chat", "mlx_redrafter.sweep"):
-                own = me == cmd or me.startswith(cmd + "_") or me.startswith(cmd + ".")
-                if not own and me != "mlx_redrafter.cli" and (m == cmd or m.startswith(cmd + ".")):
-                    offenders.setdefault(str(path.relative_to(REPO)), []).append(m)
-    assert not offenders, offenders
+            for cmd in COMMANDS:
+                own = me == cmd or me.startswith(cmd + ".")
+                if not own and me != P + "cli" and (m == cmd or m.startswith(cmd + ".")):
+                    found.setdefault(str(path.relative_to(REPO)), []).append(m)
+    assert not found, found

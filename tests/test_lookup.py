@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_redrafter.lookup import Lookup
+from mlx_redrafter.draft.lookup import Lookup
 
 
 def test_no_match():
@@ -71,8 +71,8 @@ def test_bad_orders_are_refused():
 
 
 def test_join_beams_pads_rows_and_missing_lookup_beams():
-    from mlx_redrafter.lookup import join_beams
-    from mlx_redrafter.tree import PAD
+    from mlx_redrafter.draft.lookup import join_beams
+    from mlx_redrafter.step.tree import PAD
 
     assert join_beams([[1], [2]], [[3, 4, 5]], 1) == [[1, PAD, PAD], [2, PAD, PAD], [3, 4, 5]]
     assert join_beams([[1], [2]], [], 2) == [[1], [2], [1], [1]]
@@ -163,8 +163,8 @@ CHAT = ["What is the capital of France?", "Write a Python function that reverses
 
 @pytest.fixture(scope="module")
 def default_setup(default_model):
-    from mlx_redrafter.drafter import load_drafter
-    from mlx_redrafter.session import shipped_drafter_path
+    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.runtime import shipped_drafter_path
 
     model, tok = default_model
     ps = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHAT]
@@ -239,7 +239,7 @@ def test_lookup_history_is_copied_from():
     """Tokens before the prompt (a chat's earlier turns) feed the lookup too."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_redrafter.generate import redrafter_steps
+    from mlx_redrafter.step.dispatch import redrafter_steps
 
     model = tiny_model("llama")  # a model that does not repeat itself
     p = prompts(1)[0]
@@ -268,8 +268,8 @@ def test_device_lookup_equals_the_host_proposer():
 
     import mlx.core as mx
 
-    from mlx_redrafter.lookup import DeviceLookup
-    from mlx_redrafter.tree import PAD
+    from mlx_redrafter.draft.lookup import DeviceLookup
+    from mlx_redrafter.step.tree import PAD
 
     rng = random.Random(0)
     for _ in range(150):

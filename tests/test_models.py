@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_redrafter import RedrafterError, load_model
-from mlx_redrafter.models import default_model_path, parse_dtype
+from mlx_redrafter.llm.load import default_model_path, parse_dtype
 
 GEMMA_PROMPTS = {
     "The capital of France is Paris. The capital of Germany is": "Berlin",

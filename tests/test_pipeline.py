@@ -14,10 +14,12 @@ import pytest
 from helpers import OracleDrafter, generate_tokens, prompts, random_drafter, tiny_model
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_redrafter import pipeline
-from mlx_redrafter.generate import DraftConfig, redrafter_steps
-from mlx_redrafter.pipeline import can_pipeline, line_up
-from mlx_redrafter.tree import PAD, layout, merged_parent
+from mlx_redrafter.llm import cache as kv
+from mlx_redrafter.config import DraftConfig
+from mlx_redrafter.step.dispatch import redrafter_steps
+from mlx_redrafter.step.dispatch import can_pipeline
+from mlx_redrafter.step.pipelined import line_up
+from mlx_redrafter.step.tree import PAD, layout, merged_parent
 
 N = 24
 
@@ -118,10 +120,10 @@ def test_cache_after_close_holds_the_real_tokens(quantized):
 
 def test_compaction_during_a_long_run(monkeypatch):
     """Holes squeezed out mid-run (every few steps here) change no token."""
-    monkeypatch.setattr(pipeline, "COMPACT_HOLES", 3)
+    monkeypatch.setattr(kv, "COMPACT_HOLES", 3)
     calls = []
-    compact = pipeline._HoleyCache.compact
-    monkeypatch.setattr(pipeline._HoleyCache, "compact", lambda self, **kw: calls.append(kw) or compact(self, **kw))
+    compact = kv.HoleyCache.compact
+    monkeypatch.setattr(kv.HoleyCache, "compact", lambda self, **kw: calls.append(kw) or compact(self, **kw))
     model = tiny_model("qwen3")
     p = prompts(2)[1]
     ref, _ = generate_tokens(model, p, max_tokens=40)
@@ -136,7 +138,7 @@ def test_the_synchronous_loop_serves_what_cannot_pipeline():
     d = random_drafter()
     plain = make_prompt_cache(model)
     assert can_pipeline(plain, DraftConfig(d))
-    assert not can_pipeline(plain, DraftConfig(d), profile=True)
+    assert not can_pipeline(plain, DraftConfig(d), timings=True)
     assert not can_pipeline(plain, DraftConfig(d, controller=object()))
     rotating = [RotatingKVCache(max_size=64) for _ in plain]
     assert not can_pipeline(rotating, DraftConfig(d))
@@ -181,14 +183,13 @@ def test_line_up_late_lookup():
 # --------------------------------------------------------------------------- the one sync
 
 LOOP_FUNCTIONS = [
-    ("mlx_redrafter.generate", "redrafter_steps"),
-    ("mlx_redrafter.generate", "_DrafterBeams"),
-    ("mlx_redrafter.generate", "_JoinedBeams"),
-    ("mlx_redrafter.generate", "_plain_step"),
-    ("mlx_redrafter.pipeline", None),  # the whole module
-    ("mlx_redrafter.accept", None),
-    ("mlx_redrafter.beam", None),
-    ("mlx_redrafter.verify", None),
+    ("mlx_redrafter.step.dispatch", "redrafter_steps"),
+    ("mlx_redrafter.step.synchronous", None),  # the whole module
+    ("mlx_redrafter.step.pipelined", None),
+    ("mlx_redrafter.step.accept", None),
+    ("mlx_redrafter.step.verify", None),
+    ("mlx_redrafter.draft.beam", None),
+    ("mlx_redrafter.llm.cache", None),
 ]
 
 
@@ -235,7 +236,7 @@ def test_the_step_loop_reads_the_device_only_in_host_read(module, name):
 
 
 def test_host_read_is_the_only_sync_of_steps_py():
-    from mlx_redrafter import steps
+    from mlx_redrafter.step import protocol as steps
 
     source = Path(steps.__file__).read_text()
     reads = host_reads(source)

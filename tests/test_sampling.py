@@ -17,11 +17,11 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from helpers import TINY_CONFIGS, random_drafter, tiny_model
-from mlx_redrafter import accept as accept_mod
-from mlx_redrafter.accept import target_probs, walk_tree
+from mlx_redrafter.step import accept as accept_mod
+from mlx_redrafter.step.accept import target_probs, walk_tree
 from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
-from mlx_redrafter.models import model_parts
-from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack, unique_mask
+from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.step.tree import PAD, count_nodes, count_rows, pack, unique_mask
 
 P_VALUE = 1e-6
 Z = {1e-6: 4.753}  # one-sided normal quantile

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from helpers import OracleDrafter, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, tiny_model
-from mlx_redrafter import report, sweep as sw
-from mlx_redrafter.measure import PHASES
-from mlx_redrafter.session import resolve_drafter_path
+from mlx_redrafter.tuning import report, sweep as sw
+from mlx_redrafter.tuning.measure import PHASES
+from mlx_redrafter.runtime import resolve_drafter_path
 from mlx_redrafter.errors import RedrafterError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def test_chat_sweep_bench_and_distill_feed_the_same_ids(tiny_folder, templated):
 
     from mlx_redrafter.chat import ChatSession
     from mlx_redrafter.cli import format_prompt
-    from mlx_redrafter.generate import encode_prompt
+    from mlx_redrafter.llm.text import encode_prompt
     from mlx_redrafter.prompts import chat_prompt_ids, first_turn_ids
     from mlx_redrafter.train.distill import DistillConfig, Distiller
 
@@ -235,7 +235,7 @@ def expected_matrix(results: dict, key: str, widths, lengths) -> np.ndarray:
 def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter):
     from PIL import Image
 
-    cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=10, baseline_every=2, profile=True)
+    cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=10, baseline_every=2, timings=True)
     ps = random_prompts(2)
     events = []
     results = sw.run_sweep(model, ps, drafter, cfg, tmp_path, {"model": "tiny"},
@@ -330,7 +330,7 @@ def test_sweep_metrics_with_accepting_drafter(tmp_path, model):
     prompt = random_prompts(1)[0]
     oracle = OracleDrafter(model, prompt, max_tokens=16, length=3)
     # Profiled: the synchronous loop, which packs the beams' shared prefixes.
-    cfg = sw.SweepConfig([1, 2], [3], max_tokens=16, baseline_every=4, profile=True)
+    cfg = sw.SweepConfig([1, 2], [3], max_tokens=16, baseline_every=4, timings=True)
     results = sw.run_sweep(model, [prompt], oracle, cfg, tmp_path)
     for c in results["cells"]:
         acc = c["acceptance_by_depth"]
@@ -453,7 +453,7 @@ def test_cli_sweep_bad_input_is_one_clear_error(tmp_path, tiny_folder, drafter_f
 
 
 def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch):
-    import mlx_redrafter.session as session
+    import mlx_redrafter.runtime as session
 
     monkeypatch.setattr(session, "shipped_drafter_path", lambda spec: None)
     with pytest.raises(RedrafterError, match="No drafter given") as e:
@@ -479,12 +479,12 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     assert "saved profile" in captured.err and "Speedupoverplain" in squeeze(captured.out)  # tables on stdout
 
     # Same --out, other settings: refused before the model is loaded.
-    import mlx_redrafter.session as session
+    import mlx_redrafter.runtime as session
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(session, "resolve_session", no_load)
+    monkeypatch.setattr(session, "load_runtime", no_load)
     assert cli(args[:-4] + ["7", "--out", str(out)]) == 1
     assert "max_tokens" in capsys.readouterr().err
     monkeypatch.undo()
@@ -505,37 +505,38 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     assert "W=3L=1(flags)" in squeeze(capsys.readouterr().err)
 
 
-def test_resolve_session_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatch):
+def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatch):
     from rich.console import Console
 
     from mlx_redrafter.profiles import save_profile
-    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH
-    from mlx_redrafter.session import resolve_session
+    from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH
+    from mlx_redrafter.runtime import load_runtime
 
     dfolder = save_random_drafter(tmp_path / "d", seed=7)
-    s = resolve_session(str(tiny_folder), str(dfolder))
+    s = load_runtime(str(tiny_folder), str(dfolder))
     assert (s.beam_width, s.beam_length, s.shape_source) == (DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default")
 
     # Saved under a relative spelling of the same folder: still found.
     monkeypatch.chdir(tiny_folder.parent)
     path = save_profile(tiny_folder.name, dfolder, 3, 5)
-    s = resolve_session(str(tiny_folder), str(dfolder))
+    s = load_runtime(str(tiny_folder), str(dfolder))
     assert (s.beam_width, s.beam_length) == (3, 5)
     assert s.shape_source == f"tuned profile {path}"
     console = Console(record=True, width=400)
     s.announce(console)
     assert f"W=3 L=5 (tuned profile {path})" in console.export_text()
 
-    s = resolve_session(str(tiny_folder), str(dfolder), beam_width=1)
+    s = load_runtime(str(tiny_folder), str(dfolder), beam_width=1)
     assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
-    s = resolve_session(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
+    s = load_runtime(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
     assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
 
 
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
-    from mlx_redrafter.drafter import load_drafter
-    from mlx_redrafter.generate import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft, stream_generate
-    from mlx_redrafter.models import load_model
+    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft
+from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
 
     model, tok = load_model(str(tiny_folder))
@@ -556,19 +557,19 @@ def test_a_profile_slower_than_plain_decoding_is_announced(tmp_path, tiny_folder
     from rich.console import Console
 
     from mlx_redrafter.profiles import save_profile
-    from mlx_redrafter.session import resolve_session
+    from mlx_redrafter.runtime import load_runtime
 
     dfolder = save_random_drafter(tmp_path / "d", seed=8)
     save_profile(str(tiny_folder), dfolder, 2, 3, speedup=0.8)
-    s = resolve_session(str(tiny_folder), str(dfolder))
+    s = load_runtime(str(tiny_folder), str(dfolder))
     # The drafter is still used (only --no-draft turns it off), and the user is told.
     assert s.drafter is not None and (s.beam_width, s.beam_length) == (2, 3)
     console = Console(record=True, width=400)
     s.announce(console)
     assert "tuned profile measured ReDrafter at 0.80x of plain decoding; --no-draft is faster here" in console.export_text()
     save_profile(str(tiny_folder), dfolder, 2, 3, speedup=1.2)
-    assert resolve_session(str(tiny_folder), str(dfolder)).note is None
-    assert resolve_session(str(tiny_folder), no_draft=True).drafter is None
+    assert load_runtime(str(tiny_folder), str(dfolder)).note is None
+    assert load_runtime(str(tiny_folder), no_draft=True).drafter is None
 
 
 # --------------------------------------------------------------------------- bench/run.py

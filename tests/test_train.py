@@ -15,7 +15,7 @@ import pytest
 import mlx_redrafter
 from helpers import TINY_CONFIGS, tiny_model
 from mlx_redrafter import RedrafterError
-from mlx_redrafter.drafter import load_drafter
+from mlx_redrafter.draft.drafter import load_drafter
 from mlx_redrafter.generate import DraftConfig, generate_tokens
 from mlx_redrafter.prompts import FINGERPRINTS, PROMPT_SETS, build_fingerprints, refuse_eval_set
 from mlx_redrafter.train.distill import DistillConfig, distill
@@ -65,7 +65,7 @@ def test_distilled_replies_are_the_model_s_greedy_replies(tiny_llm, prompt_file,
     assert m.sequences == 4 and len(m.done) == 4 and len(m.shards) == 2
     corpus = read_corpus(tmp_path / "data")
     convs = {json.loads(line)["id"]: json.loads(line) for line in open(prompt_file)}
-    from mlx_redrafter.models import model_parts
+    from mlx_redrafter.llm.parts import model_parts
 
     _, backbone, _ = model_parts(model)
     for k, cid in enumerate(corpus.ids):
@@ -280,8 +280,8 @@ def test_soft_target_kl_has_the_known_answer():
 
 
 def test_distill_keeps_top_k_logits_and_layer_features(tiny_llm, prompt_file, tmp_path):
-    from mlx_redrafter.features import capture_layers
-    from mlx_redrafter.models import model_parts
+    from mlx_redrafter.llm.parts import capture_layers
+    from mlx_redrafter.llm.parts import model_parts
 
     model, tok = tiny_llm
     run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=2, top_k=5, feature_layers=[0])

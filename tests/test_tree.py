@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_redrafter.tree import PAD, count_nodes, count_rows, pack, prefix_tree
+from mlx_redrafter.step.tree import PAD, count_nodes, count_rows, pack, prefix_tree
 
 CASES = ["hand1", "hand2", "hand3", "bs_rnn_w1_row0", "bs_rnn_w2_row0", "bs_rnn_w4_row0"]
 

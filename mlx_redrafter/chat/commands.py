@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .chat_settings import SETTABLE, parse_settings
-from .errors import RedrafterError
+from ..errors import RedrafterError
+from .settings import SETTABLE, parse_settings
 
 
 @dataclass

@@ -1,8 +1,11 @@
 """The chat's core: a conversation with a model, its KV cache and its totals.
 
 :class:`ChatSession` works without a terminal (the tests drive it
-directly); ``chat.run_chat`` is the read-reply loop around it and
-:mod:`~mlx_redrafter.chat_commands` its slash commands and transcripts.
+directly); :func:`~mlx_redrafter.chat.terminal.run_chat` is the read-reply
+loop around it and :mod:`~mlx_redrafter.chat.commands` its slash commands
+and transcripts. Each turn hands the engine one
+:class:`~mlx_redrafter.config.DraftConfig` (the runtime's, with ``/set``'s
+beam shape and lookup beams) and the settings' :class:`SamplingConfig`.
 
 The cache contract: ``ChatSession.cached`` lists the token ids whose KV the
 cache holds. Before a turn the whole conversation is templated and
@@ -14,15 +17,18 @@ whatever the template does to earlier replies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, List, Optional, Sequence
 
-from .chat_commands import CommandResult, handle_command
-from .chat_settings import ChatSettings
-from .errors import RedrafterError
-from .generate import DraftConfig, RedrafterResponse, Tally, context_limit, stream_generate
-from .prompt_cache import PromptCache
-from .prompts import build_messages, chat_prompt_ids, render_messages
+from ..config import DraftConfig
+from ..errors import RedrafterError
+from ..generate import stream_generate
+from ..llm.cache import PromptCache
+from ..llm.parts import context_limit
+from ..prompts import build_messages, chat_prompt_ids, render_messages
+from ..responses import RedrafterResponse, Tally
+from .commands import CommandResult, handle_command
+from .settings import ChatSettings
 
 
 @dataclass
@@ -112,11 +118,14 @@ class ChatSession:
         notify: Optional[Callable[[str], None]] = None,
         controller=None,
         info: Optional[dict] = None,
+        draft: Optional[DraftConfig] = None,
     ):
         """``history``: earlier ``(user, assistant)`` exchanges. ``max_context``:
         keep the conversation within this many tokens (default: the model's
-        context)."""
-        self.model, self.tokenizer, self.drafter, self.controller = model, tokenizer, drafter, controller
+        context). ``draft``: a resolved draft (its beam shape and lookup beams
+        are the settings'); else ``drafter`` and ``controller``."""
+        self.model, self.tokenizer = model, tokenizer
+        self.base_draft = draft or DraftConfig(drafter, controller=controller)
         self.settings = settings or ChatSettings()
         self.system = system
         self.turns: List[Turn] = [Turn(u, a) for u, a in history]
@@ -128,13 +137,26 @@ class ChatSession:
         self.prompt_cache = PromptCache(model)
 
     @classmethod
-    def from_session(cls, s, settings: Optional[ChatSettings] = None, **kwargs) -> "ChatSession":
-        """A chat on a resolved :class:`~mlx_redrafter.session.Session`
-        (its beam shape wins over ``settings``)."""
+    def from_runtime(cls, rt, settings: Optional[ChatSettings] = None, **kwargs) -> "ChatSession":
+        """A chat on a :class:`~mlx_redrafter.runtime.Runtime` (its resolved
+        beam shape and lookup beams win over ``settings``)."""
         settings = settings or ChatSettings()
-        settings.beam_width, settings.beam_length, settings.lookup = s.beam_width, s.beam_length, s.lookup
-        info = {"model": s.model_spec, "drafter": str(s.drafter_path) if s.drafter_path else None}
-        return cls(s.model, s.tokenizer, s.drafter, settings, controller=s.controller, info=info, **kwargs)
+        settings.beam_width, settings.beam_length, settings.lookup = rt.beam_width, rt.beam_length, rt.lookup
+        info = {"model": rt.model_spec, "drafter": str(rt.drafter_path) if rt.drafter_path else None}
+        return cls(rt.model, rt.tokenizer, settings=settings, info=info, draft=rt.draft, **kwargs)
+
+    @property
+    def drafter(self):
+        return self.base_draft.drafter
+
+    @property
+    def controller(self):
+        return self.base_draft.controller
+
+    def draft(self) -> DraftConfig:
+        """The draft of the next turn: the base one with the settings' beam shape and lookup beams."""
+        s = self.settings
+        return replace(self.base_draft, beam_width=s.beam_width, beam_length=s.beam_length, lookup=s.lookup)
 
     # ------------------------------------------------------------------ conversation
 
@@ -176,8 +198,7 @@ class ChatSession:
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        s = self.settings
-        return DraftConfig(self.drafter, s.beam_width, s.beam_length, lookup=s.lookup).margin
+        return self.draft().margin
 
     def _fit_context(self, user: str) -> tuple:
         """``(prompt ids, max_tokens)`` for the next turn, dropping the oldest
@@ -225,11 +246,8 @@ class ChatSession:
             reused = self.prompt_cache.reuse(ids)
             turn.reused_tokens, turn.prefilled_tokens = reused, len(ids) - reused
             for r in stream_generate(
-                self.model, self.tokenizer, ids[reused:], drafter=self.drafter,
-                beam_width=s.beam_width, beam_length=s.beam_length, max_tokens=max_tokens,
-                temp=s.sampling.temp, top_p=s.sampling.top_p, min_p=s.sampling.min_p, top_k=s.sampling.top_k,
-                prompt_cache=self.cache, controller=self.controller,
-                lookup=s.lookup, lookup_context=ids[:reused],
+                self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens, prompt_cache=self.cache,
+                lookup_context=ids[:reused], draft=self.draft(), sampling=s.sampling,
             ):
                 if turn.tally.add(r):
                     generated.append(r.token)

@@ -6,8 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Dict, Optional
 
-from .errors import RedrafterError
-from .generate import DEFAULT_LENGTH, DEFAULT_WIDTH, SamplingConfig
+from ..config import DEFAULT_LENGTH, DEFAULT_WIDTH, SamplingConfig
+from ..errors import RedrafterError
 
 
 @dataclass

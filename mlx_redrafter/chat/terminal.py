@@ -1,11 +1,8 @@
 """``mlx-redrafter chat``: the terminal layer of the chat.
 
 :func:`run_chat` is the read-reply loop around a
-:class:`~mlx_redrafter.chat_session.ChatSession`, with rich output on a
-terminal and plain lines when stdin is a pipe. The chat's parts:
-:mod:`~mlx_redrafter.chat_settings` (what ``/set`` changes),
-:mod:`~mlx_redrafter.chat_session` (conversation, KV cache reuse, totals) and
-:mod:`~mlx_redrafter.chat_commands` (slash commands, transcripts).
+:class:`~mlx_redrafter.chat.conversation.ChatSession`, with rich output on a
+terminal and plain lines when stdin is a pipe.
 """
 
 from __future__ import annotations
@@ -14,13 +11,10 @@ import signal
 import sys
 from typing import Optional
 
-from .chat_commands import CommandResult, status_line
-from .chat_session import ChatSession, Turn
-from .chat_settings import ChatSettings
-from .errors import RedrafterError
-from .generate import RedrafterResponse
-
-__all__ = ["ChatSession", "ChatSettings", "run_chat"]
+from ..errors import RedrafterError
+from ..responses import RedrafterResponse
+from .commands import CommandResult, status_line
+from .conversation import ChatSession, Turn
 
 DRAFT_STYLE = "cyan"  # tokens from the drafter's accepted drafts
 LOOKUP_STYLE = "magenta"  # tokens from accepted lookup drafts

@@ -27,8 +27,8 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import RedrafterError
-from .files import atomic_file, write_text_atomic
+from ..errors import RedrafterError
+from ..files import atomic_file, write_text_atomic
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 
@@ -120,7 +120,7 @@ class Drafter(nn.Module):
         ``[..., (n+1)*h]`` of those layers' outputs followed by it."""
         if "fuse" not in self:
             return hidden
-        from .features import rms_each
+        from ..llm.parts import rms_each
 
         h = self.config.hidden_size
         feats = rms_each(hidden[..., :-h], h).astype(hidden.dtype)
@@ -232,7 +232,7 @@ def load_drafter(path, dtype=None) -> Drafter:
     ``dtype`` defaults to the LLM policy (float16 on a GPU, float32 on the
     CPU). Parameters are evaluated before returning.
     """
-    from .models import parse_dtype, default_dtype
+    from ..llm.load import parse_dtype, default_dtype
 
     path = Path(path).expanduser()
     if not path.exists():
@@ -263,7 +263,7 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
     """Save ``config.json`` + ``model.safetensors`` with the official key names."""
     from mlx.utils import tree_flatten
 
-    from .models import parse_dtype
+    from ..llm.load import parse_dtype
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -286,7 +286,7 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
 
 def check_fits(drafter: Drafter, model) -> None:
     """Raise when the drafter was made for another LLM (hidden size or vocabulary)."""
-    from .models import model_parts
+    from ..llm.parts import model_parts
 
     embed, _, _ = model_parts(model)
     if "weight" not in embed:  # nothing to compare with: e.g. a custom embedding module

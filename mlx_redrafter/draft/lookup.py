@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
 
-from .tree import PAD
+from ..step.tree import PAD
 
 # Measured offline on the default model's greedy replies (MT-Bench, Spec-Bench
-# summarization): suffixes of 3 then 2 tokens, the latest occurrence, 4 tokens.
+# summarization): suffixes of 3 then 2 tokens, the latest occurrence, 4 tokens
+# (LOOKUP_LENGTH, in config.py beside the other draft defaults).
 # A 1-token suffix matches nearly always and is mostly wrong: it doubles the
 # tree for little. A most-frequent continuation or a second lookup beam
 # accepted no more. Lookup beams may be longer than the drafter's.
-LOOKUP_LENGTH = 4
 N_MAX, N_MIN = 3, 2
 
 

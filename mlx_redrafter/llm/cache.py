@@ -1,22 +1,56 @@
-"""A KV cache kept across turns or requests, with the token ids it holds.
+"""Every KV-cache operation of the package, beside mlx-lm's own (``models/cache.py``).
 
-The contract: before a generation the cache is trimmed to the longest common
+* **Across turns and requests** (:class:`PromptCache`, :func:`trim_cache`):
+  the chat and the server keep a cache with the token ids it holds.
+* **Inside a step** (:func:`check_cache`, :func:`verify_starts`,
+  :func:`compact_cache`, :func:`set_cache_length`): the synchronous loop
+  verifies a tree behind the cached prefix, then moves the accepted path's
+  rows into place. Keys are cached after RoPE, so compaction only moves rows.
+* **A cache with holes** (:class:`HoleyCache`): the pipelined loop keeps
+  every verified row and masks the rejected ones out.
+* **Timing** (:func:`warm_cache`): a cache rewound after each timed call.
+
+The prompt cache's contract: before a generation the cache is trimmed to the longest common
 prefix of the ids it holds and the new prompt's ids, and only the rest is
 prefilled; after it, the cache is trimmed to the tokens known to be in it.
 Re-tokenizing the whole conversation each time (rather than appending to the
 cache) keeps the cache exactly equal to what a fresh prefill would compute,
 whatever a chat template does to earlier replies. The chat
-(:class:`~mlx_redrafter.chat.ChatSession`) and the server
-(:mod:`mlx_redrafter.serve`) both use it.
+(:class:`~mlx_redrafter.chat.conversation.ChatSession`) and the server
+(:mod:`mlx_redrafter.serve.engine`) both use it.
 """
 
 from __future__ import annotations
 
 from typing import List, Sequence
 
-from mlx_lm.models.cache import make_prompt_cache
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
-from .generate import trim_cache
+from ..errors import RedrafterError
+
+SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
+# Squeeze holes out of a HoleyCache once this many are known. Attention over a
+# hole costs a little every step; a compaction moves every cached row once.
+COMPACT_HOLES = 48
+
+
+# --------------------------------------------------------------------------- across turns
+
+
+def trim_cache(cache, length: int) -> bool:
+    """Trim every layer so that it holds exactly ``length`` tokens.
+
+    Returns False (and changes nothing) when a layer cannot be trimmed
+    (a rotating window that has wrapped) or holds fewer tokens: rebuild the
+    cache from the tokens then.
+    """
+    current = cache[0].offset
+    if current < length or not can_trim_prompt_cache(cache):
+        return current == length
+    for c in cache:
+        c.trim(c.offset - length)
+    return True
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -63,3 +97,152 @@ class PromptCache:
         do this after an interrupted generation, whose cache may hold part
         of a verification."""
         self.cache, self.ids = None, []
+
+
+# --------------------------------------------------------------------------- inside a step
+
+
+def check_cache(cache) -> None:
+    for c in cache:
+        if not isinstance(c, SUPPORTED_CACHES):
+            raise RedrafterError(
+                f"Cache type {type(c).__name__} is not supported by tree verification "
+                "(supported: KVCache, QuantizedKVCache, RotatingKVCache).",
+                "Use --no-draft for plain decoding with this model.",
+            )
+
+
+def cached_length(c) -> int:
+    """Number of cached keys the next multi-token update attends to."""
+    if isinstance(c, RotatingKVCache):
+        # A multi-token update keeps at most max_size - 1 old tokens.
+        return min(c.offset, c.max_size - 1)
+    return c.offset
+
+
+def verify_starts(cache) -> List[int]:
+    """Row index of g0 in each layer's buffer after the verify update."""
+    return [cached_length(c) for c in cache]
+
+
+def map_rows(c, fn) -> None:
+    """Apply ``fn`` to each of a layer cache's key and value arrays (a
+    quantized cache's are tuples of data, scales and biases, row-aligned)."""
+    if isinstance(c, QuantizedKVCache):
+        c.keys = tuple(fn(a) for a in c.keys)
+        c.values = tuple(fn(a) for a in c.values)
+    else:
+        c.keys, c.values = fn(c.keys), fn(c.values)
+
+
+def _move_rows(arr: mx.array, start: int, rows: mx.array) -> mx.array:
+    """``arr[..., start:start+len(rows), :] = arr[..., start+rows, :]`` (fixed size)."""
+    picked = mx.take(arr, start + rows, axis=2)
+    arr[..., start : start + rows.shape[0], :] = picked
+    return arr
+
+
+def compact_cache(cache, start_offsets: List[int], path: mx.array) -> None:
+    """Move the accepted path's rows into place, lazily.
+
+    ``path [L+1]`` holds packed indices (0 = g0, then the accepted nodes,
+    padded with anything): rows ``start + path`` move to ``start + arange``.
+    Offsets are fixed later by :func:`set_cache_length` once the accepted
+    length is known on the host, so no sync happens here.
+    """
+    # A RotatingKVCache holds [old | new] in time order after a multi-token
+    # update (start = len(old)), like a plain KVCache.
+    for c, start in zip(cache, start_offsets):
+        map_rows(c, lambda a, start=start: _move_rows(a, start, path))
+
+
+def set_cache_length(cache, starts: List[int], offsets: List[int], kept: int) -> None:
+    """After compaction: keep ``kept`` tree rows (g0 + accepted drafts)."""
+    for c, start, offset in zip(cache, starts, offsets):
+        c.offset = offset + kept
+        if isinstance(c, RotatingKVCache):
+            # The buffer must end exactly at the last kept row: mlx-lm reads
+            # rows past `_idx` as the oldest ones once the window has wrapped.
+            c.keys = c.keys[..., : start + kept, :]
+            c.values = c.values[..., : start + kept, :]
+            c._idx = start + kept
+
+
+# --------------------------------------------------------------------------- with holes
+
+
+class HoleyCache:
+    """Host bookkeeping of a cache that keeps every verified row (the pipelined loop).
+
+    Rows ``[0, solid)`` are real tokens. ``flags`` say which rows after them
+    (of steps already read) are real; ``tail`` (device, bool) covers every
+    row after ``solid``, read or not.
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.solid = cache[0].offset
+        self.flags: List[bool] = []
+        self.unread: List[int] = []  # sizes of the steps queued but not read
+        self.tail = mx.zeros((0,), mx.bool_)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the cache may hold holes (then masks and positions need the device's view)."""
+        return not all(self.flags) or any(size > 1 for size in self.unread)
+
+    def valid(self) -> mx.array:
+        return mx.concatenate([mx.ones((self.solid,), mx.bool_), self.tail])
+
+    def append(self, size: int, kept: mx.array) -> None:
+        self.tail = mx.concatenate([self.tail, kept])
+        self.unread.append(size)
+
+    def settle(self, flags: List[bool]) -> None:
+        """The oldest unread step was read: ``flags`` say which of its rows are real."""
+        self.unread.pop(0)
+        self.flags += flags
+        if all(self.flags):  # nothing to squeeze: the read rows join the solid part
+            self.solid += len(self.flags)
+            self.tail = self.tail[len(self.flags) :]
+            self.flags = []
+        elif len(self.flags) - sum(self.flags) >= COMPACT_HOLES:
+            self.compact()
+
+    def compact(self, drop_unread: bool = False) -> None:
+        """Move the real rows of the read steps together (lazily); ``drop_unread``
+        also cuts off the rows of steps queued but not read (the loop ends)."""
+        unread = 0 if drop_unread else sum(self.unread)
+        real = [self.solid + i for i, f in enumerate(self.flags) if f]
+        solid = self.solid + len(real)
+        if all(self.flags):  # no holes: keeping a prefix is a trim
+            length = solid + unread
+            for c in self.cache:
+                c.offset = length
+        else:
+            end = self.solid + len(self.flags)
+            idx = mx.array(list(range(self.solid)) + real + list(range(end, end + unread)), mx.int32)
+            for c in self.cache:
+                map_rows(c, lambda a: mx.take(a, idx, axis=2))
+                c.offset = idx.size
+        self.tail = mx.zeros((0,), mx.bool_) if drop_unread else self.tail[len(self.flags) :]
+        self.solid, self.flags = solid, []
+        if drop_unread:
+            self.unread = []
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def warm_cache(model, backbone, tokens: int = 64):
+    """A prompt cache holding ``tokens`` positions, and a function that rewinds
+    it there, so that every timed LLM call sees the same context."""
+    cache = make_prompt_cache(model)
+    mx.eval(backbone(mx.arange(tokens)[None], cache=cache))
+    offsets = [c.offset for c in cache]
+
+    def rewind():
+        for c, o in zip(cache, offsets):
+            c.offset = o
+
+    return cache, rewind

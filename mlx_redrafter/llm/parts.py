@@ -1,21 +1,26 @@
-"""Hidden states of intermediate LLM layers, captured without modifying the model.
+"""The parts of an mlx-lm model that ReDrafter calls, and taps on its layers.
 
-EAGLE-3 feeds its draft head a fusion of a low, a middle and the last layer's
+:func:`model_parts` splits a causal LM into ``(embed, backbone, head)``, so
+that one backbone call gives both the hidden states the drafter reads and
+the logits verification reads. :func:`context_limit` is the model's context.
+
+Hidden states of intermediate layers are captured without modifying the
+model. EAGLE-3 feeds its draft head a fusion of a low, a middle and the last layer's
 hidden states. :func:`capture_layers` wraps chosen layer modules of an mlx-lm
 model for the length of a ``with`` block; each wrapped layer records its
 output, and the block yields the records. The model's code and weights are
-untouched (as :mod:`.verify` hooks RoPE), so any mlx-lm decoder works.
+untouched (as :mod:`~mlx_redrafter.step.verify` hooks RoPE), so any mlx-lm decoder works.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import RedrafterError
+from ..errors import RedrafterError
 
 
 def default_feature_layers(num_layers: int) -> List[int]:
@@ -82,3 +87,52 @@ def rms_each(features: mx.array, hidden: int) -> mx.array:
     x = features.reshape(*shape[:-1], shape[-1] // hidden, hidden).astype(mx.float32)
     x = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6)
     return x.reshape(shape)
+
+
+def model_parts(model: nn.Module, feature_layers=None):
+    """``(embed_tokens, backbone, head)`` of an mlx-lm causal LM.
+
+    ``backbone(tokens, cache)`` returns post-norm hidden states and
+    ``head(hidden)`` returns logits (the tied embedding when there is no
+    ``lm_head``). One backbone call gives both hidden states and logits.
+    With ``feature_layers`` (a fused drafter's), the backbone returns those
+    layers' outputs followed by the post-norm state, ``[..., (n+1)*h]``, and
+    the head reads the last ``h`` of it.
+    """
+    backbone = getattr(model, "model", None) or getattr(model, "language_model", None)
+    if backbone is None or not hasattr(backbone, "embed_tokens"):
+        raise RedrafterError(
+            f"Model type {type(model).__module__} has no `model.embed_tokens`; ReDrafter needs a decoder-only LM."
+        )
+    embed = backbone.embed_tokens
+    # mlx-lm models only hold an `lm_head` when it is not tied to the embedding.
+    head = model.lm_head if "lm_head" in model else embed.as_linear
+    softcap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
+    if softcap:
+        base_head = head
+
+        def head(h):
+            return mx.tanh(base_head(h) / softcap) * softcap
+
+    if feature_layers:
+        backbone, head = _fused(model, backbone, head, list(feature_layers))
+    return embed, backbone, head
+
+
+def _fused(model, backbone, head, layers):
+    """A backbone that also returns ``layers``' outputs (:func:`capture_layers`), and the head for it."""
+    check_layers(model, layers)
+    width = model.args.hidden_size
+
+    def fused_backbone(tokens, cache=None):
+        with capture_layers(model, layers) as taps:
+            last = backbone(tokens, cache=cache)
+        return mx.concatenate([taps[i] for i in layers] + [last], axis=-1)
+
+    return fused_backbone, lambda x: head(x[..., -width:])
+
+
+def context_limit(model) -> Optional[int]:
+    """The model's context in tokens (``max_position_embeddings``), if it says."""
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None)

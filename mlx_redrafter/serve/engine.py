@@ -1,15 +1,17 @@
 """The core of ``mlx-redrafter serve``: one model, a fair bounded queue of
 requests, and a KV cache that consecutive requests share.
 
-No HTTP here (that is :mod:`mlx_redrafter.openai_api`, a thin layer on top):
+No HTTP here (that is :mod:`~mlx_redrafter.serve.openai_api`, a thin layer on top):
 :class:`Engine` turns token ids into a :class:`Job`, runs jobs one at a time
 on its worker thread, and reports each job's text through the job's
 ``emit`` callback.
 
 The KV cache stays from one request to the next, as in the chat
-(:class:`~mlx_redrafter.prompt_cache.PromptCache`): a request whose ids share
+(:class:`~mlx_redrafter.llm.cache.PromptCache`): a request whose ids share
 a prefix with the cached ones prefills only the rest, so a follow-up turn of
-a conversation costs only its new tokens.
+a conversation costs only its new tokens. Every job runs the runtime's one
+resolved :class:`~mlx_redrafter.config.DraftConfig` with the job's own
+:class:`~mlx_redrafter.config.SamplingConfig`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
-from .errors import RedrafterError
-from .generate import Tally, context_limit, encode_prompt, stream_generate
-from .prompt_cache import PromptCache
-from .prompts import chat_prompt_ids
+from ..config import SamplingConfig
+from ..errors import RedrafterError
+from ..generate import stream_generate
+from ..llm.cache import PromptCache
+from ..llm.parts import context_limit
+from ..llm.text import encode_prompt
+from ..prompts import chat_prompt_ids
+from ..responses import Tally
 
 
 class QueueFull(Exception):
@@ -34,8 +40,7 @@ class GenParams:
     """What a request may choose (OpenAI's names map onto these)."""
 
     max_tokens: int
-    temp: float = 0.0
-    top_p: float = 0.0  # 0 or 1: off
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
 
@@ -149,15 +154,17 @@ class JobQueue:
 
 
 class Engine:
-    """A resolved :class:`~mlx_redrafter.session.Session` served one request
-    at a time, with a prompt cache shared across requests."""
+    """A :class:`~mlx_redrafter.runtime.Runtime` served one request at a time,
+    with a prompt cache shared across requests. ``max_tokens`` and
+    ``sampling``: what a request that does not say gets."""
 
-    def __init__(self, session, max_tokens: int = 512, temp: float = 0.0, queue_size: int = 16):
-        self.s = session
-        self.model_id = session.model_spec
+    def __init__(self, runtime, max_tokens: int = 512, sampling: Optional[SamplingConfig] = None,
+                 queue_size: int = 16):
+        self.s = runtime
+        self.model_id = runtime.model_spec
         self.max_tokens = max_tokens
-        self.temp = temp
-        self.cache = PromptCache(session.model)
+        self.sampling = sampling or SamplingConfig()
+        self.cache = PromptCache(runtime.model)
         self.queue = JobQueue(self._run, queue_size)
 
     # ------------------------------------------------------------------ prompts
@@ -172,7 +179,7 @@ class Engine:
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        return self.s.draft().margin
+        return self.s.draft.margin
 
     def fit(self, ids: List[int], max_tokens: int) -> int:
         """``max_tokens`` cut to what the context leaves after the prompt;
@@ -190,16 +197,6 @@ class Engine:
                 "Send a shorter prompt.",
             )
         return min(max_tokens, room)
-
-    def generation_kwargs(self, params: GenParams) -> dict:
-        """The keywords of :func:`stream_generate` for a request: the one
-        place where the session's drafting settings meet the request's."""
-        s = self.s
-        return dict(
-            drafter=s.drafter, beam_width=s.beam_width, beam_length=s.beam_length,
-            controller=s.controller, lookup=s.lookup, max_tokens=params.max_tokens, temp=params.temp,
-            top_p=params.top_p, seed=params.seed, stop=params.stop,
-        )
 
     # ------------------------------------------------------------------ jobs
 
@@ -227,9 +224,11 @@ class Engine:
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
         try:
             res.reused_tokens = self.cache.reuse(ids)
+            p = job.params
             stream = stream_generate(
                 self.s.model, self.s.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
-                lookup_context=ids[:res.reused_tokens], **self.generation_kwargs(job.params),
+                lookup_context=ids[:res.reused_tokens], draft=self.s.draft, sampling=p.sampling,
+                max_tokens=p.max_tokens, seed=p.seed, stop=p.stop,
             )
             try:
                 for r in stream:
@@ -264,7 +263,7 @@ class Engine:
         t = res.tally
         by_source = {"drafter": t.drafted_tokens - t.lookup_tokens, "lookup": t.lookup_tokens}
         return {
-            "drafting": self.s.draft().drafting,  # a drafter, lookup drafts, or both
+            "drafting": self.s.draft.drafting,  # a drafter, lookup drafts, or both
             "beam_width": self.s.beam_width if self.s.drafter is not None else None,
             "beam_length": self.s.beam_length if self.s.drafter is not None else None,
             "steps": t.steps,

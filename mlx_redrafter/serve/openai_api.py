@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator, List, Literal, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
@@ -22,8 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from .errors import RedrafterError
-from .serve import Engine, GenParams, Job, QueueFull, Result
+from ..errors import RedrafterError
+from .engine import Engine, GenParams, Job, QueueFull, Result
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -63,6 +64,9 @@ class _Generation(_Request):
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, ge=0, le=1)
+    # Not OpenAI's, but what vLLM and llama.cpp's servers accept too.
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
     seed: Optional[int] = None
     stop: Union[str, List[str], None] = None
     stream: bool = False
@@ -185,8 +189,9 @@ def _model_card(engine: Engine) -> dict:
 
 def _params(engine: Engine, req: _Generation, max_tokens: Optional[int]) -> GenParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    temp = engine.temp if req.temperature is None else req.temperature
-    return GenParams(max_tokens or engine.max_tokens, temp, req.top_p or 0.0, req.seed, stop)
+    asked = {"temp": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p}
+    sampling = replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
+    return GenParams(max_tokens or engine.max_tokens, sampling, req.seed, stop)
 
 
 async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool):

@@ -1,6 +1,6 @@
 """The pipelined ReDrafter loop: step t+1 is queued before step t is read.
 
-The synchronous loop (generate.py) must read each step before it can build
+The synchronous loop (synchronous.py) must read each step before it can build
 the next one: the next tree's size and the cache's length depend on what was
 accepted. Meanwhile the device idles while Python builds the next graph.
 Here every shape is known on the host a step ahead, so the loop works like
@@ -15,7 +15,7 @@ step t (the one sync per step), which has usually finished by then.
   built on the device. Positions come from a device count of real tokens
   (``TreeRoPE``'s base). Holes the host has read about are squeezed out when
   they reach ``COMPACT_HOLES`` rows, and when the loop ends (so the caller
-  gets an ordinary cache back).
+  gets an ordinary cache back): :class:`~mlx_redrafter.llm.cache.HoleyCache`.
 * **Lookup on the device.** One lookup draft (the default) is proposed on
   the device (:class:`~mlx_redrafter.lookup.DeviceLookup`) from a history
   that each queued step extends with its accepted tokens, so it is as fresh
@@ -26,9 +26,9 @@ step t (the one sync per step), which has usually finished by then.
   what the step in flight accepts; a draft that does not line up is padding.
 
 Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
-the adaptive-depth controller nor profiling is on, and the drafter's tree
-is small or shares no prefixes (:func:`can_pipeline`); otherwise the
-synchronous loop runs (generate.py). Exactness is the same: the verified
+the adaptive-depth controller nor timings are on, and the drafter's tree
+is small or shares no prefixes (:func:`~mlx_redrafter.step.dispatch.can_pipeline`);
+otherwise the synchronous loop runs (synchronous.py). Exactness is the same: the verified
 logits of a node depend only on its real ancestors.
 """
 
@@ -39,42 +39,21 @@ from dataclasses import dataclass
 from typing import Iterator, List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .accept import accept_greedy, accept_sampling, sample_first
-from .lookup import DeviceLookup, Lookup
-from .models import model_parts
-from .steps import StepStats, StepTokens, host_read, prefill
+from ..draft.lookup import DeviceLookup, Lookup
+from ..llm.cache import HoleyCache
+from ..llm.parts import model_parts
+from .accept import Accepted, accept_greedy, accept_sampling, sample_first
+from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import PAD, Tree, layout, merged_parent
-from .verify import install_tree_hooks, map_rows, tree_hooks
-
-# Squeeze holes out of the cache once this many are known. Attention over a
-# hole costs a little every step; a compaction moves every cached row once.
-COMPACT_HOLES = 48
-PIPELINED_CACHES = (KVCache, QuantizedKVCache)
-# Wide and deep drafter trees whose beams share prefixes verify fewer nodes
-# packed: past this many drafter nodes (W x L) the synchronous loop, which
-# packs them, measured faster (bench/RESULTS.md section 11: W=2 L=3 is faster
-# pipelined, W=4 L=5 synchronous).
-MAX_SHARED_NODES = 8
-
-
-def can_pipeline(cache, draft, profile: bool = False) -> bool:
-    """Whether :func:`pipelined_steps` runs this generation (else the
-    synchronous loop does): plain or quantized caches, no controller, no
-    profiling, and drafter beams that share few prefixes (see ``MAX_SHARED_NODES``)."""
-    if profile or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in cache):
-        return False
-    w, length = draft.beam_width, draft.beam_length
-    # Beams of one token, or a single beam, share no prefix: nothing to dedup.
-    return draft.drafter is None or w == 1 or length == 1 or w * length <= MAX_SHARED_NODES
+from .verify import install_tree_hooks, tree_hooks
 
 
 @dataclass
 class _Queued:
     """A step queued on the device. The host knows its shape, not its result."""
 
-    read: mx.array  # [n, beam, next token, path (depth + 1), accepted row (depth)]
+    read: mx.array  # protocol.step_read: [n, beam, next token, path (depth + 1), accepted row (depth)]
     g0: mx.array  # the LLM's own token after the accepted drafts: the next root
     context: mx.array  # hidden state of the last accepted node
     real: mx.array  # tokens in the cache once this step is kept (device scalar)
@@ -82,66 +61,6 @@ class _Queued:
     n: mx.array  # accepted drafts
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
-
-
-class _HoleyCache:
-    """Host bookkeeping of a cache that keeps every verified row.
-
-    Rows ``[0, solid)`` are real tokens. ``flags`` say which rows after them
-    (of steps already read) are real; ``tail`` (device, bool) covers every
-    row after ``solid``, read or not.
-    """
-
-    def __init__(self, cache):
-        self.cache = cache
-        self.solid = cache[0].offset
-        self.flags: List[bool] = []
-        self.unread: List[int] = []  # sizes of the steps queued but not read
-        self.tail = mx.zeros((0,), mx.bool_)
-
-    @property
-    def dirty(self) -> bool:
-        """Whether the cache may hold holes (then masks and positions need the device's view)."""
-        return not all(self.flags) or any(size > 1 for size in self.unread)
-
-    def valid(self) -> mx.array:
-        return mx.concatenate([mx.ones((self.solid,), mx.bool_), self.tail])
-
-    def append(self, size: int, kept: mx.array) -> None:
-        self.tail = mx.concatenate([self.tail, kept])
-        self.unread.append(size)
-
-    def settle(self, flags: List[bool]) -> None:
-        """The oldest unread step was read: ``flags`` say which of its rows are real."""
-        self.unread.pop(0)
-        self.flags += flags
-        if all(self.flags):  # nothing to squeeze: the read rows join the solid part
-            self.solid += len(self.flags)
-            self.tail = self.tail[len(self.flags) :]
-            self.flags = []
-        elif len(self.flags) - sum(self.flags) >= COMPACT_HOLES:
-            self.compact()
-
-    def compact(self, drop_unread: bool = False) -> None:
-        """Move the real rows of the read steps together (lazily); ``drop_unread``
-        also cuts off the rows of steps queued but not read (the loop ends)."""
-        unread = 0 if drop_unread else sum(self.unread)
-        real = [self.solid + i for i, f in enumerate(self.flags) if f]
-        solid = self.solid + len(real)
-        if all(self.flags):  # no holes: keeping a prefix is a trim
-            length = solid + unread
-            for c in self.cache:
-                c.offset = length
-        else:
-            end = self.solid + len(self.flags)
-            idx = mx.array(list(range(self.solid)) + real + list(range(end, end + unread)), mx.int32)
-            for c in self.cache:
-                map_rows(c, lambda a: mx.take(a, idx, axis=2))
-                c.offset = idx.size
-        self.tail = mx.zeros((0,), mx.bool_) if drop_unread else self.tail[len(self.flags) :]
-        self.solid, self.flags = solid, []
-        if drop_unread:
-            self.unread = []
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -174,8 +93,7 @@ class _Pipeline:
         """The next step's rows (lazy) and their lengths (host)."""
         cfg, parts, lengths = self.cfg, [], []
         if cfg.drafter is not None:
-            b = cfg.drafter.draft(self.embed, prev.context, prev.g0, cfg.beam_width, cfg.beam_length, warp=cfg.warp)
-            parts.append(b.tokens)
+            parts.append(draft_beams(cfg, self.embed, prev.context, prev.g0).tokens)
             lengths += [cfg.beam_length] * cfg.beam_width
         if self.fresh is not None:
             self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
@@ -191,6 +109,13 @@ class _Pipeline:
                 parts.append(rows)
                 lengths += [cfg.lookup_length] * rows.shape[0]
         return parts, lengths
+
+    def emitted(self, tokens: List[int]) -> None:
+        """The host read these tokens: lookup's history grows by them."""
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+        if self.fresh is not None:  # every appended step is read: the device length is known
+            self.fresh.settle(len(self.lookup.history))
 
     def queue(self, prev: _Queued) -> _Queued:
         """Build the step after ``prev`` (lazily)."""
@@ -212,8 +137,7 @@ class _Pipeline:
         kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
         self.kv.append(lay.size, kept)
         row = beams[acc.beam]
-        read = mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, row])
-        return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size)
+        return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size)
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
@@ -222,7 +146,7 @@ class _Pipeline:
         g0 = sample_first(self.head(hidden)[0], self.sampling)
         self.kv.append(1, mx.ones((1,), mx.bool_))
         zero = mx.zeros((1,), mx.int32)
-        read = mx.concatenate([zero, zero, g0.reshape(1), zero])
+        read = step_read(Accepted(zero[0], zero[0], zero, zero[0], g0), zero[:0])
         return _Queued(read, g0, hidden[0], prev.real + 1, zero[:0], zero[0], 0, 1)
 
     def _forward(self, tree: Tree, base: mx.array, chain: bool) -> mx.array:
@@ -239,13 +163,12 @@ class _Pipeline:
 
 
 def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history: Sequence[int] = ()) -> Iterator[StepTokens]:
-    """:func:`~mlx_redrafter.generate.redrafter_steps`, pipelined (see the module doc)."""
+    """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, pipelined (see the module doc)."""
     install_tree_hooks(model)  # refuses unsupported positions before any work
     pipe = _Pipeline(model, cache, draft, sampling, list(history) + host_read(prompt))
     tic = time.perf_counter()
     logits, context = prefill(pipe.backbone, pipe.head, cache, prompt)
-    pipe.kv = _HoleyCache(cache)
-    drafter_rows = draft.beam_width if draft.drafter is not None else 0  # rows past these are lookup rows
+    pipe.kv = HoleyCache(cache)
     g0 = sample_first(logits, sampling)
     zero = mx.array(0, mx.int32)
     queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1)
@@ -255,30 +178,20 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
         syncs = 1
         queued = pipe.queue(queued)
         mx.async_eval(queued.read)
-        if pipe.lookup is not None:
-            pipe.lookup.extend([g0_val])
-        yield StepTokens([g0_val], [False], StepStats(0, 0, 1, time.perf_counter() - tic, syncs))
+        pipe.emitted([g0_val])
+        yield first_step(g0_val, time.perf_counter() - tic, syncs)
         step = 0
         while True:
             step += 1
             tic = time.perf_counter()
             following = pipe.queue(queued)
             mx.async_eval(following.read)
-            vals = host_read(queued.read)
+            read = StepRead.parse(host_read(queued.read), queued.depth)
             syncs += 1
-            d = queued.depth
-            n, beam, g0_val = vals[:3]
-            path, row = vals[3 : 4 + d], vals[4 + d : 4 + 2 * d]
-            kept = set(path[: n + 1])
+            kept = set(read.path[: read.n + 1])
             pipe.kv.settle([i in kept for i in range(queued.size)])
-            emitted = row[:n] + [g0_val]
-            if pipe.lookup is not None:
-                pipe.lookup.extend(emitted)
-            if pipe.fresh is not None:
-                pipe.fresh.settle(len(pipe.lookup.history))
-            source = ("drafter" if beam < drafter_rows else "lookup") if n else ""
-            stats = StepStats(step, n, queued.size, time.perf_counter() - tic, syncs, beam, d, source=source)
-            yield StepTokens(emitted, [True] * n + [False], stats)
+            pipe.emitted(read.emitted)
+            yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows)
             queued = following
     finally:
         pipe.kv.compact(drop_unread=True)

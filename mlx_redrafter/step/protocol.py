@@ -1,14 +1,23 @@
-"""What both step loops share: a step's stats and tokens, the prefill, and the one host read.
+"""The host protocol both step loops speak: the prefill, the drafter call,
+the one read per step and what the host rebuilds from it.
 
-The synchronous loop (generate.py) and the pipelined one (pipeline.py) yield
-the same :class:`StepTokens`; each reads the device once per step, through
-:func:`host_read`, so that a test can check where the loops touch the host.
+The synchronous loop (synchronous.py) and the pipelined one (pipelined.py)
+yield the same :class:`StepTokens`. Each reads the device once per step,
+through :func:`host_read`, so that a test can check where the loops touch
+the host. What a step reads has one layout, written by :func:`step_read`
+and read back by :meth:`StepRead.parse`::
+
+    [n, beam, g0, path (depth + 1), row (depth), ...what the loop adds]
+
+``n`` drafts were accepted from row ``beam``; ``g0`` is the LLM's own next
+token; ``path`` holds the accepted nodes' indices in the verified tree (0 is
+the root), ``row`` the drafted tokens of the accepted row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -27,7 +36,7 @@ class StepStats:
     beam: int = 0  # index of the beam the accepted drafts came from (best first)
     depth: int = 0  # drafted depth verified (beam_length, or the controller's choice)
     source: str = ""  # where the accepted drafts came from: "drafter" or "lookup" ("" if none)
-    # Phase times in seconds, measured only with profile=True (which adds syncs):
+    # Phase times in seconds, measured only with timings=True (which adds syncs):
     draft_time: float = 0.0  # beam search for the next step
     pack_time: float = 0.0  # dedup + packing of this step's beams
     verify_time: float = 0.0  # the LLM's tree forward
@@ -36,9 +45,67 @@ class StepStats:
 
 @dataclass
 class StepTokens:
+    """What one step emits: its tokens, which of them were drafts, its stats."""
+
     tokens: List[int]
     from_draft: List[bool]
     stats: StepStats
+
+
+def first_step(g0: int, elapsed: float, syncs: int) -> StepTokens:
+    """Step 0: the token the prompt's logits give (nothing drafted yet)."""
+    return StepTokens([g0], [False], StepStats(0, 0, 1, elapsed, syncs))
+
+
+def draft_beams(draft, embed, context: mx.array, g0: mx.array, confidences: int = 0):
+    """The drafter's beams from ``(g0, context)``, lazily (:class:`~mlx_redrafter.draft.beam.Beams`)."""
+    return draft.drafter.draft(embed, context, g0, draft.beam_width, draft.beam_length, warp=draft.warp,
+                               confidences=confidences)
+
+
+def step_read(acc, row: mx.array) -> mx.array:
+    """The flat int32 array a step's sync reads (see the module doc), from an
+    :class:`~mlx_redrafter.step.accept.Accepted` and the accepted row (lazy)."""
+    return mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, row])
+
+
+@dataclass
+class StepRead:
+    """A step's read, on the host (see the module doc for the layout)."""
+
+    n: int  # drafts accepted
+    beam: int  # the row they came from
+    g0: int  # the LLM's own next token
+    path: List[int]  # [depth + 1] tree indices of g0 and the accepted nodes (then padding)
+    row: List[int]  # [depth] the accepted row's drafted tokens
+    rest: List[int]  # whatever the loop read after the layout
+
+    @classmethod
+    def parse(cls, vals: List[int], depth: int) -> "StepRead":
+        n, beam, g0 = vals[:3]
+        return cls(n, beam, g0, vals[3 : 4 + depth], vals[4 + depth : 4 + 2 * depth], vals[4 + 2 * depth :])
+
+    @property
+    def emitted(self) -> List[int]:
+        """The step's tokens: the accepted drafts, then the LLM's own."""
+        return self.row[: self.n] + [self.g0]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the accepted nodes already sit in order after ``g0`` (no cache rows to move)."""
+        return self.path[: self.n + 1] == list(range(self.n + 1))
+
+    def tokens(self, step: int, tree_size: int, elapsed: float, syncs: int, depth: int, drafter_rows: int,
+               times: Optional[dict] = None) -> StepTokens:
+        """The :class:`StepTokens` of this step; beams from ``drafter_rows`` on are lookup rows."""
+        source = ("drafter" if self.beam < drafter_rows else "lookup") if self.n else ""
+        times = times or {}
+        stats = StepStats(
+            step, self.n, tree_size, elapsed, syncs, self.beam, depth, source=source,
+            draft_time=times.get("draft", 0.0), pack_time=times.get("pack", 0.0),
+            verify_time=times.get("verify", 0.0), accept_time=times.get("accept", 0.0),
+        )
+        return StepTokens(self.emitted, [True] * self.n + [False], stats)
 
 
 def host_read(*arrays: mx.array) -> List[int]:

@@ -1,4 +1,4 @@
-"""Run a packed draft tree through an unmodified mlx-lm model, and compact its cache.
+"""Run a packed draft tree through an unmodified mlx-lm model.
 
 mlx-lm models take no mask argument and apply RoPE with ``cache.offset``. Two
 small hooks make them verify a tree:
@@ -12,8 +12,8 @@ small hooks make them verify a tree:
   token axis into the batch axis and passes one offset per token, which
   ``mx.fast.rope`` supports for every RoPE variant.
 
-Keys are cached after RoPE, so compaction only moves rows: the accepted path
-is gathered into place and the offset set.
+Keys are cached after RoPE, so the accepted path's rows are moved into place
+afterwards (llm/cache.py) without touching their values.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from .errors import RedrafterError
+from ..errors import RedrafterError
+from ..llm.cache import cached_length
 
 SUPPORTED_ROPES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
-SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
 
 
 class TreeRoPE(nn.Module):
@@ -88,24 +87,6 @@ def install_tree_hooks(model: nn.Module) -> List[TreeRoPE]:
         )
     object.__setattr__(model, "_redrafter_ropes", hooks)
     return hooks
-
-
-def check_cache(cache) -> None:
-    for c in cache:
-        if not isinstance(c, SUPPORTED_CACHES):
-            raise RedrafterError(
-                f"Cache type {type(c).__name__} is not supported by tree verification "
-                "(supported: KVCache, QuantizedKVCache, RotatingKVCache).",
-                "Use --no-draft for plain decoding with this model.",
-            )
-
-
-def cached_length(c) -> int:
-    """Number of cached keys the next multi-token update attends to."""
-    if isinstance(c, RotatingKVCache):
-        # A multi-token update keeps at most max_size - 1 old tokens.
-        return min(c.offset, c.max_size - 1)
-    return c.offset
 
 
 def tree_attention_mask(
@@ -177,54 +158,3 @@ def verify(model, backbone, head, cache, tree, chain: bool = False):
     with tree_hooks(model, cache, tree):
         hidden = backbone(tree.tokens[None], cache=cache)[0]
     return head(hidden), hidden
-
-
-# --------------------------------------------------------------------------- compaction
-
-
-def _move_rows(arr: mx.array, start: int, rows: mx.array) -> mx.array:
-    """``arr[..., start:start+len(rows), :] = arr[..., start+rows, :]`` (fixed size)."""
-    picked = mx.take(arr, start + rows, axis=2)
-    arr[..., start : start + rows.shape[0], :] = picked
-    return arr
-
-
-def compact_cache(cache, start_offsets: List[int], path: mx.array) -> None:
-    """Move the accepted path's rows into place, lazily.
-
-    ``path [L+1]`` holds packed indices (0 = g0, then the accepted nodes,
-    padded with anything): rows ``start + path`` move to ``start + arange``.
-    Offsets are fixed later by :func:`set_cache_length` once the accepted
-    length is known on the host, so no sync happens here.
-    """
-    # A RotatingKVCache holds [old | new] in time order after a multi-token
-    # update (start = len(old)), like a plain KVCache.
-    for c, start in zip(cache, start_offsets):
-        map_rows(c, lambda a, start=start: _move_rows(a, start, path))
-
-
-def map_rows(c, fn) -> None:
-    """Apply ``fn`` to each of a layer cache's key and value arrays (a
-    quantized cache's are tuples of data, scales and biases, row-aligned)."""
-    if isinstance(c, QuantizedKVCache):
-        c.keys = tuple(fn(a) for a in c.keys)
-        c.values = tuple(fn(a) for a in c.values)
-    else:
-        c.keys, c.values = fn(c.keys), fn(c.values)
-
-
-def verify_starts(cache) -> List[int]:
-    """Row index of g0 in each layer's buffer after the verify update."""
-    return [cached_length(c) for c in cache]
-
-
-def set_cache_length(cache, starts: List[int], offsets: List[int], kept: int) -> None:
-    """After compaction: keep ``kept`` tree rows (g0 + accepted drafts)."""
-    for c, start, offset in zip(cache, starts, offsets):
-        c.offset = offset + kept
-        if isinstance(c, RotatingKVCache):
-            # The buffer must end exactly at the last kept row: mlx-lm reads
-            # rows past `_idx` as the oldest ones once the window has wrapped.
-            c.keys = c.keys[..., : start + kept, :]
-            c.values = c.values[..., : start + kept, :]
-            c._idx = start + kept

@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ..errors import RedrafterError
-from ..models import model_parts
+from ..llm.parts import model_parts
 from ..prompts import chat_prompt_ids, read_conversations, refuse_eval_set
 from .shards import Manifest, Sequence, write_shard
 from .world import World, digest, model_fingerprint, world
@@ -315,7 +315,7 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     with this rank's own manifest.
     Ctrl-C (KeyboardInterrupt) writes the finished replies before re-raising.
     """
-    from ..models import load_model
+    from ..llm.load import load_model
 
     w = world()
     prompts_path = Path(prompts_path)

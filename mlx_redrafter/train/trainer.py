@@ -29,10 +29,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from ..draft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
-from ..models import model_parts
+from ..llm.parts import model_parts
 from .shards import Corpus, read_corpus
 from .world import World, digest, model_fingerprint, world
 

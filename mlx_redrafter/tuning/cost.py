@@ -69,7 +69,7 @@ def decode_step_cost(model: nn.Module) -> StepCost:
     model ties them), from the actual parameter shapes and dtypes."""
     from mlx.utils import tree_flatten
 
-    from .models import model_parts
+    from ..llm.parts import model_parts
 
     embed, _, _ = model_parts(model)
     macs = nbytes = 0
@@ -86,7 +86,7 @@ def decode_step_cost(model: nn.Module) -> StepCost:
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
     """The model's floating-point dtype (that of its scales when quantized)."""
-    from .models import model_parts
+    from ..llm.parts import model_parts
 
     embed, _, _ = model_parts(model)
     return (embed.scales if "scales" in embed else embed.weight).dtype
@@ -109,19 +109,3 @@ def median_ms(fn: Callable[[], None], repeats: int = 20, after: Optional[Callabl
         if after is not None:
             after()
     return 1000 * float(np.median(ts))
-
-
-def warm_cache(model, backbone, tokens: int = 64):
-    """A prompt cache holding ``tokens`` positions, and a function that rewinds
-    it there, so that every timed LLM call sees the same context."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    mx.eval(backbone(mx.arange(tokens)[None], cache=cache))
-    offsets = [c.offset for c in cache]
-
-    def rewind():
-        for c, o in zip(cache, offsets):
-            c.offset = o
-
-    return cache, rewind

@@ -11,7 +11,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .generate import DraftConfig, StepStats, generate_tokens
+from ..config import DraftConfig
+from ..generate import generate_tokens
+from ..step.protocol import StepStats
 
 PHASES = ("draft", "pack", "verify", "accept", "other")
 
@@ -62,7 +64,7 @@ def measure(
     draft: Optional[DraftConfig] = None,
     max_tokens: int = 128,
     eos_ids: Sequence[int] = (),
-    profile: bool = False,
+    timings: bool = False,
     temp: float = 0.0,
     top_p: float = 0.0,
 ) -> Run:
@@ -76,7 +78,7 @@ def measure(
     tic = time.perf_counter()
     tokens, steps = generate_tokens(
         model, list(prompt), draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
-        temp=temp, top_p=top_p, profile=profile,
+        temp=temp, top_p=top_p, timings=timings,
     )
     wall = time.perf_counter() - tic
     return Run(tokens, steps, wall, mx.get_peak_memory())
@@ -103,19 +105,19 @@ def run_pass(
     temp: float = 0.0,
     top_p: float = 0.0,
     seed: int = 0,
-    profile: bool = False,
+    timings: bool = False,
     tick: Optional[Callable[[], None]] = None,
 ) -> Pass:
     """Measure every prompt once (prompt ``i`` sampled from ``seed + i`` when
     ``temp > 0``, the same draws for every pass); ``tick()`` after each.
-    ``profile`` splits the steps of a drafting pass into phases."""
+    ``timings`` splits the steps of a drafting pass into phases."""
     drafting = draft is not None and draft.drafting
     runs = []
     for i, p in enumerate(prompts):
         if temp > 0:
             mx.random.seed(seed + i)
         runs.append(measure(model, p, draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
-                            profile=profile and drafting, temp=temp, top_p=top_p))
+                            timings=timings and drafting, temp=temp, top_p=top_p))
         if tick:
             tick()
     return Pass(runs)

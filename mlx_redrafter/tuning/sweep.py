@@ -28,9 +28,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .errors import RedrafterError
-from .files import write_json_atomic
-from .generate import DraftConfig, SamplingConfig
+from ..config import DraftConfig, SamplingConfig
+from ..errors import RedrafterError
+from ..files import write_json_atomic
 from .measure import Pass, run_pass, time_split_ms, warm_up
 from .report import HEATMAPS, grid_matrix, heatmap_table, markdown_table, plot_heatmap, write_csv
 
@@ -51,7 +51,7 @@ class SweepConfig:
     baseline_every: int = 4  # a baseline pass after every k cells
     # Split the step time into phases: adds 4 syncs per step and runs the
     # synchronous loop, so the speedups are then that loop's, not the default's.
-    profile: bool = False
+    timings: bool = False
     memory_limit_gb: Optional[float] = None  # None: what the device has
     temp: float = 0.0  # > 0: sampled (distribution-exact) instead of greedy
     top_p: float = 0.0
@@ -218,7 +218,7 @@ def estimate_cell_bytes(model, drafter, width: int, length: int, prompt_tokens: 
     float32, plus as much again for the acceptance temporaries) and the
     drafter's beam scores (W x draft vocabulary per depth, with the
     softmax and top-k temporaries)."""
-    from .models import model_parts
+    from ..llm.parts import model_parts
 
     embed, _, _ = model_parts(model)
     vocab = int(embed.weight.shape[0])
@@ -264,7 +264,7 @@ def sweep_key(config: SweepConfig, prompts: List[List[int]], meta: dict) -> dict
         "lengths": list(config.lengths),
         "lookups": list(config.lookups),
         "max_tokens": config.max_tokens,
-        "profile": config.profile,
+        "profile": config.timings,  # the results file's name for timings
         "temp": config.temp,
         "top_p": config.top_p,
         "seed": config.seed,
@@ -275,7 +275,7 @@ def sweep_key(config: SweepConfig, prompts: List[List[int]], meta: dict) -> dict
 
 
 def new_results(key: dict) -> dict:
-    from .doctor import report
+    from ..doctor import report
 
     return {"version": RESULTS_VERSION, "config": key, "machine": report(), "baselines": [], "cells": [], "best": None}
 
@@ -401,7 +401,7 @@ def run_sweep(
 
 def _pass(model, prompts, draft: Optional[DraftConfig], config: SweepConfig, eos_ids, tick) -> Pass:
     return run_pass(model, prompts, draft, max_tokens=config.max_tokens, eos_ids=eos_ids, temp=config.temp,
-                    top_p=config.top_p, seed=config.seed, profile=config.profile, tick=tick)
+                    top_p=config.top_p, seed=config.seed, timings=config.timings, tick=tick)
 
 
 def _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick):
@@ -477,7 +477,7 @@ def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.n
 def fit_prompts(prompts: List[List[int]], model, max_tokens: int, tree_tokens: int) -> Tuple[List[List[int]], int]:
     """Drop prompts that leave no room in the model's context for
     ``max_tokens`` and one verified tree; return ``(kept, dropped)``."""
-    from .generate import context_limit
+    from ..llm.parts import context_limit
 
     limit = context_limit(model)
     if not limit:
@@ -494,8 +494,8 @@ def fit_prompts(prompts: List[List[int]], model, max_tokens: int, tree_tokens: i
 def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
     """What identifies the measured system, stored with the results (and
     matched when a sweep resumes)."""
-    from .models import default_dtype, parse_dtype
-    from .profiles import drafter_id, device_id
+    from ..llm.load import default_dtype, parse_dtype
+    from ..profiles import drafter_id, device_id
 
     return {
         "model": str(model_spec),
@@ -535,7 +535,7 @@ def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
 
 def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> Optional[Path]:
     """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter."""
-    from .profiles import save_profile
+    from ..profiles import save_profile
 
     best = results.get("best")
     if best is None:

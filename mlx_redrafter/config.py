@@ -1,0 +1,186 @@
+"""What a generation is asked to do: :class:`SamplingConfig`, :class:`DraftConfig`
+and the one place where their defaults are resolved.
+
+Order of precedence, for the beam shape and the lookup beams alike: explicit
+values (flags, keywords), then the tuned profile saved by ``mlx-redrafter
+sweep --save-profile`` for this device + model + drafter, then the built-in
+defaults below. :func:`resolve` applies it once; the commands and the public
+``stream_generate`` both go through it, and everything after it passes the
+resolved :class:`DraftConfig` along as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .errors import RedrafterError
+from .profiles import lookup_profile
+
+# The draft shape when neither the caller nor a tuned profile gives one: the
+# best cell of the sweep of the default model and its drafter on a 2-core
+# Linux CPU (bench/RESULTS.md).
+DEFAULT_WIDTH = 2
+DEFAULT_LENGTH = 1
+# Lookup beams beside the drafter's when the caller does not say (see draft/lookup.py).
+DEFAULT_LOOKUP = 1
+# Tokens per lookup draft: measured offline on the default model's greedy
+# replies (MT-Bench, Spec-Bench summarization; see draft/lookup.py).
+LOOKUP_LENGTH = 4
+
+
+@dataclass
+class SamplingConfig:
+    """mlx-lm's sampling parameters; ``temp == 0`` is greedy.
+
+    Out-of-range values raise :class:`RedrafterError` (a ``ValueError``).
+    """
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        checks = (
+            ("temp", self.temp >= 0, "at least 0", "--temp 0 is greedy decoding; sampling needs a positive temperature."),
+            ("top_p", 0 <= self.top_p <= 1, "between 0 and 1", "--top-p 0 turns nucleus sampling off."),
+            ("min_p", 0 <= self.min_p <= 1, "between 0 and 1", "--min-p 0 turns min-p sampling off."),
+            ("top_k", self.top_k >= 0, "at least 0", "--top-k 0 turns top-k sampling off."),
+        )
+        for name, ok, bound, fix in checks:
+            if not ok:
+                raise RedrafterError(f"{name} must be {bound} (got {getattr(self, name)}).", fix)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+@dataclass
+class DraftConfig:
+    """How the step loop drafts: ``drafter=None, lookup=0`` is plain mlx-lm decoding.
+
+    ``beam_length`` counts drafted tokens (not ``g0``). ``controller`` (an
+    adaptive-depth :class:`~mlx_redrafter.draft.controller.Controller`) picks
+    the depth to verify each step, up to ``beam_length``. ``lookup`` adds
+    that many lookup beams (``lookup_length`` tokens copied from the prompt
+    and reply, :mod:`~mlx_redrafter.draft.lookup`) to the drafter's beams;
+    with no drafter they are the only drafts. ``pipelined=False`` runs the
+    synchronous step loop where the pipelined one could run: for
+    comparisons; the tokens are the same.
+    """
+
+    drafter: object = None
+    beam_width: int = DEFAULT_WIDTH
+    beam_length: int = DEFAULT_LENGTH
+    warp: bool = False
+    controller: object = None
+    lookup: int = 0
+    lookup_length: int = LOOKUP_LENGTH
+    pipelined: bool = True  # False: the synchronous loop even where the pipelined one can run
+
+    @property
+    def drafting(self) -> bool:
+        return self.drafter is not None or self.lookup > 0
+
+    @property
+    def drafter_rows(self) -> int:
+        """Rows of a step's tree that come from the drafter; rows past them are lookup rows."""
+        return self.beam_width if self.drafter is not None else 0
+
+    @property
+    def feature_layers(self):
+        """LLM layers the drafter fuses into its context (None: the last one alone)."""
+        return getattr(getattr(self.drafter, "config", None), "feature_layers", None)
+
+    @property
+    def margin(self) -> int:
+        """Context a verification needs past the last token: ``g0`` and the
+        deepest draft (positions run to offset + depth)."""
+        if not self.drafting:
+            return 0
+        depth = max(self.beam_length if self.drafter is not None else 0, self.lookup_length if self.lookup else 0)
+        return depth + 1
+
+    def check(self) -> None:
+        """Refuse a shape no step can verify."""
+        if self.drafter is not None and (self.beam_width < 1 or self.beam_length < 1):
+            raise RedrafterError(
+                f"Beam width and length must be at least 1 (got width {self.beam_width}, length {self.beam_length}).",
+                f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
+            )
+        if self.lookup < 0 or self.lookup_length < 1:
+            raise RedrafterError(
+                f"lookup must be at least 0 beams of at least 1 token (got {self.lookup} of {self.lookup_length}).",
+                "Use lookup=True (one lookup beam) or lookup=False.",
+            )
+
+
+@dataclass
+class Resolved:
+    """A :class:`DraftConfig` and where its shape came from (for the commands' announcement)."""
+
+    draft: DraftConfig
+    source: str = "built-in default"  # "flags", "tuned profile FILE", "flags + ...", "built-in default"
+    profile: Optional[dict] = None  # the tuned profile's dict, if one was found
+
+
+def draft_shape(model_spec, drafter_path, beam_width: Optional[int] = None,
+                beam_length: Optional[int] = None) -> Tuple[int, int, str, Optional[dict]]:
+    """``(width, length, source, profile)``: the given values, each missing one
+    from the tuned profile of this device + model + drafter, else the built-in
+    default. ``profile`` is the profile's dict, or None."""
+    width, length, source = DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default"
+    profile = lookup_profile(model_spec, drafter_path) if model_spec and drafter_path else None
+    if profile is not None:
+        width, length = profile["beam_width"], profile["beam_length"]
+        source = f"tuned profile {profile['file']}"
+    if beam_width is not None or beam_length is not None:
+        # One value alone keeps the other from the profile (or the default): say so.
+        both = beam_width is not None and beam_length is not None
+        source = "flags" if both else f"flags + {source}"
+        width = beam_width if beam_width is not None else width
+        length = beam_length if beam_length is not None else length
+    return width, length, source, profile
+
+
+def lookup_beams(lookup, drafter, profile: Optional[dict] = None) -> int:
+    """Lookup beams for a ``lookup=`` (True, False, a count, or None: the
+    tuned profile's choice, else ``DEFAULT_LOOKUP`` with a drafter and none
+    without)."""
+    if lookup is not None:
+        return int(lookup)
+    if drafter is None:
+        return 0
+    return int(profile.get("lookup", DEFAULT_LOOKUP)) if profile else DEFAULT_LOOKUP
+
+
+def resolve(drafter=None, beam_width: Optional[int] = None, beam_length: Optional[int] = None, lookup=None,
+            *, model_spec=None, drafter_path=None, **kw) -> Resolved:
+    """The one resolution of a draft: flags > tuned profile > built-in.
+
+    ``model_spec`` and ``drafter_path`` key the tuned profile; without them
+    (a drafter built in code) only the built-in defaults fill what is not
+    given. ``kw``: the other :class:`DraftConfig` fields (``controller``, ``warp``...).
+    """
+    profile, source = None, "built-in default"
+    width, length = beam_width, beam_length
+    if drafter is not None:
+        width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length)
+    width = DEFAULT_WIDTH if width is None else width
+    length = DEFAULT_LENGTH if length is None else length
+    draft = DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), **kw)
+    return Resolved(draft, source, profile)
+
+
+def library_draft(model, drafter, beam_width: Optional[int], beam_length: Optional[int], lookup=None, **kw) -> DraftConfig:
+    """The :class:`DraftConfig` of a public call: :func:`resolve`, with the
+    tuned profile keyed by where :func:`~mlx_redrafter.llm.load.load_model` and
+    :func:`~mlx_redrafter.draft.drafter.load_drafter` loaded the model and the
+    drafter from (they record it); a drafter built in code has no profile."""
+    given = beam_width is not None and beam_length is not None and lookup is not None
+    # Everything given: no profile to read (stream_generate runs this on every call).
+    spec = None if given else getattr(model, "redrafter_spec", None)
+    path = None if given else getattr(drafter, "source_path", None)
+    return resolve(drafter, beam_width, beam_length, lookup, model_spec=spec, drafter_path=path, **kw).draft

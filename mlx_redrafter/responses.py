@@ -1,0 +1,124 @@
+"""What a stream of replies yields, and what is counted over it.
+
+:class:`RedrafterResponse` is mlx-lm's ``GenerationResponse`` plus the step's
+stats; :class:`StopMatcher` ends streamed text exactly at a stop string;
+:class:`Tally` totals a stream (the chat's, the server's and the CLI's
+speed lines).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from mlx_lm.generate import GenerationResponse
+
+from .step.protocol import StepStats
+
+
+@dataclass
+class RedrafterResponse(GenerationResponse):
+    """mlx-lm's ``GenerationResponse`` plus the ReDrafter stats of the step
+    that produced ``token``."""
+
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back what could start one."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.pending = ""
+
+    def feed(self, text: str):
+        """``(text_to_emit, stopped)``."""
+        self.pending += text
+        if not self.stop:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [self.pending.find(s) for s in self.stop]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Tally:
+    """Totals over a stream of responses: tokens, steps, accepted drafts, speed."""
+
+    tokens: int = 0
+    steps: int = 0
+    drafted_tokens: int = 0
+    lookup_tokens: int = 0  # the part of drafted_tokens that came from lookup beams
+    last: Optional[RedrafterResponse] = None
+    _step: int = -1
+
+    def add(self, r: RedrafterResponse) -> bool:
+        """Count a response; False for the EOS response, which emits no token."""
+        self.last = r
+        if r.generation_tokens <= self.tokens:
+            return False
+        self.tokens = r.generation_tokens
+        self.drafted_tokens += int(r.from_draft)
+        self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
+        if r.stats.step != self._step:
+            self.steps += 1
+            self._step = r.stats.step
+        return True
+
+    def merge(self, other: "Tally") -> None:
+        """Add the totals of another stream (e.g. one chat turn) to these."""
+        self.tokens += other.tokens
+        self.steps += other.steps
+        self.drafted_tokens += other.drafted_tokens
+        self.lookup_tokens += other.lookup_tokens
+        self.last = other.last or self.last
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+    @property
+    def draft_share(self) -> float:
+        """The fraction of tokens that came from accepted drafts."""
+        return self.drafted_tokens / max(self.tokens, 1)
+
+    @property
+    def lookup_share(self) -> float:
+        """The fraction of tokens that came from accepted lookup drafts."""
+        return self.lookup_tokens / max(self.tokens, 1)
+
+    def draft_summary(self) -> str:
+        """``"40% from drafts"``, split by source when lookup drafts were accepted."""
+        text = f"{self.draft_share:.0%} from drafts"
+        if self.lookup_tokens:
+            drafter = (self.drafted_tokens - self.lookup_tokens) / max(self.tokens, 1)
+            text += f" ({drafter:.0%} drafter, {self.lookup_share:.0%} lookup)"
+        return text
+
+    def summary(self) -> str:
+        r = self.last
+        if r is None:
+            return "no tokens generated"
+        return (
+            f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
+            f"generation: {self.tokens} tokens, {r.generation_tps:.1f} tok/s, "
+            f"{self.tokens_per_step:.2f} tokens/step, "
+            f"{self.draft_summary()} | "
+            f"peak memory {r.peak_memory:.2f} GB"
+        )

@@ -1,0 +1,91 @@
+"""Which step loop runs a generation: plain mlx-lm decoding, the pipelined
+ReDrafter loop (the default), or the synchronous one.
+
+Every loop yields :class:`~mlx_redrafter.step.protocol.StepTokens`: the
+first token (from the prompt), then ``accepted drafts + the LLM's own next
+token`` per step. The loops are endless; the caller stops them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from ..config import DraftConfig, SamplingConfig
+from ..llm.cache import check_cache
+from .pipelined import pipelined_steps
+from .protocol import StepStats, StepTokens
+from .synchronous import synchronous_steps
+
+PIPELINED_CACHES = (KVCache, QuantizedKVCache)
+# Wide and deep drafter trees whose beams share prefixes verify fewer nodes
+# packed: past this many drafter nodes (W x L) the synchronous loop, which
+# packs them, measured faster (bench/RESULTS.md section 11: W=2 L=3 is faster
+# pipelined, W=4 L=5 synchronous).
+MAX_SHARED_NODES = 8
+
+
+def can_pipeline(cache, draft: DraftConfig, timings: bool = False) -> bool:
+    """Whether :func:`~mlx_redrafter.step.pipelined.pipelined_steps` runs this
+    generation (else the synchronous loop does): plain or quantized caches, no
+    controller, no timings, and drafter beams that share few prefixes (see
+    ``MAX_SHARED_NODES``)."""
+    if timings or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in cache):
+        return False
+    w, length = draft.beam_width, draft.beam_length
+    # Beams of one token, or a single beam, share no prefix: nothing to dedup.
+    return draft.drafter is None or w == 1 or length == 1 or w * length <= MAX_SHARED_NODES
+
+
+def redrafter_steps(
+    model,
+    prompt: mx.array,
+    cache,
+    *,
+    draft: DraftConfig,
+    sampling: Optional[SamplingConfig] = None,
+    timings: bool = False,
+    history: Sequence[int] = (),
+) -> Iterator[StepTokens]:
+    """Yield the tokens of each ReDrafter step. ``history``: tokens before
+    ``prompt`` (already in the cache) that lookup drafts may copy from. The
+    pipelined loop runs where it can (:func:`can_pipeline`);
+    ``draft.pipelined=False`` forces the synchronous one. ``timings=True``
+    splits each step's time into phases (the synchronous loop, with a sync
+    per phase)."""
+    sampling = sampling or SamplingConfig()
+    check_cache(cache)
+    if draft.pipelined and can_pipeline(cache, draft, timings):
+        yield from pipelined_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
+    else:
+        yield from synchronous_steps(model, prompt, cache, draft=draft, sampling=sampling, timings=timings,
+                                     history=history)
+
+
+def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None) -> Iterator[StepTokens]:
+    """Plain mlx-lm decoding (``generate_step``), one token per step."""
+    from mlx_lm.sample_utils import make_sampler
+
+    sampling = sampling or SamplingConfig()
+    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    tic = time.perf_counter()
+    for i, (token, _) in enumerate(
+        generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache)
+    ):
+        now = time.perf_counter()
+        yield StepTokens([int(token)], [False], StepStats(i, 0, 1, now - tic, i + 1))
+        tic = now
+
+
+def token_steps(model, prompt: mx.array, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig,
+                timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+    """The step iterator of a generation: ReDrafter's, or plain decoding's
+    when nothing drafts. ``prompt_cache=None``: a fresh cache."""
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if not draft.drafting:
+        return plain_steps(model, prompt, cache, sampling)
+    return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, timings=timings, history=history)

@@ -1,0 +1,169 @@
+"""The synchronous step loop: each step is read before the next one is built.
+
+One step: draft beams from ``(g0, c)``, pack them into a tree (tree.py),
+verify the tree in one LLM call (verify.py), accept the longest matching
+prefix (accept.py), compact the KV cache (llm/cache.py), and draft the next
+beams, all lazily. The loop then syncs once (protocol.py) to read the
+accepted tokens and the next tree's size (the verify call needs a static
+shape). Lookup beams (n-gram matches in the prompt and reply,
+draft/lookup.py) join the drafter's beams on the host after that sync, or
+replace them when there is no drafter.
+
+It serves what the pipelined loop (pipelined.py, the default) does not: the
+adaptive-depth controller, timings, rotating (sliding-window) caches and
+wide, deep drafter trees; and any run with ``DraftConfig(pipelined=False)``.
+dispatch.py chooses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, List, Sequence
+
+import mlx.core as mx
+
+from ..config import DraftConfig, SamplingConfig
+from ..draft.lookup import Lookup, join_beams
+from ..llm.cache import compact_cache, set_cache_length, verify_starts
+from ..llm.parts import model_parts
+from .accept import Accepted, accept_greedy, accept_sampling, sample_first
+from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
+from .tree import count_nodes, count_rows, pack
+from .verify import verify
+
+
+class _DrafterBeams:
+    """Drafter beams only: they stay on the device; the tree size is counted
+    there and read in the step's sync."""
+
+    padded = False
+
+    def __init__(self, embed, draft: DraftConfig):
+        self.embed, self.cfg = embed, draft
+
+    def draft(self, context, g0):
+        """``(beams, depth to verify)``, lazily."""
+        cfg = self.cfg
+        top_k = cfg.controller.top_k if cfg.controller is not None else 0
+        b = draft_beams(cfg, self.embed, context, g0, confidences=top_k)
+        if cfg.controller is None:
+            return b.tokens, mx.array(cfg.beam_length, mx.int32)
+        return b.tokens, cfg.controller.choose_depth(b)
+
+    def start(self, context, g0) -> List[mx.array]:
+        """Draft the next beams lazily; return what the step's sync reads."""
+        self.beams, depth = self.draft(context, g0)
+        return [count_nodes(self.beams, depth), depth]
+
+    def finish(self, vals: List[int], emitted: List[int]):
+        """``(beams, n_nodes, depth)`` of the next tree, from the synced values."""
+        n_nodes, depth = vals
+        return self.beams, n_nodes, depth
+
+
+class _JoinedBeams(_DrafterBeams):
+    """The drafter's beams (if any), read in the step's sync, joined on the
+    host with lookup beams over the history of emitted tokens; the tree size
+    is counted on the host. Rows have different lengths (PAD-padded)."""
+
+    padded = True
+
+    def __init__(self, embed, draft: DraftConfig, prompt: List[int]):
+        super().__init__(embed, draft)
+        self.lookup = Lookup(prompt)
+
+    def start(self, context, g0) -> List[mx.array]:
+        if self.cfg.drafter is None:
+            return []
+        beams, depth = self.draft(context, g0)
+        return [depth, beams]
+
+    def finish(self, vals: List[int], emitted: List[int]):
+        cfg = self.cfg
+        self.lookup.extend(emitted)
+        drafted = []
+        if cfg.drafter is not None:
+            depth, flat, length = vals[0], vals[1:], cfg.beam_length
+            drafted = [flat[w * length : w * length + depth] for w in range(cfg.beam_width)]
+        rows = join_beams(drafted, self.lookup.propose(cfg.lookup_length, cfg.lookup), cfg.lookup)
+        return mx.array(rows, dtype=mx.int32), count_rows(rows), len(rows[0])
+
+
+def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
+                      timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+    """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, one step at a time (see the module doc)."""
+    embed, backbone, head = model_parts(model, draft.feature_layers)
+    if draft.lookup:
+        drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
+    else:
+        drafts = _DrafterBeams(embed, draft)
+    tic = time.perf_counter()
+    logits, context = prefill(backbone, head, cache, prompt)
+    g0 = sample_first(logits, sampling)
+    vals = host_read(g0, *drafts.start(context, g0))
+    syncs = 1
+    beams, n_val, d_val = drafts.finish(vals[1:], vals[:1])
+    yield first_step(vals[0], time.perf_counter() - tic, syncs)
+    step = 0
+    while True:
+        step += 1
+        tic = time.perf_counter()
+        times = {}
+        offsets, starts = [c.offset for c in cache], verify_starts(cache)
+        beams = beams[:, :d_val]
+        logits, hidden, acc, tree_size = _verify_and_accept(model, backbone, head, cache, beams, n_val, d_val, g0,
+                                                            drafts.padded, sampling, timings, times, tic)
+        g0 = acc.next_token
+        pending = drafts.start(hidden[acc.last], g0)
+        _lap(timings, times, "draft", tic, *pending)
+        read = StepRead.parse(host_read(step_read(acc, beams[acc.beam]), *pending), d_val)
+        syncs += 1
+        # Most steps accept nothing, or a prefix packed in place (always so for
+        # a single path): the cache rows need moving only otherwise. The move
+        # stays lazy and runs with the next verify.
+        if not read.in_place:
+            compact_cache(cache, starts, acc.path)
+        set_cache_length(cache, starts, offsets, 1 + read.n)
+        out = read.tokens(step, tree_size, time.perf_counter() - tic, syncs, d_val, draft.drafter_rows, times)
+        beams, n_val, d_val = drafts.finish(read.rest, read.emitted)
+        yield out
+
+
+def _verify_and_accept(model, backbone, head, cache, beams, n_val, d_val, g0, padded, sampling, timings, times, tic):
+    """Verify this step's tree and accept from it: ``(logits, hidden, Accepted, tree size)``, lazily."""
+    if n_val == 0:
+        # Nothing drafted (lookup only, no match): a plain one-token step.
+        logits, hidden, acc = _plain_step(backbone, head, cache, g0, d_val, sampling)
+        _lap(timings, times, "verify", tic, logits, hidden)
+        _lap(timings, times, "accept", tic, acc.n, acc.next_token, acc.path)
+        return logits, hidden, acc, 1
+    tree = pack(beams, n_val, g0, padded=padded)
+    _lap(timings, times, "pack", tic, tree.tokens, tree.mask, tree.node_index)
+    # A single path (W=1, or all beams alike) has the model's own causal
+    # positions and mask: verify it unhooked.
+    logits, hidden = verify(model, backbone, head, cache, tree, chain=n_val == d_val)
+    _lap(timings, times, "verify", tic, logits, hidden)
+    if sampling.greedy:
+        acc = accept_greedy(beams, tree.node_index, logits)
+    else:
+        acc = accept_sampling(beams, tree, logits, sampling)
+    _lap(timings, times, "accept", tic, acc.n, acc.next_token, acc.path)
+    return logits, hidden, acc, tree.size
+
+
+def _plain_step(backbone, head, cache, g0, length: int, sampling):
+    """Verify ``g0`` alone: ``(logits, hidden, Accepted)`` of a step that drafted nothing."""
+    hidden = backbone(g0.reshape(1, 1), cache=cache)[0]
+    logits = head(hidden)
+    zero = mx.array(0, mx.int32)
+    path = mx.zeros((length + 1,), mx.int32)
+    return logits, hidden, Accepted(zero, zero, path, zero, sample_first(logits[0], sampling))
+
+
+def _lap(timings: bool, times: dict, name: str, start: float, *arrays) -> None:
+    """Timings only: evaluate ``arrays`` and record the phase's duration."""
+    if not timings:
+        return
+    mx.eval(*arrays)
+    now = time.perf_counter()
+    times[name] = now - start - sum(times.values())
