@@ -27,7 +27,7 @@ from mlx_redrafter.tuning.cost import median_ms
 from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.shards import read_corpus
-from mlx_redrafter.train.trainer import choose_draft_vocab, reply_tokens
+from mlx_redrafter.train.examples import choose_draft_vocab, reply_tokens
 
 SIZES = (4096, 8192, 16384, None)
 

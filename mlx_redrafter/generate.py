@@ -19,7 +19,7 @@ from .config import DraftConfig, SamplingConfig, library_draft
 from .errors import RedrafterError
 from .llm.cache import trim_cache
 from .llm.parts import context_limit
-from .llm.text import prompt_array
+from .llm.text import prompt_array, wrap_tokenizer
 from .responses import RedrafterResponse, StopMatcher
 from .step.dispatch import token_steps
 
@@ -52,12 +52,11 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
         check_fits(draft.drafter, model)
 
 
-def _one_config(given, loose: dict, what: str):
-    """``given`` (a resolved config) unless loose keywords were also given."""
-    if given is not None and loose:
-        raise RedrafterError(f"Both {what}= and {', '.join(sorted(loose))}= were given.",
-                             f"Put everything in {what}=, or drop it.")
-    return given
+def _refuse_both(given, what: str, **loose) -> None:
+    """A resolved config and loose keywords for the same thing contradict each other."""
+    named = sorted(k for k, v in loose.items() if v not in (None, False, 0))
+    if given is not None and named:
+        raise RedrafterError(f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it.")
 
 
 def stream_generate(
@@ -101,33 +100,28 @@ def stream_generate(
     --save-profile``) when the model and drafter were loaded with this
     package's loaders, else from ``DEFAULT_WIDTH``/``DEFAULT_LENGTH``.
     ``draft`` (a resolved :class:`DraftConfig`) and ``sampling`` replace the
-    loose drafting and sampling keywords. Bad arguments raise
-    :class:`RedrafterError` (a ``ValueError``). At ``temp == 0`` the tokens
-    equal plain greedy decoding; at ``temp > 0`` they follow the model's own
-    sampling distribution (after ``top_p``/``min_p``/``top_k``). EOS,
-    ``stop`` strings and ``max_tokens`` end the output exactly.
-    ``timings=True`` adds syncs to split the step time into pack / verify /
-    accept / draft (``profile=`` is its deprecated old name).
+    loose keywords. Bad arguments raise :class:`RedrafterError` (a
+    ``ValueError``). At ``temp == 0`` the tokens equal plain greedy decoding;
+    at ``temp > 0`` they follow the model's own sampling distribution (after
+    ``top_p``/``min_p``/``top_k``). ``timings=True`` adds syncs to split the
+    step time into pack / verify / accept / draft (``profile=``: its
+    deprecated old name).
 
-    ``prompt_cache`` (a list from ``make_prompt_cache``) is updated in place.
-    When the stream ends its offset covers the prompt and the emitted
-    tokens, sometimes minus the last one and, when EOS or a stop string ends
-    an accepted run early, plus accepted tokens that were not emitted; use
-    :func:`trim_cache` to bring it to a known length.
+    ``prompt_cache`` (a list from ``make_prompt_cache``) is updated in place;
+    at the end it holds the prompt and the emitted tokens, sometimes minus the
+    last one, or plus accepted drafts past an EOS or a stop string (EOS, stop
+    strings and ``max_tokens`` end the output itself exactly); :func:`trim_cache`
+    brings it to a known length.
     """
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
     timings = _timings(timings, profile)
-    loose = {k: v for k, v in dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k).items() if v}
-    sampling = _one_config(sampling, loose, "sampling") or SamplingConfig(temp, top_p, min_p, top_k)
-    loose = {k: v for k, v in dict(drafter=drafter, beam_width=beam_width, beam_length=beam_length, warp=warp,
-                                   controller=controller, lookup=lookup).items() if v is not None and v is not False}
+    _refuse_both(sampling, "sampling", temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    sampling = sampling or SamplingConfig(temp, top_p, min_p, top_k)
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
-    draft = _one_config(draft, loose, "draft") or library_draft(model, drafter, beam_width, beam_length, lookup,
-                                                                warp=warp, controller=controller)
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    _refuse_both(draft, "draft", drafter=drafter, beam_width=beam_width, beam_length=beam_length, warp=warp,
+                 controller=controller, lookup=lookup)
+    draft = draft or library_draft(model, drafter, beam_width, beam_length, lookup, warp=warp, controller=controller)
+    tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)
     if seed is not None:

@@ -3,7 +3,7 @@
 From the bottom up: the ground floor (errors.py, files.py); config.py and
 profiles.py; llm/; draft/ and step/ (the engine); the front door
 (generate.py and its neighbours); the tools (tuning/, train/, converters);
-the apps (chat/, serve/); cli.py. Imports are read with ``ast``
+the apps (chat/, serve/); the command line (cli/). Imports are read with ``ast``
 (function-local ones included), so nothing is imported to check. Every
 module named here must exist: a missing one fails, it is not skipped.
 """
@@ -31,7 +31,8 @@ CLI = ["cli"]
 UPPER = TOOLS[:2] + APPS + CLI  # what nothing below may import (the converters are a tool, yet llm/ reads GGUF)
 # Modules the layout promises (more may join a folder).
 NAMED = [
-    "errors", "files", "config", "profiles", "generate", "responses", "runtime", "prompts", "doctor", "cli",
+    "errors", "files", "config", "profiles", "generate", "responses", "runtime", "prompts", "doctor",
+    "cli/__init__", "cli/run", "cli/tools", "cli/training",
     "llm/load", "llm/parts", "llm/text", "llm/cache",
     "draft/drafter", "draft/beam", "draft/lookup", "draft/controller",
     "step/tree", "step/verify", "step/accept", "step/protocol", "step/synchronous", "step/pipelined", "step/dispatch",
@@ -127,9 +128,9 @@ def test_every_package_module_has_a_layer():
 
 
 def test_the_import_reader_sees_relative_and_local_imports():
-    imports = imported_modules(PACKAGE / "cli.py")
+    imports = imported_modules(PACKAGE / "cli" / "tools.py") | imported_modules(PACKAGE / "cli" / "run.py")
     assert P + "tuning.sweep" in imports and P + "chat" in imports  # function-local, relative
-    assert P + "config.LOOKUP_LENGTH" in imported_modules(PACKAGE / "cli.py")
+    assert P + "config.LOOKUP_LENGTH" in imports and P + "cli.app" in imports
     assert _top_name(P + "step.tree.PAD") == "step" and in_group(P + "chat.settings", APPS)
     # The checks below do find a bad import when there is one.
     assert offenders(files_of(["cli"]), GROUND), "cli imports more than the ground floor"
@@ -169,7 +170,7 @@ def test_the_tools_import_no_app():
 
 
 def test_no_module_uses_a_command_module_as_a_library():
-    """Only cli.py (and a command's own parts) may import chat/, serve/, the sweep or cli."""
+    """Only cli/ (and a command's own parts) may import chat/, serve/, the sweep or cli/."""
     files = package_files() + list((REPO / "bench").rglob("*.py"))
     found = {}
     for path in files:
@@ -177,6 +178,39 @@ def test_no_module_uses_a_command_module_as_a_library():
         for m in imported_modules(path):
             for cmd in COMMANDS:
                 own = me == cmd or me.startswith(cmd + ".")
-                if not own and me != P + "cli" and (m == cmd or m.startswith(cmd + ".")):
+                cli = me == P + "cli" or me.startswith(P + "cli.")
+                if not own and not cli and (m == cmd or m.startswith(cmd + ".")):
                     found.setdefault(str(path.relative_to(REPO)), []).append(m)
     assert not found, found
+
+
+# --------------------------------------------------------------------------- sizes and one protocol
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 70  # from `def` to the last line, docstring included
+
+
+def test_no_module_or_function_is_too_long():
+    long = []
+    for path in package_files():
+        source = path.read_text()
+        rel = path.relative_to(REPO)
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{rel}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{rel}:{node.lineno} {node.name}(): {n} lines")
+    assert not long, "split these (modules <= 450 lines, functions <= 70):\n" + "\n".join(long)
+
+
+def test_both_step_loops_speak_the_one_host_protocol():
+    """The read layout, the rebuild of a step's tokens and stats, the drafter
+    call and the drafter-row count live in step/protocol.py (and config.py) alone."""
+    for name in ("synchronous", "pipelined"):
+        source = (PACKAGE / "step" / f"{name}.py").read_text()
+        for used in ("StepRead.parse(", "step_read(", "draft_beams(", "drafter_rows", "first_step("):
+            assert used in source, f"step/{name}.py does not use protocol's {used}"
+        for copy in (".drafter.draft(", "StepStats(", "StepTokens(", '"lookup"', "vals[3", "beam_width if"):
+            assert copy not in source, f"step/{name}.py repeats the protocol: {copy!r}"

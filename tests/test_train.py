@@ -261,7 +261,8 @@ def test_head_starts_from_the_llm_output_rows(tiny_llm, data_dir, tmp_path):
 
 
 def test_soft_target_kl_has_the_known_answer():
-    from mlx_redrafter.train.trainer import kl_to_soft, soft_targets
+    from mlx_redrafter.train.examples import soft_targets
+    from mlx_redrafter.train.loss import kl_to_soft
 
     # q = (1/2, 1/4, 1/4); p = (1/2, 1/2, 0) given on ids 0 and 1:
     # KL(p || q) = 1/2 log(1/2 / 1/2) + 1/2 log(1/2 / 1/4) = log(2) / 2.
@@ -384,7 +385,7 @@ def test_fuse_features_needs_features_in_the_data(tiny_llm, data_dir, tmp_path):
 
 
 def test_data_fraction_trains_on_nested_shares(tiny_llm, data_dir):
-    from mlx_redrafter.train.trainer import split_examples
+    from mlx_redrafter.train.examples import split_examples
 
     c = read_corpus(data_dir)
     full, held = split_examples(c, 0.25)
@@ -393,7 +394,7 @@ def test_data_fraction_trains_on_nested_shares(tiny_llm, data_dir):
 
 
 def test_prompt_positions_train_on_the_llm_s_predictions(tiny_llm, data_dir):
-    from mlx_redrafter.train.trainer import llm_labels, split_examples
+    from mlx_redrafter.train.examples import llm_labels, split_examples
 
     c = read_corpus(data_dir)
     assert (~c.reply).any()

@@ -1,4 +1,4 @@
-"""Prompts into token ids, exactly as mlx-lm encodes them."""
+"""Prompts into token ids, exactly as mlx-lm encodes them, and the tokenizer wrapper it streams with."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ def prompt_array(tokenizer, prompt) -> mx.array:
     if isinstance(prompt, str):
         prompt = encode_prompt(tokenizer, prompt)
     return mx.array(list(prompt), dtype=mx.int32)
+
+
+def wrap_tokenizer(tokenizer):
+    """mlx-lm's ``TokenizerWrapper`` around a Hugging Face tokenizer (a wrapped one as it is)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)

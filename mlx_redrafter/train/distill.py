@@ -305,6 +305,72 @@ def _merge_parts(out: Path, manifest: Manifest, w: World) -> Manifest:
     return merged
 
 
+class _ShardWriter:
+    """Collects finished replies and writes them as shards, with the manifest
+    (resumable: ``flush`` saves what is finished so far)."""
+
+    def __init__(self, folder: Path, manifest: Manifest, cfg: DistillConfig):
+        self.folder, self.manifest, self.cfg = folder, manifest, cfg
+        self.pending: List[Sequence] = []
+        self.pending_done: List[str] = []
+        self.open_turns = {}  # conv id -> replies still to come
+        self.start = time.perf_counter()
+        self.base_elapsed = manifest.elapsed
+        self.run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sequences": 0, "tokens": 0, "prompt_tokens": 0,
+                    "seconds": 0.0}
+        manifest.runs.append(self.run)
+
+    def flush(self) -> None:
+        manifest, run, pending = self.manifest, self.run, self.pending
+        if pending:
+            name = write_shard(self.folder, len(manifest.shards), pending)
+            manifest.shards.append(name)
+            added = sum(len(s.tokens) - s.reply_start for s in pending)
+            lead = sum(s.reply_start for s in pending)
+            manifest.sequences += len(pending)
+            manifest.tokens += added
+            manifest.prompt_tokens += lead
+            run["sequences"] += len(pending)
+            run["tokens"] += added
+            run["prompt_tokens"] += lead
+        manifest.done.extend(self.pending_done)
+        manifest.elapsed = self.base_elapsed + time.perf_counter() - self.start
+        run["seconds"] = round(time.perf_counter() - self.start, 1)
+        manifest.save(self.folder)
+        self.pending, self.pending_done = [], []
+
+    def on_done(self, row, conv) -> None:
+        cid = conv["id"]
+        if row is None:  # a turn too long for max_prompt_tokens: no more turns come
+            self.pending_done.append(cid)
+            self.open_turns.pop(cid, None)
+            return
+        if row.turn == 0:
+            self.open_turns[cid] = min(self.cfg.turns, len(conv["turns"]))
+        self.pending.append(sequence(row))
+        self.open_turns[cid] -= 1
+        if self.open_turns[cid] == 0:
+            self.pending_done.append(cid)
+            del self.open_turns[cid]
+        if len(self.pending) >= self.cfg.shard_sequences:
+            self.flush()
+
+    def deadline(self) -> Optional[float]:
+        """The budget covers every run into this folder, so a rerun of a finished
+        job does nothing and an interrupted one only uses what is left."""
+        cfg = self.cfg
+        return None if cfg.minutes is None else self.start + 60 * cfg.minutes - self.base_elapsed
+
+
+def _check_share(convs: list, cfg: DistillConfig, w: World) -> None:
+    available = len(convs) if cfg.max_conversations is None else min(len(convs), cfg.max_conversations)
+    if available < w.size:
+        raise RedrafterError(
+            f"{w.size} processes but only {available} conversation(s) to answer: some ranks would have nothing to do.",
+            "Launch fewer processes (mlx.launch -n), or give more prompts / a larger --max-conversations.",
+        )
+
+
 def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, tokenizer=None, progress=None) -> Manifest:
     """Answer training prompts with the LLM and write resumable shards to ``out``.
 
@@ -332,72 +398,21 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
         "prompt file": digest(prompts_path.read_bytes()),
         "distill settings": digest(json.dumps(asdict(cfg), sort_keys=True)),
     })
-    available = len(convs) if cfg.max_conversations is None else min(len(convs), cfg.max_conversations)
-    if available < w.size:
-        raise RedrafterError(
-            f"{w.size} processes but only {available} conversation(s) to answer: some ranks would have nothing to do.",
-            "Launch fewer processes (mlx.launch -n), or give more prompts / a larger --max-conversations.",
-        )
-
-    done = set(manifest.done)
-    queue = deque((c, 0, []) for c in _my_share(convs, done, cfg, w))
+    _check_share(convs, cfg, w)
+    queue = deque((c, 0, []) for c in _my_share(convs, set(manifest.done), cfg, w))
     distiller = Distiller(model, tokenizer, cfg)
-    pending: List[Sequence] = []
-    pending_done: List[str] = []
-    open_turns = {}  # conv id -> replies still to come
-    start = time.perf_counter()
-    base_elapsed = manifest.elapsed
-    run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sequences": 0, "tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
-    manifest.runs.append(run)
-
-    def flush():
-        nonlocal pending, pending_done
-        if pending:
-            name = write_shard(folder, len(manifest.shards), pending)
-            manifest.shards.append(name)
-            added = sum(len(s.tokens) - s.reply_start for s in pending)
-            lead = sum(s.reply_start for s in pending)
-            manifest.sequences += len(pending)
-            manifest.tokens += added
-            manifest.prompt_tokens += lead
-            run["sequences"] += len(pending)
-            run["tokens"] += added
-            run["prompt_tokens"] += lead
-        manifest.done.extend(pending_done)
-        manifest.elapsed = base_elapsed + time.perf_counter() - start
-        run["seconds"] = round(time.perf_counter() - start, 1)
-        manifest.save(folder)
-        pending, pending_done = [], []
-
-    def on_done(row, conv):
-        cid = conv["id"]
-        if row is None:  # a turn too long for max_prompt_tokens: no more turns come
-            pending_done.append(cid)
-            open_turns.pop(cid, None)
-            return
-        if row.turn == 0:
-            open_turns[cid] = min(cfg.turns, len(conv["turns"]))
-        pending.append(sequence(row))
-        open_turns[cid] -= 1
-        if open_turns[cid] == 0:
-            pending_done.append(cid)
-            del open_turns[cid]
-        if len(pending) >= cfg.shard_sequences:
-            flush()
-
-    # The budget covers every run into this folder, so a rerun of a finished
-    # job does nothing and an interrupted one only uses what is left.
-    deadline = None if cfg.minutes is None else start + 60 * cfg.minutes - base_elapsed
+    writer = _ShardWriter(folder, manifest, cfg)
+    deadline = writer.deadline()
 
     def should_stop():
         if progress:
-            progress(manifest, sum(len(s.tokens) for s in pending) + sum(len(r.tokens) for r in distiller.rows))
+            progress(manifest, sum(len(s.tokens) for s in writer.pending) + sum(len(r.tokens) for r in distiller.rows))
         return deadline is not None and time.perf_counter() > deadline
 
     try:
-        distiller.run(queue, on_done, should_stop)
+        distiller.run(queue, writer.on_done, should_stop)
     finally:
         # Replies of conversations still open are kept; the conversation is
         # redone from its first turn on resume only if it never completed.
-        flush()
+        writer.flush()
     return _merge_parts(out, manifest, w)

@@ -2,11 +2,12 @@
 plain mlx-lm decoding measured in the same run.
 
 The sweep works on token ids, so that it runs on tiny random models
-without a tokenizer: the timing core is :mod:`~mlx_redrafter.measure` (which
+without a tokenizer: the timing core is :mod:`~mlx_redrafter.tuning.measure` (which
 ``bench/`` shares), :mod:`~mlx_redrafter.prompts` templates conversations
-into ids, and :mod:`~mlx_redrafter.report` writes the CSV, Markdown and
-heatmaps. This module holds the grid, the baseline interleaving, the
-summaries and the resumable results file.
+into ids, :mod:`~mlx_redrafter.tuning.report` writes the CSV, Markdown and
+heatmaps, results.py keeps the resumable results file and memory.py skips
+cells that would not fit. This module holds the grid, the baseline
+interleaving and the summaries.
 
 Plain decoding drifts with the machine (thermal state, other processes), so
 the baseline is measured before the grid and again after every
@@ -16,25 +17,22 @@ passes right before and after it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 
 from ..config import DraftConfig, SamplingConfig
 from ..errors import RedrafterError
-from ..files import write_json_atomic
 from .measure import Pass, run_pass, time_split_ms, warm_up
+from .memory import estimate_cell_bytes, kv_bytes_per_token, memory_budget_bytes
 from .report import HEATMAPS, grid_matrix, heatmap_table, markdown_table, plot_heatmap, write_csv
+from .results import load_results, save_results, sweep_key
 
-RESULTS_VERSION = 1
 Progress = Callable[[int, int, str], None]  # (units done, units in all, label)
 
 
@@ -160,171 +158,6 @@ def summarize_cell(p: Pass, width: int, length: int, seq: int, reference: Option
         # Greedy ReDrafter must reproduce plain decoding token for token.
         rec["identical_outputs"] = sum(r.tokens == ref for r, ref in zip(p.runs, reference))
     return rec
-
-
-def attach_speedups(results: dict) -> None:
-    """Give every measured cell the mean of the baseline passes right before
-    and right after it (only one when the sweep stopped in between)."""
-    baselines = sorted(results["baselines"], key=lambda b: b["seq"])
-    for cell in results["cells"]:
-        if cell["status"] != "ok":
-            continue
-        before = [b for b in baselines if b["seq"] < cell["seq"]][-1:]
-        after = [b for b in baselines if b["seq"] > cell["seq"]][:1]
-        near = before + after
-        if not near:
-            continue
-        base_tps = float(np.mean([b["tokens_per_s"] for b in near]))
-        cell["baseline_seqs"] = [b["seq"] for b in near]
-        cell["baseline_tokens_per_s"] = base_tps
-        cell["speedup"] = cell["tokens_per_s"] / base_tps if base_tps > 0 else 0.0
-        base_mem = float(np.mean([b["peak_memory_gb"] for b in near]))
-        cell["memory_overhead_gb"] = round(cell["peak_memory_gb"] - base_mem, 4)
-
-
-def best_cell(results: dict) -> Optional[dict]:
-    """The measured cell with the highest speedup."""
-    ok = [c for c in results["cells"] if c["status"] == "ok" and "speedup" in c]
-    return max(ok, key=lambda c: c["speedup"]) if ok else None
-
-
-# --------------------------------------------------------------------------- memory estimate
-
-
-def _nbytes(tree) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(tree) if isinstance(v, mx.array))
-
-
-def kv_bytes_per_token(model) -> int:
-    """KV-cache bytes per token over all layers, measured with a one-token
-    forward (for every cache type and head layout). Caches allocate in
-    blocks, so each array's bytes are divided by its rows along the
-    sequence axis (-2 in mlx-lm's ``[B, heads, S, D]`` layout)."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    arrays = [a for c in cache for _, a in tree_flatten(c.state) if isinstance(a, mx.array) and a.ndim >= 2]
-    mx.eval(arrays)
-    return sum(a.nbytes // a.shape[-2] for a in arrays)
-
-
-def estimate_cell_bytes(model, drafter, width: int, length: int, prompt_tokens: int, max_tokens: int, kv_per_token: Optional[int] = None) -> int:
-    """An upper estimate of the memory one cell needs: the weights, the KV
-    cache for prompt + max_tokens + one tree, the tree's logits (N x V,
-    float32, plus as much again for the acceptance temporaries) and the
-    drafter's beam scores (W x draft vocabulary per depth, with the
-    softmax and top-k temporaries)."""
-    from ..llm.parts import model_parts
-
-    embed, _, _ = model_parts(model)
-    vocab = int(embed.weight.shape[0])
-    hidden = int(drafter.config.hidden_size)
-    head = int(getattr(drafter.config, "head_size", vocab))
-    n = 1 + width * length
-    kv = (kv_per_token if kv_per_token is not None else kv_bytes_per_token(model)) * (prompt_tokens + max_tokens + n)
-    tree = 2 * n * vocab * 4 + 4 * n * hidden * 4
-    beams = 3 * width * length * head * 4
-    weights = _nbytes(model.parameters()) + (_nbytes(drafter.parameters()) if hasattr(drafter, "parameters") else 0)
-    return weights + kv + tree + beams
-
-
-def memory_budget_bytes(limit_gb: Optional[float] = None) -> int:
-    """``limit_gb``, else the GPU's recommended working set, else what the
-    OS can still give (MemAvailable) plus what MLX already holds."""
-    if limit_gb is not None:
-        return int(limit_gb * 1e9)
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
-        if info.get(key):
-            return int(info[key])
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        return avail + mx.get_active_memory()
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-# --------------------------------------------------------------------------- results file
-
-
-def prompts_digest(prompts: List[List[int]]) -> str:
-    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
-
-
-def sweep_key(config: SweepConfig, prompts: List[List[int]], meta: dict) -> dict:
-    """What must match for a results file to be resumed. The memory limit
-    and the baseline schedule do not change what a cell measures."""
-    return {
-        "widths": list(config.widths),
-        "lengths": list(config.lengths),
-        "lookups": list(config.lookups),
-        "max_tokens": config.max_tokens,
-        "profile": config.timings,  # the results file's name for timings
-        "temp": config.temp,
-        "top_p": config.top_p,
-        "seed": config.seed,
-        "prompts_digest": prompts_digest(prompts),
-        "num_prompts": len(prompts),
-        **meta,
-    }
-
-
-def new_results(key: dict) -> dict:
-    from ..doctor import report
-
-    return {"version": RESULTS_VERSION, "config": key, "machine": report(), "baselines": [], "cells": [], "best": None}
-
-
-def _read_results(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RedrafterError(f"Cannot read {path}: {e}", "Delete it, pass --fresh, or use another --out.") from None
-
-
-def check_resumable(out_dir, key: dict, only: Optional[Sequence[str]] = None) -> None:
-    """Raise unless ``out_dir`` holds no results or results with this config
-    (compared on the keys ``only``, when given: the CLI checks what it can
-    before loading the model)."""
-    path = Path(out_dir) / "results.json"
-    if not path.exists():
-        return
-    old = _read_results(path)
-    stored = old.get("config", {}) if old.get("version") == RESULTS_VERSION else {}
-    names = set(only) if only is not None else set(key) | set(stored)
-    diff = sorted(k for k in names if stored.get(k) != key.get(k))
-    if diff or not stored:
-        raise RedrafterError(
-            f"{path} holds a sweep with other settings (differs in: {', '.join(diff) or 'version'}).",
-            "Use another --out, or pass --fresh to start over in this folder.",
-        )
-
-
-def load_results(out_dir: Path, key: dict, fresh: bool = False) -> dict:
-    """The results of an interrupted sweep with the same config, or new ones."""
-    path = Path(out_dir) / "results.json"
-    if fresh or not path.exists():
-        return new_results(key)
-    check_resumable(out_dir, key)
-    old = _read_results(path)
-    old["cells"] = [c for c in old["cells"] if c["status"] == "ok"]  # skipped cells are estimated again
-    return old
-
-
-def save_results(out_dir: Path, results: dict) -> None:
-    attach_speedups(results)
-    results["cells"].sort(key=lambda c: (c["width"], c["length"]))
-    best = best_cell(results)
-    results["best"] = None if best is None else {
-        **{k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")},
-        "lookup": best.get("lookup", 0),
-    }
-    write_json_atomic(Path(out_dir) / "results.json", results)
 
 
 # --------------------------------------------------------------------------- the sweep

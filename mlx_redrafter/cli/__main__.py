@@ -1,0 +1,7 @@
+"""``python -m mlx_redrafter.cli``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
