@@ -7,7 +7,7 @@ Four modes on the same prompts, in one run: ``plain`` (mlx-lm decoding),
 ``drafter`` (the shipped drafter, lookup off), ``lookup`` (no drafter,
 lookup drafts only), ``merged`` (the drafter's beams and lookup beams in
 one tree: the default) and ``merged_sync`` (the same in the synchronous step
-loop, ``DraftConfig(pipelined=False)``, the loop before pipeline.py). Groups: MT-Bench first turns, the Spec-Bench tasks
+loop, ``DraftConfig(pipelined=False)``, the loop before step/pipelined.py). Groups: MT-Bench first turns, the Spec-Bench tasks
 (summarization, rag, translation, qa, math_reasoning) and a copy-heavy task
 (rewrite a given paragraph with one change, prompts below). Greedy; every
 mode's tokens are checked against plain decoding. The modes rotate their

@@ -19,7 +19,7 @@ plain decoding. Writes into ``--out`` (default ``bench/out/quick`` or
 Generation is greedy; the second MT-Bench turn includes the model's own
 first answer. Plain decoding and ReDrafter alternate which goes first from
 one conversation to the next, so that machine drift hits both alike. The
-measuring core is the sweep's (``mlx_redrafter.sweep.measure``).
+measuring core is the sweep's (``mlx_redrafter.tuning.measure``).
 """
 
 from __future__ import annotations

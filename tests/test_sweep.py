@@ -535,7 +535,7 @@ def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatc
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
     from mlx_redrafter.draft.drafter import load_drafter
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft
-from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.generate import stream_generate
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
 

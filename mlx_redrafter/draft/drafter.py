@@ -45,7 +45,7 @@ class DrafterConfig:
     num_lookback_tokens: int = -1  # official, unused
     draft_vocab_size: Optional[int] = None  # extension: reduced draft vocabulary
     # Extension: LLM layers whose hidden states are fused into the context
-    # (EAGLE-3 style, see features.py); None = the last layer's alone (official).
+    # (EAGLE-3 style, see llm/parts.py); None = the last layer's alone (official).
     feature_layers: Optional[List[int]] = None
     model_type: str = field(default=MODEL_TYPE)
 

@@ -8,7 +8,7 @@ mlx-lm's ``generate_step``: build step t+1, ``async_eval`` it, then read
 step t (the one sync per step), which has usually finished by then.
 
 * **Unpacked trees.** Each row (a drafter beam, a lookup draft) owns its
-  nodes (:class:`~mlx_redrafter.tree.Layout`), so a tree's size is
+  nodes (:class:`~mlx_redrafter.step.tree.Layout`), so a tree's size is
   ``1 + sum(row lengths)``, known before the beams are.
 * **A cache with holes.** Every verified node's key and value row stays in
   the cache; the rejected ones are holes, masked out by a validity vector
@@ -17,7 +17,7 @@ step t (the one sync per step), which has usually finished by then.
   they reach ``COMPACT_HOLES`` rows, and when the loop ends (so the caller
   gets an ordinary cache back): :class:`~mlx_redrafter.llm.cache.HoleyCache`.
 * **Lookup on the device.** One lookup draft (the default) is proposed on
-  the device (:class:`~mlx_redrafter.lookup.DeviceLookup`) from a history
+  the device (:class:`~mlx_redrafter.draft.lookup.DeviceLookup`) from a history
   that each queued step extends with its accepted tokens, so it is as fresh
   as in the synchronous loop. Whether a step verifies a lookup row at all is
   decided on the host from the tokens read so far (a row costs its tokens'

@@ -45,7 +45,7 @@ class DistillConfig:
     # Soft targets: the LLM's top-k logits at each position (0 = none).
     top_k: int = 16
     # Intermediate layers whose hidden states are kept for feature fusion
-    # (see features.py); empty = the last layer only.
+    # (see llm/parts.py); empty = the last layer only.
     feature_layers: List[int] = field(default_factory=list)
     # Also keep the prompt's positions: the hidden states and top-k logits
     # that the prefill computes anyway (the LLM's predictions of the user's

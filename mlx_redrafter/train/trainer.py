@@ -78,7 +78,7 @@ class TrainConfig:
     # how many later ones are ever used.
     depth_decay: float = 0.8
     # Fuse the intermediate-layer features the data holds into the context
-    # (EAGLE-3 style; see features.py).
+    # (EAGLE-3 style; see llm/parts.py).
     fuse_features: bool = False
     # Train on this share of the training conversations (nested: the 1/4
     # share is inside the 1/2 one), for data-scaling curves.
