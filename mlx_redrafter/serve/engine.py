@@ -160,7 +160,7 @@ class Engine:
 
     def __init__(self, runtime, max_tokens: int = 512, sampling: Optional[SamplingConfig] = None,
                  queue_size: int = 16):
-        self.s = runtime
+        self.rt = runtime
         self.model_id = runtime.model_spec
         self.max_tokens = max_tokens
         self.sampling = sampling or SamplingConfig()
@@ -172,21 +172,21 @@ class Engine:
     def chat_ids(self, messages: List[dict]) -> List[int]:
         """Token ids of ``messages`` through the chat template, exactly as
         ``mlx-redrafter generate`` encodes its prompt."""
-        return chat_prompt_ids(self.s.tokenizer, messages)
+        return chat_prompt_ids(self.rt.tokenizer, messages)
 
     def text_ids(self, prompt: str) -> List[int]:
-        return encode_prompt(self.s.tokenizer, prompt)
+        return encode_prompt(self.rt.tokenizer, prompt)
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        return self.s.draft.margin
+        return self.rt.draft.margin
 
     def fit(self, ids: List[int], max_tokens: int) -> int:
         """``max_tokens`` cut to what the context leaves after the prompt;
         a :class:`RedrafterError` when the prompt alone does not fit."""
         if not ids:
             raise RedrafterError("The prompt is empty.", "Send at least one token of prompt.")
-        limit = context_limit(self.s.model)
+        limit = context_limit(self.rt.model)
         if not limit:
             return max_tokens
         room = limit - len(ids) - self._margin()
@@ -226,8 +226,8 @@ class Engine:
             res.reused_tokens = self.cache.reuse(ids)
             p = job.params
             stream = stream_generate(
-                self.s.model, self.s.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
-                lookup_context=ids[:res.reused_tokens], draft=self.s.draft, sampling=p.sampling,
+                self.rt.model, self.rt.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
+                lookup_context=ids[:res.reused_tokens], draft=self.rt.draft, sampling=p.sampling,
                 max_tokens=p.max_tokens, seed=p.seed, stop=p.stop,
             )
             try:
@@ -263,9 +263,9 @@ class Engine:
         t = res.tally
         by_source = {"drafter": t.drafted_tokens - t.lookup_tokens, "lookup": t.lookup_tokens}
         return {
-            "drafting": self.s.draft.drafting,  # a drafter, lookup drafts, or both
-            "beam_width": self.s.beam_width if self.s.drafter is not None else None,
-            "beam_length": self.s.beam_length if self.s.drafter is not None else None,
+            "drafting": self.rt.draft.drafting,  # a drafter, lookup drafts, or both
+            "beam_width": self.rt.beam_width if self.rt.drafter is not None else None,
+            "beam_length": self.rt.beam_length if self.rt.drafter is not None else None,
             "steps": t.steps,
             "tokens_per_step": round(t.tokens_per_step, 3),
             "from_drafts": round(t.draft_share, 3),
@@ -276,5 +276,5 @@ class Engine:
         }
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model_id, "drafter": str(self.s.drafter_path) if self.s.drafter_path else None,
+        return {"status": "ok", "model": self.model_id, "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
                 "queue": self.queue.status()}
