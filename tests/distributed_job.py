@@ -1,7 +1,7 @@
 """One rank of a distributed distill or train run on a tiny random model.
 
 Run by tests/test_distributed.py under ``mlx.launch`` (or alone: a world of
-one). ``python distributed_job.py distill|train FOLDER [options]``. User
+one). ``python distributed_job.py distill|train|hang FOLDER [options]``. User
 errors print ``Error: ...`` and exit 1, like the CLI.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -43,13 +44,22 @@ class CharTokenizer:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
+def say(what: str) -> None:
+    """A progress line: the test tells a hung launch from a slow one by these."""
+    print(f"rank {world().rank}/{world().size}: {what}", flush=True)
+
+
 def model_for_this_rank(bad_rank: int):
+    say("building the model")
     return tiny_model("llama", seed=1 if world().rank == bad_rank else 0)
 
 
 def run_distill(folder: Path, prompts: Path, bad_rank: int = -1):
     cfg = DistillConfig(batch_size=3, max_new_tokens=12, shard_sequences=2)
-    return distill("tiny", prompts, folder / "data", cfg, model=model_for_this_rank(bad_rank), tokenizer=CharTokenizer())
+    model = model_for_this_rank(bad_rank)
+    say("distilling")
+    return distill("tiny", prompts, folder / "data", cfg, model=model, tokenizer=CharTokenizer(),
+                   progress=lambda manifest, running: say(f"distilled {manifest.sequences} sequence(s)"))
 
 
 def train_config(**kw):
@@ -69,12 +79,15 @@ def run_train(folder: Path, out: Path, stop_at: int = 0, resume: bool = False, b
         finish(self, drafter, optimizer, step, seconds)
 
     def stop(step, total, loss):
+        say(f"step {step}/{total}")
         if step == stop_at:
             raise KeyboardInterrupt
 
     trainer.Writer.finish = dump_then_finish
     try:
-        trainer.train(model_for_this_rank(bad_rank), folder / "data", out, train_config(), resume=resume,
+        model = model_for_this_rank(bad_rank)
+        say("training")
+        trainer.train(model, folder / "data", out, train_config(), resume=resume,
                       eos_ids=[EOS], progress=stop)
     finally:
         trainer.Writer.finish = finish
@@ -82,7 +95,7 @@ def run_train(folder: Path, out: Path, stop_at: int = 0, resume: bool = False, b
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["distill", "train"])
+    p.add_argument("mode", choices=["distill", "train", "hang"])
     p.add_argument("folder", type=Path)
     p.add_argument("--prompts", type=Path)
     p.add_argument("--out", type=Path)
@@ -90,8 +103,13 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--bad-rank", type=int, default=-1, help="This rank loads a different model.")
     a = p.parse_args(argv)
+    say(f"started ({a.mode})")
     try:
-        if a.mode == "distill":
+        if a.mode == "hang":  # the launcher's hang detection, tested
+            say("waiting forever")
+            world().barrier()
+            threading.Event().wait()
+        elif a.mode == "distill":
             run_distill(a.folder, a.prompts, a.bad_rank)
         else:
             run_train(a.folder, a.out, a.stop_at, a.resume, a.bad_rank)
