@@ -50,6 +50,21 @@ def blas_info() -> BlasInfo:
     return BlasInfo("system BLAS", None, False)
 
 
+def slow_blas_warning(info: Optional[BlasInfo] = None, device=None) -> Optional[str]:
+    """One line to print when a command starts on MLX's CPU backend with the
+    bundled reference BLAS (decoding is about 3.5x slower than with BLIS), or
+    None when the BLAS is fine. ``info`` and ``device`` default to this process's."""
+    device = mx.default_device() if device is None else device
+    if device != mx.cpu:
+        return None
+    info = blas_info() if info is None else info
+    if not info.slow:
+        return None
+    return (f"Warning: MLX runs on the CPU with the {info.name}, about 3.5x slower than with BLIS. "
+            f"Fix: sudo apt-get install libblis4-pthread, then run with LD_PRELOAD={BLIS_PATH} "
+            "(make chat/serve/test do this for you).")
+
+
 def matmul_gflops(n: int = 768, repeats: int = 5) -> float:
     """Measured float32 matmul speed of the default device."""
     a = mx.random.normal((n, n))
