@@ -18,23 +18,14 @@ from pathlib import Path
 from typing import Optional
 
 from .config import DraftConfig, resolve
+from .draft.drafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F401 (re-exported)
 from .errors import RedrafterError
 
-SHIPPED_DRAFTERS = {"default": "smollm2-135m-instruct"}
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
 
 
 def wants_no_drafter(drafter: Optional[str]) -> bool:
     return drafter is not None and drafter.lower() == NO_DRAFTER
-
-
-def shipped_drafter_path(model_spec: str) -> Optional[Path]:
-    """The drafter installed with the package for ``model_spec``, if any."""
-    name = SHIPPED_DRAFTERS.get(model_spec)
-    if name is None:
-        return None
-    path = Path(__file__).parent / "drafters" / name
-    return path if (path / "config.json").exists() else None
 
 
 def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:

@@ -20,3 +20,43 @@ def test_no_blas_warning_with_blis_or_on_a_gpu():
     assert slow_blas_warning(BlasInfo("BLIS", BLIS_PATH, False), device=mx.cpu) is None
     bundled = BlasInfo("bundled reference BLAS (netlib)", "/x/libblas.so", True)
     assert slow_blas_warning(bundled, device=mx.gpu) is None
+
+
+def test_load_drafter_default_loads_the_shipped_drafter():
+    from mlx_redrafter import load_drafter
+    from mlx_redrafter.draft.drafter import shipped_drafter_path
+
+    shipped = shipped_drafter_path("default")
+    assert shipped is not None
+    for name in ("default", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        drafter = load_drafter(name)
+        assert drafter.source_path == shipped
+        assert drafter.config == load_drafter(shipped).config
+
+
+def flags_named(error) -> list:
+    import re
+
+    return re.findall(r"--[a-z][a-z-]*", str(error))
+
+
+def test_api_errors_name_no_command_line_flags(tmp_path):
+    import pytest
+    import mlx.nn as nn
+
+    from mlx_redrafter import RedrafterError, load_drafter, load_model
+    from mlx_redrafter.step.verify import install_tree_hooks
+
+    not_a_model = tmp_path / "folder"
+    not_a_model.mkdir()
+    calls = [
+        lambda: load_drafter(str(tmp_path / "missing")),
+        lambda: load_drafter("no-such-model/drafter"),
+        lambda: load_model(str(tmp_path / "missing")),
+        lambda: load_model(str(not_a_model)),
+        lambda: install_tree_hooks(nn.Sequential(nn.Linear(4, 4))),
+    ]
+    for call in calls:
+        with pytest.raises(RedrafterError) as e:
+            call()
+        assert e.value.fix and not flags_named(e.value), str(e.value)

@@ -226,17 +226,44 @@ def load_safetensors(path, fix: str) -> dict:
         raise RedrafterError(f"{path} cannot be read (truncated or corrupt): {e}", fix) from None
 
 
+# The drafters installed with the package, by the model names they serve: the
+# default model answers to "default" and to its Hub ids.
+SHIPPED_DRAFTERS = {
+    "default": "smollm2-135m-instruct",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+    "mlx-community/SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+}
+
+
+def shipped_drafter_path(model_spec: str) -> Optional[Path]:
+    """The drafter installed with the package for ``model_spec``, if any."""
+    name = SHIPPED_DRAFTERS.get(model_spec)
+    if name is None:
+        return None
+    path = Path(__file__).resolve().parent.parent / "drafters" / name
+    return path if (path / "config.json").exists() else None
+
+
 def load_drafter(path, dtype=None) -> Drafter:
-    """Load a drafter folder (``config.json`` + ``model.safetensors``).
+    """Load a drafter: a folder (``config.json`` + ``model.safetensors``), or
+    the name of a model a drafter ships for (``"default"``, or the default
+    model's Hub id ``"HuggingFaceTB/SmolLM2-135M-Instruct"``), which loads
+    that shipped drafter.
 
     ``dtype`` defaults to the LLM policy (float16 on a GPU, float32 on the
     CPU). Parameters are evaluated before returning.
     """
     from ..llm.load import parse_dtype, default_dtype
 
+    if isinstance(path, str) and not Path(path).expanduser().exists():
+        path = shipped_drafter_path(path) or path
     path = Path(path).expanduser()
     if not path.exists():
-        raise RedrafterError(f"Drafter path does not exist: {path}", "Check the --drafter path.")
+        raise RedrafterError(
+            f"Drafter path does not exist: {path}",
+            "Give a drafter folder (config.json + model.safetensors), or 'default' for the drafter "
+            "shipped with the default model.",
+        )
     if path.is_file():
         path = path.parent
     config = read_config(path)

@@ -98,12 +98,12 @@ def resolve_model_path(spec: str) -> Path:
             if not (path / "config.json").exists():
                 raise RedrafterError(
                     f"{path} is not an mlx-lm model folder (no config.json).",
-                    "Point --model at a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
+                    "Give a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
                 )
             return path
         raise RedrafterError(
             f"{path} is neither a model folder nor a .gguf file.",
-            "Point --model at a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
+            "Give a folder with config.json and *.safetensors, a .gguf file, or a Hub id.",
         )
     if is_path_like(spec) or spec.count("/") != 1:
         raise RedrafterError(

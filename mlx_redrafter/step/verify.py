@@ -75,7 +75,7 @@ def install_tree_hooks(model: nn.Module) -> List[TreeRoPE]:
             raise RedrafterError(
                 f"This model uses {name} positions, which tree verification does not support "
                 f"(supported: {', '.join(SUPPORTED_ROPES)}).",
-                "Use --no-draft for plain decoding with this model.",
+                "Decode this model without drafting (plain decoding: no drafter and no lookup).",
             )
         wrapper = TreeRoPE(rope)
         module.rope = wrapper
@@ -83,7 +83,7 @@ def install_tree_hooks(model: nn.Module) -> List[TreeRoPE]:
     if not hooks:
         raise RedrafterError(
             f"No RoPE modules found in {type(model).__module__}; ReDrafter needs rotary positions.",
-            "Use --no-draft for plain decoding with this model.",
+            "Decode this model without drafting (plain decoding: no drafter and no lookup).",
         )
     object.__setattr__(model, "_redrafter_ropes", hooks)
     return hooks
