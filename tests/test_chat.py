@@ -72,9 +72,11 @@ def test_turns_reuse_the_cache_and_equal_plain_greedy(default_model, drafter, us
     assert s.totals.reused_tokens == t2.reused_tokens + t3.reused_tokens
 
 
-def test_interrupted_turn_keeps_the_session_consistent(default_model, drafter):
+# W=2 L=3 runs the pipelined loop, W=4 L=3 (12 drafter nodes) the synchronous one.
+@pytest.mark.parametrize("width,lookup", [(2, 1), (4, 0)], ids=["pipelined+lookup", "synchronous"])
+def test_interrupted_turn_keeps_the_session_consistent(default_model, drafter, width, lookup):
     model, tok = default_model
-    settings = ChatSettings(max_tokens=200, beam_width=2, beam_length=3)
+    settings = ChatSettings(max_tokens=200, beam_width=width, beam_length=3, lookup=lookup)
     s = ChatSession(model, tok, drafter, settings)
     seen = []
 
@@ -89,12 +91,15 @@ def test_interrupted_turn_keeps_the_session_consistent(default_model, drafter):
     assert t1.tally.tokens == 5 and t1.reply == "".join(seen)
     assert s.history == [(q1, t1.reply)]  # what the user saw stays in the conversation
     assert s.totals.interrupted == 1
+    # The cache survives Ctrl-C: it holds the prompt and (a prefix of) the reply.
+    assert s.cache is not None and len(s.cached) == s.cache[0].offset
     s.settings.max_tokens = 16
     q2 = "Now tell me a joke."
     t2 = s.reply(q2)
     assert not t2.interrupted
+    assert t2.reused_tokens >= t1.prefilled_tokens + 4  # the first prompt and the interrupted reply's tokens
     assert t2.reply == greedy(model, tok, [(q1, t1.reply)], q2, 16)
-    fresh = ChatSession(model, tok, drafter, ChatSettings(max_tokens=16, beam_width=2, beam_length=3),
+    fresh = ChatSession(model, tok, drafter, ChatSettings(max_tokens=16, beam_width=width, beam_length=3, lookup=lookup),
                         history=[(q1, t1.reply)])
     assert fresh.reply(q2).reply == t2.reply
 
@@ -123,7 +128,9 @@ def test_closing_the_stream_early_is_an_interruption(default_model):
     text = "".join(next(stream).text for _ in range(3))
     stream.close()
     assert s.last_turn.interrupted and s.turns[-1].reply == text
-    assert s.cache is None and s.cached == []  # rebuilt from the history next turn
+    # The cache is kept, trimmed to what it holds of the prompt and the reply,
+    # and the next turn reuses it and still equals plain greedy decoding.
+    assert s.cache is not None and len(s.cached) == s.cache[0].offset >= s.last_turn.prefilled_tokens
     # Closing right after the last response is a complete turn, and the cache is kept.
     s.settings.max_tokens = 4
     stream = s.stream_reply("Say hi.")
@@ -133,6 +140,8 @@ def test_closing_the_stream_early_is_an_interruption(default_model):
     stream.close()
     assert not s.last_turn.interrupted and s.last_turn.finish_reason == "length"
     assert s.cache is not None and len(s.cached) == s.cache[0].offset > 0
+    assert s.last_turn.reused_tokens >= s.turns[0].prefilled_tokens  # the closed turn's cache was reused
+    assert s.last_turn.reply == greedy(model, tok, [("Count from one to twenty.", text)], "Say hi.", 4)
 
 
 def test_long_conversation_drops_oldest_turns(default_model):
@@ -300,6 +309,8 @@ def test_terminal_session(default_model, drafter_dir):
         child.expect_exact(">>> ")
         child.sendline("/set max_tokens=16")
         child.sendline("Thanks!")
+        child.expect(r"\((\d+) reused from the cache\)")  # Ctrl-C kept the cache
+        assert int(child.match.group(1)) > 20
         child.expect(r"\d+ tokens, [\d.]+ tok/s")
         child.expect_exact(">>> ")
         child.sendline("/stats")

@@ -234,21 +234,23 @@ class ChatSession:
 
         Closing the stream early or a ``KeyboardInterrupt`` ends the turn as
         interrupted: the partial reply stays in the conversation (unless it
-        is empty) and the cache is dropped, so the next turn continues
-        exactly as a fresh session with the same history would.
+        is empty), and the cache keeps the prompt and the emitted tokens, as
+        after a normal reply, so the next turn reuses it.
         """
         ids, max_tokens = self._fit_context(text)
         turn = self.last_turn = Turn(text)
         s = self.settings
         generated: List[int] = []
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
+        stream = None
         try:
             reused = self.prompt_cache.reuse(ids)
             turn.reused_tokens, turn.prefilled_tokens = reused, len(ids) - reused
-            for r in stream_generate(
+            stream = stream_generate(
                 self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens, prompt_cache=self.cache,
                 lookup_context=ids[:reused], draft=self.draft(), sampling=s.sampling,
-            ):
+            )
+            for r in stream:
                 if turn.tally.add(r):
                     generated.append(r.token)
                 else:  # the EOS response emits no token
@@ -257,12 +259,16 @@ class ChatSession:
                 turn.finish_reason = r.finish_reason
                 yield r
         except (KeyboardInterrupt, GeneratorExit):
-            if turn.finish_reason is not None:  # stopped after the last response: complete
-                self.prompt_cache.settle(ids + generated + eos)
-            else:
-                turn.interrupted = True
-                # The cache may hold part of a verification: rebuild it next turn.
+            turn.interrupted = turn.finish_reason is None  # else stopped after the last response
+            if stream is None:  # interrupted before the generation began
                 self.reset_cache()
+            else:
+                # Closing the step loop leaves the cache holding a prefix of the
+                # prompt + the tokens verified so far, in order (the pipelined
+                # loop compacts its holes, the synchronous one's extra tree rows
+                # lie past the emitted tokens): trim it to what was emitted.
+                stream.close()
+                self.prompt_cache.settle(ids + generated + eos)
             self._record(turn)
             raise
         except BaseException:
