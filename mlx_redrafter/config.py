@@ -43,10 +43,10 @@ class SamplingConfig:
 
     def __post_init__(self):
         checks = (
-            ("temp", self.temp >= 0, "at least 0", "--temp 0 is greedy decoding; sampling needs a positive temperature."),
-            ("top_p", 0 <= self.top_p <= 1, "between 0 and 1", "--top-p 0 turns nucleus sampling off."),
-            ("min_p", 0 <= self.min_p <= 1, "between 0 and 1", "--min-p 0 turns min-p sampling off."),
-            ("top_k", self.top_k >= 0, "at least 0", "--top-k 0 turns top-k sampling off."),
+            ("temp", self.temp >= 0, "at least 0", "temp=0 is greedy decoding; sampling needs a positive temperature."),
+            ("top_p", 0 <= self.top_p <= 1, "between 0 and 1", "top_p=0 turns nucleus sampling off."),
+            ("min_p", 0 <= self.min_p <= 1, "between 0 and 1", "min_p=0 turns min-p sampling off."),
+            ("top_k", self.top_k >= 0, "at least 0", "top_k=0 turns top-k sampling off."),
         )
         for name, ok, bound, fix in checks:
             if not ok:

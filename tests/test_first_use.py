@@ -44,7 +44,8 @@ def test_api_errors_name_no_command_line_flags(tmp_path):
     import pytest
     import mlx.nn as nn
 
-    from mlx_redrafter import RedrafterError, load_drafter, load_model
+    from mlx_redrafter import RedrafterError, SamplingConfig, load_drafter, load_model
+    from mlx_redrafter.llm.cache import check_cache
     from mlx_redrafter.step.verify import install_tree_hooks
 
     not_a_model = tmp_path / "folder"
@@ -55,6 +56,9 @@ def test_api_errors_name_no_command_line_flags(tmp_path):
         lambda: load_model(str(tmp_path / "missing")),
         lambda: load_model(str(not_a_model)),
         lambda: install_tree_hooks(nn.Sequential(nn.Linear(4, 4))),
+        lambda: check_cache([object()]),
+        lambda: SamplingConfig(temp=-1.0),
+        lambda: SamplingConfig(top_p=2.0),
     ]
     for call in calls:
         with pytest.raises(RedrafterError) as e:

@@ -325,12 +325,12 @@ def check_fits(drafter: Drafter, model) -> None:
     if cfg.hidden_size != hidden:
         raise RedrafterError(
             f"The drafter's hidden_size is {cfg.hidden_size} but the model's is {hidden}.",
-            "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
+            "Use a drafter trained for this model (mlx-redrafter train), or load the model it was trained for.",
         )
     if cfg.vocab_size != vocab:
         raise RedrafterError(
             f"The drafter's vocab_size is {cfg.vocab_size} but the model's embedding has {vocab} rows.",
-            "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
+            "Use a drafter trained for this model (mlx-redrafter train), or load the model it was trained for.",
         )
     layers = getattr(cfg, "feature_layers", None)
     if layers:
@@ -338,5 +338,5 @@ def check_fits(drafter: Drafter, model) -> None:
         if max(layers) >= n:
             raise RedrafterError(
                 f"The drafter fuses features of layers {layers} but the model has {n} layers.",
-                "Use a drafter trained for this model (mlx-redrafter train), or the matching --model.",
+                "Use a drafter trained for this model (mlx-redrafter train), or load the model it was trained for.",
             )

@@ -108,7 +108,7 @@ def check_cache(cache) -> None:
             raise RedrafterError(
                 f"Cache type {type(c).__name__} is not supported by tree verification "
                 "(supported: KVCache, QuantizedKVCache, RotatingKVCache).",
-                "Use --no-draft for plain decoding with this model.",
+                "Decode this model without drafting (plain decoding: no drafter and no lookup).",
             )
 
 
