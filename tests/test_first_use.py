@@ -64,3 +64,19 @@ def test_api_errors_name_no_command_line_flags(tmp_path):
         with pytest.raises(RedrafterError) as e:
             call()
         assert e.value.fix and not flags_named(e.value), str(e.value)
+
+
+def test_generate_warns_at_start_on_the_bundled_blas(monkeypatch, capsys):
+    import pytest
+
+    from mlx_redrafter import doctor
+    from mlx_redrafter.cli import main
+
+    bundled = BlasInfo("bundled reference BLAS (netlib)", "/x/mlx_cpu.libs/libblas.so", True)
+    monkeypatch.setattr(doctor, "blas_info", lambda: bundled)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    with pytest.raises(SystemExit) as e:  # typer exits when the command is done
+        main(["generate", "--no-draft", "-n", "2", "-p", "Hi"])
+    assert e.value.code in (0, None)
+    err = capsys.readouterr().err
+    assert "Warning: MLX runs on the CPU with the bundled reference BLAS" in err

@@ -67,8 +67,12 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
 def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
              lookup=None, announce=True):
     """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
+    from ..doctor import slow_blas_warning
     from ..runtime import load_runtime
 
+    warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
+    if warning:
+        err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
     rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     if announce:
         rt.announce(err)
