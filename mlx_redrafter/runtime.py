@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from rich.markup import escape
+
 from .config import DraftConfig, resolve
 from .draft.drafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F401 (re-exported)
 from .errors import RedrafterError
@@ -67,18 +69,21 @@ class Runtime:
     lookup = property(lambda self: self.draft.lookup)
 
     def announce(self, console) -> None:
+        """One line that says, without the paper's terms, how each step drafts."""
+        copies = f"{self.lookup} cop{'ies' if self.lookup > 1 else 'y'} from the context"
         if self.drafter is None:
             if self.lookup:
-                console.print(f"[dim]model {self.model_spec}: lookup drafts only (no drafter)[/dim]")
+                console.print(f"[dim]model {self.model_spec}, drafting: {copies} per step (no drafter)[/dim]")
             else:
                 console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
+        w, length = self.beam_width, self.beam_length
+        guesses = f"{w} drafter guess{'es' if w > 1 else ''} of {length} token{'s' if length > 1 else ''}"
         extra = ", adaptive depth" if self.controller is not None else ""
-        lookup = f" + {self.lookup} lookup beam{'s' if self.lookup > 1 else ''}" if self.lookup else ", no lookup"
-        console.print(
-            f"[dim]model {self.model_spec}, drafter {self.drafter_path}: "
-            f"W={self.beam_width} L={self.beam_length} ({self.shape_source}{extra}){lookup}[/dim]"
-        )
+        line = (f"model {self.model_spec}, drafting: {guesses}"
+                f"{' + ' + copies + ' per step' if self.lookup else ' per step (no copies from the context)'} "
+                f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}]")
+        console.print(f"[dim]{escape(line)}[/dim]")
         if self.note:
             console.print(f"[yellow]Note: {self.note}[/yellow]")
 

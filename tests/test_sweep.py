@@ -498,9 +498,10 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     assert squeeze(f"W={best['width']} L={best['length']} (tuned profile {profile['file']}") in err
     # A profile slower than plain decoding is pointed out (the drafter is still used).
     assert (squeeze("--no-draft is faster here") in err) == (best["speedup"] < 1)
-    assert ("+1lookupbeam" in err) == (best["lookup"] == 1) and ("nolookup" in err) == (best["lookup"] == 0)
+    assert ("+1copyfromthecontext" in err) == (best["lookup"] == 1)
+    assert ("nocopiesfromthecontext" in err) == (best["lookup"] == 0)
     assert cli(gen + ["--no-lookup"]) == 0
-    assert "nolookup" in squeeze(capsys.readouterr().err)
+    assert "nocopiesfromthecontext" in squeeze(capsys.readouterr().err)
     assert cli(gen + ["-W", "3", "-L", "1"]) == 0
     assert "W=3L=1(flags)" in squeeze(capsys.readouterr().err)
 
