@@ -9,6 +9,7 @@ the output exactly, even in the middle of an accepted run.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from typing import Iterator, List, Optional, Sequence, Union
@@ -87,31 +88,65 @@ def stream_generate(
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
 
-    ``lookup`` adds drafts copied from the prompt and the reply (n-gram
-    lookup): ``True`` or a number of lookup beams, ``False`` for none;
-    ``None`` is the tuned profile's choice, else ``DEFAULT_LOOKUP`` with a
-    drafter and none without. ``drafter=None, lookup=True`` is speculative
-    decoding with lookup drafts only, for any model. ``lookup_context``:
-    earlier tokens already in ``prompt_cache`` (a chat's previous turns)
-    that lookup may copy from.
+    The prompt: a string is tokenized and used **as is, with no chat
+    template** (as in mlx-lm); token ids (a list or an ``mx.array``) are used
+    as they are. To chat, template the messages first::
 
-    ``beam_length`` counts drafted tokens (not ``g0``). A width or length
-    not given comes from this device's tuned profile (``mlx-redrafter sweep
-    --save-profile``) when the model and drafter were loaded with this
-    package's loaders, else from ``DEFAULT_WIDTH``/``DEFAULT_LENGTH``.
-    ``draft`` (a resolved :class:`DraftConfig`) and ``sampling`` replace the
-    loose keywords. Bad arguments raise :class:`RedrafterError` (a
-    ``ValueError``). At ``temp == 0`` the tokens equal plain greedy decoding;
-    at ``temp > 0`` they follow the model's own sampling distribution (after
-    ``top_p``/``min_p``/``top_k``). ``timings=True`` adds syncs to split the
-    step time into pack / verify / accept / draft (``profile=``: its
-    deprecated old name).
+        from mlx_redrafter import load_drafter, load_model, stream_generate
 
-    ``prompt_cache`` (a list from ``make_prompt_cache``) is updated in place;
-    at the end it holds the prompt and the emitted tokens, sometimes minus the
-    last one, or plus accepted drafts past an EOS or a stop string (EOS, stop
-    strings and ``max_tokens`` end the output itself exactly); :func:`trim_cache`
-    brings it to a known length.
+        model, tokenizer = load_model("default")
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True)
+        for r in stream_generate(model, tokenizer, prompt, drafter=load_drafter("default")):
+            print(r.text, end="", flush=True)
+
+    Each yielded :class:`~mlx_redrafter.responses.RedrafterResponse` is one
+    token: ``.text`` (the new text, possibly empty while a character is
+    incomplete or a stop string may be starting), ``.token`` (its id),
+    ``.from_draft`` (``"drafter"``, ``"lookup"`` or ``None`` when the LLM
+    chose it), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
+    on the last one), ``.stats`` (the step's
+    :class:`~mlx_redrafter.step.protocol.StepStats`: accepted drafts, tree
+    size, timings) and mlx-lm's counters (``prompt_tokens``,
+    ``generation_tokens``, ``generation_tps``, ``peak_memory``).
+
+    Drafting keywords:
+        drafter: a :class:`Drafter` (``load_drafter("default")`` is the one
+            shipped for the default model), or ``None``.
+        beam_width, beam_length: beams per step and tokens per beam
+            (``beam_length`` counts drafted tokens, not ``g0``). Not given:
+            this device's tuned profile (``mlx-redrafter sweep
+            --save-profile``) when the model and drafter were loaded with this
+            package's loaders, else ``DEFAULT_WIDTH``/``DEFAULT_LENGTH``.
+        lookup: drafts copied from the prompt and the reply (n-gram lookup):
+            ``True`` or a number of lookup beams, ``False`` for none, ``None``
+            for the tuned profile's choice (else ``DEFAULT_LOOKUP`` with a
+            drafter, none without). ``drafter=None, lookup=True`` drafts by
+            lookup alone, for any model.
+        lookup_context: earlier tokens already in ``prompt_cache`` (a chat's
+            previous turns) that lookup may copy from.
+        controller, warp: the learned depth controller (``--adaptive``) and
+            the official code's logit warping of drafts.
+        draft: a resolved :class:`DraftConfig`, in place of the keywords above.
+
+    Sampling keywords:
+        temp, top_p, min_p, top_k, seed: as in mlx-lm (``temp=0``: greedy).
+        sampling: a :class:`SamplingConfig`, in place of the keywords above.
+        At ``temp == 0`` the tokens equal plain greedy decoding; at
+        ``temp > 0`` they follow the model's own sampling distribution.
+
+    Other keywords:
+        max_tokens: the most tokens to generate.
+        stop: strings that end the output (not included in it).
+        prompt_cache: a list from ``make_prompt_cache``, updated in place. At
+            the end it holds the prompt and the emitted tokens, sometimes minus
+            the last one, or plus accepted drafts past an EOS or a stop string
+            (EOS, stop strings and ``max_tokens`` end the output itself
+            exactly); :func:`trim_cache` brings it to a known length.
+        timings: add syncs to split the step time into pack / verify /
+            accept / draft (``profile=`` is its deprecated old name).
+
+    Bad arguments raise :class:`RedrafterError` (a ``ValueError``).
     """
     timings = _timings(timings, profile)
     _refuse_both(sampling, "sampling", temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
@@ -178,7 +213,15 @@ def _stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Se
 
 
 def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
-    """Generate a complete reply and return its text, like ``mlx_lm.generate``."""
+    """Generate a complete reply and return its text, like ``mlx_lm.generate``.
+
+    ``prompt`` is used as is (a string gets no chat template: see
+    :func:`stream_generate`). ``verbose`` prints the text as it comes. Every
+    other keyword is :func:`stream_generate`'s: ``drafter``, ``beam_width``,
+    ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
+    ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
+    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``.
+    """
     text = ""
     for r in stream_generate(model, tokenizer, prompt, **kwargs):
         if verbose:
@@ -230,3 +273,13 @@ def generate_tokens(
     finally:
         steps.close()
     return tokens, stats
+
+
+# help(generate) and tools show stream_generate's keywords, which generate passes on.
+generate.__signature__ = inspect.Signature(
+    [p for p in inspect.signature(stream_generate).parameters.values() if p.name in ("model", "tokenizer", "prompt")]
+    + [inspect.Parameter("verbose", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False)]
+    + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(stream_generate).parameters.values()
+       if p.name not in ("model", "tokenizer", "prompt")],
+    return_annotation=str,
+)

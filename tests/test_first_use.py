@@ -80,3 +80,29 @@ def test_generate_warns_at_start_on_the_bundled_blas(monkeypatch, capsys):
     assert e.value.code in (0, None)
     err = capsys.readouterr().err
     assert "Warning: MLX runs on the CPU with the bundled reference BLAS" in err
+
+
+def test_help_documents_every_keyword():
+    import inspect
+
+    from mlx_redrafter import generate, stream_generate
+
+    names = [p for p in inspect.signature(stream_generate).parameters if p not in ("model", "tokenizer", "prompt")]
+    for name in names:
+        if name == "profile":  # the deprecated alias, named beside timings
+            continue
+        assert f"{name}" in stream_generate.__doc__.replace("``", ""), name
+        assert name in generate.__doc__, name
+        assert name in inspect.signature(generate).parameters, name
+    doc = " ".join(stream_generate.__doc__.split())
+    assert "no chat template" in doc and "apply_chat_template" in doc
+    assert all(f".{a}" in doc for a in ("text", "token", "stats"))
+
+
+def test_the_docstring_example_runs(default_model):
+    from mlx_redrafter import load_drafter, stream_generate
+
+    model, tokenizer = default_model
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True)
+    out = list(stream_generate(model, tokenizer, prompt, drafter=load_drafter("default"), max_tokens=6))
+    assert len(out) == 6 and all(r.text is not None and r.stats is not None for r in out)
