@@ -139,7 +139,7 @@ def serve(
     top_k: int = TopKOpt,
     min_p: float = MinPOpt,
     queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait for the model; past it the server answers 503."),
-    prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Conversations whose KV cache is kept (least recently used dropped first)."),
+    prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."),
     prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."),
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,

@@ -59,7 +59,7 @@ def trim_cache(cache, length: int) -> bool:
 class PromptCache:
     """KV caches kept across turns and requests, found by the token ids they
     hold: mlx-lm's :class:`~mlx_lm.models.cache.LRUPromptCache` (a prefix
-    trie, least recently used entries dropped past ``max_size`` entries or
+    trie, the least recently stored entries dropped past ``max_size`` entries or
     ``max_bytes`` bytes), with the working cache of the current generation.
 
     The chat keeps one entry (its one conversation); the server several, so

@@ -85,15 +85,21 @@ class RequestCounter:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = {"code": 500}  # an exception before any answer is a 500
+        started = []
 
         async def sending(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+            if message["type"] == "http.response.start":  # counted as it starts: a client may ask right after
+                started.append(message["status"])
+                self._count(scope, message["status"])
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
-        finally:
-            route = getattr(scope.get("route"), "path", "unmatched")  # FastAPI puts the matched route here
-            self.metrics.requests.labels(route, str(status["code"])).inc()
+        except BaseException:
+            if not started:  # an exception before any answer is a 500
+                self._count(scope, 500)
+            raise
+
+    def _count(self, scope, status: int) -> None:
+        route = getattr(scope.get("route"), "path", "unmatched")  # FastAPI puts the matched route here
+        self.metrics.requests.labels(route, str(status)).inc()
