@@ -242,3 +242,13 @@ def test_unknown_routes_name_themselves_and_the_supported_ones(served, client):
         assert route in message
     r = httpx.get(url + "/", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["message"].startswith("/ is not supported")
+
+
+def test_prompt_cache_flags_fail_before_loading(capsys):
+    from mlx_redrafter.cli import main
+
+    assert main(["serve", "--prompt-cache-size", "0"]) == 1
+    assert "--prompt-cache-size" in capsys.readouterr().err
+    assert main(["serve", "--prompt-cache-bytes", "lots"]) == 1
+    err = capsys.readouterr().err
+    assert "--prompt-cache-bytes 'lots' is not a size" in err and "Traceback" not in err
