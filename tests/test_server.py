@@ -184,11 +184,12 @@ def test_second_turn_reuses_the_cache(client):
     assert r2.usage.prompt_tokens_details.cached_tokens == stats["prompt_tokens_reused"]
     assert stats["prompt_tokens_prefilled"] == r2.usage.prompt_tokens - stats["prompt_tokens_reused"]
 
-    # After an unrelated request the same conversation is mostly prefilled
-    # again, and the reply is the same.
+    # After an unrelated request the conversation is still cached (the
+    # prompt cache keeps several sequences): the same request reuses its whole
+    # prompt but the last token, and the reply is the same.
     _chat(client, "Say hello.", max_tokens=2)
     again = _chat(client, convo)
-    assert again.model_extra["redrafter"]["prompt_tokens_reused"] < stats["prompt_tokens_reused"]
+    assert again.model_extra["redrafter"]["prompt_tokens_reused"] == again.usage.prompt_tokens - 1
     assert again.choices[0].message.content == r2.choices[0].message.content
 
 

@@ -109,6 +109,21 @@ def _check_port(host: str, port: int) -> None:
                                  "Pick another --port (or stop what is using it).") from None
 
 
+def _cache_bytes(text: Optional[str]) -> int:
+    """--prompt-cache-bytes as a number (mlx_lm.server's sizes: 100, 512MB, 2GB)."""
+    if text is None:
+        return 1 << 63
+    from mlx_lm.utils import _parse_size
+
+    try:
+        size = _parse_size(text)
+    except (ArithmeticError, KeyError, ValueError):  # not digits, or an unknown unit
+        size = 0
+    if size < 1:
+        raise RedrafterError(f"--prompt-cache-bytes {text!r} is not a size.", "Give bytes, or e.g. 512MB or 2GB.")
+    return size
+
+
 @app.command()
 def serve(
     model: str = ModelOpt,
@@ -124,14 +139,19 @@ def serve(
     top_k: int = TopKOpt,
     min_p: float = MinPOpt,
     queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait for the model; past it the server answers 503."),
+    prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."),
+    prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."),
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
+    cache_bytes = _cache_bytes(prompt_cache_bytes)
+    if prompt_cache_size < 1:
+        raise RedrafterError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
     _check_port(host, port)
     from ..chat.settings import check_setting
 
@@ -147,7 +167,9 @@ def serve(
     from ..serve import Engine
 
     rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    app_ = create_app(Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size))
+    engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size,
+                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
+    app_ = create_app(engine)
     err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 

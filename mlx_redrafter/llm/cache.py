@@ -1,7 +1,8 @@
 """Every KV-cache operation of the package, beside mlx-lm's own (``models/cache.py``).
 
 * **Across turns and requests** (:class:`PromptCache`, :func:`trim_cache`):
-  the chat and the server keep a cache with the token ids it holds.
+  the chat and the server keep caches by the token ids they hold, in
+  mlx-lm's ``LRUPromptCache``.
 * **Inside a step** (:func:`check_cache`, :func:`verify_starts`,
   :func:`compact_cache`, :func:`set_cache_length`): the synchronous loop
   verifies a tree behind the cached prefix, then moves the accepted path's
@@ -10,8 +11,8 @@
   every verified row and masks the rejected ones out.
 * **Timing** (:func:`warm_cache`): a cache rewound after each timed call.
 
-The prompt cache's contract: before a generation the cache is trimmed to the longest common
-prefix of the ids it holds and the new prompt's ids, and only the rest is
+The prompt cache's contract: before a generation the stored cache sharing the longest
+prefix with the new prompt's ids is copied and trimmed to that prefix, and only the rest is
 prefilled; after it, the cache is trimmed to the tokens known to be in it.
 Re-tokenizing the whole conversation each time (rather than appending to the
 cache) keeps the cache exactly equal to what a fresh prefill would compute,
@@ -25,7 +26,9 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache, LRUPromptCache, QuantizedKVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache,
+)
 
 from ..errors import RedrafterError
 
@@ -53,50 +56,77 @@ def trim_cache(cache, length: int) -> bool:
     return True
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class PromptCache:
-    """``cache`` (mlx-lm's per-layer caches, or ``None``) and ``ids``, the
-    token ids whose KV it holds."""
+    """KV caches kept across turns and requests, found by the token ids they
+    hold: mlx-lm's :class:`~mlx_lm.models.cache.LRUPromptCache` (a prefix
+    trie, the least recently stored entries dropped past ``max_size`` entries or
+    ``max_bytes`` bytes), with the working cache of the current generation.
 
-    def __init__(self, model):
+    The chat keeps one entry (its one conversation); the server several, so
+    that alternating conversations each reuse their own prefix.
+    ``cache`` and ``ids``: the working cache (mlx-lm's per-layer list, or
+    ``None``) and the token ids whose KV it holds once settled.
+    """
+
+    KEY = "model"  # one model per PromptCache: the trie's model key is constant
+
+    def __init__(self, model, max_size: int = 1, max_bytes: int = 1 << 63):
+        if max_size < 1 or max_bytes < 1:
+            raise RedrafterError(f"A prompt cache needs room for an entry (got {max_size} entries, {max_bytes} bytes).",
+                                 "Give --prompt-cache-size and --prompt-cache-bytes positive values.")
         self.model = model
+        self.lru = LRUPromptCache(max_size, max_bytes)
         self.cache = None
         self.ids: List[int] = []
+        self.hits = 0  # generations that reused a cached prefix
+        self.reused_tokens = 0  # prompt tokens those reused, in all
 
     def reuse(self, ids: Sequence[int]) -> int:
-        """Trim the cache to its common prefix with ``ids``; return its length
+        """Take a copy of the stored cache sharing the longest prefix with
+        ``ids`` as the working cache, trimmed to that prefix; return its length
         (pass ``ids[length:]`` and ``prompt_cache=self.cache`` to stream_generate)."""
-        # stream_generate needs at least one prompt token to produce logits.
-        keep = min(common_prefix(self.ids, ids), len(ids) - 1)
-        self.ids = []  # unknown until the generation ends
-        if self.cache is None or not trim_cache(self.cache, keep):
-            self.cache, keep = make_prompt_cache(self.model), 0
+        cache, rest = self.lru.fetch_nearest_cache(self.KEY, list(ids))
+        keep = len(ids) - len(rest)
+        if cache is not None and not rest:  # an exact hit: stream_generate needs one prompt token
+            keep = len(ids) - 1
+            if not trim_cache(cache, keep):
+                cache = None
+        if cache is None or keep <= 0:
+            cache, keep = make_prompt_cache(self.model), 0
+        self.cache, self.ids = cache, []  # ids unknown until the generation ends
+        self.hits += int(keep > 0)
+        self.reused_tokens += keep
         return keep
 
     def settle(self, known: List[int]) -> None:
         """After a generation: the cache holds a prefix of ``known`` (prompt +
         emitted tokens + the EOS that ended them), sometimes missing the last
         token or holding a few accepted drafts past EOS (stream_generate's
-        contract); trim it to what we know."""
+        contract); trim it to what we know and store it."""
         held = min(self.cache[0].offset, len(known))
-        if trim_cache(self.cache, held):
-            self.ids = known[:held]
+        if trim_cache(self.cache, held) and held > 0:
+            self.ids = list(known[:held])
+            self.lru.insert_cache(self.KEY, self.ids, self.cache)
         else:
-            self.reset()
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the working cache (after an interrupted generation, whose cache
+        may hold part of a verification); the stored ones stay valid."""
+        self.cache, self.ids = None, []
 
     def reset(self) -> None:
-        """Forget the cache (the next generation prefills its whole prompt);
-        do this after an interrupted generation, whose cache may hold part
-        of a verification."""
-        self.cache, self.ids = None, []
+        """Forget every cache (the next generation prefills its whole prompt)."""
+        self.discard()
+        self.lru.trim_to(n_sequences=0)
+
+    @property
+    def entries(self) -> int:
+        return len(self.lru)
+
+    @property
+    def nbytes(self) -> int:
+        return self.lru.nbytes
 
 
 # --------------------------------------------------------------------------- inside a step

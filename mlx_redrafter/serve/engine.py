@@ -1,15 +1,16 @@
 """The core of ``mlx-redrafter serve``: one model, a fair bounded queue of
-requests, and a KV cache that consecutive requests share.
+requests, and the KV caches that requests share.
 
 No HTTP here (that is :mod:`~mlx_redrafter.serve.openai_api`, a thin layer on top):
 :class:`Engine` turns token ids into a :class:`Job`, runs jobs one at a time
 on its worker thread, and reports each job's text through the job's
 ``emit`` callback.
 
-The KV cache stays from one request to the next, as in the chat
-(:class:`~mlx_redrafter.llm.cache.PromptCache`): a request whose ids share
-a prefix with the cached ones prefills only the rest, so a follow-up turn of
-a conversation costs only its new tokens. Every job runs the runtime's one
+The KV caches stay from one request to the next
+(:class:`~mlx_redrafter.llm.cache.PromptCache`, on mlx-lm's
+``LRUPromptCache``): a request whose ids share a prefix with a cached
+sequence prefills only the rest, so a follow-up turn of a conversation costs
+only its new tokens, even when other conversations came in between. Every job runs the runtime's one
 resolved :class:`~mlx_redrafter.config.DraftConfig` with the job's own
 :class:`~mlx_redrafter.config.SamplingConfig`.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
@@ -29,6 +30,7 @@ from ..llm.parts import context_limit
 from ..llm.text import encode_prompt
 from ..prompts import chat_prompt_ids
 from ..responses import Tally
+from .tools import Rendered, render, tool_format
 
 
 class QueueFull(Exception):
@@ -52,9 +54,11 @@ class Result:
     text: str = ""
     finish_reason: Optional[str] = None  # "stop", "length", or None when cancelled
     prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose KV came from the previous request
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
     tally: Tally = field(default_factory=Tally)
     cancelled: bool = False
+    step_tokens: List[int] = field(default_factory=list)  # tokens emitted by each step
+    drafted_by_source: Dict[str, int] = field(default_factory=dict)  # accepted draft tokens by source
 
     @property
     def completion_tokens(self) -> int:
@@ -155,17 +159,20 @@ class JobQueue:
 
 class Engine:
     """A :class:`~mlx_redrafter.runtime.Runtime` served one request at a time,
-    with a prompt cache shared across requests. ``max_tokens`` and
-    ``sampling``: what a request that does not say gets."""
+    with prompt caches shared across requests (at most ``prompt_cache_size``
+    sequences and ``prompt_cache_bytes`` bytes). ``max_tokens`` and
+    ``sampling``: what a request that does not say gets. ``listeners`` are
+    called on the worker thread with every job's :class:`Result` (metrics)."""
 
     def __init__(self, runtime, max_tokens: int = 512, sampling: Optional[SamplingConfig] = None,
-                 queue_size: int = 16):
+                 queue_size: int = 16, prompt_cache_size: int = 10, prompt_cache_bytes: int = 1 << 63):
         self.rt = runtime
         self.model_id = runtime.model_spec
         self.max_tokens = max_tokens
         self.sampling = sampling or SamplingConfig()
-        self.cache = PromptCache(runtime.model)
+        self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
         self.queue = JobQueue(self._run, queue_size)
+        self.listeners: List[Callable[[Result], None]] = []
 
     # ------------------------------------------------------------------ prompts
 
@@ -174,8 +181,19 @@ class Engine:
         ``mlx-redrafter generate`` encodes its prompt."""
         return chat_prompt_ids(self.rt.tokenizer, messages)
 
+    def render(self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None) -> Rendered:
+        """``messages`` and ``tools`` through the chat template (see
+        :func:`~mlx_redrafter.serve.tools.render`); without tools the ids are
+        :meth:`chat_ids`'."""
+        return render(self.rt.tokenizer, messages, tools, tool_choice)
+
     def text_ids(self, prompt: str) -> List[int]:
         return encode_prompt(self.rt.tokenizer, prompt)
+
+    def card(self) -> dict:
+        """What ``/v1/models`` says of the model beside its id."""
+        return {"context_length": context_limit(self.rt.model) or None, "tools": True,
+                "tool_format": tool_format(self.rt.tokenizer).name}
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
@@ -232,7 +250,7 @@ class Engine:
             )
             try:
                 for r in stream:
-                    if res.tally.add(r):
+                    if _count(res, r):
                         generated.append(r.token)
                     else:  # the EOS response emits no token
                         eos = [r.token]
@@ -245,14 +263,16 @@ class Engine:
             finally:
                 stream.close()
         except BaseException:
-            self.cache.reset()
+            self.cache.discard()
             raise
         if res.finish_reason is None:
-            # Cancelled mid-reply: the cache may hold part of a verification.
+            # Cancelled mid-reply: the working cache may hold part of a verification.
             res.cancelled = True
-            self.cache.reset()
+            self.cache.discard()
         else:
             self.cache.settle(ids + generated + eos)
+        for listener in self.listeners:
+            listener(res)
         job.emit("done", res)
         return res
 
@@ -277,4 +297,23 @@ class Engine:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
-                "queue": self.queue.status()}
+                "queue": self.queue.status(), "prompt_cache": self.cache_status()}
+
+    def cache_status(self) -> dict:
+        c = self.cache
+        return {"entries": c.entries, "bytes": c.nbytes, "hits": c.hits, "reused_tokens": c.reused_tokens,
+                "bound": c.lru.max_size, "bound_bytes": c.lru.max_bytes}
+
+
+def _count(res: Result, r) -> bool:
+    """Count a response into ``res``; False for the EOS response (no token)."""
+    step = res.tally.steps
+    if not res.tally.add(r):
+        return False
+    if res.tally.steps != step:
+        res.step_tokens.append(0)
+    res.step_tokens[-1] += 1
+    if r.from_draft:
+        source = r.stats.source or "drafter"
+        res.drafted_by_source[source] = res.drafted_by_source.get(source, 0) + 1
+    return True

@@ -1,30 +1,34 @@
 """The HTTP side of ``mlx-redrafter serve``: OpenAI's API over an
 :class:`~mlx_redrafter.serve.Engine` (FastAPI, pydantic request models).
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST
-/v1/completions`` (both streamed as server-sent events when ``stream`` is
-true) and ``GET /health``. Errors are OpenAI's error objects. Responses add
-one field standard clients ignore, ``redrafter``: the drafting stats.
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (with tools),
+``POST /v1/completions`` (both streamed as server-sent events when
+``stream`` is true), ``GET /health`` and ``GET /metrics`` (Prometheus).
+Errors are OpenAI's error objects; a field we do not support yet is a 400
+naming it (:func:`check_supported`), an unknown route a 404 listing the
+supported ones. Responses add one field standard clients ignore,
+``redrafter``: the drafting stats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import AsyncIterator, List, Literal, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import RedrafterError
-from .engine import Engine, GenParams, Job, QueueFull, Result
+from .engine import Engine, GenParams, Job, QueueFull
+from .metrics import Metrics, RequestCounter
+from .openai_reply import Reply
+from .tools import Rendered
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -46,17 +50,38 @@ class ContentPart(_Request):
     text: Optional[str] = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: Union[str, Dict[str, Any], None] = None  # OpenAI sends a JSON string
+
+
+class ToolCallIn(_Request):
+    id: Optional[str] = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class Message(_Request):
     role: str
     content: Union[str, List[ContentPart], None] = None
+    tool_calls: Optional[List[ToolCallIn]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool result's call
+    name: Optional[str] = None
 
     def plain(self) -> dict:
-        """The message as the chat template wants it: a role and a string."""
+        """The message as the chat template wants it: a role and a string
+        (and, for tool history, the calls or the call id)."""
         content = self.content
         if isinstance(content, list):  # OpenAI's content parts: keep the text ones
             content = "".join(p.text or "" for p in content if p.type == "text")
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name
-        return {"role": role, "content": content or ""}
+        out = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class _Generation(_Request):
@@ -71,12 +96,14 @@ class _Generation(_Request):
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Literal[1] = 1
+    n: Optional[int] = Field(None, ge=1)
 
 
 class ChatRequest(_Generation):
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Union[str, Dict[str, Any], None] = None
 
 
 class CompletionRequest(_Generation):
@@ -114,6 +141,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{where}{first.get('msg', 'invalid request')}.", param=param, code=code)
 
 
+def check_supported(req: _Generation) -> None:
+    """A 400 naming the first field asked for that we do not support yet
+    (rather than silently ignoring it)."""
+    unsupported = {
+        "n": (req.n or 1) > 1,
+        "logprobs": getattr(req, "logprobs", None) not in (None, False),
+        "top_logprobs": bool(getattr(req, "top_logprobs", None)),
+        "response_format": getattr(req, "response_format", None) not in (None, {"type": "text"}),
+    }
+    for name, asked in unsupported.items():
+        if asked:
+            raise APIError(400, f"'{name}' is not supported by mlx-redrafter serve yet; drop it from the request.",
+                           param=name, code="unsupported_parameter")
+
+
 def _generation_error(e: BaseException) -> APIError:
     if isinstance(e, RedrafterError):
         return APIError(400, e.problem, code="invalid_value")
@@ -135,6 +177,8 @@ def create_app(engine: Engine) -> FastAPI:
             engine.stop()
 
     app = FastAPI(title="mlx-redrafter", lifespan=lifespan)
+    metrics = Metrics(engine)
+    app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -146,6 +190,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc: HTTPException):
+        if exc.status_code == 404 and request.scope.get("route") is None:  # no route, not a handler's 404
+            return _unknown_route(app, request.url.path).response()
         kind = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, str(exc.detail), code=kind).response()
 
@@ -157,22 +203,24 @@ def create_app(engine: Engine) -> FastAPI:
     async def health():
         return engine.health()
 
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=metrics.content_type)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(engine)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        try:
-            ids = engine.chat_ids([m.plain() for m in req.messages])
-        except Exception as e:  # e.g. a template that refuses a role or an order of roles
-            raise APIError(400, f"The model's chat template refused these messages: {e}", param="messages",
-                           code="invalid_value") from None
+        check_supported(req)
+        rendered = _render(engine, req)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _serve(engine, req, request, ids, max_tokens, chat=True)
+        return await _serve(engine, req, request, rendered.ids, max_tokens, chat=True, rendered=rendered)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        check_supported(req)
         prompt = req.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
@@ -183,8 +231,26 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+def _render(engine: Engine, req: ChatRequest) -> Rendered:
+    """The request's prompt through the chat template, with its tools."""
+    try:
+        return engine.render([m.plain() for m in req.messages], req.tools, req.tool_choice)
+    except RedrafterError as e:  # a tool_choice that cannot be honoured
+        raise APIError(400, e.problem, param="tool_choice", code="invalid_value") from None
+    except Exception as e:  # e.g. a template that refuses a role or an order of roles
+        raise APIError(400, f"The model's chat template refused these messages: {e}", param="messages",
+                       code="invalid_value") from None
+
+
+def _unknown_route(app: FastAPI, path: str) -> APIError:
+    """A 404 naming ``path`` and the routes this server has."""
+    routes = sorted({r.path for r in app.routes if isinstance(r, APIRoute)})
+    return APIError(404, f"{path} is not supported by mlx-redrafter serve; supported: {', '.join(routes)}.",
+                    code="not_found")
+
+
 def _model_card(engine: Engine) -> dict:
-    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-redrafter"}
+    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-redrafter", **engine.card()}
 
 
 def _params(engine: Engine, req: _Generation, max_tokens: Optional[int]) -> GenParams:
@@ -194,7 +260,8 @@ def _params(engine: Engine, req: _Generation, max_tokens: Optional[int]) -> GenP
     return GenParams(max_tokens or engine.max_tokens, sampling, req.seed, stop)
 
 
-async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool):
+async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool,
+                 rendered: Optional[Rendered] = None):
     """Queue the request and answer it, streamed or whole."""
     if req.model is not None and req.model != engine.model_id:
         raise APIError(404, f"The model '{req.model}' does not exist here; this server serves '{engine.model_id}'.",
@@ -215,7 +282,8 @@ async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[i
         engine.submit(job)
     except QueueFull as e:
         raise APIError(503, f"The server is busy: {e} Retry later.", type="server_error", code="queue_full")
-    reply = _Reply(engine, job, chat, req)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    reply = Reply(engine, job, chat, include_usage, rendered, lambda e: _generation_error(e).body())
     if req.stream:
         return _CancellingStream(job, reply.sse(_events(events, job, request)), media_type="text/event-stream")
     try:
@@ -263,65 +331,3 @@ class _CancellingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
-
-
-class _Reply:
-    """Builds the response objects of one request (chat or completion)."""
-
-    def __init__(self, engine: Engine, job: Job, chat: bool, req: _Generation):
-        self.engine, self.job, self.chat = engine, job, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def _head(self, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_id}
-
-    def usage(self, res: Result) -> dict:
-        return {
-            "prompt_tokens": res.prompt_tokens,
-            "completion_tokens": res.completion_tokens,
-            "total_tokens": res.prompt_tokens + res.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": res.reused_tokens},
-        }
-
-    def whole(self, res: Result) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                      "logprobs": None, "finish_reason": res.finish_reason}
-        else:
-            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
-        return {**self._head(False), "choices": [choice], "usage": self.usage(res),
-                "redrafter": self.engine.stats(res)}
-
-    def _chunk(self, text: Optional[str] = None, finish: Optional[str] = None, role: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        out = {**self._head(True), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None  # as OpenAI: only the last chunk carries it
-        return out
-
-    async def sse(self, events: AsyncIterator[Tuple[str, object]]) -> AsyncIterator[str]:
-        """Server-sent events: chunks, the usage chunk when asked, ``[DONE]``."""
-        if self.chat:
-            yield _data(self._chunk(role=True))
-        async for kind, value in events:
-            if kind == "text":
-                yield _data(self._chunk(value))
-            elif kind == "error":
-                yield _data(_generation_error(value).body())
-                return
-            elif not value.cancelled:
-                yield _data({**self._chunk(finish=value.finish_reason), "redrafter": self.engine.stats(value)})
-                if self.include_usage:
-                    yield _data({**self._head(True), "choices": [], "usage": self.usage(value)})
-                yield "data: [DONE]\n\n"
-
-
-def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

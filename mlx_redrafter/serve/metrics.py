@@ -1,0 +1,105 @@
+"""``GET /metrics``: the server's counters in Prometheus' text format
+(``prometheus-client``, one :class:`~prometheus_client.CollectorRegistry`
+per app, so that several apps in one process do not share counters).
+
+Names (counters end in ``_total`` on the wire):
+
+* ``redrafter_requests_total{route,status}``: answered HTTP requests, by
+  route template (``unmatched`` for unknown paths) and status code;
+* ``redrafter_prompt_tokens_total``, ``redrafter_generated_tokens_total``;
+* ``redrafter_tokens_per_step``: a histogram of the tokens each step emitted;
+* ``redrafter_draft_tokens_accepted_total{source}``: emitted tokens that were
+  accepted drafts, by source (``drafter``, ``lookup``; later sources add labels);
+* ``redrafter_prompt_cache_hits_total``, ``redrafter_prompt_cache_reused_tokens_total``,
+  ``redrafter_prompt_cache_entries``, ``redrafter_prompt_cache_bytes``;
+* ``redrafter_queue_waiting``, ``redrafter_queue_running``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .engine import Engine, Result
+
+DRAFT_SOURCES = ("drafter", "lookup")  # labels shown from the start, at 0
+STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+class Metrics:
+    """The counters of one app, fed by the engine's listeners and by
+    :class:`RequestCounter` (every HTTP answer)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: Engine):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("redrafter_requests", "HTTP requests answered.", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("redrafter_prompt_tokens", "Prompt tokens of generations.", registry=r)
+        self.generated = Counter("redrafter_generated_tokens", "Tokens generated.", registry=r)
+        self.per_step = Histogram("redrafter_tokens_per_step", "Tokens emitted by one step (1 + accepted drafts).",
+                                  buckets=STEP_BUCKETS, registry=r)
+        self.accepted = Counter("redrafter_draft_tokens_accepted", "Emitted tokens that were accepted drafts.",
+                                ["source"], registry=r)
+        for source in DRAFT_SOURCES:
+            self.accepted.labels(source)
+        self.hits = Counter("redrafter_prompt_cache_hits", "Generations that reused a cached prompt prefix.",
+                            registry=r)
+        self.reused = Counter("redrafter_prompt_cache_reused_tokens", "Prompt tokens whose KV came from the cache.",
+                              registry=r)
+        cache, queue = engine.cache, engine.queue
+        Gauge("redrafter_prompt_cache_entries", "Sequences in the prompt cache.",
+              registry=r).set_function(lambda: cache.entries)
+        Gauge("redrafter_prompt_cache_bytes", "Bytes of the prompt cache's KV.",
+              registry=r).set_function(lambda: cache.nbytes)
+        Gauge("redrafter_queue_waiting", "Requests waiting for the model.",
+              registry=r).set_function(lambda: queue.status()["waiting"])
+        Gauge("redrafter_queue_running", "Requests being generated (0 or 1).",
+              registry=r).set_function(lambda: int(queue.status()["running"]))
+        engine.listeners.append(self.observe)
+
+    def observe(self, res: Result) -> None:
+        """Count one finished or cancelled generation (on the worker thread)."""
+        self.prompt_tokens.inc(res.prompt_tokens)
+        self.generated.inc(res.completion_tokens)
+        for n in res.step_tokens:
+            self.per_step.observe(n)
+        for source, n in res.drafted_by_source.items():
+            self.accepted.labels(source).inc(n)
+        if res.reused_tokens:
+            self.hits.inc()
+            self.reused.inc(res.reused_tokens)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+
+class RequestCounter:
+    """ASGI middleware counting every HTTP answer by route and status
+    (plain ASGI: a BaseHTTPMiddleware would hide client disconnects).
+    ``app.add_middleware(RequestCounter, metrics=...)``."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":  # counted as it starts: a client may ask right after
+                started.append(message["status"])
+                self._count(scope, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException:
+            if not started:  # an exception before any answer is a 500
+                self._count(scope, 500)
+            raise
+
+    def _count(self, scope, status: int) -> None:
+        route = getattr(scope.get("route"), "path", "unmatched")  # FastAPI puts the matched route here
+        self.metrics.requests.labels(route, str(status)).inc()

@@ -1,0 +1,102 @@
+"""The response objects of OpenAI's API for one request: a whole
+``chat.completion`` / ``text_completion``, or its server-sent events.
+
+With tools rendered (``Rendered.tools is not None``) the reply's text goes
+through a :class:`~mlx_redrafter.serve.tools.ToolCallStream`: content
+streams as ``content`` deltas, each call arrives as a ``tool_calls`` delta
+(with its ``index``) once its end marker is seen, and a reply that stopped
+after calls finishes with ``"tool_calls"``. Without tools the text is sent
+as generated, exactly what ``generate`` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator, Callable, List, Optional, Tuple
+
+from .engine import Engine, Job, Result
+from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message
+
+
+class Reply:
+    """Builds the response objects of one request (chat or completion).
+    ``error(exception) -> dict``: the error object of a failed generation."""
+
+    def __init__(self, engine: Engine, job: Job, chat: bool, include_usage: bool,
+                 rendered: Optional[Rendered], error: Callable[[BaseException], dict]):
+        self.engine, self.job, self.chat, self.error = engine, job, chat, error
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.tools: Optional[ToolCallStream] = rendered.stream() if rendered and rendered.tools is not None else None
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.engine.model_id}
+
+    def usage(self, res: Result) -> dict:
+        return {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.reused_tokens},
+        }
+
+    def whole(self, res: Result) -> dict:
+        if self.chat:
+            message, reason = {"role": "assistant", "content": res.text}, res.finish_reason
+            if self.tools is not None:
+                events = self.tools.feed(res.text) + self.tools.finish()
+                content = "".join(e for e in events if isinstance(e, str))
+                message = openai_message(content, self.tools.calls)
+                reason = finish_reason(res.finish_reason, self.tools.calls)
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
+        return {**self._head(False), "choices": [choice], "usage": self.usage(res),
+                "redrafter": self.engine.stats(res)}
+
+    def _chunk(self, delta: Optional[dict] = None, finish: Optional[str] = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": (delta or {}).get("content", ""), "logprobs": None, "finish_reason": finish}
+        out = {**self._head(True), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None  # as OpenAI: only the last chunk carries it
+        return out
+
+    def _deltas(self, text: str, last: bool = False) -> List[dict]:
+        """The deltas of the next text (``last``: the reply ended after it)."""
+        if self.tools is None:
+            return [{"content": text}] if text else []
+        events = self.tools.feed(text) + (self.tools.finish() if last else [])
+        return [openai_delta(e) for e in events if not isinstance(e, str) or e]
+
+    async def sse(self, events: AsyncIterator[Tuple[str, object]]) -> AsyncIterator[str]:
+        """Server-sent events: chunks, the usage chunk when asked, ``[DONE]``."""
+        if self.chat:
+            yield _data(self._chunk({"role": "assistant", "content": ""}))
+        async for kind, value in events:
+            if kind == "text":
+                for delta in self._deltas(value):
+                    yield _data(self._chunk(delta))
+            elif kind == "error":
+                yield _data(self.error(value))
+                return
+            elif not value.cancelled:
+                for delta in self._deltas("", last=True):  # what the parser held back
+                    yield _data(self._chunk(delta))
+                reason = value.finish_reason
+                if self.tools is not None:
+                    reason = finish_reason(reason, self.tools.calls)
+                yield _data({**self._chunk(finish=reason), "redrafter": self.engine.stats(value)})
+                if self.include_usage:
+                    yield _data({**self._head(True), "choices": [], "usage": self.usage(value)})
+                yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
