@@ -20,11 +20,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from helpers import VOCAB, random_drafter, tiny_model
-from mlx_redrafter.accept import Accepted, target_probs, walk_tree
-from mlx_redrafter.accept import _path as accept_path
+from mlx_redrafter.step.accept import Accepted, target_probs, walk_tree
+from mlx_redrafter.step.accept import _path as accept_path
 from mlx_redrafter.errors import RedrafterError
-from mlx_redrafter.generate import DraftConfig, SamplingConfig
-from mlx_redrafter.models import model_parts
+from mlx_redrafter.config import DraftConfig, SamplingConfig
+from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.step import grammar as grammar_mod
 from mlx_redrafter.step.constrained import constrained_steps
 from mlx_redrafter.step.grammar import compile_grammar, grammar_logits_processor, tree_masks
@@ -146,25 +146,25 @@ def test_tree_masks_prune_rejected_drafts_and_match_each_node():
 
 
 def test_default_model_greedy_equals_plain_constrained_decoding():
-    from mlx_redrafter.drafter import load_drafter
-    from mlx_redrafter.generate import encode_prompt
-    from mlx_redrafter.models import load_model
-    from mlx_redrafter.session import shipped_drafter_path
+    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.llm.load import load_model
+    from mlx_redrafter.llm.text import encode_prompt
+    from mlx_redrafter.runtime import shipped_drafter_path
 
     llm, tokenizer = load_model("default")
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                                "year": {"type": "integer"}}, "required": ["name", "year"]}
     grammar = compile_grammar(tokenizer, schema, vocab_size=llm.args.vocab_size)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Give the name and birth year of Ada Lovelace as JSON."}],
         add_generation_prompt=True, tokenize=False)
     prompt = encode_prompt(tokenizer, text)
-    ref = reference(llm, prompt, grammar, 60)
+    ref = reference(llm, prompt, grammar, 40)
     assert ref[-1] in grammar.eos_ids
     check_valid(ref, schema, tokenizer.decode(ref[:-1]), grammar.eos_ids)
     drafter = load_drafter(shipped_drafter_path("default"))
     for draft in (DraftConfig(drafter, 2, 2), DraftConfig(None, lookup=1), DraftConfig(drafter, 2, 2, lookup=1)):
-        assert speculative(llm, prompt, grammar, draft, 60) == ref
+        assert speculative(llm, prompt, grammar, draft, 40) == ref
 
 
 # --------------------------------------------------------------------------- sampling

@@ -22,9 +22,9 @@ from typing import List, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..accept import Accepted, accept_greedy, accept_sampling
 from ..errors import RedrafterError
-from ..tree import PAD
+from .accept import Accepted, accept_greedy, accept_sampling
+from .tree import PAD
 
 ANY_JSON = {"type": "object"}  # spec "json": any JSON object, as OpenAI's json_object mode
 _LLTOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -86,7 +86,10 @@ class Grammar:
 def _definition(spec) -> str:
     llg = _llguidance()
     if isinstance(spec, dict):
-        return llg.LLMatcher.grammar_from_json_schema(spec)
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(spec)
+        except (TypeError, ValueError) as e:  # e.g. a value JSON cannot hold
+            raise RedrafterError(f"Invalid JSON Schema: {e}.", "Give a JSON Schema made of JSON values.") from e
     if spec == "json":
         return llg.LLMatcher.grammar_from_json_schema(ANY_JSON)
     if isinstance(spec, str):
@@ -96,6 +99,22 @@ def _definition(spec) -> str:
         'Give a JSON Schema (a dict), "json" for any JSON object, or an llguidance grammar '
         '(e.g. llguidance.grammar_from("lark", text)).',
     )
+
+
+def check_grammar(spec, tokenizer=None) -> str:
+    """The llguidance grammar of ``spec`` (see :func:`compile_grammar`),
+    validated; without a ``tokenizer`` (an llguidance one) it checks the
+    schema alone, before any model is loaded. An invalid schema or an
+    unsupported feature raises :class:`RedrafterError` naming it."""
+    llg = _llguidance()
+    definition = _definition(spec)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(definition, tokenizer)
+    if is_error:
+        what = "JSON Schema" if isinstance(spec, dict) or spec == "json" else "grammar"
+        raise RedrafterError(f"Invalid {what}: {'; '.join(m.strip() for m in messages)}.",
+                             f"Fix the {what}; supported JSON Schema features: "
+                             "https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md")
+    return definition
 
 
 def compile_grammar(tokenizer, spec, vocab_size: int = None) -> Grammar:
@@ -109,16 +128,14 @@ def compile_grammar(tokenizer, spec, vocab_size: int = None) -> Grammar:
     """
     if isinstance(spec, Grammar):
         return spec
-    llg = _llguidance()
     ll = _ll_tokenizer(tokenizer)
-    definition = _definition(spec)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(definition, ll)
-    if is_error:
-        what = "JSON Schema" if isinstance(spec, dict) or spec == "json" else "grammar"
-        raise RedrafterError(f"Invalid {what}: {'; '.join(messages)}.",
-                             f"Fix the {what}; supported JSON Schema features: "
-                             "https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md")
-    return Grammar(ll, definition, int(vocab_size or ll.vocab_size))
+    return Grammar(ll, check_grammar(spec, ll), int(vocab_size or ll.vocab_size))
+
+
+def compile_for_model(model, tokenizer, spec) -> Grammar:
+    """:func:`compile_grammar` with the masks as wide as ``model``'s vocabulary
+    (mlx-lm models say it in ``args.vocab_size``; else the tokenizer's)."""
+    return compile_grammar(tokenizer, spec, getattr(getattr(model, "args", None), "vocab_size", None))
 
 
 class Matcher:
