@@ -28,6 +28,7 @@ from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
 from ..llm.text import encode_prompt
 from ..prompts import chat_prompt_ids
+from ..step.grammar import compile_for_model
 from ..responses import Tally
 
 
@@ -43,6 +44,7 @@ class GenParams:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
+    grammar: object = None  # a compiled Grammar (Engine.grammar): structured output
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Result:
     reused_tokens: int = 0  # prompt tokens whose KV came from the previous request
     tally: Tally = field(default_factory=Tally)
     cancelled: bool = False
+    structured: bool = False  # the reply was constrained by a grammar
+    incomplete: bool = False  # ...and ended before the grammar was complete (the JSON will not parse)
 
     @property
     def completion_tokens(self) -> int:
@@ -177,6 +181,11 @@ class Engine:
     def text_ids(self, prompt: str) -> List[int]:
         return encode_prompt(self.rt.tokenizer, prompt)
 
+    def grammar(self, spec):
+        """``spec`` (a JSON Schema, ``"json"``...) compiled for the model; a
+        :class:`RedrafterError` names what is wrong with it."""
+        return compile_for_model(self.rt.model, self.rt.tokenizer, spec)
+
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
         return self.rt.draft.margin
@@ -219,7 +228,7 @@ class Engine:
     def _run(self, job: Job) -> Result:
         """Generate one job's reply on the worker thread."""
         ids = job.ids
-        res = Result(prompt_tokens=len(ids))
+        res = Result(prompt_tokens=len(ids), structured=job.params.grammar is not None)
         generated: List[int] = []
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
         try:
@@ -228,7 +237,7 @@ class Engine:
             stream = stream_generate(
                 self.rt.model, self.rt.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
                 lookup_context=ids[:res.reused_tokens], draft=self.rt.draft, sampling=p.sampling,
-                max_tokens=p.max_tokens, seed=p.seed, stop=p.stop,
+                max_tokens=p.max_tokens, seed=p.seed, stop=p.stop, grammar=p.grammar,
             )
             try:
                 for r in stream:
@@ -237,7 +246,7 @@ class Engine:
                     else:  # the EOS response emits no token
                         eos = [r.token]
                     res.text += r.text
-                    res.finish_reason = r.finish_reason
+                    res.finish_reason, res.incomplete = r.finish_reason, r.incomplete
                     if r.text:
                         job.emit("text", r.text)
                     if job.cancelled.is_set():  # the client left: stop at this step
@@ -273,6 +282,7 @@ class Engine:
             "prompt_tokens_reused": res.reused_tokens,
             "prompt_tokens_prefilled": res.prompt_tokens - res.reused_tokens,
             "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
+            "structured": {"complete": not res.incomplete} if res.structured else None,
         }
 
     def health(self) -> dict:
