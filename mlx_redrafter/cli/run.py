@@ -56,7 +56,7 @@ def generate(
     print()
     if tally.last is not None and tally.last.incomplete:
         err.print(f"[bold yellow]Warning:[/bold yellow] the reply stopped ({tally.last.finish_reason}) before the "
-                  f"JSON was complete: it will not parse. Raise --max-tokens (now {max_tokens}).")
+                  f"JSON was complete: it will not parse. Raise --max-tokens (now {max_tokens}).", soft_wrap=True)
     err.print(f"[dim]{tally.summary()}[/dim]")
 
 
