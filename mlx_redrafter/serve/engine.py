@@ -28,8 +28,8 @@ from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
 from ..llm.text import encode_prompt
 from ..prompts import chat_prompt_ids
-from ..step.grammar import compile_for_model
 from ..responses import Tally
+from ..step.grammar import compile_for_model
 
 
 class QueueFull(Exception):
