@@ -153,7 +153,8 @@ def test_default_model_greedy_equals_plain_constrained_decoding():
 
     llm, tokenizer = load_model("default")
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                               "year": {"type": "integer"}}, "required": ["name", "year"]}
+                                               "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
+              "required": ["name", "year"], "additionalProperties": False}  # about 23 tokens
     grammar = compile_grammar(tokenizer, schema, vocab_size=llm.args.vocab_size)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Give the name and birth year of Ada Lovelace as JSON."}],
