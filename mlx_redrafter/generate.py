@@ -5,6 +5,20 @@ built-in), checks it, and runs the step iterator that step/dispatch.py picks
 (plain decoding, or the pipelined or synchronous ReDrafter loop). This module
 turns the steps' tokens into text: EOS, stop strings and ``max_tokens`` end
 the output exactly, even in the middle of an accepted run.
+
+Structured output (``grammar=``): a JSON Schema (dict), ``"json"`` for any
+JSON object, an llguidance grammar (a Lark string, or
+``llguidance.grammar_from(...)``'s JSON) or a compiled
+:class:`~mlx_redrafter.step.grammar.Grammar`; an invalid one raises
+:class:`RedrafterError` naming the problem. The tokens equal plain decoding
+with the grammar's mask applied at every step (token for token when greedy,
+in distribution when sampling). Drafting under a grammar runs the
+synchronous constrained loop (step/constrained.py: each step's masks need
+the previous step's tokens on the host); the controller and ``timings`` do
+not apply. The output ends when the grammar is complete (``finish_reason
+"stop"``); cut earlier (``max_tokens``: ``"length"``, or a stop string), the
+last response has ``incomplete=True``: the JSON will not parse, and
+:func:`generate` warns.
 """
 
 from __future__ import annotations
@@ -23,6 +37,10 @@ from .llm.parts import context_limit
 from .llm.text import prompt_array, wrap_tokenizer
 from .responses import RedrafterResponse, StopMatcher
 from .step.dispatch import token_steps
+from .step.grammar import compile_for_model
+
+INCOMPLETE = ("The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
+              "the JSON is incomplete. Raise max_tokens.")
 
 __all__ = ["DraftConfig", "RedrafterResponse", "SamplingConfig", "generate", "generate_tokens",
            "stream_generate", "trim_cache"]
@@ -60,6 +78,19 @@ def _refuse_both(given, what: str, **loose) -> None:
         raise RedrafterError(f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it.")
 
 
+def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loose_draft: dict):
+    """``(SamplingConfig, DraftConfig)`` of a call: the resolved ones given, else the loose keywords'."""
+    _refuse_both(sampling, "sampling", **loose_sampling)
+    sampling = sampling or SamplingConfig(**loose_sampling)
+    if max_tokens < 1:
+        raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
+    _refuse_both(draft, "draft", **loose_draft)
+    d = loose_draft
+    draft = draft or library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"], warp=d["warp"],
+                                   controller=d["controller"])
+    return sampling, draft
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -84,6 +115,7 @@ def stream_generate(
     timings: bool = False,
     draft: Optional[DraftConfig] = None,
     sampling: Optional[SamplingConfig] = None,
+    grammar=None,
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
@@ -145,29 +177,31 @@ def stream_generate(
             exactly); :func:`trim_cache` brings it to a known length.
         timings: add syncs to split the step time into pack / verify /
             accept / draft (``profile=`` is its deprecated old name).
+        grammar: structured output: a JSON Schema dict, ``"json"`` (any JSON
+            object), a Lark grammar string or a compiled grammar (see
+            :mod:`mlx_redrafter.step.grammar`); drafting then runs in the
+            synchronous loop, and the last response's ``incomplete=True`` says
+            when ``max_tokens`` or a stop string cut the output short.
 
     Bad arguments raise :class:`RedrafterError` (a ``ValueError``).
     """
     timings = _timings(timings, profile)
-    _refuse_both(sampling, "sampling", temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
-    sampling = sampling or SamplingConfig(temp, top_p, min_p, top_k)
-    if max_tokens < 1:
-        raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
-    _refuse_both(draft, "draft", drafter=drafter, beam_width=beam_width, beam_length=beam_length, warp=warp,
-                 controller=controller, lookup=lookup)
-    draft = draft or library_draft(model, drafter, beam_width, beam_length, lookup, warp=warp, controller=controller)
+    sampling, draft = _configs(model, sampling, draft, max_tokens, dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
+                               dict(drafter=drafter, beam_width=beam_width, beam_length=beam_length, lookup=lookup, warp=warp, controller=controller))
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)
     if seed is not None:
         mx.random.seed(seed)
+    grammar = None if grammar is None else compile_for_model(model, tokenizer, grammar)
     steps = token_steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, timings=timings,
-                        history=lookup_context)
-    yield from _stream_text(tokenizer, steps, prompt.size, max_tokens, stop)
+                        history=lookup_context, grammar=grammar)
+    yield from _stream_text(tokenizer, steps, prompt.size, max_tokens, stop, structured=grammar is not None)
 
 
-def _stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Sequence[str]):
-    """The responses of a stream of steps: text, EOS, stop strings, ``max_tokens``."""
+def _stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Sequence[str], structured=False):
+    """The responses of a stream of steps: text, EOS, stop strings, ``max_tokens``
+    (``structured``: a grammar's output, incomplete unless EOS ends it)."""
     detok = tokenizer.detokenizer
     detok.reset()
     matcher = StopMatcher(stop)
@@ -182,6 +216,7 @@ def _stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Se
             text=text, token=token, logprobs=None, from_draft=from_draft, prompt_tokens=prompt_tokens,
             prompt_tps=prompt_tps, generation_tokens=n, generation_tps=n / elapsed if n > 1 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, stats=stats,
+            incomplete=structured and finish is not None and token not in eos,
         )
 
     try:
@@ -220,15 +255,17 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     other keyword is :func:`stream_generate`'s: ``drafter``, ``beam_width``,
     ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
     ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
-    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``.
+    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``.
     """
-    text = ""
+    text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):
         if verbose:
             print(r.text, end="", flush=True)
         text += r.text
     if verbose:
         print()
+    if r is not None and r.incomplete:
+        warnings.warn(INCOMPLETE, stacklevel=2)
     return text
 
 

@@ -22,6 +22,10 @@ class RedrafterResponse(GenerationResponse):
     that produced ``token``."""
 
     stats: StepStats = field(default_factory=StepStats)
+    # Structured output only: True on the last response when the output ended
+    # (max_tokens, a stop string) before its grammar was complete, so the
+    # JSON will not parse.
+    incomplete: bool = False
 
 
 class StopMatcher:

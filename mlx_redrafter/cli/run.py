@@ -33,22 +33,57 @@ def generate(
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     dtype: Optional[str] = DtypeOpt,
     adaptive: bool = AdaptiveOpt,
+    json_any: bool = typer.Option(False, "--json", help="Constrain the reply to a JSON object."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the reply to this JSON Schema (a file)."),
 ):
-    """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter)."""
+    """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter).
+
+    With --json or --json-schema the reply is structured output (exactly
+    plain constrained decoding; drafting runs the synchronous loop)."""
     from ..generate import stream_generate
     from ..responses import Tally
 
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
+    grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
     rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(rt.model, rt.tokenizer, full, max_tokens=max_tokens, seed=seed, stop=stop,
-                             draft=rt.draft, sampling=sampling):
+                             draft=rt.draft, sampling=sampling, grammar=grammar):
         print(r.text, end="", flush=True)
         tally.add(r)
     print()
+    if tally.last is not None and tally.last.incomplete:
+        err.print(f"[bold yellow]Warning:[/bold yellow] the reply stopped ({tally.last.finish_reason}) before the "
+                  f"JSON was complete: it will not parse. Raise --max-tokens (now {max_tokens}).", soft_wrap=True)
     err.print(f"[dim]{tally.summary()}[/dim]")
+
+
+def _grammar(json_any: bool, schema_file: Optional[Path]):
+    """The grammar of --json / --json-schema (None: free text), checked before the model loads."""
+    import json
+
+    from ..step.grammar import check_grammar
+
+    if json_any and schema_file is not None:
+        raise RedrafterError("Give either --json or --json-schema, not both.",
+                             "--json-schema FILE already makes the reply JSON.")
+    if schema_file is None:
+        return "json" if json_any else None
+    try:
+        schema = json.loads(Path(schema_file).read_text())
+    except OSError as e:
+        raise RedrafterError(f"Cannot read the JSON Schema file {schema_file}: {e.strerror}.",
+                             "Check the --json-schema path.") from None
+    except ValueError as e:
+        raise RedrafterError(f"The JSON Schema file {schema_file} is not valid JSON: {e}.",
+                             "Fix the file.") from None
+    if not isinstance(schema, dict):
+        raise RedrafterError(f"The JSON Schema in {schema_file} is not an object (it is {type(schema).__name__}).",
+                             'Give a schema such as {"type": "object", "properties": {...}}.')
+    check_grammar(schema)
+    return schema
 
 
 @app.command()

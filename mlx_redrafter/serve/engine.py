@@ -31,6 +31,7 @@ from ..llm.text import encode_prompt
 from ..prompts import chat_prompt_ids
 from ..responses import Tally
 from .tools import Rendered, render, tool_format
+from ..step.grammar import compile_for_model
 
 
 class QueueFull(Exception):
@@ -45,6 +46,7 @@ class GenParams:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
+    grammar: object = None  # a compiled Grammar (Engine.grammar): structured output
 
 
 @dataclass
@@ -59,6 +61,8 @@ class Result:
     cancelled: bool = False
     step_tokens: List[int] = field(default_factory=list)  # tokens emitted by each step
     drafted_by_source: Dict[str, int] = field(default_factory=dict)  # accepted draft tokens by source
+    structured: bool = False  # the reply was constrained by a grammar
+    incomplete: bool = False  # ...and ended before the grammar was complete (the JSON will not parse)
 
     @property
     def completion_tokens(self) -> int:
@@ -194,6 +198,10 @@ class Engine:
         """What ``/v1/models`` says of the model beside its id."""
         return {"context_length": context_limit(self.rt.model) or None, "tools": True,
                 "tool_format": tool_format(self.rt.tokenizer).name}
+    def grammar(self, spec):
+        """``spec`` (a JSON Schema, ``"json"``...) compiled for the model; a
+        :class:`RedrafterError` names what is wrong with it."""
+        return compile_for_model(self.rt.model, self.rt.tokenizer, spec)
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
@@ -237,7 +245,7 @@ class Engine:
     def _run(self, job: Job) -> Result:
         """Generate one job's reply on the worker thread."""
         ids = job.ids
-        res = Result(prompt_tokens=len(ids))
+        res = Result(prompt_tokens=len(ids), structured=job.params.grammar is not None)
         generated: List[int] = []
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
         try:
@@ -246,7 +254,7 @@ class Engine:
             stream = stream_generate(
                 self.rt.model, self.rt.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
                 lookup_context=ids[:res.reused_tokens], draft=self.rt.draft, sampling=p.sampling,
-                max_tokens=p.max_tokens, seed=p.seed, stop=p.stop,
+                max_tokens=p.max_tokens, seed=p.seed, stop=p.stop, grammar=p.grammar,
             )
             try:
                 for r in stream:
@@ -255,7 +263,7 @@ class Engine:
                     else:  # the EOS response emits no token
                         eos = [r.token]
                     res.text += r.text
-                    res.finish_reason = r.finish_reason
+                    res.finish_reason, res.incomplete = r.finish_reason, r.incomplete
                     if r.text:
                         job.emit("text", r.text)
                     if job.cancelled.is_set():  # the client left: stop at this step
@@ -265,12 +273,10 @@ class Engine:
         except BaseException:
             self.cache.discard()
             raise
-        if res.finish_reason is None:
-            # Cancelled mid-reply: the working cache may hold part of a verification.
-            res.cancelled = True
-            self.cache.discard()
-        else:
-            self.cache.settle(ids + generated + eos)
+        # Cancelled mid-reply too: the closed step loop left the cache holding a
+        # prefix of the prompt + the verified tokens (as in the chat after Ctrl-C).
+        res.cancelled = res.finish_reason is None
+        self.cache.settle(ids + generated + eos)
         for listener in self.listeners:
             listener(res)
         job.emit("done", res)
@@ -293,6 +299,7 @@ class Engine:
             "prompt_tokens_reused": res.reused_tokens,
             "prompt_tokens_prefilled": res.prompt_tokens - res.reused_tokens,
             "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
+            "structured": {"complete": not res.incomplete} if res.structured else None,
         }
 
     def health(self) -> dict:

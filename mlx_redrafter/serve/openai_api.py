@@ -8,6 +8,10 @@ Errors are OpenAI's error objects; a field we do not support yet is a 400
 naming it (:func:`check_supported`), an unknown route a 404 listing the
 supported ones. Responses add one field standard clients ignore,
 ``redrafter``: the drafting stats.
+``response_format`` (``text``, ``json_object``, ``json_schema``) makes the
+reply structured output; cut by ``max_tokens`` (``finish_reason
+"length"``) it is incomplete JSON, and ``redrafter.structured.complete``
+says so.
 """
 
 from __future__ import annotations
@@ -84,6 +88,32 @@ class Message(_Request):
         return out
 
 
+class JSONSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted;
+    the schema is always enforced."""
+
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    def grammar(self):
+        """The grammar spec this format asks for (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return "json"
+        if self.json_schema is None:
+            raise APIError(400, "response_format of type 'json_schema' needs a 'json_schema' object.",
+                           param="response_format.json_schema", code="missing_required_parameter")
+        return self.json_schema.schema_ if self.json_schema.schema_ is not None else "json"
+
+
 class _Generation(_Request):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -97,6 +127,7 @@ class _Generation(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(None, ge=1)
+    response_format: Optional[ResponseFormat] = None
 
 
 class ChatRequest(_Generation):
@@ -148,7 +179,6 @@ def check_supported(req: _Generation) -> None:
         "n": (req.n or 1) > 1,
         "logprobs": getattr(req, "logprobs", None) not in (None, False),
         "top_logprobs": bool(getattr(req, "top_logprobs", None)),
-        "response_format": getattr(req, "response_format", None) not in (None, {"type": "text"}),
     }
     for name, asked in unsupported.items():
         if asked:
@@ -253,11 +283,22 @@ def _model_card(engine: Engine) -> dict:
     return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-redrafter", **engine.card()}
 
 
-def _params(engine: Engine, req: _Generation, max_tokens: Optional[int]) -> GenParams:
+def _params(engine: Engine, req: _Generation, max_tokens: Optional[int], grammar=None) -> GenParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     asked = {"temp": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p}
     sampling = replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
-    return GenParams(max_tokens or engine.max_tokens, sampling, req.seed, stop)
+    return GenParams(max_tokens or engine.max_tokens, sampling, req.seed, stop, grammar)
+
+
+async def _grammar(engine: Engine, req: _Generation):
+    """The request's compiled grammar (None: free text); a bad schema is a 400 naming the problem."""
+    spec = req.response_format.grammar() if req.response_format is not None else None
+    if spec is None:
+        return None
+    try:  # off the event loop: the first compile builds the tokenizer's index (about a second)
+        return await asyncio.to_thread(engine.grammar, spec)
+    except RedrafterError as e:
+        raise APIError(400, e.problem, param="response_format", code="invalid_value") from None
 
 
 async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool,
@@ -274,8 +315,9 @@ async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[i
 
     if not ids:
         raise APIError(400, "The prompt is empty.", param="messages" if chat else "prompt", code="invalid_value")
+    grammar = await _grammar(engine, req)
     try:
-        job = engine.job(ids, _params(engine, req, max_tokens), emit)
+        job = engine.job(ids, _params(engine, req, max_tokens, grammar), emit)
     except RedrafterError as e:
         raise APIError(400, e.problem, param="messages" if chat else "prompt", code="context_length_exceeded")
     try:

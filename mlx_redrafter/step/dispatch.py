@@ -1,5 +1,7 @@
 """Which step loop runs a generation: plain mlx-lm decoding, the pipelined
-ReDrafter loop (the default), or the synchronous one.
+ReDrafter loop (the default), or the synchronous one; under a grammar
+(structured output), plain constrained decoding or the synchronous
+constrained loop (constrained.py).
 
 Every loop yields :class:`~mlx_redrafter.step.protocol.StepTokens`: the
 first token (from the prompt), then ``accepted drafts + the LLM's own next
@@ -17,6 +19,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..config import DraftConfig, SamplingConfig
 from ..llm.cache import check_cache
+from .constrained import constrained_steps
+from .grammar import Grammar, grammar_logits_processor
 from .pipelined import pipelined_steps
 from .protocol import StepStats, StepTokens
 from .synchronous import synchronous_steps
@@ -66,26 +70,42 @@ def redrafter_steps(
                                      history=history)
 
 
-def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None) -> Iterator[StepTokens]:
-    """Plain mlx-lm decoding (``generate_step``), one token per step."""
+def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None,
+                grammar: Optional[Grammar] = None) -> Iterator[StepTokens]:
+    """Plain mlx-lm decoding (``generate_step``), one token per step; with a
+    ``grammar``, its mask is a logits processor (plain constrained decoding,
+    the reference the constrained loop equals) and the stream ends after
+    the grammar's EOS."""
     from mlx_lm.sample_utils import make_sampler
 
     sampling = sampling or SamplingConfig()
     sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    processors = [grammar_logits_processor(grammar)] if grammar is not None else None
+    eos = set(grammar.eos_ids) if grammar is not None else ()
     tic = time.perf_counter()
-    for i, (token, _) in enumerate(
-        generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache)
-    ):
+    for i, (token, _) in enumerate(generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache,
+                                                 logits_processors=processors)):
         now = time.perf_counter()
         yield StepTokens([int(token)], [False], StepStats(i, 0, 1, now - tic, i + 1))
         tic = now
+        if int(token) in eos:
+            return
 
 
 def token_steps(model, prompt: mx.array, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig,
-                timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+                timings: bool = False, history: Sequence[int] = (),
+                grammar: Optional[Grammar] = None) -> Iterator[StepTokens]:
     """The step iterator of a generation: ReDrafter's, or plain decoding's
-    when nothing drafts. ``prompt_cache=None``: a fresh cache."""
+    when nothing drafts. ``prompt_cache=None``: a fresh cache. A compiled
+    ``grammar`` constrains the output: plain constrained decoding when
+    nothing drafts, else the synchronous constrained loop (its masks need
+    each step's tokens on the host before the next tree is built; the
+    pipelined loop and the controller do not run under a grammar)."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if grammar is not None:
+        if not draft.drafting:
+            return plain_steps(model, prompt, cache, sampling, grammar)
+        return constrained_steps(model, prompt, cache, draft, sampling, grammar, history)
     if not draft.drafting:
         return plain_steps(model, prompt, cache, sampling)
     return redrafter_steps(model, prompt, cache, draft=draft, sampling=sampling, timings=timings, history=history)
