@@ -208,7 +208,6 @@ def test_metrics_move_with_traffic(served, client):
 
 UNSUPPORTED = [
     ("n", {"n": 2}), ("logprobs", {"logprobs": True}), ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
 ]
 
 
