@@ -127,8 +127,9 @@ def serve(
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
+    no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) and a chat page at /."""
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
@@ -147,8 +148,9 @@ def serve(
     from ..serve import Engine
 
     rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    app_ = create_app(Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size))
-    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
+    app_ = create_app(Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size), ui=not no_ui)
+    page = "" if no_ui else f", chat page at http://{host}:{port}/"
+    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 

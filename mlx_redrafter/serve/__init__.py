@@ -5,6 +5,6 @@
 * openai_api.py: the HTTP layer (FastAPI; the ``server`` extra).
 """
 
-from .engine import Engine, GenParams, Job, JobQueue, QueueFull, Result
+from .engine import Engine, GenParams, Job, JobQueue, Piece, QueueFull, Result, token_source
 
-__all__ = ["Engine", "GenParams", "Job", "JobQueue", "QueueFull", "Result"]
+__all__ = ["Engine", "GenParams", "Job", "JobQueue", "Piece", "QueueFull", "Result", "token_source"]

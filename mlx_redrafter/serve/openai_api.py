@@ -3,8 +3,11 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST
 /v1/completions`` (both streamed as server-sent events when ``stream`` is
-true) and ``GET /health``. Errors are OpenAI's error objects. Responses add
-one field standard clients ignore, ``redrafter``: the drafting stats.
+true) and ``GET /health``; ``GET /`` is the chat page (``ui=False`` turns it
+off). Errors are OpenAI's error objects. Responses add fields standard
+clients ignore: ``redrafter`` (the drafting stats) on a reply and its last
+streamed chunk, ``x_redrafter`` (each token's source, see
+:class:`~mlx_redrafter.serve.engine.Piece`) on each streamed chunk with text.
 """
 
 from __future__ import annotations
@@ -15,16 +18,21 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import AsyncIterator, List, Literal, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import RedrafterError
 from .engine import Engine, GenParams, Job, QueueFull, Result
+
+# The chat page's static files (package data: no build step, no CDN).
+UI_DIR = Path(__file__).resolve().parent / "ui"
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -123,8 +131,9 @@ def _generation_error(e: BaseException) -> APIError:
 # --------------------------------------------------------------------------- the app
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI app serving ``engine`` (its worker runs with the app)."""
+def create_app(engine: Engine, ui: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine`` (its worker runs with the app),
+    with the chat page at ``/`` unless ``ui`` is False."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -180,7 +189,19 @@ def create_app(engine: Engine) -> FastAPI:
             prompt = prompt[0]
         return await _serve(engine, req, request, engine.text_ids(prompt), req.max_tokens, chat=False)
 
+    if ui:
+        mount_ui(app)
     return app
+
+
+def mount_ui(app: FastAPI, folder: Path = UI_DIR) -> None:
+    """Serve the chat page at ``/`` and its files under ``/ui/``."""
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(folder / "index.html")
+
+    app.mount("/ui", StaticFiles(directory=folder), name="ui")
 
 
 def _model_card(engine: Engine) -> dict:
@@ -222,7 +243,7 @@ async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[i
         text, result = "", None
         async for kind, value in _events(events, job, request):
             if kind == "text":
-                text += value
+                text += value.text
             elif kind == "error":
                 raise _generation_error(value)
             else:
@@ -312,7 +333,7 @@ class _Reply:
             yield _data(self._chunk(role=True))
         async for kind, value in events:
             if kind == "text":
-                yield _data(self._chunk(value))
+                yield _data({**self._chunk(value.text), "x_redrafter": value.extension()})
             elif kind == "error":
                 yield _data(_generation_error(value).body())
                 return
