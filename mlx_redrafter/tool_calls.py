@@ -1,0 +1,407 @@
+"""Tool calling for ``serve``: tools into the prompt, tool calls out of the reply.
+
+Models whose chat template supports tools (mlx-lm's tokenizer wrapper then
+names a parser from ``mlx_lm.tool_parsers``) get the tools through
+``apply_chat_template(..., tools=...)`` and their replies are parsed by that
+parser. Every other model (the default SmolLM2 among them) gets the
+**generic format**: the tools go into the system message as JSON schemas,
+with the instruction to answer a call as one line
+
+    <tool_call>{"name": "<function name>", "arguments": {<JSON object>}}</tool_call>
+
+which is the format of mlx-lm's ``json_tools`` parser, so that parser reads
+it. In that format, earlier calls are rendered into the assistant message as
+the same lines, and tool results as a user message of
+``<tool_response>{"name": ..., "content": ...}</tool_response>`` lines.
+
+``tool_choice`` ``"required"`` or a named function forces a call by
+prefilling the reply with the call's opening (for a named function, up to
+and including the name), so the model writes only the arguments.
+
+:class:`ToolCallStream` splits streamed text into content and calls with
+mlx-lm's ``TextStateMachine``: text that may be the start of a marker is held
+back, so markers never reach the content. A call the parser cannot read
+(e.g. arguments that are not JSON) comes back as content, without its
+markers, and a warning is logged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from mlx_lm.generate import TextStateMachine
+from mlx_lm.tool_parsers import json_tools
+
+from .errors import RedrafterError
+from .generate import encode_prompt
+from .prompts import render_messages
+
+log = logging.getLogger(__name__)
+
+GENERIC = "generic"
+GENERIC_INSTRUCTIONS = (
+    "You can call functions. Their JSON schemas are listed in <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with one line per call, the arguments as a JSON object:\n"
+    '<tool_call>{{"name": "function_name", "arguments": {{"argument_name": "value"}}}}</tool_call>\n'
+    "The results come back in <tool_response></tool_response>."
+)
+
+# The opening of a call to {name}, as each format's template writes a call;
+# a forced call is prefilled up to the name (required) or through it (named).
+_OPENINGS = {
+    GENERIC: '<tool_call>{{"name": "{name}", "arguments": ',
+    "json_tools": '<tool_call>\n{{"name": "{name}", "arguments": ',
+    "qwen3_coder": "<tool_call>\n<function={name}>\n",
+    "glm47": "<tool_call>{name}",
+    "function_gemma": "<start_function_call>call:{name}{{",
+    "pythonic": "<|tool_call_start|>[{name}(",
+    "mistral": "[TOOL_CALLS]{name}[ARGS]",
+    "mistral_json": '[TOOL_CALLS][{{"name": "{name}", "arguments": ',
+}
+
+Message = Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model writes tool calls.
+
+    ``name`` is ``"generic"`` or the mlx-lm parser module's name; ``native``
+    says whether the chat template renders the tools itself.
+    """
+
+    name: str
+    start: str
+    end: str
+    parser: Callable[[str, Optional[list]], Any]
+    native: bool
+    opening: Optional[str] = None  # the _OPENINGS entry; None: forced calls prefill only ``start``
+
+    def prefill(self, function: Optional[str] = None) -> str:
+        """The reply's forced opening: a call (``function=None``) or a call to ``function``."""
+        if self.opening is None:
+            return self.start
+        if function is None:
+            return self.opening.split("{name}")[0].format()
+        return self.opening.format(name=function)
+
+
+GENERIC_FORMAT = ToolFormat(GENERIC, json_tools.tool_call_start, json_tools.tool_call_end,
+                            json_tools.parse_tool_call, native=False, opening=_OPENINGS[GENERIC])
+
+
+def parser_format(name: str, opening: Optional[str] = None) -> ToolFormat:
+    """The format of the mlx-lm parser ``mlx_lm.tool_parsers.<name>``
+    (``opening``: the _OPENINGS key, when it is not ``name``)."""
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    return ToolFormat(name, module.tool_call_start, module.tool_call_end or "", module.parse_tool_call,
+                      native=True, opening=_OPENINGS.get(opening or name))
+
+
+def tool_format(tokenizer) -> ToolFormat:
+    """The tool format of ``tokenizer``: its template's (the parser mlx-lm's
+    wrapper chose from it) or the generic one."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return GENERIC_FORMAT
+    name = tokenizer.tool_parser.__module__.rsplit(".", 1)[-1]
+    opening = None
+    if name == "mistral" and "[ARGS]" not in str(tokenizer.chat_template):
+        opening = "mistral_json"  # older Mistral templates write a JSON list of calls
+    return parser_format(name, opening)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@dataclass
+class Rendered:
+    """A chat prompt with its tools: the ids to generate from (prefill
+    included), and what parsing the reply needs.
+
+    Parse the reply only when ``tools`` is not None (tools were rendered):
+    without tools it is plain text, exactly as ``generate`` returns it.
+    """
+
+    ids: List[int]
+    text: str
+    prefill: str
+    format: ToolFormat
+    tools: Optional[list]  # the tools rendered; None when none
+
+    def stream(self) -> "ToolCallStream":
+        """A parser for the reply that follows ``ids`` (it has read the prefill)."""
+        return ToolCallStream(self.format, self.tools, self.prefill)
+
+
+def check_tool_choice(tools: Optional[list], tool_choice) -> Optional[str]:
+    """The tool_choice as ``"auto"``, ``"none"``, ``"required"`` or a function
+    name; a :class:`RedrafterError` for one that cannot be honoured."""
+    names = [t.get("function", {}).get("name") for t in tools or []]
+    if tool_choice is None:
+        return "auto" if names else "none"
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise RedrafterError(f"tool_choice {tool_choice!r} is not a function choice.",
+                                 'Use {"type": "function", "function": {"name": ...}}.')
+        if name not in names:
+            raise RedrafterError(f"tool_choice names the function {name!r}, which is not among the tools {names}.",
+                                 "Name one of the functions sent in 'tools'.")
+        return name
+    if tool_choice not in ("auto", "none", "required"):
+        raise RedrafterError(f"tool_choice {tool_choice!r} is not supported.",
+                             'Use "auto", "none", "required" or a named function.')
+    if tool_choice == "required" and not names:
+        raise RedrafterError('tool_choice is "required" but no tools were sent.', "Send 'tools', or drop tool_choice.")
+    return tool_choice
+
+
+def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None, tool_choice=None) -> Rendered:
+    """The prompt for ``messages`` and ``tools`` under ``tool_choice``
+    (OpenAI's: ``"auto"``, ``"none"``, ``"required"`` or
+    ``{"type": "function", "function": {"name": ...}}``).
+
+    Without tools (or with ``"none"``) and without tool history, the ids are
+    exactly :func:`~mlx_redrafter.prompts.chat_prompt_ids`'.
+    """
+    choice = check_tool_choice(tools, tool_choice)
+    fmt = tool_format(tokenizer)
+    shown = list(tools) if tools and choice != "none" else None
+    if fmt.native:
+        msgs = [_native_message(m) for m in messages]
+        if shown:
+            text = tokenizer.apply_chat_template(msgs, tools=shown, add_generation_prompt=True, tokenize=False)
+        else:
+            text = render_messages(tokenizer, msgs)
+    else:
+        text = render_messages(tokenizer, generic_messages(messages, shown))
+    prefill = "" if choice in ("auto", "none") else fmt.prefill(None if choice == "required" else choice)
+    text += prefill
+    return Rendered(list(encode_prompt(tokenizer, text)), text, prefill, fmt, shown)
+
+
+def _arguments(args) -> Any:
+    """Arguments as an object: OpenAI sends a JSON string, Ollama an object."""
+    if isinstance(args, str):
+        try:
+            return json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return args  # the template shows it as it came
+    return {} if args is None else args
+
+
+def _history_calls(message: Message) -> List[dict]:
+    calls = []
+    for c in message.get("tool_calls") or []:
+        f = c.get("function") or {}
+        calls.append({**c, "function": {**f, "arguments": _arguments(f.get("arguments"))}})
+    return calls
+
+
+def _native_message(m: Message) -> Message:
+    """A message as tool-aware templates read it (mlx-lm's conversion):
+    string content, call arguments as objects."""
+    out = {**m, "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        out["tool_calls"] = _history_calls(m)
+    return out
+
+
+def generic_messages(messages: Sequence[Message], tools: Optional[list]) -> List[Message]:
+    """``messages`` for a template without tool support: the tool schemas
+    appended to the system message, calls and results written as text."""
+    out: List[Message] = []
+    names: Dict[str, str] = {}  # tool_call_id -> function name, for the results
+    for m in messages:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "tool":
+            name = m.get("tool_name") or m.get("name") or names.get(m.get("tool_call_id"), "")
+            line = "<tool_response>" + json.dumps({"name": name, "content": content}, ensure_ascii=False) + "</tool_response>"
+            if out and out[-1].get("tool_results"):  # consecutive results share one turn
+                out[-1]["content"] += "\n" + line
+            else:
+                out.append({"role": "user", "content": line, "tool_results": True})
+            continue
+        if role == "assistant" and m.get("tool_calls"):
+            lines = [content] if content else []
+            for c in _history_calls(m):
+                f = c["function"]
+                names[c.get("id", "")] = f.get("name", "")
+                call = {"name": f.get("name", ""), "arguments": f["arguments"]}
+                lines.append(GENERIC_FORMAT.start + json.dumps(call, ensure_ascii=False) + GENERIC_FORMAT.end)
+            content = "\n".join(lines)
+        out.append({"role": role, "content": content})
+    for m in out:
+        m.pop("tool_results", None)
+    if tools:
+        schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        instructions = GENERIC_INSTRUCTIONS.format(tools=schemas)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{instructions}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": instructions})
+    return out
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass
+class ToolCall:
+    """One parsed call: ``arguments`` is a JSON object as a string (OpenAI's form)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    index: int = 0  # its place among the reply's calls
+
+    def arguments_object(self) -> dict:
+        return json.loads(self.arguments)
+
+
+def _calls(parsed) -> List[ToolCall]:
+    """ToolCalls of a parser's result; ValueError when it is not a call."""
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = []
+    for p in items:
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str) or not p["name"]:
+            raise ValueError(f"not a tool call: {p!r}")
+        args = p.get("arguments", p.get("parameters", {}))  # Llama-style JSON says "parameters"
+        if isinstance(args, str):
+            args = json.loads(args)  # some models write the arguments as a JSON string
+        if not isinstance(args, dict):
+            raise ValueError(f"the arguments of {p['name']!r} are not a JSON object: {args!r}")
+        extra = {"id": p["id"]} if isinstance(p.get("id"), str) else {}  # Mistral's templates check its ids
+        calls.append(ToolCall(p["name"], json.dumps(args, ensure_ascii=False), **extra))
+    if not calls:
+        raise ValueError("no tool call")
+    return calls
+
+
+Event = Union[str, ToolCall]
+
+
+class ToolCallStream:
+    """Splits a reply's text deltas into content and tool calls.
+
+    :meth:`feed` and :meth:`finish` return events in order: ``str`` content
+    deltas and completed :class:`ToolCall` s. A call is emitted once its end
+    marker is seen (for formats without one, such as Mistral's, at
+    :meth:`finish`).
+    """
+
+    def __init__(self, fmt: ToolFormat, tools: Optional[list] = None, prefill: str = ""):
+        self.format, self.tools = fmt, tools
+        edges = {"normal": [(fmt.start, "tool")], "tool": [(fmt.end, "normal")] if fmt.end else []}
+        self._sm = TextStateMachine(edges)
+        self._state = self._sm.make_state("normal")
+        self._body = ""  # the text of the call being read
+        self.calls: List[ToolCall] = []
+        if self.feed(prefill):
+            raise ValueError(f"A prefill must open a call, but {prefill!r} holds content.")
+
+    @property
+    def in_call(self) -> bool:
+        """Whether the text so far ends inside a call."""
+        return self._state[0] == "tool"
+
+    def feed(self, text: str) -> List[Event]:
+        """Events for the next ``text`` of the reply."""
+        prev = self._state[0]
+        self._state, segments = TextStateMachine.split(self._state, text)
+        events: List[Event] = []
+        for state, chunk in segments:
+            if state == "normal" and prev == "tool":  # the end marker closed a call
+                events += self._close()
+            if state == "tool":
+                self._body += chunk
+            elif chunk:
+                events.append(chunk)
+            prev = state
+        return _merged(events)
+
+    def finish(self) -> List[Event]:
+        """Events for the end of the reply: held-back text that turned out
+        not to be a marker, and a call the reply ended in."""
+        self._state, rest, state = TextStateMachine.flush(self._state)
+        if state == "tool":
+            self._body += rest
+            return self._close() if self._body.strip() else []
+        return [rest] if rest else []
+
+    def _close(self) -> List[Event]:
+        body, self._body = self._body, ""
+        try:
+            calls = _calls(self.format.parser(body, self.tools))
+        except Exception as e:  # mlx-lm's parsers raise ValueError, JSONDecodeError, IndexError, ...
+            log.warning("Could not parse a %s tool call (%s: %s); returning it as content: %r",
+                        self.format.name, type(e).__name__, e, body)
+            return [body] if body else []
+        for c in calls:
+            c.index = len(self.calls)
+            self.calls.append(c)
+        return calls
+
+
+def _merged(events: List[Event]) -> List[Event]:
+    out: List[Event] = []
+    for e in events:
+        if isinstance(e, str) and out and isinstance(out[-1], str):
+            out[-1] += e
+        else:
+            out.append(e)
+    return out
+
+
+def parse(text: str, fmt: ToolFormat, tools: Optional[list] = None, prefill: str = ""):
+    """``(content, calls)`` of a whole reply (``prefill``: the forced opening it continues)."""
+    stream = ToolCallStream(fmt, tools, prefill)
+    events = stream.feed(text) + stream.finish()
+    return "".join(e for e in events if isinstance(e, str)), stream.calls
+
+
+# --------------------------------------------------------------------------- response shapes
+
+
+def finish_reason(reason: Optional[str], calls: Sequence[ToolCall]) -> Optional[str]:
+    """OpenAI's finish_reason: ``"tool_calls"`` for a reply that stopped after calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def openai_tool_call(call: ToolCall, streaming: bool = False) -> dict:
+    """One entry of OpenAI's ``tool_calls`` (with ``index`` when streaming)."""
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **out} if streaming else out
+
+
+def openai_message(content: str, calls: Sequence[ToolCall]) -> dict:
+    """OpenAI's assistant ``message``: content is null when the reply is only calls."""
+    msg = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        msg["tool_calls"] = [openai_tool_call(c) for c in calls]
+    return msg
+
+
+def openai_delta(event: Event) -> dict:
+    """The ``delta`` of a streamed chunk for one event."""
+    if isinstance(event, ToolCall):
+        return {"tool_calls": [openai_tool_call(event, streaming=True)]}
+    return {"content": event}
+
+
+def ollama_tool_call(call: ToolCall) -> dict:
+    """One entry of Ollama's ``message.tool_calls`` (arguments as an object)."""
+    return {"function": {"name": call.name, "arguments": call.arguments_object()}}
+
+
+def ollama_message(content: str, calls: Sequence[ToolCall]) -> dict:
+    """Ollama's assistant ``message``."""
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [ollama_tool_call(c) for c in calls]
+    return msg
