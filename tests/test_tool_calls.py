@@ -1,4 +1,4 @@
-"""Tool calling (mlx_redrafter.tool_calls): rendering tools into prompts and
+"""Tool calling (mlx_redrafter.serve.tools): rendering tools into prompts and
 parsing calls out of scripted model replies, whole and streamed."""
 
 import json
@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from mlx_redrafter.errors import RedrafterError
-from mlx_redrafter.generate import encode_prompt
+from mlx_redrafter.llm.text import encode_prompt
 from mlx_redrafter.prompts import chat_prompt_ids
-from mlx_redrafter.tool_calls import (
+from mlx_redrafter.serve.tools import (
     GENERIC_FORMAT, ToolCall, ToolCallStream, finish_reason, ollama_message, openai_delta, openai_message,
     parse, parser_format, render, tool_format,
 )
@@ -103,7 +103,7 @@ def test_malformed_call_comes_back_as_content(family, call, caplog):
     body = call[len(fmt.start):len(call) - len(fmt.end)] if call.endswith(fmt.end) else call[len(fmt.start):]
     for chunks in ([f"Hi {call} bye"], list(f"Hi {call} bye")):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mlx_redrafter.tool_calls"):
+        with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tools"):
             _, content, calls = _run(fmt, chunks)
         assert calls == []
         assert content == "Hi " + body + " bye"  # no end marker in Mistral's format: " bye" is in its body
@@ -224,7 +224,7 @@ def test_default_model_tool_history_renders_as_text(default_model):
     ({"type": "other"}, "not a function choice"),
 ])
 def test_bad_tool_choice_is_a_redrafter_error(choice, problem):
-    from mlx_redrafter.tool_calls import check_tool_choice
+    from mlx_redrafter.serve.tools import check_tool_choice
 
     with pytest.raises(RedrafterError, match=problem):
         check_tool_choice([WEATHER], choice)

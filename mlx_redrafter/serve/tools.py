@@ -37,9 +37,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools
 
-from .errors import RedrafterError
-from .generate import encode_prompt
-from .prompts import render_messages
+from ..errors import RedrafterError
+from ..llm.text import encode_prompt
+from ..prompts import render_messages
 
 log = logging.getLogger(__name__)
 
