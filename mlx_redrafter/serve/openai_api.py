@@ -189,6 +189,9 @@ def create_app(engine: Engine, ui: bool = True) -> FastAPI:
             prompt = prompt[0]
         return await _serve(engine, req, request, engine.text_ids(prompt), req.max_tokens, chat=False)
 
+    from .ollama_api import ollama_router  # here: it builds on this module's streaming helpers
+
+    app.include_router(ollama_router(engine))  # Ollama's native API, on the same engine and queue
     if ui:
         mount_ui(app)
     return app
