@@ -68,7 +68,7 @@ class Options(_Body):
     top_p: Optional[float] = Field(None, ge=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, le=2**64 - 1)  # negative: a random seed, as llama.cpp's -1
     num_predict: Optional[int] = Field(None, ge=-2)
     stop: Union[str, List[str], None] = None
 
@@ -168,7 +168,8 @@ def _params(engine: Engine, options: Optional[Options]) -> GenParams:
         raise OllamaError(400, "options.num_predict must be positive, or -1 (until the context is full).")
     # -1 (no limit) and -2 (fill the context): the engine cuts it to the context's room.
     max_tokens = engine.max_tokens if o.num_predict is None else (o.num_predict if o.num_predict > 0 else 1 << 30)
-    return GenParams(max_tokens, sampling, o.seed, stop)
+    seed = o.seed if o.seed is None or o.seed >= 0 else None
+    return GenParams(max_tokens, sampling, seed, stop)
 
 
 def ollama_router(engine: Engine) -> APIRouter:

@@ -75,7 +75,7 @@ class _Generation(_Request):
     # Not OpenAI's, but what vLLM and llama.cpp's servers accept too.
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=2**64 - 1)  # what mx.random.seed takes
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
