@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import httpx
 import pytest
@@ -56,12 +56,12 @@ def wait_healthy(url: str, proc, log: Path, timeout: float = 300) -> None:
 class Server:
     """``mlx-redrafter serve ARGS`` on a free port: ``url``, ``stop()``."""
 
-    def __init__(self, args: List[str], log: Path):
-        self.port = free_port()
+    def __init__(self, args: List[str], log: Path, port: Optional[int] = None, **popen):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--port", str(self.port), *args]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **popen)
         try:
             wait_healthy(self.url, self.proc, log)
         except BaseException:
