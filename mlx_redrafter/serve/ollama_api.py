@@ -220,7 +220,7 @@ def ollama_router(engine: Engine) -> APIRouter:
 def _render(engine: Engine, body: ChatBody):
     messages = [m.model_dump(exclude_none=True, exclude={"images", "thinking"}) for m in body.messages]
     try:
-        return render(engine.s.tokenizer, messages, body.tools or None)
+        return render(engine.rt.tokenizer, messages, body.tools or None)
     except RedrafterError as e:
         raise OllamaError(400, e.problem) from None
     except Exception as e:  # e.g. a template that refuses a role, or tools that are not function schemas

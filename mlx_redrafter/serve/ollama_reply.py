@@ -56,7 +56,7 @@ class ModelFacts:
 
     @classmethod
     def of(cls, engine: Engine) -> "ModelFacts":
-        model = engine.s.model
+        model = engine.rt.model
         leaves = [v for _, v in tree_flatten(model.parameters())]
         args = getattr(model, "args", None)
         # Quantized layers (mlx's QuantizedLinear, QuantizedEmbedding) say their bits.
@@ -66,7 +66,7 @@ class ModelFacts:
         name = engine.model_id if ":" in engine.model_id else engine.model_id + ":latest"
         return cls(name, sum(v.nbytes for v in leaves), sum(v.size for v in leaves),
                    str(getattr(args, "model_type", "") or ""), f"Q{quant}" if quant else dtype,
-                   context_limit(model), tool_format(engine.s.tokenizer).name)
+                   context_limit(model), tool_format(engine.rt.tokenizer).name)
 
     @property
     def digest(self) -> str:
@@ -95,8 +95,8 @@ class ModelFacts:
         arch = self.family or "model"
         info = {"general.architecture": arch, "general.parameter_count": self.parameters,
                 f"{arch}.context_length": self.context_length, "redrafter.tool_format": self.tool_format,
-                "redrafter.drafter": str(engine.s.drafter_path) if engine.s.drafter_path else None}
-        template = getattr(engine.s.tokenizer, "chat_template", None)
+                "redrafter.drafter": str(engine.rt.drafter_path) if engine.rt.drafter_path else None}
+        template = getattr(engine.rt.tokenizer, "chat_template", None)
         params = f"temperature {engine.sampling.temp}\nnum_predict {engine.max_tokens}"
         return {"modelfile": f"FROM {engine.model_id}\n", "parameters": params,
                 "template": template if isinstance(template, str) else "", "license": "",
