@@ -129,7 +129,7 @@ def serve(
     lookup: Optional[bool] = LookupOpt,
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) and a chat page at /."""
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /."""
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
