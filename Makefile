@@ -18,7 +18,7 @@ BIN := $(VENV)/bin
 BLIS = $(shell ls /usr/lib/*-linux-gnu/blis-pthread/libblas.so.3 2>/dev/null | head -n 1)
 RUN = $(if $(BLIS),LD_PRELOAD=$(BLIS) ,)
 
-.PHONY: setup blis-auto setup-gemma test chat serve doctor bench bench-full train-default blis clean
+.PHONY: setup blis-auto browser-auto setup-gemma test chat serve doctor bench bench-full train-default blis clean
 
 setup: $(VENV)/.installed blis-auto
 
@@ -51,7 +51,7 @@ setup-gemma: setup
 # Two pytest workers (pytest-xdist), whole files per worker: most tests are
 # bound by Python on one core, so two workers halve the suite on 2 cores.
 TEST_WORKERS ?= 2
-test: setup
+test: setup browser-auto
 	$(RUN)$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 chat: setup
@@ -62,6 +62,19 @@ serve: setup
 
 doctor: setup
 	$(RUN)$(BIN)/mlx-redrafter doctor
+
+# The chat page's browser tests (tests/test_ui.py) drive Debian's Chromium
+# through playwright (the pip package; never `playwright install`). Installed
+# when it can be had without asking: as root on Debian/Ubuntu (containers, CI).
+browser-auto:
+	@if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "Installing Chromium for the browser tests (tests/test_ui.py)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "The browser tests need Chromium: sudo apt-get install chromium"; \
+	  fi; \
+	fi
 
 # Debian/Ubuntu: install BLIS for MLX's CPU backend (needs root).
 blis:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .files import cache_root
+from .files import cache_root, write_json_atomic
 
 
 def device_id() -> str:
@@ -61,7 +61,7 @@ def save_profile(model_spec: str, drafter_path, beam_width: int, beam_length: in
         "beam_length": int(beam_length),
         **extra,
     }
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_json_atomic(path, data)  # a run killed mid-write leaves the old profile, never half a file
     return path
 
 

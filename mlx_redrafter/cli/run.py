@@ -179,8 +179,9 @@ def serve(
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
+    no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /."""
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
@@ -204,8 +205,9 @@ def serve(
     rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size,
                     prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
-    app_ = create_app(engine)
-    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
+    app_ = create_app(engine, ui=not no_ui)
+    page = "" if no_ui else f", chat page at http://{host}:{port}/"
+    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 

@@ -69,12 +69,42 @@ class Result:
         return self.tally.tokens
 
 
+@dataclass
+class Piece:
+    """A piece of a reply's text and how it was made: the ``x_redrafter``
+    field of a streamed chunk.
+
+    ``sources`` has one entry per token whose text is in ``text`` (a token
+    may hold part of a character, so a piece can hold several): ``"drafter"``
+    or ``"lookup"`` for a token from an accepted draft, ``"llm"`` for the
+    LLM's own token. The counts are the reply's so far.
+    """
+
+    text: str
+    sources: List[str]
+    tokens: int = 0
+    steps: int = 0
+    tokens_per_second: float = 0.0
+    prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0
+
+    def extension(self) -> dict:
+        return {"sources": self.sources, "tokens": self.tokens, "steps": self.steps,
+                "tokens_per_second": round(self.tokens_per_second, 2), "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens_reused": self.prompt_tokens_reused}
+
+
+def token_source(r) -> str:
+    """Where a response's token came from: ``"drafter"``, ``"lookup"`` or ``"llm"``."""
+    return r.stats.source if r.from_draft else "llm"
+
+
 @dataclass(eq=False)  # compared and hashed by identity: the queue keeps a set of live jobs
 class Job:
     """One request: its prompt ids, its parameters, and where its output goes.
 
     ``emit(kind, value)`` is called from the worker thread with
-    ``("text", str)`` per response, then ``("done", Result)`` or
+    ``("text", Piece)`` per response with text, then ``("done", Result)`` or
     ``("error", exception)``.
     """
 
@@ -248,6 +278,7 @@ class Engine:
         res = Result(prompt_tokens=len(ids), structured=job.params.grammar is not None)
         generated: List[int] = []
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
+        sources: List[str] = []  # of the tokens whose text has not been emitted yet
         try:
             res.reused_tokens = self.cache.reuse(ids)
             p = job.params
@@ -260,12 +291,14 @@ class Engine:
                 for r in stream:
                     if _count(res, r):
                         generated.append(r.token)
+                        sources.append(token_source(r))
                     else:  # the EOS response emits no token
                         eos = [r.token]
                     res.text += r.text
                     res.finish_reason, res.incomplete = r.finish_reason, r.incomplete
                     if r.text:
-                        job.emit("text", r.text)
+                        job.emit("text", self._piece(r.text, sources, res))
+                        sources = []
                     if job.cancelled.is_set():  # the client left: stop at this step
                         break
             finally:
@@ -283,6 +316,11 @@ class Engine:
         return res
 
     # ------------------------------------------------------------------ reports
+
+    @staticmethod
+    def _piece(text: str, sources: List[str], res: Result) -> Piece:
+        t = res.tally
+        return Piece(text, sources, t.tokens, t.steps, t.last.generation_tps, res.prompt_tokens, res.reused_tokens)
 
     def stats(self, res: Result) -> dict:
         """The drafting stats of a reply (an extra response field)."""

@@ -7,7 +7,11 @@ Routes: ``GET /v1/models``, ``POST /v1/chat/completions`` (with tools),
 Errors are OpenAI's error objects; a field we do not support yet is a 400
 naming it (:func:`check_supported`), an unknown route a 404 listing the
 supported ones. Responses add one field standard clients ignore,
-``redrafter``: the drafting stats.
+``redrafter`` (the drafting stats) on a reply and its last streamed chunk,
+``x_redrafter`` (each token's source, see
+:class:`~mlx_redrafter.serve.engine.Piece`) on each streamed chunk with text.
+``GET /`` is the chat page (``ui=False`` turns it off); Ollama's routes
+come from :mod:`~mlx_redrafter.serve.ollama_api`.
 ``response_format`` (``text``, ``json_object``, ``json_schema``) makes the
 reply structured output; cut by ``max_tokens`` (``finish_reason
 "length"``) it is incomplete JSON, and ``redrafter.structured.complete``
@@ -19,12 +23,14 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Tuple, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -33,6 +39,9 @@ from .engine import Engine, GenParams, Job, QueueFull
 from .metrics import Metrics, RequestCounter
 from .openai_reply import Reply
 from .tools import Rendered
+
+# The chat page's static files (package data: no build step, no CDN).
+UI_DIR = Path(__file__).resolve().parent / "ui"
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -122,7 +131,7 @@ class _Generation(_Request):
     # Not OpenAI's, but what vLLM and llama.cpp's servers accept too.
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=2**64 - 1)  # what mx.random.seed takes
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -195,8 +204,9 @@ def _generation_error(e: BaseException) -> APIError:
 # --------------------------------------------------------------------------- the app
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI app serving ``engine`` (its worker runs with the app)."""
+def create_app(engine: Engine, ui: bool = True) -> FastAPI:
+    """The FastAPI app serving ``engine`` (its worker runs with the app),
+    with the chat page at ``/`` unless ``ui`` is False."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -258,6 +268,11 @@ def create_app(engine: Engine) -> FastAPI:
             prompt = prompt[0]
         return await _serve(engine, req, request, engine.text_ids(prompt), req.max_tokens, chat=False)
 
+    from .ollama_api import ollama_router  # here: it builds on this module's streaming helpers
+
+    app.include_router(ollama_router(engine))  # Ollama's native API, on the same engine and queue
+    if ui:
+        mount_ui(app)
     return app
 
 
@@ -277,6 +292,16 @@ def _unknown_route(app: FastAPI, path: str) -> APIError:
     routes = sorted({r.path for r in app.routes if isinstance(r, APIRoute)})
     return APIError(404, f"{path} is not supported by mlx-redrafter serve; supported: {', '.join(routes)}.",
                     code="not_found")
+
+
+def mount_ui(app: FastAPI, folder: Path = UI_DIR) -> None:
+    """Serve the chat page at ``/`` and its files under ``/ui/``."""
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(folder / "index.html")
+
+    app.mount("/ui", StaticFiles(directory=folder), name="ui")
 
 
 def _model_card(engine: Engine) -> dict:
@@ -332,7 +357,7 @@ async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[i
         text, result = "", None
         async for kind, value in _events(events, job, request):
             if kind == "text":
-                text += value
+                text += value.text
             elif kind == "error":
                 raise _generation_error(value)
             else:

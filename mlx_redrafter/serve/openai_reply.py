@@ -6,7 +6,10 @@ through a :class:`~mlx_redrafter.serve.tools.ToolCallStream`: content
 streams as ``content`` deltas, each call arrives as a ``tool_calls`` delta
 (with its ``index``) once its end marker is seen, and a reply that stopped
 after calls finishes with ``"tool_calls"``. Without tools the text is sent
-as generated, exactly what ``generate`` prints.
+as generated, exactly what ``generate`` prints. Each streamed chunk with text
+also carries ``x_redrafter``: the sources of its tokens (drafter, lookup or
+the LLM itself) and the reply's counts so far, which the chat page shows and
+standard clients ignore.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
-from .engine import Engine, Job, Result
+from .engine import Engine, Job, Piece, Result
 from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message
 
 
@@ -30,6 +33,7 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.include_usage = include_usage
+        self._held_sources: List[str] = []  # of text no chunk has carried yet
         self.tools: Optional[ToolCallStream] = rendered.stream() if rendered and rendered.tools is not None else None
 
     def _head(self, chunk: bool) -> dict:
@@ -75,14 +79,26 @@ class Reply:
         events = self.tools.feed(text) + (self.tools.finish() if last else [])
         return [openai_delta(e) for e in events if not isinstance(e, str) or e]
 
+    def _text_chunks(self, piece: Piece) -> List[dict]:
+        """The chunks of a piece of text; the first carries ``x_redrafter``
+        (each token's source, :class:`~mlx_redrafter.serve.engine.Piece`),
+        with the sources of text a tool-call parser held back before it."""
+        ext = piece.extension()
+        ext["sources"] = self._held_sources + ext["sources"]
+        chunks = [self._chunk(delta) for delta in self._deltas(piece.text)]
+        self._held_sources = [] if chunks else ext["sources"]
+        if chunks:
+            chunks[0]["x_redrafter"] = ext
+        return chunks
+
     async def sse(self, events: AsyncIterator[Tuple[str, object]]) -> AsyncIterator[str]:
         """Server-sent events: chunks, the usage chunk when asked, ``[DONE]``."""
         if self.chat:
             yield _data(self._chunk({"role": "assistant", "content": ""}))
         async for kind, value in events:
             if kind == "text":
-                for delta in self._deltas(value):
-                    yield _data(self._chunk(delta))
+                for chunk in self._text_chunks(value):
+                    yield _data(chunk)
             elif kind == "error":
                 yield _data(self.error(value))
                 return

@@ -1,0 +1,244 @@
+"""Load and disconnects on ``mlx-redrafter serve`` (loopback only, bounded).
+
+    python bench/server_load.py                        # 8 clients, 200 requests, 16 tokens each
+    python bench/server_load.py --requests 40 --clients 4
+
+Starts one server (default model and shipped drafter, 127.0.0.1, a free
+port) and, while it loads, ``mlx-redrafter generate --temp 0`` on each
+prompt: the greedy references. After a warm-up, ``--clients`` threads send
+``--requests`` mixed requests: the OpenAI chat route and Ollama's
+``/api/chat`` and ``/api/generate``, streamed and not, greedy or seeded
+sampling, some with tools (Ollama's with a history that makes the default
+model call one), and some (``--disconnect``) that hang up at a random point
+(a streamed one after a random number of lines, a whole one after a random
+wait). It checks that every request that stayed connected got a complete,
+well-formed answer, that every greedy answer equals the command line's, that
+the queue drains to 0, and that the server's RSS after the run is within 10%
+of its RSS after the warm-up. Prints JSON; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server import start_server, stop_server  # noqa: E402  (bench/server.py: a server on a free port)
+
+PROMPTS = ["Write a short poem about the sea.", "What is the capital of France?",
+           "Give me three tips for learning to cook.", "Explain what a prime number is."]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _call(city: str) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": city}}}]}
+
+
+TOOL_HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _call("Paris"),
+                {"role": "user", "content": "Weather in Rome?"}, _call("Rome"),
+                {"role": "user", "content": "Weather in London?"}]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    for row in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if row.startswith("VmRSS:"):
+            return int(row.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def references(max_tokens: int) -> Dict[str, subprocess.Popen]:
+    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(max_tokens), "-p"]
+    return {p: subprocess.Popen(cmd + [p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in PROMPTS}
+
+
+# --------------------------------------------------------------------------- one request
+
+
+def plan(rng: random.Random, max_tokens: int, disconnect: float) -> dict:
+    """A random request: route, streamed or not, greedy or not, tools, hang-up."""
+    api = rng.choice(["openai", "ollama_chat", "ollama_generate"])
+    tools = api != "ollama_generate" and rng.random() < 0.15
+    greedy = tools or rng.random() < 0.7
+    return {"api": api, "stream": rng.random() < 0.5, "tools": tools, "greedy": greedy,
+            "prompt": rng.choice(PROMPTS), "seed": rng.randrange(1000), "max_tokens": 40 if tools else max_tokens,
+            "hang_up": rng.random() < disconnect, "after_lines": rng.randrange(1, 8), "after_s": rng.uniform(0.05, 1.5)}
+
+
+def body(p: dict) -> tuple:
+    """``(path, json)`` of a planned request."""
+    sampling = {"temperature": 0} if p["greedy"] else {"temperature": 0.8, "seed": p["seed"]}
+    messages = TOOL_HISTORY if p["tools"] and p["api"] == "ollama_chat" else [{"role": "user", "content": p["prompt"]}]
+    if p["api"] == "openai":
+        b = {"messages": messages, "max_tokens": p["max_tokens"], "stream": p["stream"], **sampling}
+        return "/v1/chat/completions", {**b, **({"tools": [WEATHER]} if p["tools"] else {})}
+    options = {"num_predict": p["max_tokens"], **sampling}
+    if p["api"] == "ollama_generate":
+        return "/api/generate", {"model": "default", "prompt": p["prompt"], "stream": p["stream"], "options": options}
+    b = {"model": "default", "messages": messages, "stream": p["stream"], "options": options}
+    return "/api/chat", {**b, **({"tools": [WEATHER]} if p["tools"] else {})}
+
+
+def send(url: str, p: dict) -> dict:
+    """Run one planned request; what came back, parsed."""
+    path, b = body(p)
+    timeout = httpx.Timeout(600, read=p["after_s"]) if p["hang_up"] and not p["stream"] else 600
+    lines: List[str] = []
+    try:
+        with httpx.stream("POST", url + path, json=b, timeout=timeout) as r:
+            for text in r.iter_lines():
+                if text:
+                    lines.append(text)
+                if p["hang_up"] and p["stream"] and len(lines) >= p["after_lines"]:
+                    return {"hung_up": True}  # leaving the block closes the connection mid-reply
+            status = r.status_code
+    except httpx.ReadTimeout:
+        if p["hang_up"]:
+            return {"hung_up": True}
+        raise
+    return {"hung_up": False, "status": status, "lines": lines}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def answer(p: dict, got: dict) -> dict:
+    """``{"text", "calls", "finish"}`` of a complete answer; raises ValueError when malformed."""
+    if got["status"] != 200:
+        raise ValueError(f"status {got['status']}: {got['lines'][:1]}")
+    if p["api"] == "openai" and not p["stream"]:
+        objs = [json.loads("\n".join(got["lines"]))]
+    else:  # server-sent events or NDJSON: one object a line
+        objs = [json.loads(x[len("data: "):]) if p["api"] == "openai" else json.loads(x)
+                for x in got["lines"] if x != "data: [DONE]"]
+    if p["api"] == "openai":
+        return _openai(p, objs, got["lines"])
+    if not objs[-1].get("done") or any(o.get("done") for o in objs[:-1]) or any("error" in o for o in objs):
+        raise ValueError(f"not one final object: {objs[-1]}")
+    key = "response" if p["api"] == "ollama_generate" else "message"
+    pick = (lambda o: o[key]) if key == "response" else (lambda o: o[key]["content"])
+    calls = [c["function"]["name"] for o in objs if key == "message" for c in o[key].get("tool_calls") or []]
+    return {"text": "".join(pick(o) for o in objs), "calls": calls, "finish": objs[-1]["done_reason"],
+            "tokens": objs[-1]["eval_count"]}
+
+
+def _openai(p: dict, objs: List[dict], lines: List[str]) -> dict:
+    if not p["stream"]:
+        (o,) = objs
+        choice = o["choices"][0]
+        calls = [c["function"]["name"] for c in choice["message"].get("tool_calls") or []]
+        return {"text": choice["message"]["content"] or "", "calls": calls, "finish": choice["finish_reason"],
+                "tokens": o["usage"]["completion_tokens"]}
+    if lines[-1] != "data: [DONE]" or any("error" in o for o in objs):
+        raise ValueError(f"the stream did not end with [DONE]: {lines[-2:]}")
+    deltas = [o["choices"][0] for o in objs if o.get("choices")]
+    calls = [c["function"]["name"] for d in deltas for c in d["delta"].get("tool_calls") or []]
+    text = "".join(d["delta"].get("content") or "" for d in deltas)
+    return {"text": text, "calls": calls, "finish": deltas[-1]["finish_reason"], "tokens": None}
+
+
+def check(p: dict, got: dict, refs: Dict[str, str]) -> Optional[str]:
+    """None when the answer is complete and well-formed (and greedy-exact), else why not."""
+    try:
+        a = answer(p, got)
+    except (ValueError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+        return f"malformed: {type(e).__name__}: {e}"
+    if a["finish"] not in ("stop", "length", "tool_calls"):
+        return f"finish {a['finish']!r}"
+    if "<tool_call>" in a["text"]:
+        return "a tool-call marker in the content"
+    if p["tools"] and p["api"] == "ollama_chat" and a["calls"] != ["get_weather"]:
+        return f"expected a get_weather call, got {a['calls']} / {a['text']!r}"
+    if p["greedy"] and not p["tools"] and a["text"] != refs[p["prompt"]]:
+        return f"greedy reply {a['text']!r} != generate's {refs[p['prompt']]!r}"
+    return None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def wait_idle(url: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        q = httpx.get(url + "/health", timeout=10).json()["queue"]
+        if (q["waiting"] == 0 and not q["running"]) or time.monotonic() > deadline:
+            return q
+        time.sleep(0.2)
+
+
+def run(args) -> dict:
+    refs_procs = references(args.max_tokens)
+    proc, url = start_server(["--max-tokens", str(args.max_tokens), "--queue-size", "64", "--no-ui"],
+                             Path(args.log))
+    try:
+        refs = {}
+        for prompt, ref in refs_procs.items():
+            out, err = ref.communicate(timeout=600)
+            assert ref.returncode == 0, err
+            refs[prompt] = out[:-1]
+        rng = random.Random(args.seed)
+        warm = [plan(rng, args.max_tokens, 0.0) for _ in range(args.warmup)]
+        with ThreadPoolExecutor(args.clients) as pool:
+            list(pool.map(lambda p: send(url, p), warm))
+        wait_idle(url)
+        rss_warm = rss_bytes(proc.pid)
+        plans = [plan(rng, args.max_tokens, args.disconnect) for _ in range(args.requests)]
+        tic = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            results = list(pool.map(lambda p: send(url, p), plans))
+        wall = time.perf_counter() - tic
+        queue = wait_idle(url)
+        rss_after = rss_bytes(proc.pid)
+    finally:
+        stop_server(proc)
+    return summary(plans, results, refs, queue, rss_warm, rss_after, wall, args)
+
+
+def summary(plans, results, refs, queue, rss_warm, rss_after, wall, args) -> dict:
+    connected = [(p, g) for p, g in zip(plans, results) if not g["hung_up"]]
+    failures = [f"{p['api']} stream={p['stream']} tools={p['tools']}: {why}"
+                for p, g in connected if (why := check(p, g, refs))]
+    kinds: Dict[str, int] = {}
+    for p in plans:
+        k = f"{p['api']}{' stream' if p['stream'] else ''}{' tools' if p['tools'] else ''}"
+        kinds[k] = kinds.get(k, 0) + 1
+    out = {"requests": len(plans), "clients": args.clients, "max_tokens": args.max_tokens,
+           "hung_up": len(plans) - len(connected), "connected": len(connected),
+           "greedy_checked": sum(p["greedy"] and not p["tools"] for p, _ in connected),
+           "with_tools": sum(p["tools"] for p in plans), "failures": failures, "wall_s": round(wall, 1),
+           "requests_per_min": round(60 * len(plans) / wall, 1), "queue_after": queue,
+           "rss_after_warmup_mb": round(rss_warm / 2**20, 1), "rss_after_run_mb": round(rss_after / 2**20, 1),
+           "rss_change": round(rss_after / rss_warm - 1, 4), "kinds": kinds}
+    out["ok"] = not failures and queue["waiting"] == 0 and not queue["running"] and abs(out["rss_change"]) <= 0.10
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--disconnect", type=float, default=0.15, help="Share of requests that hang up.")
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log", default="/tmp/mlx-redrafter-server-load.log")
+    args = ap.parse_args()
+    out = run(args)
+    print(json.dumps(out, indent=2))
+    sys.exit(0 if out["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

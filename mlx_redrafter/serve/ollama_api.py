@@ -1,0 +1,299 @@
+"""Ollama's native API over the same :class:`~mlx_redrafter.serve.engine.Engine`
+(and queue) as the OpenAI routes, for clients that speak only Ollama
+(Enchanted, Zed's and Goose's Ollama providers, Open WebUI's Ollama mode,
+the ``ollama`` Python client).
+
+Routes: ``GET /api/tags``, ``POST /api/show``, ``GET /api/version``, ``GET
+/api/ps``, and ``POST /api/chat`` / ``POST /api/generate``, streamed as
+NDJSON unless the body says ``"stream": false``. ``options`` may set
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``num_predict``
+(-1 or -2: until the context is full) and ``stop``; options that only tune
+Ollama's own runtime (``num_ctx``, ``num_gpu``, ...) are ignored with a
+warning in the log; any other option, and the fields this server cannot
+honour yet (``images``, ``think``, ...), get a 400 that names them.
+``format`` (``"json"`` or a JSON Schema) makes the reply structured output
+(:mod:`~mlx_redrafter.step.grammar`). ``tools`` on ``/api/chat`` go through :mod:`~mlx_redrafter.serve.tools`.
+Errors are Ollama's: ``{"error": "..."}``, also as a line of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any, Callable, List, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import RedrafterError
+from .engine import Engine, GenParams, QueueFull
+from .ollama_reply import ModelFacts, OllamaReply, line
+from .openai_api import _CancellingStream, _events
+from .tools import render
+
+log = logging.getLogger(__name__)
+
+# The Ollama API version whose routes and fields these follow (clients check it).
+OLLAMA_VERSION = "0.12.0"
+
+# Options that tune Ollama's runtime, not the reply: ignored here, with a warning.
+RUNTIME_OPTIONS = {"num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap",
+                   "use_mlock", "numa", "low_vram", "vocab_only", "f16_kv", "logits_all"}
+# Sampling options not implemented here, accepted at the value that changes nothing.
+NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
+                   "typical_p": 1.0, "tfs_z": 1.0, "repeat_last_n": None, "penalize_newline": None,
+                   "mirostat_tau": None, "mirostat_eta": None}
+
+
+class OllamaError(Exception):
+    """An error answered as Ollama's ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": self.message})
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Options(_Body):
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = Field(None, le=2**64 - 1)  # negative: a random seed, as llama.cpp's -1
+    num_predict: Optional[int] = Field(None, ge=-2)
+    stop: Union[str, List[str], None] = None
+
+
+class Message(_Body):
+    role: str
+    content: Optional[str] = ""
+    images: Optional[List[Any]] = None
+    tool_calls: Optional[List[dict]] = None
+    tool_name: Optional[str] = None
+    thinking: Optional[str] = None
+
+
+class _Generation(_Body):
+    model: Optional[str] = None
+    stream: bool = True
+    options: Optional[Options] = None
+    format: Optional[Any] = None
+    keep_alive: Union[int, float, str, None] = None
+    think: Union[bool, str, None] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+
+class ChatBody(_Generation):
+    messages: List[Message] = Field(default_factory=list)
+    tools: Optional[List[dict]] = None
+
+
+class GenerateBody(_Generation):
+    prompt: Optional[str] = None
+    system: Optional[str] = None
+    raw: bool = False
+    suffix: Optional[str] = None
+    template: Optional[str] = None
+    context: Optional[List[int]] = None
+    images: Optional[List[Any]] = None
+
+
+class ModelBody(_Body):
+    model: Optional[str] = None
+    name: Optional[str] = None  # older clients' name for ``model``
+
+
+class _OllamaRoute(APIRoute):
+    """Answers this router's errors in Ollama's shape (the app's handlers answer OpenAI's)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except OllamaError as e:
+                return e.response()
+            except RequestValidationError as e:
+                first = (e.errors() or [{}])[0]
+                where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+                return OllamaError(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}").response()
+            except Exception as e:  # the app's handler would answer OpenAI's shape
+                log.exception("Ollama route %s failed", request.url.path)
+                return OllamaError(500, f"{type(e).__name__}: {e}").response()
+
+        return route
+
+
+def _unsupported(req: _Generation, extra: dict) -> None:
+    """A 400 naming the first field this server cannot honour yet."""
+    asked = [k for k, v in extra.items() if v]
+    if req.think not in (None, False):
+        raise OllamaError(400, "'think' is not supported: the served model does not think; drop it.")
+    if req.logprobs or req.top_logprobs:
+        raise OllamaError(400, "'logprobs' is not supported yet; drop it.")
+    if asked:
+        raise OllamaError(400, f"'{asked[0]}' is not supported by this server; drop it.")
+    options = req.options.model_extra if req.options is not None else {}
+    for name, value in (options or {}).items():
+        if name in RUNTIME_OPTIONS:
+            log.warning("Ignoring the Ollama option %s=%r: it tunes Ollama's own runtime.", name, value)
+        elif name not in NEUTRAL_OPTIONS or NEUTRAL_OPTIONS[name] not in (None, value):
+            raise OllamaError(400, f"The option 'options.{name}' is not supported by this server; drop it.")
+
+
+def _check_model(engine: Engine, facts: ModelFacts, model: Optional[str]) -> None:
+    if model and model not in (engine.model_id, facts.name):
+        raise OllamaError(404, f"model '{model}' not found; this server serves '{facts.name}'.")
+
+
+async def _grammar(engine: Engine, fmt):
+    """Ollama's ``format`` (``"json"`` or a JSON Schema) compiled for the model;
+    None without one. A bad value is a 400 naming the problem."""
+    if fmt in (None, ""):
+        return None
+    if not (fmt == "json" or isinstance(fmt, dict)):
+        raise OllamaError(400, f"'format' must be \"json\" or a JSON Schema object (got {fmt!r}).")
+    try:  # off the event loop: the first compile builds the tokenizer's index
+        return await asyncio.to_thread(engine.grammar, fmt)
+    except RedrafterError as e:
+        raise OllamaError(400, f"format: {e.problem}") from None
+
+
+def _params(engine: Engine, options: Optional[Options], grammar=None) -> GenParams:
+    o = options or Options()
+    asked = {"temp": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "min_p": o.min_p}
+    sampling = replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
+    stop = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
+    if o.num_predict == 0:
+        raise OllamaError(400, "options.num_predict must be positive, or -1 (until the context is full).")
+    # -1 (no limit) and -2 (fill the context): the engine cuts it to the context's room.
+    max_tokens = engine.max_tokens if o.num_predict is None else (o.num_predict if o.num_predict > 0 else 1 << 30)
+    seed = o.seed if o.seed is None or o.seed >= 0 else None
+    return GenParams(max_tokens, sampling, seed, stop, grammar)
+
+
+def ollama_router(engine: Engine) -> APIRouter:
+    """The Ollama routes over ``engine`` (include it in the app that runs the engine)."""
+    router = APIRouter(route_class=_OllamaRoute)
+    facts: List[ModelFacts] = []
+
+    def model_facts() -> ModelFacts:  # measured on first use, not at import
+        if not facts:
+            facts.append(ModelFacts.of(engine))
+        return facts[0]
+
+    @router.get("/api/version")
+    async def version():
+        return {"version": OLLAMA_VERSION}
+
+    @router.get("/api/tags")
+    async def tags():
+        return {"models": [model_facts().tag()]}
+
+    @router.get("/api/ps")
+    async def ps():
+        return {"models": [model_facts().running()]}
+
+    @router.post("/api/show")
+    async def show(body: ModelBody):
+        _check_model(engine, model_facts(), body.model or body.name)
+        return model_facts().show(engine)
+
+    @router.post("/api/chat")
+    async def chat(body: ChatBody, request: Request):
+        _unsupported(body, {"images": any(m.images for m in body.messages)})
+        _check_model(engine, model_facts(), body.model)
+        reply_only = not body.messages
+        rendered = None if reply_only else _render(engine, body)
+        return await _answer(engine, body, request, rendered.ids if rendered else [], OllamaReply(engine, True, rendered))
+
+    @router.post("/api/generate")
+    async def generate(body: GenerateBody, request: Request):
+        _unsupported(body, {"images": body.images, "suffix": body.suffix, "template": body.template,
+                            "context": body.context})
+        _check_model(engine, model_facts(), body.model)
+        return await _answer(engine, body, request, _generate_ids(engine, body), OllamaReply(engine, False))
+
+    return router
+
+
+def _render(engine: Engine, body: ChatBody):
+    messages = [m.model_dump(exclude_none=True, exclude={"images", "thinking"}) for m in body.messages]
+    try:
+        return render(engine.rt.tokenizer, messages, body.tools or None)
+    except RedrafterError as e:
+        raise OllamaError(400, e.problem) from None
+    except Exception as e:  # e.g. a template that refuses a role, or tools that are not function schemas
+        raise OllamaError(400, f"Could not render these messages and tools: {type(e).__name__}: {e}") from None
+
+
+def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:
+    if not body.prompt:
+        return []
+    if body.raw:
+        return engine.text_ids(body.prompt)
+    system = [{"role": "system", "content": body.system}] if body.system else []
+    return engine.chat_ids(system + [{"role": "user", "content": body.prompt}])
+
+
+async def _answer(engine: Engine, body: _Generation, request: Request, ids: List[int], reply: OllamaReply):
+    """Queue the request and answer it, as NDJSON lines or one object."""
+    if not ids:  # Ollama's way to load a model: nothing to generate
+        return reply.loaded()
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(kind, value):  # called on the worker thread
+        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    grammar = await _grammar(engine, body.format)
+    try:
+        job = engine.job(ids, _params(engine, body.options, grammar), emit)
+        engine.submit(job)
+    except RedrafterError as e:
+        raise OllamaError(400, e.problem) from None
+    except QueueFull as e:
+        raise OllamaError(503, f"server busy: {e} Retry later.") from None
+    lines = _lines(reply, _events(events, job, request), body.stream)
+    if body.stream:
+        return _CancellingStream(job, lines, media_type="application/x-ndjson")
+    try:
+        out = [obj async for obj in lines]
+    finally:
+        job.cancel()  # a no-op once it is done; stops it when this handler is cancelled
+    if not out:  # the client left: nobody reads this
+        return JSONResponse(status_code=499, content=None)
+    if "error" in out[-1]:
+        raise OllamaError(500, out[-1]["error"])
+    return out[-1]
+
+
+async def _lines(reply: OllamaReply, events, streamed: bool):
+    """The reply's objects: NDJSON lines when ``streamed``, else the last one only."""
+    async for kind, value in events:
+        if kind == "text":
+            for obj in reply.pieces(value.text):
+                if streamed:
+                    yield line(obj)
+        elif kind == "error":
+            error = f"Generation failed: {type(value).__name__}: {value}"
+            yield line({"error": error}) if streamed else {"error": error}
+            return
+        elif not value.cancelled:
+            for obj in reply.pieces("", end=True):
+                if streamed:
+                    yield line(obj)
+            final = reply.final(value, streamed)
+            yield line(final) if streamed else final
