@@ -137,7 +137,7 @@ def test_tool_call_whole_and_streamed(client):
     assert answer.done and isinstance(answer.message.content, str)
 
 
-def test_format_is_structured_output(client):
+def test_format_is_structured_output(server, client):
     import jsonschema_rs
 
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -149,10 +149,12 @@ def test_format_is_structured_output(client):
     r = client.generate("default", prompt="A JSON object about the sea.", format="json", options={**GREEDY, "num_predict": 60})
     if r.done_reason == "stop":  # complete: it parses
         assert isinstance(json.loads(r.response), dict)
+    bad = httpx.post(server.url + "/api/chat", json={"model": "default", "messages": _user("hi"), "format": "yaml"},
+                     timeout=60)  # the ollama client refuses it before sending
+    assert bad.status_code == 400 and "'format'" in bad.json()["error"]
 
 
 @pytest.mark.parametrize("field, kw, named", [
-    ("format value", {"format": "yaml"}, "'format'"),
     ("format schema", {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "format"),
     ("option", {"options": {"mirostat": 2}}, "options.mirostat"),
     ("think", {"think": True}, "'think'"),

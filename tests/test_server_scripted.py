@@ -20,7 +20,7 @@ from openai import OpenAI
 
 from mlx_redrafter.config import SamplingConfig
 from mlx_redrafter.llm.cache import PromptCache
-from mlx_redrafter.serve.engine import Engine, JobQueue, Result
+from mlx_redrafter.serve.engine import Engine, JobQueue, Piece, Result
 from mlx_redrafter.serve.openai_api import create_app
 from mlx_redrafter.serve.tools import GENERIC_FORMAT, Rendered, check_tool_choice, parser_format
 
@@ -69,7 +69,7 @@ class ScriptedEngine(Engine):
         res = Result(prompt_tokens=len(job.ids), finish_reason="stop")
         for chunk in self.chunks:
             res.text += chunk
-            job.emit("text", chunk)
+            job.emit("text", Piece(chunk, ["llm"]))
         for listener in self.listeners:
             listener(res)
         job.emit("done", res)

@@ -239,8 +239,10 @@ def test_unknown_routes_name_themselves_and_the_supported_ones(served, client):
     assert message.startswith("/v1/embeddings is not supported by mlx-redrafter serve; supported: ")
     for route in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics", "/health"):
         assert route in message
-    r = httpx.get(url + "/", timeout=30)
-    assert r.status_code == 404 and r.json()["error"]["message"].startswith("/ is not supported")
+    r = httpx.get(url + "/v2/anything", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith("/v2/anything is not supported")
+    r = httpx.get(url + "/", timeout=30)  # the chat page (a 404 like the others with --no-ui)
+    assert r.status_code == 200 and "<html" in r.text.lower()
 
 
 def test_prompt_cache_flags_fail_before_loading(capsys):
