@@ -66,7 +66,7 @@ class CostCurve:
     builtin: bool = False  # True: not measured on this device (BUILTIN_COSTS)
     source: str = ""
     rounds: int = 0
-    spread: Tuple[float, ...] = field(default=())  # per size: interquartile range / median of the raw ms
+    measured: Tuple[int, ...] = field(default=())  # the sizes timed (the others are interpolated)
 
     def __call__(self, n: int) -> float:
         """c(n); past the measured sizes, the last slope continues (sizes are capped by buckets anyway)."""
@@ -91,7 +91,7 @@ class CostCurve:
             raise ValueError(f"cost curve version {data.get('version')!r}, expected {CURVE_VERSION}")
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         data["costs"] = tuple(float(c) for c in data["costs"])
-        data["spread"] = tuple(float(s) for s in data.get("spread", ()))
+        data["measured"] = tuple(int(n) for n in data.get("measured", ()))
         return cls(**data)
 
 
@@ -170,8 +170,10 @@ def format_curve(curve: CostCurve) -> str:
     else:
         head = (f"verify cost c(N), measured: {curve.model} {curve.variant} on {curve.device}, "
                 f"{curve.base_ms:.1f} ms at N=1, {curve.rounds} rounds")
-    sizes = "  ".join(f"{n}:{c:.2f}" for n, c in enumerate(curve.costs, start=1))
-    return f"{head}\n  {sizes}"
+    guessed = set(range(1, curve.max_size + 1)) - set(curve.measured) if curve.measured else set()
+    sizes = "  ".join(f"{n}:{'~' if n in guessed else ''}{c:.2f}" for n, c in enumerate(curve.costs, start=1))
+    note = "  (~ interpolated)" if guessed else ""
+    return f"{head}{note}\n  {sizes}"
 
 
 # --------------------------------------------------------------------------- measuring
@@ -236,17 +238,44 @@ class _Timer:
         self.pending = None
 
 
+def _sample_order(sizes) -> list:
+    """Bucket sizes first (tree_select.BUCKETS), so a slow device that runs
+    out of budget has measured the sizes the selection uses."""
+    first = [n for n in (1, 2, 3, 4, 6, 8, 12, 16) if n in sizes]
+    return first + [n for n in sizes if n not in first]
+
+
+def _fill(sizes, ratios: Dict[int, float]) -> Tuple[float, ...]:
+    """c(N) at every size: measured where there is one, else interpolated
+    linearly between measured sizes (past the last, its slope continues;
+    with N = 1 alone, c(N) = N, which makes drafting never pay)."""
+    known = sorted(ratios)
+    if len(known) == 1:
+        return tuple(float(n) for n in sizes)
+    out = []
+    for n in sizes:
+        if n in ratios:
+            out.append(ratios[n])
+        elif n > known[-1]:
+            slope = (ratios[known[-1]] - ratios[known[-2]]) / (known[-1] - known[-2])
+            out.append(ratios[known[-1]] + max(slope, 0.0) * (n - known[-1]))
+        else:
+            out.append(float(np.interp(n, known, [ratios[k] for k in known])))
+    return tuple(out)
+
+
 def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_SIZE, budget_s: float = 30.0,
-                  calls: int = 2, min_rounds: int = 2, max_rounds: int = 15,
-                  context: int = CONTEXT_TOKENS, seed: int = 0) -> CostCurve:
-    """Measure c(N) for ``N = 1..max_size`` in about ``budget_s`` seconds.
+                  calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0) -> CostCurve:
+    """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds.
 
     Each round times a short pipelined burst of every size, in a new random
     order (so drift and other processes on the machine hit every size
-    alike); rounds continue while the next one fits the budget (at least
-    ``min_rounds``). c(N) is the median over rounds of each size's time
-    divided by that round's N = 1 time (the median of its ``BASE_REPEATS``
-    bursts, so one disturbed burst does not skew a whole round).
+    alike), with ``BASE_REPEATS`` bursts of N = 1. c(N) is the median over
+    rounds of each size's time divided by that round's N = 1 time (the
+    median of its N = 1 bursts, so one disturbed burst does not skew a
+    round). No burst starts that would end past the budget: on a slow
+    device the sizes never timed are interpolated (``CostCurve.measured``
+    lists those that were).
     """
     from .cost import warm_cache
     from .models import model_parts
@@ -260,32 +289,40 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
     cache, rewind = warm_cache(model, backbone, tokens=context)
     rng = random.Random(seed)
     timer = _Timer(model, backbone, head, cache, rewind)
-    start = time.perf_counter()
-    for n in sizes:  # first calls of every shape: kernels and allocations
-        timer.burst(n, 0)
-    raw: Dict[int, list] = {n: [] for n in sizes}
-    base = []
-    rounds = 0
-    while rounds < max_rounds:
-        tic = time.perf_counter()
-        # N = 1 three times a round: every ratio of the round divides by it.
-        order = sizes + [1] * (BASE_REPEATS - 1)
-        rng.shuffle(order)
-        ones = []
-        for n in order:
-            t = timer.burst(n, calls)
-            (ones if n == 1 else raw[n]).append(t)
-        base.append(float(np.median(ones)))
-        raw[1].append(base[-1])
-        rounds += 1
-        took = time.perf_counter() - tic
-        if rounds >= min_rounds and time.perf_counter() - start + took > budget_s:
+    deadline = time.perf_counter() + budget_s
+    guess: Dict[int, float] = {}  # seconds per call, from the first call of each shape
+
+    def fits(n: int, k: int) -> bool:
+        per_call = guess.get(n, max(guess.values(), default=0.0))
+        return time.perf_counter() + per_call * k < deadline
+
+    for n in _sample_order(sizes):  # first calls of every shape: kernels and allocations
+        if not fits(n, 2):
             break
+        tic = time.perf_counter()
+        timer.burst(n, 0)
+        timer.drain()
+        guess[n] = time.perf_counter() - tic
+    raw: Dict[int, list] = {n: [] for n in guess}
+    rounds = 0
+    while rounds < max_rounds and 1 in guess:
+        order = [n for n in guess if n != 1] + [1] * BASE_REPEATS
+        rng.shuffle(order)
+        times: Dict[int, list] = {}
+        for n in order:
+            if fits(n, calls + 1):
+                times.setdefault(n, []).append(timer.burst(n, calls))
+        if 1 not in times or len(times) == 1:
+            break
+        base = float(np.median(times.pop(1)))
+        for n, t in times.items():
+            raw[n].append(t[0] / base)
+        raw[1].append(base)
+        rounds += 1
     timer.drain()
-    base = np.array(base)
-    costs = tuple(1.0 if n == 1 else float(np.median(np.array(raw[n]) / base)) for n in sizes)
-    spread = tuple(float(np.subtract(*np.percentile(raw[n], [75, 25])) / np.median(raw[n])) for n in sizes)
+    ratios = {1: 1.0, **{n: float(np.median(r)) for n, r in raw.items() if n != 1 and r}}
     device, ident, variant = curve_key(model, model_spec)
-    return CostCurve(costs, device, ident, variant, base_ms=1000 * float(np.median(base)),
+    base_ms = 1000 * float(np.median(raw[1])) if raw.get(1) else 1000 * guess.get(1, 0.0)
+    return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
-                     rounds=rounds, spread=spread)
+                     rounds=rounds, measured=tuple(sorted(ratios)))
