@@ -238,6 +238,29 @@ class _Timer:
         self.pending = None
 
 
+def _context_cache(model, backbone, tokens: int):
+    """A cache holding ``tokens`` positions, and a function that rewinds it
+    there. Only the length matters to the timing, so the keys and values
+    are random rows after one real token: no prefill (a 4-bit model on a
+    CPU would spend most of the budget on it)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(backbone(mx.array([[1]]), cache=cache))
+    for c in cache:
+        b, h, _, d = c.keys.shape
+        rows = mx.random.normal((b, h, tokens - 1, d)).astype(c.keys.dtype)
+        c.update_and_fetch(rows, rows)
+        mx.eval(c.keys, c.values)
+    offsets = [c.offset for c in cache]
+
+    def rewind():
+        for c, o in zip(cache, offsets):
+            c.offset = o
+
+    return cache, rewind
+
+
 def _sample_order(sizes) -> list:
     """Bucket sizes first (tree_select.BUCKETS), so a slow device that runs
     out of budget has measured the sizes the selection uses."""
@@ -277,7 +300,6 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
     device the sizes never timed are interpolated (``CostCurve.measured``
     lists those that were).
     """
-    from .cost import warm_cache
     from .models import model_parts
     from .verify import install_tree_hooks
 
@@ -286,14 +308,16 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
     sizes = list(range(1, max_size + 1))
     install_tree_hooks(model)
     _, backbone, head = model_parts(model)
-    cache, rewind = warm_cache(model, backbone, tokens=context)
+    cache, rewind = _context_cache(model, backbone, context)
     rng = random.Random(seed)
     timer = _Timer(model, backbone, head, cache, rewind)
     deadline = time.perf_counter() + budget_s
     guess: Dict[int, float] = {}  # seconds per call, from the first call of each shape
 
     def fits(n: int, k: int) -> bool:
-        per_call = guess.get(n, max(guess.values(), default=0.0))
+        # An untimed size is guessed from the largest timed one, scaled by size (as a quantized CPU model grows).
+        top = max(guess, default=None)
+        per_call = guess[n] if n in guess else (guess[top] * n / top if top else 0.0)
         return time.perf_counter() + per_call * k < deadline
 
     for n in _sample_order(sizes):  # first calls of every shape: kernels and allocations
