@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_redrafter import tree_select as ts
-from mlx_redrafter import verify_cost as vc
-from mlx_redrafter.accept import accept_greedy
-from mlx_redrafter.tree import layout
+from mlx_redrafter.step import curve as vc
+from mlx_redrafter.step import select as ts
+from mlx_redrafter.step.accept import accept_greedy
+from mlx_redrafter.step.tree import layout
+from mlx_redrafter.tuning import calibrate
 
 from helpers import tiny_model
 
@@ -272,7 +273,7 @@ def test_measured_curve_round_trip_and_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     model = tiny_model("llama")
     assert vc.curve_for(model).builtin  # nothing measured yet
-    c = vc.measure_curve(model, max_size=5, budget_s=2.0, context=16, max_rounds=3)
+    c = calibrate.measure_curve(model, max_size=5, budget_s=2.0, context=16, max_rounds=3)
     assert len(c.costs) == 5 and c.costs[0] == 1.0 and all(x > 0 for x in c.costs)
     assert not c.builtin and c.rounds == 3 and c.base_ms > 0 and c.measured == (1, 2, 3, 4, 5)
     assert (c.device, c.model, c.variant) == vc.curve_key(model)
@@ -290,13 +291,13 @@ def test_measured_curve_round_trip_and_fallback(tmp_path, monkeypatch):
 
 def test_a_device_too_slow_for_the_budget_gets_a_curve_where_drafting_never_pays(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
-    c = vc.measure_curve(tiny_model("llama"), max_size=4, budget_s=0.0)
+    c = calibrate.measure_curve(tiny_model("llama"), max_size=4, budget_s=0.0)
     assert c.costs == (1.0, 2.0, 3.0, 4.0) and c.measured == (1,) and c.rounds == 0
 
 
 def test_sizes_not_timed_are_interpolated():
-    assert vc._fill([1, 2, 3, 4, 5, 6], {1: 1.0, 2: 1.2, 4: 1.8}) == pytest.approx((1.0, 1.2, 1.5, 1.8, 2.1, 2.4))
-    assert vc._sample_order(list(range(1, 17)))[:8] == list(ts.BUCKETS)
+    assert calibrate._fill([1, 2, 3, 4, 5, 6], {1: 1.0, 2: 1.2, 4: 1.8}) == pytest.approx((1.0, 1.2, 1.5, 1.8, 2.1, 2.4))
+    assert calibrate._sample_order(list(range(1, 17)))[:8] == list(ts.BUCKETS)
     text = vc.format_curve(vc.CostCurve((1.0, 1.2, 1.5), measured=(1, 2)))
     assert "3:~1.50" in text and "2:1.20" in text
 

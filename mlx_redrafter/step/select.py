@@ -8,7 +8,7 @@ node is accepted given that its parent is, per (source, depth, score bucket);
 accepted. A parent-closed subset ``S`` verified with ``g0`` then yields
 ``1 + sum_S p`` tokens in expectation (linearity: a node is accepted exactly
 when its path is) at a cost of ``c(1 + |S|)`` plain steps
-(:mod:`~mlx_redrafter.verify_cost`), and the rule is to maximize their ratio.
+(:mod:`~mlx_redrafter.step.curve`), and the rule is to maximize their ratio.
 
 Why a greedy add-by-p is exact: ``q <= 1``, so ``p(child) <= p(parent)``.
 Order the nodes by ``p`` descending, ties by depth ascending, then index:
@@ -36,10 +36,11 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .curve import BUCKET_SIZES
 from .tree import PAD, Tree
 
 SOURCES = ("drafter", "lookup", "datastore")
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # verified tree sizes, g0 included
+BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
 DEPTHS = 8  # calibration depths; deeper nodes share the last
 Q_MIN = 0.01  # floor of q, so that p stays a normal float32 up to depth 16
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind each prior rate
@@ -141,7 +142,7 @@ class Structure:
 
 def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
     """The candidates of rows (a drafter beam, a lookup row, ...) that own
-    their nodes, in :func:`~mlx_redrafter.tree.layout` order: row ``r``'s
+    their nodes, in :func:`~mlx_redrafter.step.tree.layout` order: row ``r``'s
     token ``j`` is candidate ``sum(lengths[:r]) + j`` (its layout node + 1)."""
     parent, source, depth = [], [], []
     for n, src in zip(lengths, sources):
@@ -269,7 +270,7 @@ class Selection:
     codes: mx.array  # [k] int32 for the host read: candidate * N_BUCKETS + bucket, -1 for padding
 
     def tree(self, tokens: mx.array, g0: mx.array) -> Tree:
-        """The :class:`~mlx_redrafter.tree.Tree` to verify, from the candidates' ``tokens [M]``.
+        """The :class:`~mlx_redrafter.step.tree.Tree` to verify, from the candidates' ``tokens [M]``.
 
         Its ``node_index`` is ``[1, M]`` (candidate -> packed index); use
         :meth:`rows` for the ``[R, L]`` view that acceptance takes.
@@ -279,8 +280,8 @@ class Selection:
         return Tree(all_tokens, self.depth, self.parent, self.position[None], self.mask)
 
     def rows(self, beams: mx.array, node_index: mx.array) -> Tuple[mx.array, mx.array]:
-        """``(beams, node_index)`` ``[R, L]`` for :func:`~mlx_redrafter.accept.accept_greedy`:
-        ``node_index`` is a :class:`~mlx_redrafter.tree.Layout`'s (candidate
+        """``(beams, node_index)`` ``[R, L]`` for :func:`~mlx_redrafter.step.accept.accept_greedy`:
+        ``node_index`` is a :class:`~mlx_redrafter.step.tree.Layout`'s (candidate
         ``i`` is layout node ``i + 1``); nodes not verified become ``PAD``
         (never accepted) at packed index 0."""
         idx = self.position[mx.maximum(node_index - 1, 0)]
