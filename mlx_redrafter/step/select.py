@@ -268,6 +268,7 @@ class Selection:
     parent: mx.array  # [k+1] packed index of each node's parent (g0's is 0)
     mask: mx.array  # [k+1, k+1] bool: ancestor-or-self
     codes: mx.array  # [k] int32 for the host read: candidate * N_BUCKETS + bucket, -1 for padding
+    p: mx.array  # [M] each candidate's p (0: invalid, or under an invalid parent)
 
     def tree(self, tokens: mx.array, g0: mx.array) -> Tree:
         """The :class:`~mlx_redrafter.step.tree.Tree` to verify, from the candidates' ``tokens [M]``.
@@ -314,7 +315,7 @@ def select_device(structure: Structure, score: mx.array, valid: mx.array, table:
     b = bucket[nodes]
     codes = mx.where(b >= 0, nodes * N_BUCKETS + b, -1).astype(mx.int32)
     return Selection(nodes, position, mx.concatenate([zero, depth[nodes]]),
-                     mx.concatenate([zero, packed_parent.astype(mx.int32)]), mask, codes)
+                     mx.concatenate([zero, packed_parent.astype(mx.int32)]), mask, codes, p)
 
 
 # --------------------------------------------------------------------------- calibration
