@@ -21,6 +21,7 @@ from .llm.cache import trim_cache
 from .llm.parts import context_limit
 from .llm.text import prompt_array, wrap_tokenizer
 from .responses import RedrafterResponse, StopMatcher
+from .runtime import tree_kw, with_curve
 from .step.dispatch import token_steps
 
 __all__ = ["DraftConfig", "RedrafterResponse", "SamplingConfig", "generate", "generate_tokens",
@@ -80,9 +81,8 @@ def stream_generate(
     lookup: Optional[Union[bool, int]] = None,
     lookup_context: Sequence[int] = (),
     *,
-    timings: bool = False,
-    draft: Optional[DraftConfig] = None,
-    sampling: Optional[SamplingConfig] = None,
+    timings: bool = False, draft: Optional[DraftConfig] = None, sampling: Optional[SamplingConfig] = None,
+    tree: Optional[str] = None,
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
@@ -99,13 +99,13 @@ def stream_generate(
     not given comes from this device's tuned profile (``mlx-redrafter sweep
     --save-profile``) when the model and drafter were loaded with this
     package's loaders, else from ``DEFAULT_WIDTH``/``DEFAULT_LENGTH``.
-    ``draft`` (a resolved :class:`DraftConfig`) and ``sampling`` replace the
-    loose keywords. Bad arguments raise :class:`RedrafterError` (a
+    ``draft`` (a resolved :class:`DraftConfig`) and ``sampling`` replace the loose keywords. Bad arguments raise :class:`RedrafterError` (a
     ``ValueError``). At ``temp == 0`` the tokens equal plain greedy decoding;
     at ``temp > 0`` they follow the model's own sampling distribution (after
     ``top_p``/``min_p``/``top_k``). ``timings=True`` adds syncs to split the
     step time into pack / verify / accept / draft (``profile=``: its
-    deprecated old name).
+    deprecated old name). ``tree="auto"``: verify only the drafts that pay
+    on this device's verify cost (``doctor --calibrate``), W and L as caps.
 
     ``prompt_cache`` (a list from ``make_prompt_cache``) is updated in place;
     at the end it holds the prompt and the emitted tokens, sometimes minus the
@@ -119,8 +119,9 @@ def stream_generate(
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
     _refuse_both(draft, "draft", drafter=drafter, beam_width=beam_width, beam_length=beam_length, warp=warp,
-                 controller=controller, lookup=lookup)
-    draft = draft or library_draft(model, drafter, beam_width, beam_length, lookup, warp=warp, controller=controller)
+                 controller=controller, lookup=lookup, tree=tree)
+    draft = with_curve(model, draft or library_draft(model, drafter, beam_width, beam_length, lookup, warp=warp,
+                                                     controller=controller, **tree_kw(tree)))
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)

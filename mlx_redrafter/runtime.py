@@ -123,10 +123,13 @@ def load_runtime(
     dtype: Optional[str] = None,
     adaptive: bool = False,
     lookup: Optional[bool] = None,
+    tree: Optional[str] = None,
 ) -> Runtime:
     """Load the model and pick its drafter, beam shape and lookup beams
     (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in).
-    ``drafter_path="none"``: no drafter."""
+    ``drafter_path="none"``: no drafter. ``tree`` (``auto``/``fixed``; None:
+    the default): under ``auto`` the draft carries this device's verify-cost
+    curve (:func:`~mlx_redrafter.step.curve.curve_for`)."""
     from .draft.drafter import check_fits, load_drafter
     from .llm.load import load_model
 
@@ -142,7 +145,7 @@ def load_runtime(
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
         rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
-        rt.draft = DraftConfig(lookup=int(bool(lookup)))
+        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), **tree_kw(tree)), model_spec)
         return rt
     drafter = load_drafter(path, dtype=dtype)
     check_fits(drafter, model)
@@ -152,7 +155,8 @@ def load_runtime(
 
         controller = load_controller(path)
     resolved = resolve(drafter, beam_width, beam_length, lookup, model_spec=model_spec, drafter_path=path,
-                       controller=controller)
+                       controller=controller, **tree_kw(tree))
+    resolved.draft = with_curve(model, resolved.draft, model_spec)
     rt.draft, rt.drafter_path, rt.shape_source = resolved.draft, path, resolved.source
     profile = resolved.profile
     if profile is not None and profile.get("speedup", 1.0) < 1.0:
@@ -161,3 +165,19 @@ def load_runtime(
             f"--no-draft is faster here (same output)"
         )
     return rt
+
+
+def tree_kw(tree: Optional[str]) -> dict:
+    """``tree=`` for :class:`DraftConfig` (None: its default)."""
+    return {} if tree is None else {"tree": tree}
+
+
+def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:
+    """``draft`` with this device's verify-cost curve for ``model`` when its tree is ``auto`` and it has none."""
+    import dataclasses
+
+    from .step.curve import curve_for
+
+    if draft.tree != "auto" or draft.curve is not None:
+        return draft
+    return dataclasses.replace(draft, curve=curve_for(model, model_spec))

@@ -42,6 +42,11 @@ def drafter_scores(beams) -> mx.array:
     return mx.concatenate([cum[:, :1], cum[:, 1:] - cum[:, :-1]], axis=1)
 
 
+def row_sources(drafter_rows: int, rows: int) -> List[str]:
+    """Each row's source: the drafter's rows first, then lookup rows (protocol.py's order)."""
+    return [SOURCES[DRAFTER]] * drafter_rows + [SOURCES[LOOKUP]] * (rows - drafter_rows)
+
+
 class AutoTree:
     """One generation's cost-aware selection: its :class:`Calibration` and curve."""
 

@@ -44,7 +44,7 @@ from ..draft.lookup import DeviceLookup, Lookup
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
-from .auto import AutoTree, drafter_scores
+from .auto import AutoTree, drafter_scores, row_sources
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import PAD, Tree, layout, merged_parent
 from .verify import install_tree_hooks, tree_hooks
@@ -151,8 +151,7 @@ class _Pipeline:
 
     def _queue_auto(self, prev: _Queued, beams: mx.array, lay) -> _Queued:
         """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
-        drafted = self.cfg.drafter_rows
-        sources = ["drafter"] * drafted + ["lookup"] * (len(lay.lengths) - drafted)
+        sources = row_sources(self.cfg.drafter_rows, len(lay.lengths))
         structure, ancestors = self.auto.shape(lay.lengths, sources)
         size = self.auto.bucket(structure)
         if size == 1:

@@ -27,7 +27,7 @@ from ..draft.lookup import Lookup, join_beams
 from ..llm.cache import compact_cache, set_cache_length, verify_starts
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
-from .auto import AutoTree, drafter_scores, lookup_buckets
+from .auto import AutoTree, drafter_scores, lookup_buckets, row_sources
 from .select import bucket_of
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import count_nodes, count_rows, pack
@@ -107,8 +107,7 @@ class _JoinedBeams(_DrafterBeams):
         for i in range(cfg.lookup):
             per_row.append((looked[i * cfg.lookup_length : (i + 1) * cfg.lookup_length] + [-1] * width)[:width])
         flat = [b for row in per_row for b in row]
-        sources = ["drafter"] * len(buckets) + ["lookup"] * cfg.lookup
-        return self.auto.trim(rows, sources, flat)
+        return self.auto.trim(rows, row_sources(len(buckets), len(rows)), flat)
 
 
 def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
