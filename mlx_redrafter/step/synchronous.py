@@ -96,6 +96,9 @@ class _JoinedBeams(_DrafterBeams):
         rows = join_beams(drafted, self.lookup.propose(cfg.lookup_length, cfg.lookup), cfg.lookup)
         if self.auto is not None:
             rows = self._trim(rows, buckets, emitted)
+            # The depth is the longest kept row's: the loop takes n nodes == depth for a single path.
+            depth = max((sum(t >= 0 for t in r) for r in rows), default=0)
+            rows = [r[: max(depth, 1)] for r in rows]
         return mx.array(rows, dtype=mx.int32), count_rows(rows), len(rows[0])
 
     def _trim(self, rows, buckets, emitted):
