@@ -182,3 +182,13 @@ def test_auto_sampling_matches_the_model(small_model, pipelined, runs):  # noqa:
         sizes.update(s.tree_size for s in stats[1:])
     assert len(sizes) > 1 and max(sizes) > 2  # real, varying subsets were verified
     assert chi2_passes(observed, expected, runs)
+
+
+def test_the_controller_prices_verification_with_the_curve():
+    from mlx_redrafter.train.controller import curve_latency, step_cost
+
+    latency = {"plain": 10.0, "verify_1": 10.0, "verify_2": 30.0, "verify_4": 31.0, "draft": 1.0, "controller": 0.5}
+    priced = curve_latency(latency, SHALLOW)
+    assert priced["verify_2"] == pytest.approx(11.2) and priced["verify_4"] == pytest.approx(13.6)
+    assert priced["draft"] == 1.0 and priced["plain"] == 10.0
+    assert step_cost(priced, np.array([2.0])) == pytest.approx(11.2 + 1.5)

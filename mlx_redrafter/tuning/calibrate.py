@@ -182,7 +182,8 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
         raw[1].append(base)
         rounds += 1
     timer.drain()
-    ratios = {1: 1.0, **{n: float(np.median(r)) for n, r in raw.items() if n != 1 and r}}
+    # No size verifies for less than one token does (a lower ratio is noise: another process slowed N = 1).
+    ratios = {1: 1.0, **{n: max(1.0, float(np.median(r))) for n, r in raw.items() if n != 1 and r}}
     device, ident, variant = curve_key(model, model_spec)
     base_ms = 1000 * float(np.median(raw[1])) if raw.get(1) else 1000 * guess.get(1, 0.0)
     return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
