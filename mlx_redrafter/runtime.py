@@ -83,6 +83,9 @@ class Runtime:
                 console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
         extra = ", adaptive depth" if self.controller is not None else ""
+        if self.draft.tree == "auto":
+            curve = "built-in curve" if self.draft.curve is None or self.draft.curve.builtin else "measured curve"
+            extra += f", tree auto on the {curve}"
         lookup = f" + {self.lookup} lookup beam{'s' if self.lookup > 1 else ''}" if self.lookup else ", no lookup"
         console.print(
             f"[dim]model {self.model_spec}, drafter {self.drafter_path}: "
@@ -134,6 +137,7 @@ def load_runtime(
     from .llm.load import load_model
 
     _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    DraftConfig(**tree_kw(tree)).check()  # a bad --tree fails now, not after the load
     no_drafter = wants_no_drafter(drafter_path)
     model, tokenizer = load_model(model_spec, dtype=dtype)
     rt = Runtime(model, tokenizer, model_spec)
