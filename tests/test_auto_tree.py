@@ -180,7 +180,7 @@ def test_auto_sampling_matches_the_model(small_model, pipelined, runs):  # noqa:
         tokens, stats = generate_tokens(small_model, prompt, draft=draft, max_tokens=2, temp=cfg.temp)
         observed[tuple(tokens)] += 1
         sizes.update(s.tree_size for s in stats[1:])
-    assert len(sizes) > 1 and max(sizes) > 2  # real, varying subsets were verified
+    assert max(sizes) > 2 and min(sizes) < 1 + 3 * 2 + 2  # real subsets: more than one node, fewer than all 8
     assert chi2_passes(observed, expected, runs)
 
 
