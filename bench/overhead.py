@@ -14,7 +14,11 @@ synchronous loop (``timings=True`` adds a sync per phase). Shapes:
   sizes vary).
 
 Plain decoding (mlx-lm's ``stream_generate`` on the same model object and
-templated prompt) is timed before and after the grid; ratios use the mean.
+templated prompt) is timed before and after the grid; ratios use the mean
+of those two runs' median per-token times (the same statistic as a step's).
+End to end: the whole ``stream_generate`` call, prefill included, as a user
+runs it, ours against mlx-lm's, per token emitted (a never-accepted drafter
+emits one token per step, so that is per step).
 The LLM's forward alone over 1, 2, 3, 7 and 15 tokens, pipelined, gives
 the floor under a step that verifies that many tokens.
 Step times are medians over the steps after the first two.
@@ -49,14 +53,32 @@ from mlx_redrafter.step import dispatch
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
+def stream_ms(stream):
+    """``(median ms between tokens after the first three, end-to-end ms per token)`` of a token stream;
+    the end-to-end time runs from the call (prefill included) to the last token."""
+    tic = last = time.perf_counter()
+    deltas, count = [], 0
+    for _ in stream:
+        now = time.perf_counter()
+        if count:
+            deltas.append(now - last)
+        last, count = now, count + 1
+    return med(deltas[2:]), 1000 * (last - tic) / max(count, 1)
+
+
 def plain_ms_per_token(model, tok, prompt, n):
-    tic, count = None, 0
-    for _ in mlx_stream_generate(model, tok, prompt, max_tokens=n):
-        if tic is None:
-            tic = time.perf_counter()  # exclude the prompt
-        else:
-            count += 1
-    return 1000 * (time.perf_counter() - tic) / max(count, 1)
+    """Median ms per decode token of mlx-lm's own ``stream_generate``."""
+    return stream_ms(mlx_stream_generate(model, tok, prompt, max_tokens=n))[0]
+
+
+def end_to_end(model, tok, prompt, n, drafts):
+    """End-to-end ms per token, plain (mlx-lm) and ours per draft, interleaved, plain first and last."""
+    from mlx_redrafter.generate import stream_generate
+
+    plain = [stream_ms(mlx_stream_generate(model, tok, prompt, max_tokens=n))[1]]
+    ours = {k: stream_ms(stream_generate(model, tok, prompt, max_tokens=n, draft=d))[1] for k, d in drafts.items()}
+    plain.append(stream_ms(mlx_stream_generate(model, tok, prompt, max_tokens=n))[1])
+    return float(np.mean(plain)), ours
 
 
 def forward_ms(model, ids, n_tokens, steps):
@@ -165,6 +187,11 @@ def main():
     rows.append({"drafter": "shipped", "W": 2, "L": 1, "shape": "default: W=2 L=1 + lookup",
                  **row(model, ids, DraftConfig(shipped, 2, 1, lookup=1), args.tokens)})
     floors = {n: forward_ms(model, ids, n, args.tokens) for n in (1, 2, 3, 7, 15)}
+    e2e_plain, e2e = end_to_end(model, tok, prompt, args.tokens, {
+        "random W=1 L=1 (never accepted)": DraftConfig(rand, 1, 1),
+        "default: shipped W=2 L=1 + lookup": DraftConfig(shipped, 2, 1, lookup=1),
+        "default, tree=auto": DraftConfig(shipped, 2, 1, lookup=1, tree="auto"),
+    })
     base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
     plain = float(np.mean(base))
     print("The LLM's forward alone, pipelined, per tree size (the floor under a step of that size):")
@@ -185,10 +212,17 @@ def main():
             f"{r['sync_ms_per_token'] / plain:.2f} | {r['pipelined_ms_per_token'] / plain:.2f} | "
             f"{r['draft_ms']:.1f} | {r['pack_ms']:.1f} | {r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {other:.1f} |"
         )
+    print()
+    print(f"End to end (stream_generate, prefill included): plain mlx-lm {e2e_plain:.1f} ms/token")
+    print("| draft | ms/token | / plain |")
+    print("|---|---|---|")
+    for k, ms in e2e.items():
+        print(f"| {k} | {ms:.1f} | {ms / e2e_plain:.2f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"machine": report(), "plain_ms_per_token": base, "forward_ms": floors, "rows": rows}, f, indent=1)
+            json.dump({"machine": report(), "plain_ms_per_token": base, "forward_ms": floors, "rows": rows,
+                       "end_to_end_plain_ms": e2e_plain, "end_to_end_ms": e2e}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ DEFAULT_LOOKUP = 1
 # Tokens per lookup draft: measured offline on the default model's greedy
 # replies (MT-Bench, Spec-Bench summarization; see draft/lookup.py).
 LOOKUP_LENGTH = 4
+# Which draft nodes a step verifies (see DraftConfig.tree); bench/RESULTS.md section 13.
+DEFAULT_TREE = "fixed"
+TREES = ("auto", "fixed")
 
 
 @dataclass
@@ -79,6 +82,11 @@ class DraftConfig:
     lookup: int = 0
     lookup_length: int = LOOKUP_LENGTH
     pipelined: bool = True  # False: the synchronous loop even where the pipelined one can run
+    # "fixed": verify every drafted node. "auto": beam_width x beam_length and
+    # the lookup rows are the candidates; each step verifies the subset whose
+    # expected tokens per unit of verify cost (``curve``, step/curve.py) is best.
+    tree: str = DEFAULT_TREE
+    curve: object = None  # a step.curve.CostCurve; None: the built-in one
 
     @property
     def drafting(self) -> bool:
@@ -110,6 +118,8 @@ class DraftConfig:
                 f"Beam width and length must be at least 1 (got width {self.beam_width}, length {self.beam_length}).",
                 f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
             )
+        if self.tree not in TREES:
+            raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
         if self.lookup < 0 or self.lookup_length < 1:
             raise RedrafterError(
                 f"lookup must be at least 0 beams of at least 1 token (got {self.lookup} of {self.lookup_length}).",

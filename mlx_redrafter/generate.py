@@ -36,6 +36,7 @@ from .llm.cache import trim_cache
 from .llm.parts import context_limit
 from .llm.text import prompt_array, wrap_tokenizer
 from .responses import RedrafterResponse, StopMatcher
+from .runtime import tree_kw, with_curve
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
 
@@ -86,8 +87,8 @@ def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loos
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
     _refuse_both(draft, "draft", **loose_draft)
     d = loose_draft
-    draft = draft or library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"], warp=d["warp"],
-                                   controller=d["controller"])
+    draft = with_curve(model, draft or library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"],
+                                                     warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"])))
     return sampling, draft
 
 
@@ -116,6 +117,7 @@ def stream_generate(
     draft: Optional[DraftConfig] = None,
     sampling: Optional[SamplingConfig] = None,
     grammar=None,
+    tree: Optional[str] = None,
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
     ``drafter`` is given (plain decoding when it is ``None``).
@@ -159,6 +161,10 @@ def stream_generate(
             previous turns) that lookup may copy from.
         controller, warp: the learned depth controller (``--adaptive``) and
             the official code's logit warping of drafts.
+        tree: ``"fixed"`` (every drafted node is verified) or ``"auto"``
+            (verify only the drafts that pay on this device's verify cost,
+            ``mlx-redrafter doctor --calibrate``; ``beam_width`` and
+            ``beam_length`` are then the caps of the candidates).
         draft: a resolved :class:`DraftConfig`, in place of the keywords above.
 
     Sampling keywords:
@@ -187,7 +193,8 @@ def stream_generate(
     """
     timings = _timings(timings, profile)
     sampling, draft = _configs(model, sampling, draft, max_tokens, dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
-                               dict(drafter=drafter, beam_width=beam_width, beam_length=beam_length, lookup=lookup, warp=warp, controller=controller))
+                               dict(drafter=drafter, beam_width=beam_width, beam_length=beam_length, lookup=lookup, warp=warp, controller=controller,
+                                    tree=tree))
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)
@@ -255,7 +262,7 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     other keyword is :func:`stream_generate`'s: ``drafter``, ``beam_width``,
     ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
     ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
-    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``.
+    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``, ``tree``.
     """
     text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):

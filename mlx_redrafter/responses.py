@@ -69,6 +69,7 @@ class Tally:
     steps: int = 0
     drafted_tokens: int = 0
     lookup_tokens: int = 0  # the part of drafted_tokens that came from lookup beams
+    tree_tokens: int = 0  # tokens verified, summed over the steps (g0 included)
     last: Optional[RedrafterResponse] = None
     _step: int = -1
 
@@ -82,6 +83,7 @@ class Tally:
         self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
         if r.stats.step != self._step:
             self.steps += 1
+            self.tree_tokens += r.stats.tree_size
             self._step = r.stats.step
         return True
 
@@ -91,11 +93,17 @@ class Tally:
         self.steps += other.steps
         self.drafted_tokens += other.drafted_tokens
         self.lookup_tokens += other.lookup_tokens
+        self.tree_tokens += other.tree_tokens
         self.last = other.last or self.last
 
     @property
     def tokens_per_step(self) -> float:
         return self.tokens / max(self.steps, 1)
+
+    @property
+    def mean_tree_size(self) -> float:
+        """Tokens verified per step (1: plain decoding, or g0 alone)."""
+        return self.tree_tokens / max(self.steps, 1)
 
     @property
     def draft_share(self) -> float:

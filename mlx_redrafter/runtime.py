@@ -80,6 +80,9 @@ class Runtime:
         w, length = self.beam_width, self.beam_length
         guesses = f"{w} drafter guess{'es' if w > 1 else ''} of {length} token{'s' if length > 1 else ''}"
         extra = ", adaptive depth" if self.controller is not None else ""
+        if self.draft.tree == "auto":
+            curve = "built-in curve" if self.draft.curve is None or self.draft.curve.builtin else "measured curve"
+            extra += f", tree auto on the {curve}"
         line = (f"model {self.model_spec}, drafting: {guesses}"
                 f"{' + ' + copies + ' per step' if self.lookup else ' per step (no copies from the context)'} "
                 f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}]")
@@ -119,14 +122,18 @@ def load_runtime(
     dtype: Optional[str] = None,
     adaptive: bool = False,
     lookup: Optional[bool] = None,
+    tree: Optional[str] = None,
 ) -> Runtime:
     """Load the model and pick its drafter, beam shape and lookup beams
     (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in).
-    ``drafter_path="none"``: no drafter."""
+    ``drafter_path="none"``: no drafter. ``tree`` (``auto``/``fixed``; None:
+    the default): under ``auto`` the draft carries this device's verify-cost
+    curve (:func:`~mlx_redrafter.step.curve.curve_for`)."""
     from .draft.drafter import check_fits, load_drafter
     from .llm.load import load_model
 
     _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    DraftConfig(**tree_kw(tree)).check()  # a bad --tree fails now, not after the load
     no_drafter = wants_no_drafter(drafter_path)
     model, tokenizer = load_model(model_spec, dtype=dtype)
     rt = Runtime(model, tokenizer, model_spec)
@@ -138,7 +145,7 @@ def load_runtime(
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
         rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
-        rt.draft = DraftConfig(lookup=int(bool(lookup)))
+        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), **tree_kw(tree)), model_spec)
         return rt
     drafter = load_drafter(path, dtype=dtype)
     check_fits(drafter, model)
@@ -148,7 +155,8 @@ def load_runtime(
 
         controller = load_controller(path)
     resolved = resolve(drafter, beam_width, beam_length, lookup, model_spec=model_spec, drafter_path=path,
-                       controller=controller)
+                       controller=controller, **tree_kw(tree))
+    resolved.draft = with_curve(model, resolved.draft, model_spec)
     rt.draft, rt.drafter_path, rt.shape_source = resolved.draft, path, resolved.source
     profile = resolved.profile
     if profile is not None and profile.get("speedup", 1.0) < 1.0:
@@ -157,3 +165,19 @@ def load_runtime(
             f"--no-draft is faster here (same output)"
         )
     return rt
+
+
+def tree_kw(tree: Optional[str]) -> dict:
+    """``tree=`` for :class:`DraftConfig` (None: its default)."""
+    return {} if tree is None else {"tree": tree}
+
+
+def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:
+    """``draft`` with this device's verify-cost curve for ``model`` when its tree is ``auto`` and it has none."""
+    import dataclasses
+
+    from .step.curve import curve_for
+
+    if draft.tree != "auto" or draft.curve is not None:
+        return draft
+    return dataclasses.replace(draft, curve=curve_for(model, model_spec))

@@ -334,5 +334,6 @@ def test_piped_session(default_model):
     assert p.stdout.startswith(a1 + "\n")
     assert p.stdout.endswith("\n" + a2 + "\n")
     assert "turns: 1 (0 interrupted" in p.stdout
+    assert re.search(r"mean tree [\d.]+ tokens verified per step", p.stdout)
     assert "'nope' is not a setting" in p.stderr
     assert len(re.findall(r"tok/s, [\d.]+ tokens/step", p.stderr)) == 2  # one status line per reply

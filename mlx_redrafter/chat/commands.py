@@ -124,10 +124,13 @@ def stats_text(chat) -> str:
     else:
         how = f"ReDrafter W={chat.settings.beam_width} L={chat.settings.beam_length}"
         how += f" + {lookup} lookup beam{'s' if lookup > 1 else ''}" if lookup else ""
+    if chat.base_draft.drafting:
+        how += f", tree {chat.base_draft.tree}"
     lines = [
         f"turns: {t.turns} ({t.interrupted} interrupted, {t.dropped_turns} dropped to fit the context)",
         f"generated: {g.tokens} tokens in {g.steps} steps, {tps:.1f} tok/s",
-        f"tokens/step: {g.tokens_per_step:.2f}, {g.draft_summary()} (accepted)",
+        f"tokens/step: {g.tokens_per_step:.2f}, {g.draft_summary()} (accepted), "
+        f"mean tree {g.mean_tree_size:.2f} tokens verified per step",
         f"prefill: {t.prefilled_tokens} tokens computed, {t.reused_tokens} reused from the cache ({reuse:.0%})",
         f"decoding: {how}, temp {chat.settings.sampling.temp:g}",
     ]

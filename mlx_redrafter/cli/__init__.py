@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import DEFAULT_LENGTH, DEFAULT_WIDTH
+from ..config import DEFAULT_LENGTH, DEFAULT_TREE, DEFAULT_WIDTH
 from ..errors import RedrafterError
 
 app = typer.Typer(
@@ -41,6 +41,10 @@ LookupOpt = typer.Option(
 )
 BeamWidthOpt = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH}).")
 BeamLengthOpt = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH}).")
+TreeOpt = typer.Option(
+    None, "--tree", help="auto: verify only the draft nodes expected to pay on this device's measured verify cost "
+    "(width and length become caps); fixed: every drafted node (default: " + DEFAULT_TREE + ")."
+)
 AdaptiveOpt = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth.")
 TempOpt = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy; serve: when a request does not say).")
 TopPOpt = typer.Option(0.0, "--top-p", help="Nucleus sampling (0 = off).")
@@ -65,7 +69,7 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
 
 
 def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
-             lookup=None, announce=True):
+             lookup=None, announce=True, tree=None):
     """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
     from ..doctor import slow_blas_warning
     from ..runtime import load_runtime
@@ -73,7 +77,7 @@ def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, 
     warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
     if warning:
         err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
-    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree)
     if announce:
         rt.announce(err)
     return rt

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import RedrafterError
-from . import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt, SeedOpt,
+from . import (AdaptiveOpt, TreeOpt, BeamLengthOpt, BeamWidthOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt, SeedOpt,
                SystemOpt, TempOpt, TopKOpt, TopPOpt, _runtime, _sampling, app, err, format_prompt, read_prompt)
 
 
@@ -35,6 +35,7 @@ def generate(
     adaptive: bool = AdaptiveOpt,
     json_any: bool = typer.Option(False, "--json", help="Constrain the reply to a JSON object."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the reply to this JSON Schema (a file)."),
+    tree: Optional[str] = TreeOpt,
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter).
 
@@ -46,7 +47,7 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree)
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(rt.model, rt.tokenizer, full, max_tokens=max_tokens, seed=seed, stop=stop,
@@ -104,6 +105,7 @@ def chat(
     show_drafts: bool = typer.Option(False, "--show-drafts", help="Colour the tokens that came from accepted drafts."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."),
     adaptive: bool = AdaptiveOpt,
+    tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
@@ -118,7 +120,7 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree)
     if seed is not None:
         import mlx.core as mx
 
@@ -177,6 +179,7 @@ def serve(
     prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."),
     prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."),
     adaptive: bool = AdaptiveOpt,
+    tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
@@ -202,7 +205,7 @@ def serve(
                              "pip install 'mlx-redrafter[server]'") from None
     from ..serve import Engine
 
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree)
     engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size,
                     prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
     app_ = create_app(engine, ui=not no_ui)
@@ -212,8 +215,12 @@ def serve(
 
 
 @app.command()
-def doctor():
-    """Print versions, device, default dtype and BLAS (with the fix when it is slow)."""
+def doctor(
+    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this device's verify-cost curve c(N) for the model (<= 30 s) and store it for --tree auto."),
+    model: str = ModelOpt,
+    dtype: Optional[str] = DtypeOpt,
+):
+    """Print versions, device, default dtype and BLAS (with the fix when it is slow), and the verify-cost curve."""
     from ..doctor import BLIS_FIX, SLOW_GFLOPS, matmul_gflops, report
 
     info = report()
@@ -227,3 +234,23 @@ def doctor():
             f"[yellow]The CPU backend uses {info['blas']} ({gflops:.1f} GFLOPS); "
             "a good BLAS is about 20x faster here. Fix:[/yellow]\n" + BLIS_FIX
         )
+    _show_curve(model, dtype, calibrate)
+
+
+def _show_curve(model_spec: str, dtype: Optional[str], calibrate: bool) -> None:
+    """The verify-cost curve ``--tree auto`` uses for this model here; ``calibrate``: measure and store it first."""
+    from ..llm.load import load_model
+    from ..step.curve import curve_for, format_curve, save_curve
+
+    model, _ = load_model(model_spec, dtype=dtype)
+    if calibrate:
+        from ..tuning.calibrate import measure_curve
+
+        err.print("measuring the verify-cost curve (at most 30 s)...")
+        path = save_curve(measure_curve(model, model_spec), model, model_spec)
+        err.print(f"saved {path}")
+    curve = curve_for(model, model_spec)
+    print(format_curve(curve))
+    if curve.builtin:
+        print("  (no curve measured on this device for this model: --tree auto uses the built-in one; "
+              "measure it with `mlx-redrafter doctor --calibrate`)")

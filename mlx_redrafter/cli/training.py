@@ -185,6 +185,7 @@ def train_controller_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
+    from ..step.curve import load_curve
     from ..train.controller import fit_and_save
     from ..train.examples import is_eval_conversation
 
@@ -209,6 +210,7 @@ def train_controller_cmd(
         task = bar.add_task("recording", total=len(ids))
         fit = fit_and_save(s.model, s.drafter, s.drafter_path, ids, s.beam_width, s.beam_length, max_tokens,
                            eos_ids=s.tokenizer.eos_token_ids, epochs=epochs, alpha=alpha, seed=seed,
+                           curve=load_curve(s.model, model),  # doctor --calibrate's; None: the latencies timed here
                            progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total))
     err.print(f"{fit.steps} steps recorded; offline tokens per plain-step time: "
               + ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items()) + f", adaptive: {fit.learned:.2f}")

@@ -24,6 +24,7 @@ class Beams:
     scores: mx.array  # [W] cumulative log-probabilities, float32, descending
     logprobs: Optional[mx.array] = None  # [W, L, V_draft] per-step draft log-softmax
     confidences: Optional[mx.array] = None  # [W, L, k] top-k draft probabilities, descending
+    path_scores: Optional[mx.array] = None  # [W, L] cumulative log-probability of each beam's prefix of j+1 tokens
 
 
 def warp_logits(logits: mx.array, top_k: int = WARP_TOP_K) -> mx.array:
@@ -77,6 +78,7 @@ def beam_search(
     state = mx.zeros((width, context.shape[-1]), dtype=context.dtype)
     scores = mx.array([0.0] + [NEG] * (width - 1), dtype=mx.float32)
     history = mx.zeros((width, 0), dtype=mx.int32)
+    path_scores = mx.zeros((width, 0), dtype=mx.float32)
     lp_history = None
     conf_history = None
     for _ in range(length):
@@ -92,6 +94,8 @@ def beam_search(
         tokens = drafter.token_ids(idx % vocab).astype(mx.int32)
         state = state[parent]
         history = mx.concatenate([history[parent], tokens[:, None]], axis=1)
+        # Each prefix's own score: the selection of verified nodes needs every depth's (lazy, unused otherwise).
+        path_scores = mx.concatenate([path_scores[parent], scores[:, None]], axis=1)
         if return_logprobs:
             step_lp = logp[parent][:, None]
             lp_history = step_lp if lp_history is None else mx.concatenate(
@@ -103,4 +107,4 @@ def beam_search(
             conf_history = step_conf if conf_history is None else mx.concatenate(
                 [conf_history[parent], step_conf], axis=1
             )
-    return Beams(history, scores, lp_history, conf_history)
+    return Beams(history, scores, lp_history, conf_history, path_scores)

@@ -70,8 +70,12 @@ class Lookup:
         return out
 
     def propose(self, length: int, k: int = 1) -> List[List[int]]:
-        """Up to ``k`` distinct drafts of ``length`` tokens, longest match first."""
+        """Up to ``k`` distinct drafts of ``length`` tokens, longest match first.
+
+        ``self.matched`` then holds each draft's matched suffix length (the
+        score the cost-aware tree selection calibrates)."""
         drafts: List[List[int]] = []
+        self.matched: List[int] = []
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(drafts) >= k:
                 break
@@ -81,6 +85,7 @@ class Lookup:
             draft = self.continuation(start, length)
             if draft not in drafts:
                 drafts.append(draft)
+                self.matched.append(n)
         return drafts
 
 
@@ -143,11 +148,13 @@ class DeviceLookup:
     def propose(self, length: int):
         """``[length]``: the tokens after the latest earlier occurrence of the
         longest suffix (``n_max`` down to ``n_min``), repeating past the end
-        of the history like :meth:`Lookup.continuation`; all ``PAD`` if none."""
+        of the history like :meth:`Lookup.continuation`; all ``PAD`` if none.
+        ``self.matched`` is then the matched suffix length (a device scalar, 0 if none)."""
         import mlx.core as mx
 
         buf, size = self.buf, self.buf.shape[0]
         start = mx.array(-1, mx.int32)
+        matched = mx.array(0, mx.int32)
         for n in range(self.n_max, self.n_min - 1, -1):
             suffix = mx.take(buf, mx.maximum(self.length - n + mx.arange(n), 0))
             windows = size - n + 1
@@ -158,7 +165,9 @@ class DeviceLookup:
             # An occurrence counts once the token after it exists, before the suffix itself.
             ok = match & (pos + n <= self.length - 1) & (self.length >= n)
             found = mx.max(mx.where(ok, pos + n, -1))
+            matched = mx.where((start < 0) & (found >= 0), n, matched)
             start = mx.where(start >= 0, start, found)
+        self.matched = matched
         period = mx.maximum(self.length - start, 1)
         tokens = mx.take(buf, mx.maximum(start, 0) + mx.arange(length) % period)
         return mx.where(start >= 0, tokens, PAD)

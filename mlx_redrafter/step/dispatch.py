@@ -37,9 +37,11 @@ def can_pipeline(cache, draft: DraftConfig, timings: bool = False) -> bool:
     """Whether :func:`~mlx_redrafter.step.pipelined.pipelined_steps` runs this
     generation (else the synchronous loop does): plain or quantized caches, no
     controller, no timings, and drafter beams that share few prefixes (see
-    ``MAX_SHARED_NODES``)."""
+    ``MAX_SHARED_NODES``) or ``tree="auto"``."""
     if timings or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in cache):
         return False
+    if draft.tree == "auto":  # the verified subset has a bucket's size whatever W x L is
+        return True
     w, length = draft.beam_width, draft.beam_length
     # Beams of one token, or a single beam, share no prefix: nothing to dedup.
     return draft.drafter is None or w == 1 or length == 1 or w * length <= MAX_SHARED_NODES

@@ -44,6 +44,7 @@ from ..draft.lookup import DeviceLookup, Lookup
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
+from .auto import AutoTree, drafter_scores, row_sources
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import PAD, Tree, layout, merged_parent
 from .verify import install_tree_hooks, tree_hooks
@@ -61,6 +62,7 @@ class _Queued:
     n: mx.array  # accepted drafts
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
+    structure: object = None  # tree="auto": the candidates' Structure (the read ends with Selection.codes)
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -88,12 +90,15 @@ class _Pipeline:
         # freshest history; more come from the host, one step late.
         self.fresh = DeviceLookup(history) if draft.lookup == 1 else None
         self.kv = None  # set after the prefill
+        self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
 
     def rows(self, prev: _Queued):
-        """The next step's rows (lazy) and their lengths (host)."""
-        cfg, parts, lengths = self.cfg, [], []
+        """The next step's rows and their nodes' scores (lazy), and the rows' lengths (host)."""
+        cfg, parts, lengths, self.scores = self.cfg, [], [], []
         if cfg.drafter is not None:
-            parts.append(draft_beams(cfg, self.embed, prev.context, prev.g0).tokens)
+            beams = draft_beams(cfg, self.embed, prev.context, prev.g0)
+            parts.append(beams.tokens)
+            self.scores.append(drafter_scores(beams) if self.auto is not None else None)
             lengths += [cfg.beam_length] * cfg.beam_width
         if self.fresh is not None:
             self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
@@ -104,9 +109,12 @@ class _Pipeline:
             if proposals:
                 if self.fresh is not None:
                     rows = self.fresh.propose(cfg.lookup_length)[None]
+                    matched = self.fresh.matched.reshape(1, 1)
                 else:
                     rows = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
+                    matched = mx.array(self.lookup.matched, mx.float32)[:, None]
                 parts.append(rows)
+                self.scores.append(mx.broadcast_to(matched, rows.shape).astype(mx.float32))
                 lengths += [cfg.lookup_length] * rows.shape[0]
         return parts, lengths
 
@@ -125,6 +133,8 @@ class _Pipeline:
         depth = max(lengths)
         beams = mx.concatenate([mx.pad(p, [(0, 0), (0, depth - p.shape[1])], constant_values=PAD) for p in parts])
         lay = layout(tuple(lengths))
+        if self.auto is not None:
+            return self._queue_auto(prev, beams, lay)
         tree = lay.tree(beams, prev.g0)
         hidden = self._forward(tree, prev.real, chain=len(lengths) == 1)
         logits = self.head(hidden)
@@ -138,6 +148,32 @@ class _Pipeline:
         self.kv.append(lay.size, kept)
         row = beams[acc.beam]
         return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size)
+
+    def _queue_auto(self, prev: _Queued, beams: mx.array, lay) -> _Queued:
+        """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
+        sources = row_sources(self.cfg.drafter_rows, len(lay.lengths))
+        structure, ancestors = self.auto.shape(lay.lengths, sources)
+        size = self.auto.bucket(structure)
+        if size == 1:
+            return self._queue_g0(prev)
+        depth = beams.shape[1]
+        scores = mx.concatenate([mx.pad(x, [(0, 0), (0, depth - x.shape[1])]) for x in self.scores])
+        sel, rows, index = self.auto.select(structure, ancestors, beams, lay, scores, size - 1,
+                                            dedup=not self.sampling.greedy)
+        tree = sel.tree(beams[lay.node_row, lay.node_pos], prev.g0)
+        hidden = self._forward(tree, prev.real, chain=size == 2)
+        logits = self.head(hidden)
+        if self.sampling.greedy:
+            acc = accept_greedy(rows, index, logits)
+        else:
+            acc = accept_sampling(rows, Tree(tree.tokens, tree.depth, tree.parent, index, tree.mask), logits,
+                                  self.sampling)
+        on_path = mx.arange(depth + 1) <= acc.n
+        self.kv.append(size, ((mx.arange(size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1))
+        row = rows[acc.beam]
+        read = mx.concatenate([step_read(acc, row), sel.codes])
+        return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, size,
+                       structure)
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
@@ -190,6 +226,8 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             syncs += 1
             kept = set(read.path[: read.n + 1])
             pipe.kv.settle([i in kept for i in range(queued.size)])
+            if queued.structure is not None:
+                pipe.auto.observe(queued.structure, read.rest, read.path[: read.n + 1])
             pipe.emitted(read.emitted)
             yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows)
             queued = following

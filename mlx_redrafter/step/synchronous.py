@@ -27,6 +27,8 @@ from ..draft.lookup import Lookup, join_beams
 from ..llm.cache import compact_cache, set_cache_length, verify_starts
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
+from .auto import AutoTree, drafter_scores, lookup_buckets, row_sources
+from .select import bucket_of
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import count_nodes, count_rows, pack
 from .verify import verify
@@ -45,7 +47,7 @@ class _DrafterBeams:
         """``(beams, depth to verify)``, lazily."""
         cfg = self.cfg
         top_k = cfg.controller.top_k if cfg.controller is not None else 0
-        b = draft_beams(cfg, self.embed, context, g0, confidences=top_k)
+        b = self.drafted = draft_beams(cfg, self.embed, context, g0, confidences=top_k)
         if cfg.controller is None:
             return b.tokens, mx.array(cfg.beam_length, mx.int32)
         return b.tokens, cfg.controller.choose_depth(b)
@@ -71,29 +73,51 @@ class _JoinedBeams(_DrafterBeams):
     def __init__(self, embed, draft: DraftConfig, prompt: List[int]):
         super().__init__(embed, draft)
         self.lookup = Lookup(prompt)
+        self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
 
     def start(self, context, g0) -> List[mx.array]:
         if self.cfg.drafter is None:
             return []
         beams, depth = self.draft(context, g0)
-        return [depth, beams]
+        if self.auto is None:
+            return [depth, beams]
+        # tree="auto": each node's score bucket comes with the beams in the step's read.
+        scores = drafter_scores(self.drafted).reshape(-1)
+        return [depth, beams, bucket_of(mx, mx.zeros(scores.shape, mx.int32), scores)]
 
     def finish(self, vals: List[int], emitted: List[int]):
         cfg = self.cfg
         self.lookup.extend(emitted)
-        drafted = []
+        drafted, buckets, size = [], [], cfg.beam_width * cfg.beam_length
         if cfg.drafter is not None:
-            depth, flat, length = vals[0], vals[1:], cfg.beam_length
+            depth, flat, length = vals[0], vals[1 : 1 + size], cfg.beam_length
             drafted = [flat[w * length : w * length + depth] for w in range(cfg.beam_width)]
+            buckets = [vals[1 + size + w * length : 1 + size + w * length + depth] for w in range(cfg.beam_width)]
         rows = join_beams(drafted, self.lookup.propose(cfg.lookup_length, cfg.lookup), cfg.lookup)
+        if self.auto is not None:
+            rows = self._trim(rows, buckets, emitted)
+            # The depth is the longest kept row's: the loop takes n nodes == depth for a single path.
+            depth = max((sum(t >= 0 for t in r) for r in rows), default=0)
+            rows = [r[: max(depth, 1)] for r in rows]
         return mx.array(rows, dtype=mx.int32), count_rows(rows), len(rows[0])
+
+    def _trim(self, rows, buckets, emitted):
+        """tree="auto": learn from the step just read, then keep the best subset of ``rows``."""
+        cfg, width = self.cfg, len(rows[0])
+        self.auto.observe_rows(emitted[:-1])
+        per_row = [b + [-1] * (width - len(b)) for b in buckets]
+        looked = lookup_buckets(self.lookup.matched, cfg.lookup, cfg.lookup_length)
+        for i in range(cfg.lookup):
+            per_row.append((looked[i * cfg.lookup_length : (i + 1) * cfg.lookup_length] + [-1] * width)[:width])
+        flat = [b for row in per_row for b in row]
+        return self.auto.trim(rows, row_sources(len(buckets), len(rows)), flat)
 
 
 def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
                       timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
     """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, one step at a time (see the module doc)."""
     embed, backbone, head = model_parts(model, draft.feature_layers)
-    if draft.lookup:
+    if draft.lookup or draft.tree == "auto":
         drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
     else:
         drafts = _DrafterBeams(embed, draft)

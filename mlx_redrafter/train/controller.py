@@ -4,7 +4,8 @@ Offline policy gradient (REINFORCE, with its expectation over the ``L``
 stopping depths computed exactly) on recorded episodes: per step, the
 confidences, the number of drafts the LLM accepted at full depth ``a`` (so
 depth ``D`` would accept ``min(a, D)``) and the tree size at every depth,
-priced with verify latencies measured on this device. Reward:
+priced with verify latencies measured on this device (with a verify-cost
+curve from ``doctor --calibrate``, c(N) x one plain step). Reward:
 ``(min(a, D) + 1) / (T(D) / T_plain) - alpha * D``.
 """
 
@@ -119,6 +120,17 @@ def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats
     return out
 
 
+def curve_latency(latency: Dict[str, float], curve) -> Dict[str, float]:
+    """``latency`` with every verify time priced by this device's measured
+    verify-cost curve (step/curve.py, pipelined like the generation loop):
+    c(N) x one plain step, instead of the few synchronous calls timed here."""
+    out = dict(latency)
+    for key in latency:
+        if key.startswith("verify_"):
+            out[key] = latency["plain"] * curve(int(key.split("_")[1]))
+    return out
+
+
 def step_cost(latency: Dict[str, float], tree_size: np.ndarray) -> np.ndarray:
     """Estimated step time (ms) for verifying trees of the given sizes."""
     table = {int(k.split("_")[1]): v for k, v in latency.items() if k.startswith("verify_")}
@@ -213,10 +225,12 @@ class FitReport:
 
 def fit_and_save(model, drafter, drafter_path, prompts: List[List[int]], width: int, length: int, max_tokens: int,
                  eos_ids=(), epochs: int = 100, alpha: float = 0.05, seed: int = 0,
-                 progress: Optional[Callable[[str, int, Optional[int]], None]] = None) -> FitReport:
+                 progress: Optional[Callable[[str, int, Optional[int]], None]] = None, curve=None) -> FitReport:
     """Record greedy ReDrafter steps on ``prompts`` (token ids), measure this
     device's latencies, train the controller and save it next to the
-    drafter. ``progress(stage, done, total)`` follows the three stages."""
+    drafter. ``progress(stage, done, total)`` follows the three stages.
+    ``curve``: this device's measured verify-cost curve, which then prices
+    the verify calls (:func:`curve_latency`)."""
     tell = progress or (lambda stage, done, total: None)
     config = ControllerConfig(beam_width=width, beam_length=length, alpha=alpha)
     tell("recording", 0, len(prompts))
@@ -224,6 +238,8 @@ def fit_and_save(model, drafter, drafter_path, prompts: List[List[int]], width: 
                                top_k=config.top_k, progress=lambda i: tell("recording", i, len(prompts)))
     tell("measuring latency", 0, None)
     config.latency = measure_latency(model, drafter, width, length, top_k=config.top_k)
+    if curve is not None:
+        config.latency = curve_latency(config.latency, curve)
     tell("training", 0, epochs)
     controller = train_controller(episodes, config, epochs=epochs, seed=seed,
                                   progress=lambda e, _: tell("training", e, epochs))

@@ -59,6 +59,7 @@ def sweep_key(config, prompts: List[List[int]], meta: dict) -> dict:
         "temp": config.temp,
         "top_p": config.top_p,
         "seed": config.seed,
+        **({"tree": config.tree} if config.tree != "fixed" else {}),  # older results files were all fixed
         "prompts_digest": prompts_digest(prompts),
         "num_prompts": len(prompts),
         **meta,

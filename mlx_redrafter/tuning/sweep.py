@@ -55,6 +55,8 @@ class SweepConfig:
     top_p: float = 0.0
     seed: int = 0  # with temp > 0, prompt i is sampled from seed + i, for every pass
     lookups: List[int] = field(default_factory=lambda: [0])  # lookup beams: [0] off, [1] on, [0, 1] both
+    tree: str = "fixed"  # "auto": each cell's W x L (+ lookup) are the caps of the cost-aware selection
+    curve: object = None  # tree="auto": the verify-cost curve (None: the built-in one)
 
     def cells(self) -> List[Tuple[int, int, int]]:
         """``(width, length, lookup beams)`` of every cell."""
@@ -216,13 +218,14 @@ def run_sweep(
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
     if todo:
         w, l, k = todo[0]
-        warm_up(model, prompts[0], DraftConfig(drafter, w, l, controller=controller, lookup=k))
+        warm_up(model, prompts[0], DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=config.tree, curve=config.curve))
     reference = None
     for i, (w, l, k) in enumerate(todo):
         if i % config.baseline_every == 0:
             reference, seq = _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick)
         stage(cell_label(w, l, k))
-        p = _pass(model, prompts, DraftConfig(drafter, w, l, controller=controller, lookup=k), config, eos_ids, tick)
+        p = _pass(model, prompts, DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=config.tree,
+                                                 curve=config.curve), config, eos_ids, tick)
         results["cells"].append({**summarize_cell(p, w, l, seq, reference if config.temp == 0 else None), "lookup": k})
         seq += 1
         save_results(out_dir, results)

@@ -1,0 +1,176 @@
+"""The verify-cost curve c(N): what verifying N tokens costs over one plain step.
+
+Drafting pays only when the tokens a tree is expected to add beat what its
+extra tokens cost, and that cost depends on the device, the model and its
+dtype: on this 2-core CPU it is steep and not monotonic (a jump from 3 to 4
+tokens, 8 tokens cheaper than 7), on an Apple GPU nearly flat. So it is
+measured at every size, never fitted.
+
+:func:`~mlx_redrafter.tuning.calibrate.measure_curve` times the LLM's forward (and head) over ``N`` new tokens
+with a tree mask after a realistic cached context, for ``N = 1..16``, the
+sizes interleaved in a fresh random order each round and pipelined like the
+generation loop (the next call queued before the last is read), and keeps
+each size's median over the rounds, as a ratio to ``N = 1`` (the model's own
+one-token call, i.e. a plain decoding step). It fits in ``budget_s`` seconds.
+
+Curves are stored next to the tuned profiles (``cache_root()/profiles``),
+keyed by device, model and dtype/quantization; :func:`curve_for` loads this
+device's curve or falls back to :data:`BUILTIN_COSTS` (flagged ``builtin``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..files import cache_root, write_json_atomic
+
+CURVE_VERSION = 1
+MAX_SIZE = 16
+BUCKET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # select.BUCKETS (the sizes a calibration times first)
+CONTEXT_TOKENS = 220  # the cached context each timed call attends to (DESIGN.md sections 9-10)
+# Measured here (DESIGN.md section 10, 2026-12-01): a 2-core Linux CPU, BLIS,
+# SmolLM2-135M float32, synchronous forward after 220 tokens of context,
+# median of 15 calls. Sizes 9, 11 and 13-15 were not measured; the built-in
+# curve interpolates them linearly between their measured neighbours.
+BUILTIN_MEASURED = {1: 1.00, 2: 1.07, 3: 1.19, 4: 1.51, 5: 1.57, 6: 1.65, 7: 1.80, 8: 1.62,
+                    10: 1.79, 12: 2.02, 16: 2.52}
+BUILTIN_SOURCE = ("built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M float32 "
+                  "(DESIGN.md section 10); sizes 9, 11, 13-15 interpolated")
+
+
+def _builtin_costs() -> Tuple[float, ...]:
+    known = sorted(BUILTIN_MEASURED)
+    return tuple(float(np.interp(n, known, [BUILTIN_MEASURED[k] for k in known])) for n in range(1, MAX_SIZE + 1))
+
+
+BUILTIN_COSTS = _builtin_costs()
+
+
+@dataclass
+class CostCurve:
+    """``costs[N - 1]`` = c(N), verify cost of N tokens over one plain step (c(1) = 1)."""
+
+    costs: Tuple[float, ...]
+    device: str = ""
+    model: str = ""
+    variant: str = ""  # dtype, or quantization + dtype: "float32", "q4g64-float32"
+    base_ms: float = 0.0  # the N = 1 step it is relative to (0 for the built-in curve)
+    builtin: bool = False  # True: not measured on this device (BUILTIN_COSTS)
+    source: str = ""
+    rounds: int = 0
+    measured: Tuple[int, ...] = field(default=())  # the sizes timed (the others are interpolated)
+
+    def __call__(self, n: int) -> float:
+        """c(n); past the measured sizes, the last slope continues (sizes are capped by buckets anyway)."""
+        if n < 1:
+            raise ValueError(f"a verified tree holds at least g0 (got {n} tokens)")
+        m = len(self.costs)
+        if n <= m:
+            return self.costs[n - 1]
+        slope = self.costs[-1] - self.costs[-2] if m > 1 else 0.0
+        return self.costs[-1] + slope * (n - m)
+
+    @property
+    def max_size(self) -> int:
+        return len(self.costs)
+
+    def to_dict(self) -> dict:
+        return {"version": CURVE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostCurve":
+        if data.get("version") != CURVE_VERSION:
+            raise ValueError(f"cost curve version {data.get('version')!r}, expected {CURVE_VERSION}")
+        data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        data["costs"] = tuple(float(c) for c in data["costs"])
+        data["measured"] = tuple(int(n) for n in data.get("measured", ()))
+        return cls(**data)
+
+
+def builtin_curve() -> CostCurve:
+    """The curve measured on this project's CPU, for a device with none of its own."""
+    return CostCurve(BUILTIN_COSTS, builtin=True, source=BUILTIN_SOURCE)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def model_variant(model) -> str:
+    """The model's dtype, prefixed by its quantization: ``float32``, ``q4g64-float16``."""
+    from mlx.utils import tree_flatten
+
+    # The dtype of the float weights (quantized weights are packed integers).
+    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    dtype = str(floats[0] if floats else mx.float32).split(".")[-1]
+    quant = sorted({(m.bits, m.group_size) for _, m in model.named_modules() if hasattr(m, "bits")})
+    return "".join(f"q{b}g{g}-" for b, g in quant) + dtype
+
+
+def model_identity(model, model_spec: Optional[str] = None) -> str:
+    """What a curve is keyed by besides the device: the spec the model was
+    loaded from (as profiles key it), else its architecture and size."""
+    from mlx.utils import tree_flatten
+
+    from ..profiles import _model_id
+
+    spec = model_spec or getattr(model, "redrafter_spec", None)
+    if spec:
+        return _model_id(spec)
+    args = getattr(model, "args", None)
+    size = sum(v.size for _, v in tree_flatten(model.parameters()))
+    return f"{getattr(args, 'model_type', type(model).__name__)}:{size}"
+
+
+def curve_key(model, model_spec: Optional[str] = None) -> Tuple[str, str, str]:
+    from ..profiles import device_id
+
+    return device_id(), model_identity(model, model_spec), model_variant(model)
+
+
+def curve_path(model, model_spec: Optional[str] = None):
+    """``cache_root()/profiles/curve-<digest>.json``, beside the tuned profiles."""
+    digest = hashlib.sha256(json.dumps(list(curve_key(model, model_spec))).encode()).hexdigest()[:16]
+    return cache_root() / "profiles" / f"curve-{digest}.json"
+
+
+def save_curve(curve: CostCurve, model, model_spec: Optional[str] = None):
+    """Write ``curve`` (atomically) where :func:`load_curve` finds it; returns the path."""
+    path = curve_path(model, model_spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, curve.to_dict())
+    return path
+
+
+def load_curve(model, model_spec: Optional[str] = None) -> Optional[CostCurve]:
+    """This device's stored curve for ``model``, or None (none, unreadable, or another version)."""
+    path = curve_path(model, model_spec)
+    if not path.is_file():
+        return None
+    try:
+        return CostCurve.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError, KeyError):
+        return None
+
+
+def curve_for(model, model_spec: Optional[str] = None) -> CostCurve:
+    """The measured curve of this device + model + dtype, else the built-in one."""
+    return load_curve(model, model_spec) or builtin_curve()
+
+
+def format_curve(curve: CostCurve) -> str:
+    """Two lines for ``doctor``: where the curve comes from, then c(N) by size."""
+    if curve.builtin:
+        head = f"verify cost c(N) ({curve.source})"
+    else:
+        head = (f"verify cost c(N), measured: {curve.model} {curve.variant} on {curve.device}, "
+                f"{curve.base_ms:.1f} ms at N=1, {curve.rounds} rounds")
+    guessed = set(range(1, curve.max_size + 1)) - set(curve.measured) if curve.measured else set()
+    sizes = "  ".join(f"{n}:{'~' if n in guessed else ''}{c:.2f}" for n, c in enumerate(curve.costs, start=1))
+    note = "  (~ interpolated)" if guessed else ""
+    return f"{head}{note}\n  {sizes}"

@@ -1,0 +1,421 @@
+"""Verify only what pays: expected-gain selection of draft-tree nodes.
+
+Every source proposes candidate nodes (the drafter's beam nodes, lookup
+continuations, later the datastore's), each with a parent, a depth and a raw
+score. A calibration turns the score into ``q``, the probability that the
+node is accepted given that its parent is, per (source, depth, score bucket);
+``p(node) = p(parent) * q`` is the probability that its whole path is
+accepted. A parent-closed subset ``S`` verified with ``g0`` then yields
+``1 + sum_S p`` tokens in expectation (linearity: a node is accepted exactly
+when its path is) at a cost of ``c(1 + |S|)`` plain steps
+(:mod:`~mlx_redrafter.step.curve`), and the rule is to maximize their ratio.
+
+Why a greedy add-by-p is exact: ``q <= 1``, so ``p(child) <= p(parent)``.
+Order the nodes by ``p`` descending, ties by depth ascending, then index:
+every node's parent comes before it (a larger ``p``, or the same ``p`` and a
+smaller depth). So each prefix of that order is parent-closed, and the
+top-``k`` prefix has the largest ``sum p`` of *any* ``k`` nodes; the best
+``S`` of each size is that prefix, and evaluating every size (c is neither
+monotone nor convex, so no first-stop rule) finds the optimum. The greedy
+that always adds the best frontier node (parent already in ``S``) walks that
+same order.
+
+For the pipelined loop the tree size must be known on the host a step
+ahead: :func:`pick_bucket` chooses a size from :data:`BUCKETS` using host
+estimates of ``p``, and :func:`select_device` picks the top-``k`` nodes by
+the step's actual ``p`` with fixed-shape MLX ops and no sync. Its
+:attr:`Selection.codes` go into the step's one host read, and
+:meth:`Calibration.observe` learns from them and the accepted path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .curve import BUCKET_SIZES
+from .tree import PAD, Tree
+
+SOURCES = ("drafter", "lookup", "datastore")
+BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
+DEPTHS = 8  # calibration depths; deeper nodes share the last
+Q_MIN = 0.01  # floor of q, so that p stays a normal float32 up to depth 16
+PRIOR_WEIGHT = 20.0  # pseudo-observations behind each prior rate
+MAX_WEIGHT = 2000.0  # observations kept per cell: older ones fade, so the rates follow the text
+
+# Score bucket edges per source (a score >= edge moves one bucket up):
+# drafter: the node's draft log-probability given its parent (probability
+# 0.1, 0.25, 0.5, 0.75); lookup: the matched suffix length (1, 2, 3, 4, 5+);
+# datastore: the continuation's count (1, 2-3, 4-7, 8-15, 16+).
+EDGES = np.array([
+    np.log([0.1, 0.25, 0.5, 0.75]),
+    [1.5, 2.5, 3.5, 4.5],
+    [1.5, 3.5, 7.5, 15.5],
+], dtype=np.float32)
+N_BUCKETS = EDGES.shape[1] + 1
+
+
+def _prior_table() -> np.ndarray:
+    """Priors of q [source, depth, bucket].
+
+    Drafter: about the bucket's draft probability (a distilled drafter is
+    roughly calibrated to its teacher), a little lower deeper; its first
+    drafts average 34-36% accepted here and deeper ones 0.3-0.4 given their
+    parent (bench/RESULTS.md). Lookup: a longer matched suffix is more often
+    right, and once a copy has started it tends to go on (conditional
+    acceptance past depth 1 is higher). Datastore: about 30% of its rows
+    accept a first token (DESIGN.md section 10).
+    """
+    q = np.zeros((len(SOURCES), DEPTHS, N_BUCKETS), np.float32)
+    depth_factor = np.array([1.0, 0.95, 0.9, 0.88, 0.86, 0.85, 0.85, 0.85])
+    q[0] = np.array([0.05, 0.17, 0.37, 0.62, 0.85])[None, :] * depth_factor[:, None]
+    q[1, 0] = [0.12, 0.3, 0.45, 0.55, 0.6]
+    q[1, 1:] = [0.4, 0.55, 0.65, 0.7, 0.75]
+    q[2, 0] = [0.2, 0.25, 0.3, 0.35, 0.4]
+    q[2, 1:] = [0.4, 0.45, 0.5, 0.55, 0.6]
+    return q
+
+
+PRIOR_Q = _prior_table()
+RANKS = 4  # sibling ranks the host estimates tell apart (beam 0, 1, 2, the rest)
+
+
+def _prior_slots() -> np.ndarray:
+    """Priors of q [source, depth, rank] over all scores, for host estimates:
+    rank is a node's place among the candidates of its source and depth
+    (beam order: best first). Drafter depth 1: 0.34 for the best beam, then
+    0.07 and 0.06 more for the next two; deeper, about 0.3 given the parent
+    (bench/RESULTS.md section 3's sweep). Lookup and datastore: the bucket
+    priors' means."""
+    q = np.zeros((len(SOURCES), DEPTHS, RANKS), np.float32)
+    q[0, 0] = [0.34, 0.07, 0.06, 0.04]
+    q[0, 1:] = [0.3, 0.2, 0.15, 0.1]
+    for s in (1, 2):
+        q[s] = PRIOR_Q[s].mean(axis=1, keepdims=True) * np.array([1.0, 0.5, 0.4, 0.3])
+    return q
+
+
+PRIOR_SLOTS = _prior_slots()
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The static shape of a step's candidates (host numpy arrays, ``[M]``).
+
+    ``parent[i]`` is the index of node ``i``'s parent, ``-1`` for a child of
+    ``g0``; parents come before children. ``source`` holds codes into
+    :data:`SOURCES`; ``depth`` is 1 for a child of ``g0``.
+    """
+
+    parent: np.ndarray
+    source: np.ndarray
+    depth: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.parent.shape[0])
+
+    def rank(self) -> np.ndarray:
+        """Each node's place among the earlier nodes of its source and depth (capped at ``RANKS - 1``)."""
+        seen, out = {}, []
+        for key in zip(self.source.tolist(), self.depth.tolist()):
+            out.append(min(seen.get(key, 0), RANKS - 1))
+            seen[key] = seen.get(key, 0) + 1
+        return np.array(out, np.int32)
+
+    def ancestors(self) -> np.ndarray:
+        """``[M+1, M+1]`` bool over g0 + nodes: ``[q, k]`` = k is q or an ancestor of q."""
+        m = self.size
+        anc = np.eye(m + 1, dtype=bool)
+        anc[:, 0] = True
+        for i in range(m):  # parents come first, so their rows are complete
+            if self.parent[i] >= 0:
+                anc[i + 1] |= anc[self.parent[i] + 1]
+        return anc
+
+
+def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
+    """The candidates of rows (a drafter beam, a lookup row, ...) that own
+    their nodes, in :func:`~mlx_redrafter.step.tree.layout` order: row ``r``'s
+    token ``j`` is candidate ``sum(lengths[:r]) + j`` (its layout node + 1)."""
+    parent, source, depth = [], [], []
+    for n, src in zip(lengths, sources):
+        start = len(parent)
+        for j in range(n):
+            parent.append(start + j - 1 if j else -1)
+            source.append(SOURCES.index(src))
+            depth.append(j + 1)
+    return Structure(np.array(parent, np.int32), np.array(source, np.int32), np.array(depth, np.int32))
+
+
+def drafter_step_scores(cumulative: mx.array) -> mx.array:
+    """Per-node draft log-probabilities ``[W, L]`` from cumulative beam scores
+    ``[W, L]`` (the score of each beam's prefix): each node's own step."""
+    return mx.concatenate([cumulative[:, :1], cumulative[:, 1:] - cumulative[:, :-1]], axis=1)
+
+
+# --------------------------------------------------------------------------- probabilities (numpy or MLX)
+
+
+def bucket_of(xp, source, score):
+    """Score bucket of each node (``xp`` is ``numpy`` or ``mlx.core``)."""
+    edges = xp.array(EDGES)[source]  # [M, B-1]
+    return (score[:, None] >= edges).sum(axis=1).astype(xp.int32)
+
+
+def path_p(xp, parent, q, max_depth: int):
+    """``p = q * p(parent)`` down the tree (``max_depth`` passes fix every level)."""
+    p = q
+    for _ in range(max_depth - 1):
+        p = q * xp.where(parent >= 0, p[xp.maximum(parent, 0)], 1.0)
+    return p
+
+
+def node_p(xp, structure: Structure, score, valid, table):
+    """``(p, bucket)`` of every candidate: invalid ones (padding) get ``p = 0``
+    and bucket -1. ``table [S, D, B]`` is :meth:`Calibration.table`."""
+    source, depth = xp.array(structure.source), xp.array(structure.depth)
+    parent = xp.array(structure.parent)
+    bucket = bucket_of(xp, source, score)
+    q = xp.array(table)[source, xp.minimum(depth, DEPTHS) - 1, bucket]
+    q = xp.where(valid, xp.clip(q, Q_MIN, 1.0), 0.0).astype(xp.float32)
+    p = path_p(xp, parent, q, int(structure.depth.max(initial=1)))
+    return p, xp.where(valid, bucket, -1)
+
+
+def rank_by_p(xp, p, depth):
+    """Each node's place in the order p descending, depth ascending, index
+    ascending (a permutation of ``0..M-1``; parents rank before children)."""
+    idx = xp.arange(p.shape[0])
+    same_p = p[None, :] == p[:, None]
+    shallower = (depth[None, :] < depth[:, None]) | ((depth[None, :] == depth[:, None]) & (idx[None, :] < idx[:, None]))
+    before = (p[None, :] > p[:, None]) | (same_p & shallower)  # [i, j]: j comes before i
+    return before.sum(axis=1).astype(xp.int32)
+
+
+# --------------------------------------------------------------------------- host selection
+
+
+def greedy_order(p: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> List[int]:
+    """Every node, in the order the greedy adds them: the frontier node
+    (parent already added) of largest ``p``, ties to the shallower, then lower index."""
+    children = [[] for _ in range(len(p))]
+    frontier = []
+    for i, par in enumerate(parent):
+        (frontier if par < 0 else children[par]).append(i)
+    order = []
+    while frontier:
+        best = min(frontier, key=lambda i: (-p[i], depth[i], i))
+        frontier.remove(best)
+        order.append(best)
+        frontier += children[best]
+    return order
+
+
+def expected_gain(p_sum: float, size: int, curve) -> float:
+    """Expected tokens per plain-step time of a tree of ``size`` tokens whose nodes' p sum to ``p_sum``."""
+    return (1.0 + p_sum) / curve(size)
+
+
+def best_subset(p, structure: Structure, curve, max_size: Optional[int] = None) -> Tuple[List[int], float]:
+    """The parent-closed ``S`` maximizing ``(1 + sum_S p) / c(1 + |S|)``, and that value.
+
+    Every size up to ``max_size`` (default: the curve's) is evaluated, the
+    best kept. ``S`` lists nodes in the order added (parents first).
+    """
+    p = np.asarray(p, np.float64)
+    limit = (max_size or curve.max_size) - 1
+    order = greedy_order(p, structure.parent, structure.depth)[: max(limit, 0)]
+    best_k, best, total = 0, expected_gain(0.0, 1, curve), 0.0
+    for k, i in enumerate(order, start=1):
+        total += p[i]
+        value = expected_gain(total, k + 1, curve)
+        if value > best:
+            best_k, best = k, value
+    return order[:best_k], best
+
+
+def pick_bucket(p_estimate, structure: Structure, curve, buckets: Sequence[int] = BUCKETS) -> int:
+    """The tree size (from ``buckets``, g0 included) with the best expected gain
+    for host estimates of p (:meth:`Calibration.estimate`); only sizes the
+    candidates can fill are considered."""
+    p = np.asarray(p_estimate, np.float64)
+    order = greedy_order(p, structure.parent, structure.depth)
+    sums = np.concatenate([[0.0], np.cumsum(p[order])])
+    sizes = [b for b in buckets if b - 1 <= structure.size] or [1]
+    return max(sizes, key=lambda b: (expected_gain(sums[b - 1], b, curve), -b))
+
+
+# --------------------------------------------------------------------------- device selection
+
+
+@dataclass
+class Selection:
+    """The ``k`` verified nodes of a step, chosen on the device (all lazy).
+
+    Packed index 0 is ``g0``; index ``i >= 1`` is candidate ``nodes[i - 1]``.
+    """
+
+    nodes: mx.array  # [k] candidate indices, parents first
+    position: mx.array  # [M] packed index of each candidate, 0 when not verified
+    depth: mx.array  # [k+1]
+    parent: mx.array  # [k+1] packed index of each node's parent (g0's is 0)
+    mask: mx.array  # [k+1, k+1] bool: ancestor-or-self
+    codes: mx.array  # [k] int32 for the host read: candidate * N_BUCKETS + bucket, -1 for padding
+    p: mx.array  # [M] each candidate's p (0: invalid, or under an invalid parent)
+
+    def tree(self, tokens: mx.array, g0: mx.array) -> Tree:
+        """The :class:`~mlx_redrafter.step.tree.Tree` to verify, from the candidates' ``tokens [M]``.
+
+        Its ``node_index`` is ``[1, M]`` (candidate -> packed index); use
+        :meth:`rows` for the ``[R, L]`` view that acceptance takes.
+        """
+        picked = mx.maximum(tokens[self.nodes], 0)
+        all_tokens = mx.concatenate([g0.reshape(1).astype(tokens.dtype), picked])
+        return Tree(all_tokens, self.depth, self.parent, self.position[None], self.mask)
+
+    def rows(self, beams: mx.array, node_index: mx.array) -> Tuple[mx.array, mx.array]:
+        """``(beams, node_index)`` ``[R, L]`` for :func:`~mlx_redrafter.step.accept.accept_greedy`:
+        ``node_index`` is a :class:`~mlx_redrafter.step.tree.Layout`'s (candidate
+        ``i`` is layout node ``i + 1``); nodes not verified become ``PAD``
+        (never accepted) at packed index 0."""
+        idx = self.position[mx.maximum(node_index - 1, 0)]
+        chosen = (node_index > 0) & (idx > 0)
+        return mx.where(chosen, beams, PAD), mx.where(chosen, idx, 0).astype(mx.int32)
+
+
+def select_device(structure: Structure, score: mx.array, valid: mx.array, table: mx.array, k: int,
+                  ancestors: Optional[mx.array] = None) -> Selection:
+    """The top-``k`` candidates by p, ties to the shallower (parent-closed,
+    see the module doc), with fixed shapes and no host sync.
+
+    ``score [M]`` and ``valid [M]`` are the step's device arrays; ``k``
+    (``bucket - 1``) is at most ``structure.size``. ``ancestors`` is
+    ``mx.array(structure.ancestors())``, cached by the caller.
+    """
+    if not 0 <= k <= structure.size:
+        raise ValueError(f"cannot verify {k} of {structure.size} candidates")
+    p, bucket = node_p(mx, structure, score, valid, table)
+    depth, parent = mx.array(structure.depth), mx.array(structure.parent)
+    rank = rank_by_p(mx, p, depth)
+    nodes = mx.argsort(rank)[:k].astype(mx.int32)
+    position = mx.where(rank < k, rank + 1, 0).astype(mx.int32)
+    zero = mx.zeros((1,), mx.int32)
+    sel_parent = parent[nodes]
+    packed_parent = mx.where(sel_parent >= 0, position[mx.maximum(sel_parent, 0)], 0)
+    ext = mx.concatenate([zero, nodes + 1])
+    anc = ancestors if ancestors is not None else mx.array(structure.ancestors())
+    mask = anc[ext][:, ext]
+    b = bucket[nodes]
+    codes = mx.where(b >= 0, nodes * N_BUCKETS + b, -1).astype(mx.int32)
+    return Selection(nodes, position, mx.concatenate([zero, depth[nodes]]),
+                     mx.concatenate([zero, packed_parent.astype(mx.int32)]), mask, codes, p)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@dataclass
+class Observed:
+    """Host view of one verified tree: node ``i`` sits at packed index ``i + 1``."""
+
+    source: List[int]
+    depth: List[int]
+    bucket: List[int]  # -1: padding (not observed)
+    parent: List[int]  # packed index of the parent, 0 = g0
+    rank: Optional[List[int]] = None  # :meth:`Structure.rank` of each node (None: host estimates not learned)
+
+
+def decode_codes(codes: Sequence[int], structure: Structure) -> Observed:
+    """:attr:`Selection.codes` as read by the host -> :class:`Observed`."""
+    cand = [c // N_BUCKETS if c >= 0 else -1 for c in codes]
+    position = {c: i + 1 for i, c in enumerate(cand) if c >= 0}
+    ranks = structure.rank()
+    src, dep, par, rnk = [], [], [], []
+    for c in cand:
+        src.append(int(structure.source[c]) if c >= 0 else 0)
+        dep.append(int(structure.depth[c]) if c >= 0 else 0)
+        par.append(position.get(int(structure.parent[c]), 0) if c >= 0 else 0)
+        rnk.append(int(ranks[c]) if c >= 0 else 0)
+    return Observed(src, dep, [c % N_BUCKETS if c >= 0 else -1 for c in codes], par, rnk)
+
+
+class Calibration:
+    """Conditional acceptance rates q[source, depth, bucket], learned online.
+
+    Each cell is ``(hits + w q0) / (trials + w)`` with prior ``q0`` and
+    weight ``w``; a cell's counts are scaled down past ``max_weight``
+    observations so that it follows a change of text.
+    """
+
+    def __init__(self, prior: np.ndarray = PRIOR_Q, weight: float = PRIOR_WEIGHT, max_weight: float = MAX_WEIGHT,
+                 slot_prior: np.ndarray = PRIOR_SLOTS):
+        self.prior, self.weight, self.max_weight = np.asarray(prior, np.float64), weight, max_weight
+        self.hits = np.zeros_like(self.prior)
+        self.trials = np.zeros_like(self.prior)
+        # The same counts by sibling rank instead of score: the host's estimates.
+        self.slot_prior = np.asarray(slot_prior, np.float64)
+        self.slot_hits = np.zeros_like(self.slot_prior)
+        self.slot_trials = np.zeros_like(self.slot_prior)
+        self._device = None
+
+    def table(self) -> np.ndarray:
+        """q [S, D, B] as float32."""
+        return ((self.hits + self.weight * self.prior) / (self.trials + self.weight)).astype(np.float32)
+
+    def device_table(self) -> mx.array:
+        """:meth:`table` on the device (rebuilt only after an observation)."""
+        if self._device is None:
+            self._device = mx.array(self.table())
+        return self._device
+
+    def observe(self, nodes: Observed, accepted_path: Sequence[int]) -> None:
+        """Learn from a verified tree and the packed indices the step accepted
+        (``g0`` first, as the loop reads ``path[: n + 1]``): every node whose
+        parent was accepted is a trial of its cell, a hit when it was accepted too."""
+        accepted = set(accepted_path) | {0}
+        for i, b in enumerate(nodes.bucket):
+            if b < 0 or nodes.parent[i] not in accepted:
+                continue
+            hit = (i + 1) in accepted
+            d = min(nodes.depth[i], DEPTHS) - 1
+            self._count(self.hits, self.trials, (nodes.source[i], d, b), hit)
+            if nodes.rank is not None:
+                self._count(self.slot_hits, self.slot_trials, (nodes.source[i], d, nodes.rank[i]), hit)
+        self._device = None
+
+    def _count(self, hits: np.ndarray, trials: np.ndarray, cell, hit: bool) -> None:
+        trials[cell] += 1
+        hits[cell] += hit
+        if trials[cell] > self.max_weight:
+            scale = self.max_weight / trials[cell]
+            trials[cell] *= scale
+            hits[cell] *= scale
+
+    def marginal(self, source: int, depth: int, rank: int = 0) -> float:
+        """q of the ``rank``-th node of (source, depth), whatever its score."""
+        cell = (source, min(depth, DEPTHS) - 1, min(rank, RANKS - 1))
+        w = self.weight
+        return float((self.slot_hits[cell] + w * self.slot_prior[cell]) / (self.slot_trials[cell] + w))
+
+    def estimate(self, structure: Structure, score: Optional[np.ndarray] = None) -> np.ndarray:
+        """Host estimates of p for :func:`pick_bucket`: from ``score`` where the
+        host knows it (NaN where not, e.g. the drafter's, still on the
+        device), else the rate of each node's (source, depth, sibling rank)."""
+        m = structure.size
+        score = np.full(m, np.nan, np.float32) if score is None else np.asarray(score, np.float32)
+        known = ~np.isnan(score)
+        q = np.array([self.marginal(int(s), int(d), int(r))
+                      for s, d, r in zip(structure.source, structure.depth, structure.rank())])
+        if known.any():
+            b = bucket_of(np, structure.source, np.where(known, score, 0.0))
+            table = self.table()[structure.source, np.minimum(structure.depth, DEPTHS) - 1, b]
+            q = np.where(known, table, q)
+        q = np.clip(q, Q_MIN, 1.0)
+        return path_p(np, structure.parent, q, int(structure.depth.max(initial=1)))

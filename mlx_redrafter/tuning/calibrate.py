@@ -1,0 +1,191 @@
+"""Measure this device's verify-cost curve c(N) (:mod:`~mlx_redrafter.step.curve`)
+in a short calibration: ``doctor --calibrate`` and ``sweep --save-profile`` run it."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..step.curve import BUCKET_SIZES, MAX_SIZE, CONTEXT_TOKENS, CostCurve, curve_key
+
+BASE_REPEATS = 3  # N = 1 bursts per round
+
+
+
+
+def _tree_for(n: int):
+    """A tree of ``n`` tokens shaped like the loop's: g0, then rows of up to 4 tokens."""
+    from ..step.tree import Tree, layout
+
+    tokens = mx.arange(n, dtype=mx.int32) % 100 + 1
+    if n == 1:
+        return Tree(tokens, mx.zeros((1,), mx.int32), None, None, mx.ones((1, 1), mx.bool_))
+    rows, left = [], n - 1
+    while left > 0:
+        rows.append(min(4, left))
+        left -= rows[-1]
+    lay = layout(tuple(rows))
+    return Tree(tokens, lay.depth, lay.parent, lay.node_index, lay.mask)
+
+
+class _Timer:
+    """Pipelined forwards over ``n`` tokens, like the loop: build the next
+    call, queue it, then wait for the last. The call left in flight at the
+    end of a burst is waited for by the next burst's first, untimed wait,
+    so no burst drains the device and none pays for another's shape."""
+
+    def __init__(self, model, backbone, head, cache, rewind):
+        self.model, self.backbone, self.head, self.cache, self.rewind = model, backbone, head, cache, rewind
+        self.pending = None
+
+    def call(self, n: int, tree) -> mx.array:
+        from ..step.verify import tree_hooks
+
+        tokens = tree.tokens[None]
+        if n == 1:
+            hidden = self.backbone(tokens, cache=self.cache)[0]
+        else:
+            with tree_hooks(self.model, self.cache, tree):
+                hidden = self.backbone(tokens, cache=self.cache)[0]
+        out = mx.argmax(self.head(hidden), axis=-1).astype(mx.int32)
+        self.rewind()
+        return out
+
+    def burst(self, n: int, calls: int) -> float:
+        """Mean seconds per call over ``calls`` timed calls of size ``n``."""
+        tree = _tree_for(n)
+        times = []
+        for i in range(calls + 1):
+            tic = time.perf_counter()
+            following = self.call(n, tree)
+            mx.async_eval(following)
+            if self.pending is not None:
+                self.pending.tolist()
+            self.pending = following
+            if i:  # the first wait is for the previous burst's call
+                times.append(time.perf_counter() - tic)
+        return float(np.mean(times)) if times else 0.0
+
+    def drain(self) -> None:
+        if self.pending is not None:
+            self.pending.tolist()
+        self.pending = None
+
+
+def _context_cache(model, backbone, tokens: int):
+    """A cache holding ``tokens`` positions, and a function that rewinds it
+    there. Only the length matters to the timing, so the keys and values
+    are random rows after one real token: no prefill (a 4-bit model on a
+    CPU would spend most of the budget on it)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(backbone(mx.array([[1]]), cache=cache))
+    for c in cache:
+        b, h, _, d = c.keys.shape
+        rows = mx.random.normal((b, h, tokens - 1, d)).astype(c.keys.dtype)
+        c.update_and_fetch(rows, rows)
+        mx.eval(c.keys, c.values)
+    offsets = [c.offset for c in cache]
+
+    def rewind():
+        for c, o in zip(cache, offsets):
+            c.offset = o
+
+    return cache, rewind
+
+
+def _sample_order(sizes) -> list:
+    """Bucket sizes first (step/select.py's BUCKETS), so a slow device that runs
+    out of budget has measured the sizes the selection uses."""
+    first = [n for n in BUCKET_SIZES if n in sizes]
+    return first + [n for n in sizes if n not in first]
+
+
+def _fill(sizes, ratios: Dict[int, float]) -> Tuple[float, ...]:
+    """c(N) at every size: measured where there is one, else interpolated
+    linearly between measured sizes (past the last, its slope continues;
+    with N = 1 alone, c(N) = N, which makes drafting never pay)."""
+    known = sorted(ratios)
+    if len(known) == 1:
+        return tuple(float(n) for n in sizes)
+    out = []
+    for n in sizes:
+        if n in ratios:
+            out.append(ratios[n])
+        elif n > known[-1]:
+            slope = (ratios[known[-1]] - ratios[known[-2]]) / (known[-1] - known[-2])
+            out.append(ratios[known[-1]] + max(slope, 0.0) * (n - known[-1]))
+        else:
+            out.append(float(np.interp(n, known, [ratios[k] for k in known])))
+    return tuple(out)
+
+
+def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_SIZE, budget_s: float = 30.0,
+                  calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0) -> CostCurve:
+    """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds.
+
+    Each round times a short pipelined burst of every size, in a new random
+    order (so drift and other processes on the machine hit every size
+    alike), with ``BASE_REPEATS`` bursts of N = 1. c(N) is the median over
+    rounds of each size's time divided by that round's N = 1 time (the
+    median of its N = 1 bursts, so one disturbed burst does not skew a
+    round). No burst starts that would end past the budget: on a slow
+    device the sizes never timed are interpolated (``CostCurve.measured``
+    lists those that were).
+    """
+    from ..llm.parts import model_parts
+    from ..step.verify import install_tree_hooks
+
+    if max_size < 1:
+        raise ValueError(f"max_size must be at least 1 (got {max_size})")
+    sizes = list(range(1, max_size + 1))
+    install_tree_hooks(model)
+    _, backbone, head = model_parts(model)
+    cache, rewind = _context_cache(model, backbone, context)
+    rng = random.Random(seed)
+    timer = _Timer(model, backbone, head, cache, rewind)
+    deadline = time.perf_counter() + budget_s
+    guess: Dict[int, float] = {}  # seconds per call, from the first call of each shape
+
+    def fits(n: int, k: int) -> bool:
+        # An untimed size is guessed from the largest timed one, scaled by size (as a quantized CPU model grows).
+        top = max(guess, default=None)
+        per_call = guess[n] if n in guess else (guess[top] * n / top if top else 0.0)
+        return time.perf_counter() + per_call * k < deadline
+
+    for n in _sample_order(sizes):  # first calls of every shape: kernels and allocations
+        if not fits(n, 2):
+            break
+        tic = time.perf_counter()
+        timer.burst(n, 0)
+        timer.drain()
+        guess[n] = time.perf_counter() - tic
+    raw: Dict[int, list] = {n: [] for n in guess}
+    rounds = 0
+    while rounds < max_rounds and 1 in guess:
+        order = [n for n in guess if n != 1] + [1] * BASE_REPEATS
+        rng.shuffle(order)
+        times: Dict[int, list] = {}
+        for n in order:
+            if fits(n, calls + 1):
+                times.setdefault(n, []).append(timer.burst(n, calls))
+        if 1 not in times or len(times) == 1:
+            break
+        base = float(np.median(times.pop(1)))
+        for n, t in times.items():
+            raw[n].append(t[0] / base)
+        raw[1].append(base)
+        rounds += 1
+    timer.drain()
+    # No size verifies for less than one token does (a lower ratio is noise: another process slowed N = 1).
+    ratios = {1: 1.0, **{n: max(1.0, float(np.median(r))) for n, r in raw.items() if n != 1 and r}}
+    device, ident, variant = curve_key(model, model_spec)
+    base_ms = 1000 * float(np.median(raw[1])) if raw.get(1) else 1000 * guess.get(1, 0.0)
+    return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
+                     source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
+                     rounds=rounds, measured=tuple(sorted(ratios)))

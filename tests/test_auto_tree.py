@@ -1,0 +1,194 @@
+"""tree="auto" through the step loops: the same tokens as plain decoding on
+every tiny architecture and the default model (drafter, lookup, both; both
+loops), tree sizes from the buckets, a steep curve falls back to g0 alone,
+calibration learns from what the loop reads, sampling keeps the model's
+distribution, and still one read per step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import TINY_CONFIGS, OracleDrafter, generate_tokens, prompts, random_drafter, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+from test_sampling import PROMPT, V_SMALL, chi2_passes, exact_first_tokens, small_model  # noqa: F401
+
+from mlx_redrafter.config import DraftConfig, SamplingConfig
+from mlx_redrafter.step.auto import AutoTree, row_sources
+from mlx_redrafter.step.curve import CostCurve, builtin_curve
+from mlx_redrafter.step.dispatch import redrafter_steps
+from mlx_redrafter.step.select import BUCKETS, SOURCES
+from mlx_redrafter.step.tree import PAD
+
+N = 32
+FLAT = CostCurve(tuple([1.0] * 16))  # extra tokens are free: verify every candidate (up to a bucket)
+STEEP = CostCurve(tuple(float(n) for n in range(1, 17)))  # every token costs a plain step: nothing pays
+SHALLOW = CostCurve(tuple(1.0 + 0.12 * (n - 1) for n in range(1, 17)))  # some nodes pay, not all
+
+
+def run(model, p, draft, n=N):
+    """The first ``n`` tokens of the step loop and its stats."""
+    steps = redrafter_steps(model, mx.array(p, mx.int32), make_prompt_cache(model), draft=draft)
+    out, stats = [], []
+    for s in steps:
+        out += s.tokens
+        stats.append(s.stats)
+        if len(out) >= n:
+            break
+    steps.close()
+    return out[:n], stats
+
+
+def auto(drafter, w, l, lookup, curve, pipelined=True, **kw):
+    return DraftConfig(drafter, w, l, lookup=lookup, tree="auto", curve=curve, pipelined=pipelined, **kw)
+
+
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+def tiny(request):
+    model = tiny_model(request.param)
+    p = prompts(1)[0]
+    return request.param, model, p, generate_tokens(model, p, max_tokens=N)[0]
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+@pytest.mark.parametrize("shape,lookup", [((2, 3), 0), ((3, 1), 1), ((0, 0), 1)], ids=["drafter", "both", "lookup"])
+@pytest.mark.parametrize("curve", [FLAT, SHALLOW, builtin_curve()], ids=["flat", "shallow", "builtin"])
+def test_auto_trees_are_exact_on_tiny_models(tiny, pipelined, shape, lookup, curve):
+    kind, model, p, ref = tiny
+    drafter = OracleDrafter(model, p, N, shape[1]) if shape[0] else None
+    w, l = shape if shape[0] else (2, 1)
+    got, stats = run(model, p, auto(drafter, w, l, lookup, curve, pipelined))
+    assert got == ref, kind
+    assert all(s.host_syncs == s.step + 1 for s in stats)  # one read per step
+    caps = 1 + (w * l if drafter else 0) + lookup * 4
+    assert all(s.tree_size <= caps for s in stats)
+    if drafter is not None and curve is FLAT:
+        assert sum(s.accepted for s in stats) > 0
+
+
+def test_auto_with_a_random_drafter_is_exact(tiny):
+    kind, model, p, ref = tiny
+    drafter = random_drafter(exit_dim=48, num_draft_layers=1)
+    for pipelined in (True, False):
+        assert run(model, p, auto(drafter, 2, 2, 1, SHALLOW, pipelined))[0] == ref, kind
+
+
+def test_pipelined_sizes_come_from_the_buckets():
+    model = tiny_model("llama")
+    p = prompts(1)[0]
+    oracle = OracleDrafter(model, p, N, 3)
+    for curve in (FLAT, SHALLOW, builtin_curve()):
+        _, stats = run(model, p, auto(oracle, 3, 3, 1, curve))
+        assert {s.tree_size for s in stats[1:]} <= set(BUCKETS)
+    _, flat = run(model, p, auto(oracle, 3, 3, 1, FLAT))
+    assert max(s.tree_size for s in flat[1:]) == 12  # 13 candidates: the largest bucket they fill
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_steep_curve_verifies_g0_alone(pipelined):
+    model = tiny_model("qwen3")
+    p = prompts(1)[0]
+    ref = generate_tokens(model, p, max_tokens=N)[0]
+    got, stats = run(model, p, auto(OracleDrafter(model, p, N, 2), 2, 2, 1, STEEP, pipelined))
+    assert got == ref
+    assert all(s.tree_size == 1 and s.accepted == 0 for s in stats)
+
+
+def test_synchronous_calibration_learns_from_the_accepted_drafts():
+    at = AutoTree(FLAT)
+    rows = [[5, 6], [5, 7], [9, PAD]]
+    sources = row_sources(2, 3)
+    kept = at.trim(rows, sources, [4, 4, 4, 4, 2, -1])
+    assert kept == rows  # a flat curve keeps every real node
+    before = at.cal.trials.copy(), at.cal.hits.copy()
+    at.observe_rows([5, 6])  # row 0 accepted whole
+    trials, hits = at.cal.trials - before[0], at.cal.hits - before[1]
+    d, k = SOURCES.index("drafter"), SOURCES.index("lookup")
+    assert trials[d, 0, 4] == 2 and hits[d, 0, 4] == 2  # both copies of the first token were right
+    assert trials[d, 1, 4] == 2 and hits[d, 1, 4] == 1  # 6 right, 7 wrong
+    assert trials[k, 0, 2] == 1 and hits[k, 0, 2] == 0  # the lookup row's 9 was wrong
+    assert trials.sum() == 5  # the padding was never a trial
+    at.observe_rows([5, 6])  # nothing pending: nothing learned twice
+    assert (at.cal.trials - before[0]).sum() == 5
+
+
+def test_pipelined_calibration_learns_from_the_read(monkeypatch):
+    from mlx_redrafter.step import auto as auto_mod
+
+    seen = []
+    original = auto_mod.AutoTree.observe
+
+    def spy(self, structure, codes, path):
+        seen.append((list(codes), list(path)))
+        return original(self, structure, codes, path)
+
+    monkeypatch.setattr(auto_mod.AutoTree, "observe", spy)
+    model = tiny_model("llama")
+    p = prompts(1)[0]
+    got, stats = run(model, p, auto(OracleDrafter(model, p, N, 2), 2, 2, 0, FLAT))
+    assert got == generate_tokens(model, p, max_tokens=N)[0]
+    assert len(seen) >= len(stats) - 2  # every verified tree is learned from (the last one may be unread)
+    # 4 candidates, so bucket 4 (g0 + 3 nodes); the oracle drafts real tokens, never padding.
+    assert all(len(codes) == 3 and min(codes) >= 0 for codes, _ in seen)
+    assert sum(len(path) > 1 for _, path in seen) > 0
+
+
+# --------------------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def default():
+    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.llm.load import load_model
+    from mlx_redrafter.runtime import shipped_drafter_path
+
+    model, tok = load_model("default")
+    drafter = load_drafter(shipped_drafter_path("default"))
+    p = tok.apply_chat_template([{"role": "user", "content": "List three facts about the moon, then repeat them."}],
+                                add_generation_prompt=True)
+    return model, drafter, p, generate_tokens(model, p, max_tokens=32)[0]
+
+
+@pytest.mark.parametrize("which,pipelined", [("drafter", True), ("lookup", True), ("both", True), ("both", False)])
+def test_default_model_auto_is_exact(default, pipelined, which):
+    model, drafter, p, ref = default
+    d = None if which == "lookup" else drafter
+    draft = auto(d, 2, 2, 0 if which == "drafter" else 1, SHALLOW, pipelined)
+    out, stats = generate_tokens(model, p, draft=draft, max_tokens=32)
+    assert out == ref
+    assert any(s.tree_size > 1 for s in stats)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("pipelined,runs", [(True, 600), (False, 300)], ids=["pipelined", "synchronous"])
+def test_auto_sampling_matches_the_model(small_model, pipelined, runs):  # noqa: F811
+    """W=3 L=2 beams share prefixes: the selection keeps each prefix once, and
+    the walk over the chosen subtree still emits the model's distribution
+    (the first two tokens: the second comes from a walk over a selected tree)."""
+    cfg = SamplingConfig(temp=1.0)
+    drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1)
+    draft = auto(drafter, 3, 2, 1, SHALLOW, pipelined, lookup_length=2)
+    prompt = PROMPT * 3
+    expected = exact_first_tokens(small_model, prompt, cfg, k=2)
+    mx.random.seed(7)
+    observed, sizes = Counter(), Counter()
+    for _ in range(runs):
+        tokens, stats = generate_tokens(small_model, prompt, draft=draft, max_tokens=2, temp=cfg.temp)
+        observed[tuple(tokens)] += 1
+        sizes.update(s.tree_size for s in stats[1:])
+    assert max(sizes) > 2 and min(sizes) < 1 + 3 * 2 + 2  # real subsets: more than one node, fewer than all 8
+    assert chi2_passes(observed, expected, runs)
+
+
+def test_the_controller_prices_verification_with_the_curve():
+    from mlx_redrafter.train.controller import curve_latency, step_cost
+
+    latency = {"plain": 10.0, "verify_1": 10.0, "verify_2": 30.0, "verify_4": 31.0, "draft": 1.0, "controller": 0.5}
+    priced = curve_latency(latency, SHALLOW)
+    assert priced["verify_2"] == pytest.approx(11.2) and priced["verify_4"] == pytest.approx(13.6)
+    assert priced["draft"] == 1.0 and priced["plain"] == 10.0
+    assert step_cost(priced, np.array([2.0])) == pytest.approx(11.2 + 1.5)

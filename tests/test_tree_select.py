@@ -1,0 +1,312 @@
+"""Cost-aware draft trees: the selection rule, its calibration, bucket shapes,
+parent-closure of the device selection, and the verify-cost curve's storage."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_redrafter.step import curve as vc
+from mlx_redrafter.step import select as ts
+from mlx_redrafter.step.accept import accept_greedy
+from mlx_redrafter.step.tree import layout
+from mlx_redrafter.tuning import calibrate
+
+from helpers import tiny_model
+
+
+def curve(costs):
+    return vc.CostCurve(tuple(float(c) for c in costs))
+
+
+FLAT = curve([1.0] * 16)
+STEEP = curve(range(1, 17))  # every token costs a plain step: nothing can pay
+
+# W=2 L=2 drafter beams and a 4-token lookup row, in layout order.
+LENGTHS, SOURCES = (2, 2, 4), ("drafter", "drafter", "lookup")
+
+
+def structure():
+    return ts.row_structure(LENGTHS, SOURCES)
+
+
+def brute_force(p, s, c):
+    """The best parent-closed subset by enumeration."""
+    best, best_set = ts.expected_gain(0.0, 1, c), ()
+    for r in range(1, s.size + 1):
+        for subset in itertools.combinations(range(s.size), r):
+            chosen = set(subset)
+            if all(s.parent[i] < 0 or s.parent[i] in chosen for i in subset):
+                value = ts.expected_gain(sum(p[i] for i in subset), r + 1, c)
+                if value > best + 1e-12:
+                    best, best_set = value, subset
+    return best, set(best_set)
+
+
+# --------------------------------------------------------------------------- the selection rule
+
+
+def test_flat_curve_verifies_every_candidate():
+    s = structure()
+    p = ts.path_p(np, s.parent, np.full(s.size, 0.3), 4)
+    chosen, value = ts.best_subset(p, s, FLAT)
+    assert sorted(chosen) == list(range(s.size))
+    assert value == pytest.approx(1 + p.sum())
+
+
+def test_steep_curve_verifies_g0_alone():
+    s = structure()
+    p = ts.path_p(np, s.parent, np.full(s.size, 0.9), 4)
+    assert ts.best_subset(p, s, STEEP) == ([], 1.0)
+    assert ts.pick_bucket(p, s, STEEP) == 1
+
+
+def test_dominant_lookup_match_verifies_its_row():
+    """A lookup row the text keeps accepting, beside weak drafter beams, on
+    the steep measured CPU curve: the whole row and nothing else."""
+    s = structure()
+    cal = ts.Calibration()
+    row = [4, 5, 6, 7]  # the lookup row's packed indices in a tree of all 8 candidates
+    obs = ts.Observed([0, 0, 0, 0, 1, 1, 1, 1], [1, 2, 1, 2, 1, 2, 3, 4], [0, 0, 0, 0, 4, 4, 4, 4],
+                      [0, 1, 0, 3, 0, 5, 6, 7])
+    for _ in range(200):
+        cal.observe(obs, [0, 5, 6, 7, 8])
+    score = np.array([np.log(0.05)] * 4 + [5.0] * 4, np.float32)
+    p, _ = ts.node_p(np, s, score, np.ones(s.size, bool), cal.table())
+    chosen, _ = ts.best_subset(p, s, vc.builtin_curve())
+    assert sorted(chosen) == row
+    # The same with a weak match (2 tokens, the prior): no full row.
+    p_weak, _ = ts.node_p(np, s, np.array([np.log(0.05)] * 4 + [2.0] * 4, np.float32),
+                          np.ones(s.size, bool), ts.Calibration().table())
+    assert len(ts.best_subset(p_weak, s, vc.builtin_curve())[0]) < 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_greedy_is_exact_on_random_trees_and_curves(data):
+    n = data.draw(st.integers(1, 7))
+    parent = np.array([-1] + [data.draw(st.integers(-1, i - 1)) for i in range(1, n)], np.int32)
+    depth = np.ones(n, np.int32)
+    for i in range(n):
+        depth[i] = 1 if parent[i] < 0 else depth[parent[i]] + 1
+    s = ts.Structure(parent, np.zeros(n, np.int32), depth)
+    q = np.array(data.draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+    p = ts.path_p(np, parent, q, int(depth.max()))
+    costs = np.cumsum([1.0] + data.draw(st.lists(st.floats(0.0, 1.5), min_size=15, max_size=15)))
+    c = curve(costs)
+    chosen, value = ts.best_subset(p, s, c)
+    best, _ = brute_force(p, s, c)
+    assert value == pytest.approx(best)
+    assert all(parent[i] < 0 or parent[i] in chosen[:k] for k, i in enumerate(chosen))
+
+
+def test_non_convex_curve_is_evaluated_at_every_size():
+    """c(8) < c(7) (as measured here): a first-stop greedy would stop early."""
+    s = ts.row_structure([7], ["lookup"])
+    p = np.array([0.5, 0.3, 0.2, 0.15, 0.1, 0.1, 0.1])
+    bumpy = curve([1.0, 1.4, 1.9, 2.4, 2.6, 2.7, 2.8, 1.5] + [3.0] * 8)
+    chosen, value = ts.best_subset(p, s, bumpy)
+    assert len(chosen) == 7 and value == pytest.approx((1 + p.sum()) / 1.5)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def test_calibration_moves_toward_what_it_observes():
+    s = ts.row_structure([1, 1], ["drafter", "drafter"])
+    score = np.array([np.log(0.6), np.log(0.2)], np.float32)  # buckets 3 and 1
+    cal = ts.Calibration()
+    before = ts.node_p(np, s, score, np.ones(2, bool), cal.table())[0]
+    obs = ts.Observed([0, 0], [1, 1], [3, 1], [0, 0], [0, 1])
+    for _ in range(50):
+        cal.observe(obs, [0, 1])  # the first node is accepted, its sibling is not
+    after = ts.node_p(np, s, score, np.ones(2, bool), cal.table())[0]
+    assert after[0] > before[0] and after[1] < before[1]
+    assert cal.marginal(0, 1, rank=0) > ts.PRIOR_SLOTS[0, 0, 0]
+    assert cal.marginal(0, 1, rank=1) < ts.PRIOR_SLOTS[0, 0, 1]
+    for _ in range(500):
+        cal.observe(obs, [0])  # now nothing is accepted
+    assert cal.table()[0, 0, 3] < before[0]
+
+
+def test_calibration_counts_only_nodes_whose_parent_was_accepted():
+    cal = ts.Calibration()
+    obs = ts.Observed([1, 1], [1, 2], [2, 2], [0, 1])
+    cal.observe(obs, [0])  # node 1 rejected: node 2 (its child) tells nothing
+    assert cal.trials[1, 0, 2] == 1 and cal.trials[1, 1, 2] == 0
+    cal.observe(obs, [0, 1, 2])
+    assert cal.hits[1, 0, 2] == 1 and cal.hits[1, 1, 2] == 1 and cal.trials[1, 1, 2] == 1
+    cal.observe(ts.Observed([1], [1], [-1], [0]), [0])  # padding is never observed
+    assert cal.trials.sum() == 3
+
+
+def test_calibration_forgets_past_its_weight():
+    cal = ts.Calibration(max_weight=100)
+    obs = ts.Observed([0], [1], [2], [0])
+    for _ in range(300):
+        cal.observe(obs, [0, 1])
+    assert cal.trials[0, 0, 2] == pytest.approx(100)
+    for _ in range(100):
+        cal.observe(obs, [0])
+    assert cal.table()[0, 0, 2] < 0.5
+
+
+def test_lookup_acceptance_rises_with_match_length():
+    q = ts.PRIOR_Q[ts.SOURCES.index("lookup")]
+    assert (np.diff(q, axis=1) > 0).all()
+    lengths = ts.bucket_of(np, np.ones(5, np.int32), np.array([1, 2, 3, 4, 9], np.float32))
+    assert lengths.tolist() == [0, 1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------- buckets and the device
+
+
+def test_pick_bucket_returns_a_bucket_the_candidates_fill():
+    s = structure()
+    for c in (FLAT, STEEP, vc.builtin_curve()):
+        for q in (0.05, 0.4, 0.95):
+            b = ts.pick_bucket(ts.path_p(np, s.parent, np.full(s.size, q), 4), s, c)
+            assert b in ts.BUCKETS and b - 1 <= s.size
+    assert ts.pick_bucket(np.full(s.size, 0.5), s, FLAT) == 8  # the largest that fits 8 candidates
+    assert ts.pick_bucket(ts.Calibration().estimate(s), s, STEEP) == 1
+
+
+@pytest.mark.parametrize("bucket", ts.BUCKETS[:6])
+def test_device_selection_shapes(bucket):
+    s = structure()
+    k = bucket - 1
+    score = mx.array([-0.5, -1.0, -2.0, -0.1, 3, 3, 3, 3], mx.float32)
+    sel = ts.select_device(s, score, mx.ones((s.size,), mx.bool_), ts.Calibration().device_table(), k)
+    assert sel.nodes.shape == (k,) and sel.codes.shape == (k,) and sel.position.shape == (s.size,)
+    assert sel.depth.shape == (bucket,) and sel.parent.shape == (bucket,) and sel.mask.shape == (bucket, bucket)
+    tree = sel.tree(mx.arange(s.size, dtype=mx.int32) + 10, mx.array(1))
+    assert tree.size == bucket
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_device_selection_is_parent_closed_and_matches_the_host(data):
+    """Top-k by p (ties to the shallower) on random trees, scores, validity
+    and k: the chosen set is parent-closed, ordered parents first, its mask
+    is the ancestor relation, and it has the host's best sum of p for k."""
+    n = data.draw(st.integers(1, 12))
+    parent = np.array([-1] + [data.draw(st.integers(-1, i - 1)) for i in range(1, n)], np.int32)
+    depth = np.ones(n, np.int32)
+    for i in range(n):
+        depth[i] = 1 if parent[i] < 0 else depth[parent[i]] + 1
+    source = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), np.int32)
+    s = ts.Structure(parent, source, depth)
+    # Few distinct scores, so that ties in p are common.
+    score = np.array(data.draw(st.lists(st.sampled_from([-3.0, -0.7, 0.0, 2.0, 3.0]), min_size=n, max_size=n)), np.float32)
+    valid = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    k = data.draw(st.integers(0, n))
+    table = ts.Calibration().table()
+    sel = ts.select_device(s, mx.array(score), mx.array(valid), mx.array(table), k)
+    nodes = np.array(sel.nodes).tolist()
+    assert len(set(nodes)) == k
+    for j, i in enumerate(nodes):
+        assert parent[i] < 0 or parent[i] in nodes[:j]
+    anc = s.ancestors()
+    ext = [0] + [i + 1 for i in nodes]
+    np.testing.assert_array_equal(np.array(sel.mask), anc[np.ix_(ext, ext)])
+    packed_parent = [0] + [nodes.index(parent[i]) + 1 if parent[i] >= 0 else 0 for i in nodes]
+    assert np.array(sel.parent).tolist() == packed_parent
+    p, _ = ts.node_p(np, s, score, valid, table)
+    order = ts.greedy_order(p, parent, depth)
+    assert np.float32(p[nodes].sum()) == pytest.approx(p[order[:k]].sum(), rel=1e-5)
+
+
+def test_selection_feeds_acceptance_and_the_calibration():
+    """Select 3 of W=1 L=1 + a 4-token lookup row, verify with logits that
+    accept the lookup row's first two tokens, and read it back as the loop would."""
+    lengths = (1, 4)
+    s = ts.row_structure(lengths, ("drafter", "lookup"))
+    lay = layout(lengths)
+    beams = mx.array([[20, -1, -1, -1], [30, 31, 32, 33]], mx.int32)
+    tokens = mx.array([20, 30, 31, 32, 33], mx.int32)
+    score = mx.array([np.log(0.05), 3, 3, 3, 3], mx.float32)
+    sel = ts.select_device(s, score, mx.ones((5,), mx.bool_), ts.Calibration().device_table(), 3)
+    assert np.array(sel.nodes).tolist() == [1, 2, 3]  # the lookup row's first three tokens
+    sel_beams, node_index = sel.rows(beams, lay.node_index)
+    tree = sel.tree(tokens, mx.array(7))
+    assert np.array(tree.tokens).tolist() == [7, 30, 31, 32]
+    vocab = 40
+    want = [30, 31, 5, 5]  # the argmax after g0, node 1, node 2, node 3
+    logits = mx.array(np.eye(vocab, dtype=np.float32)[want])
+    acc = accept_greedy(sel_beams, node_index, logits)
+    assert int(acc.n) == 2 and int(acc.next_token) == 5
+    obs = ts.decode_codes(np.array(sel.codes).tolist(), s)
+    assert obs.source == [1, 1, 1] and obs.depth == [1, 2, 3] and obs.parent == [0, 1, 2]
+    cal = ts.Calibration()
+    cal.observe(obs, np.array(acc.path).tolist()[: int(acc.n) + 1])
+    assert cal.hits[1, 0, 2] == 1 and cal.hits[1, 1, 2] == 1 and cal.trials[1, 2, 2] == 1 and cal.hits[1, 2, 2] == 0
+
+
+def test_device_p_matches_the_host():
+    s = structure()
+    score = np.array([-0.2, -1.5, -0.4, -3.0, 3, 3, 3, 3], np.float32)
+    valid = np.array([True] * 7 + [False])
+    table = ts.Calibration().table()
+    p_host, b_host = ts.node_p(np, s, score, valid, table)
+    p_dev, b_dev = ts.node_p(mx, s, mx.array(score), mx.array(valid), mx.array(table))
+    np.testing.assert_allclose(np.array(p_dev), p_host, rtol=1e-6)
+    assert np.array(b_dev).tolist() == b_host.tolist() and b_host[-1] == -1 and p_host[-1] == 0
+
+
+# --------------------------------------------------------------------------- the cost curve
+
+
+def test_builtin_curve_is_flagged_and_keeps_the_measured_sizes():
+    c = vc.builtin_curve()
+    assert c.builtin and c.max_size == 16 and c(1) == 1.0
+    for n, v in vc.BUILTIN_MEASURED.items():
+        assert c(n) == pytest.approx(v)
+    assert c(8) < c(7)  # measured, not fitted
+    assert "built-in" in vc.format_curve(c)
+
+
+def test_measured_curve_round_trip_and_fallback(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    assert vc.curve_for(model).builtin  # nothing measured yet
+    c = calibrate.measure_curve(model, max_size=5, budget_s=2.0, context=16, max_rounds=3)
+    assert len(c.costs) == 5 and c.costs[0] == 1.0 and all(x > 0 for x in c.costs)
+    assert not c.builtin and c.rounds == 3 and c.base_ms > 0 and c.measured == (1, 2, 3, 4, 5)
+    assert (c.device, c.model, c.variant) == vc.curve_key(model)
+    assert c.variant == "float32"
+    path = vc.save_curve(c, model)
+    assert path.parent == tmp_path / "profiles" and json.loads(path.read_text())["version"] == vc.CURVE_VERSION
+    loaded = vc.curve_for(model)
+    assert loaded == c and not loaded.builtin
+    assert "measured" in vc.format_curve(loaded)
+    other = tiny_model("qwen3")  # another model: its own key, no curve yet
+    assert vc.curve_path(other) != path and vc.curve_for(other).builtin
+    path.write_text(json.dumps({**c.to_dict(), "version": 0}))
+    assert vc.curve_for(model).builtin  # an old format is not trusted
+
+
+def test_a_device_too_slow_for_the_budget_gets_a_curve_where_drafting_never_pays(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    c = calibrate.measure_curve(tiny_model("llama"), max_size=4, budget_s=0.0)
+    assert c.costs == (1.0, 2.0, 3.0, 4.0) and c.measured == (1,) and c.rounds == 0
+
+
+def test_sizes_not_timed_are_interpolated():
+    assert calibrate._fill([1, 2, 3, 4, 5, 6], {1: 1.0, 2: 1.2, 4: 1.8}) == pytest.approx((1.0, 1.2, 1.5, 1.8, 2.1, 2.4))
+    assert calibrate._sample_order(list(range(1, 17)))[:8] == list(ts.BUCKETS)
+    text = vc.format_curve(vc.CostCurve((1.0, 1.2, 1.5), measured=(1, 2)))
+    assert "3:~1.50" in text and "2:1.20" in text
+
+
+def test_quantized_model_gets_its_own_curve_key():
+    import mlx.nn as nn
+
+    model = tiny_model("llama")
+    plain = vc.curve_key(model)
+    nn.quantize(model, group_size=32, bits=4)
+    quant = vc.curve_key(model)
+    assert quant[2] == "q4g32-float32" and quant != plain
