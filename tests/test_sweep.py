@@ -643,7 +643,7 @@ def test_cli_lookup_flags(tiny_folder, capsys):
     assert "plaindecoding(--no-draft)" in squeeze(plain.err)
     assert cli(gen + ["--drafter", "none", "--lookup"]) == 0
     looked = capsys.readouterr()
-    assert "lookupdraftsonly(nodrafter)" in squeeze(looked.err) and looked.out == plain.out
+    assert "drafting:1copyfromthecontextperstep(nodrafter)" in squeeze(looked.err) and looked.out == plain.out
     assert cli(gen + ["--drafter", "none"]) == 0
     assert "plaindecoding(--drafternone)" in squeeze(capsys.readouterr().err)
     assert cli(gen + ["--no-draft", "--lookup"]) == 1

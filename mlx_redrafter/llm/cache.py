@@ -94,7 +94,7 @@ class PromptCache:
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
         self.cache, self.ids = cache, []  # ids unknown until the generation ends
-        self.hits += int(keep > 0)
+        self.hits += 1 if keep > 0 else 0
         self.reused_tokens += keep
         return keep
 
