@@ -119,6 +119,18 @@ def test_continuations_stop_at_the_sequence_end():
     assert store.match([3]) == NO_MATCH
 
 
+@pytest.mark.parametrize("few", [ds.FEW, 0], ids=["python", "numpy"])
+def test_counts_rank_first_then_the_latest_occurrence(monkeypatch, few):
+    monkeypatch.setattr(ds, "FEW", few)
+    store = Datastore(model_id="m")
+    for s in ([1, 2, 7], [1, 2, 8], [1, 2, 8], [1, 2, 7], [1, 2, 9], [1, 2, 9], [1, 2, 9]):
+        store.add(s)
+    m = store.match([1, 2], length=2, max_continuations=3)
+    # 9 is the most frequent; 7 and 8 tie, and 7 occurred last (in the 4th sequence).
+    assert m.continuations == [((9,), 3), ((7,), 2), ((8,), 2)]
+    assert store.match([1, 2], length=2, max_continuations=3, scan=4).continuations == [((9,), 3), ((7,), 1)]
+
+
 def test_empty_store():
     store = Datastore(model_id="m")
     store.add([])
