@@ -15,7 +15,7 @@ from mlx_redrafter.draft import datastore as ds
 from mlx_redrafter.draft.datastore import NO_MATCH, Datastore, StoreLookup, default_path, load_or_empty, propose
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.files import cache_root
-from mlx_redrafter.tree import PAD
+from mlx_redrafter.step.tree import PAD
 
 # A small vocabulary makes long matches and many occurrences likely.
 tokens = st.lists(st.integers(0, 3), max_size=14)

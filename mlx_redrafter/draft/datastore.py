@@ -37,8 +37,8 @@ import numpy as np
 
 from ..errors import RedrafterError
 from ..files import cache_root
-from ..profiles import _model_id
-from ..tree import PAD
+from ..profiles import model_id
+from ..step.tree import PAD
 from .datastore_file import read_store, write_store
 
 log = logging.getLogger(__name__)
@@ -321,18 +321,19 @@ def load_or_empty(path, model_id: str, max_tokens: int = MAX_TOKENS) -> Datastor
 
 # -- where stores live ---------------------------------------------------------
 
-KINDS = ("history", "built")
+KINDS = ("history", "built", "corpus")
 
 
 def model_key(model_spec) -> str:
     """The model identity a store is keyed by: as for tuned profiles, a local
     model folder in absolute form, other specs (``default``, Hub ids) as given."""
-    return _model_id(model_spec)
+    return model_id(model_spec)
 
 
 def default_path(model_spec, kind: str = "history") -> Path:
     """``cache_root()/datastore/<digest of the model key>/<kind>.bin``:
-    ``history`` (what chat and serve generated) or ``built`` (``datastore build``)."""
+    ``history`` (what chat and serve generated), ``built`` (``datastore
+    build``) or ``corpus`` (``datastore add``)."""
     if kind not in KINDS:
         raise RedrafterError(f"Unknown datastore kind {kind!r}.", f"Use one of {', '.join(KINDS)}.")
     digest = hashlib.sha256(json.dumps([model_key(model_spec)]).encode()).hexdigest()[:16]
@@ -359,7 +360,7 @@ def propose(store: Datastore, history: Sequence[int], length: int, min_match: in
 
 
 class StoreLookup:
-    """Datastore drafts with :class:`~mlx_redrafter.lookup.Lookup`'s interface.
+    """Datastore drafts with :class:`~mlx_redrafter.draft.lookup.Lookup`'s interface.
 
     It keeps the last ``max_match`` tokens of the history (``extend``), and
     ``propose(L, k)`` returns up to ``k`` distinct drafts of exactly ``L``
