@@ -80,6 +80,7 @@ def stream_generate(
     lookup: Optional[Union[bool, int]] = None,
     lookup_context: Sequence[int] = (),
     *,
+    datastore=None,
     timings: bool = False,
     draft: Optional[DraftConfig] = None,
     sampling: Optional[SamplingConfig] = None,
@@ -93,7 +94,8 @@ def stream_generate(
     drafter and none without. ``drafter=None, lookup=True`` is speculative
     decoding with lookup drafts only, for any model. ``lookup_context``:
     earlier tokens already in ``prompt_cache`` (a chat's previous turns)
-    that lookup may copy from.
+    that lookup may copy from. ``datastore`` (draft/stores.py): a store file,
+    a ``Datastore``, ``False``, or ``None`` (the model's own, when drafting).
 
     ``beam_length`` counts drafted tokens (not ``g0``). A width or length
     not given comes from this device's tuned profile (``mlx-redrafter sweep
@@ -104,8 +106,7 @@ def stream_generate(
     ``ValueError``). At ``temp == 0`` the tokens equal plain greedy decoding;
     at ``temp > 0`` they follow the model's own sampling distribution (after
     ``top_p``/``min_p``/``top_k``). ``timings=True`` adds syncs to split the
-    step time into pack / verify / accept / draft (``profile=``: its
-    deprecated old name).
+    step time into pack / verify / accept / draft (``profile=``: old name).
 
     ``prompt_cache`` (a list from ``make_prompt_cache``) is updated in place;
     at the end it holds the prompt and the emitted tokens, sometimes minus the
@@ -118,9 +119,8 @@ def stream_generate(
     sampling = sampling or SamplingConfig(temp, top_p, min_p, top_k)
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
-    _refuse_both(draft, "draft", drafter=drafter, beam_width=beam_width, beam_length=beam_length, warp=warp,
-                 controller=controller, lookup=lookup)
-    draft = draft or library_draft(model, drafter, beam_width, beam_length, lookup, warp=warp, controller=controller)
+    draft = _resolve_draft(model, draft, datastore, drafter=drafter, beam_width=beam_width, beam_length=beam_length,
+                           lookup=lookup, warp=warp, controller=controller)
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)
@@ -129,6 +129,23 @@ def stream_generate(
     steps = token_steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, timings=timings,
                         history=lookup_context)
     yield from _stream_text(tokenizer, steps, prompt.size, max_tokens, stop)
+
+
+def _resolve_draft(model, draft: Optional[DraftConfig], datastore, **loose) -> DraftConfig:
+    """A given ``draft`` (alone), else the loose keywords resolved, with the
+    store that ``datastore=`` names (:func:`~mlx_redrafter.draft.stores.open_datastore`)."""
+    from dataclasses import replace
+
+    from .draft.stores import open_datastore
+
+    _refuse_both(draft, "draft", **loose, datastore=datastore is not None and datastore is not False)
+    if draft is not None:
+        return draft
+    k = loose
+    draft = library_draft(model, k["drafter"], k["beam_width"], k["beam_length"], k["lookup"], warp=k["warp"],
+                          controller=k["controller"])
+    store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
+    return draft if store is None else replace(draft, datastore=store)
 
 
 def _stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Sequence[str]):

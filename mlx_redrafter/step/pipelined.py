@@ -24,6 +24,8 @@ step t (the one sync per step), which has usually finished by then.
   compute even when it matches nothing). More lookup drafts are proposed on
   the host, one step longer than needed, and lined up on the device with
   what the step in flight accepts; a draft that does not line up is padding.
+  Where the host's lookup finds nothing, one datastore row
+  (:mod:`~mlx_redrafter.draft.stores`) is proposed and lined up the same way.
 
 Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
 the adaptive-depth controller nor timings are on, and the drafter's tree
@@ -40,7 +42,9 @@ from typing import Iterator, List, Sequence
 
 import mlx.core as mx
 
+from ..draft.datastore import StoreLookup
 from ..draft.lookup import DeviceLookup, Lookup
+from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
@@ -61,6 +65,7 @@ class _Queued:
     n: mx.array  # accepted drafts
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
+    sources: tuple = ()  # each row's source (draft/stores.py's row_sources)
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -87,39 +92,42 @@ class _Pipeline:
         # One lookup draft (the default) is proposed on the device from the
         # freshest history; more come from the host, one step late.
         self.fresh = DeviceLookup(history) if draft.lookup == 1 else None
+        self.store = StoreLookup(draft.datastore, history) if draft.datastore is not None else None
         self.kv = None  # set after the prefill
 
     def rows(self, prev: _Queued):
-        """The next step's rows (lazy) and their lengths (host)."""
-        cfg, parts, lengths = self.cfg, [], []
+        """The next step's rows (lazy), their lengths and sources (host)."""
+        cfg, parts, lengths, source = self.cfg, [], [], None
         if cfg.drafter is not None:
             parts.append(draft_beams(cfg, self.embed, prev.context, prev.g0).tokens)
             lengths += [cfg.beam_length] * cfg.beam_width
         if self.fresh is not None:
             self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
-        if self.lookup is not None:
+        if self.lookup is not None or self.store is not None:
             # Whether to verify lookup rows is decided from what the host has
             # read (a row costs its tokens' compute even when it matches nothing).
-            proposals = self.lookup.propose(cfg.lookup_length + prev.depth + 1, cfg.lookup)
+            proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length + prev.depth + 1,
+                                                 cfg.lookup)
             if proposals:
-                if self.fresh is not None:
+                if self.fresh is not None and source != DATASTORE:
                     rows = self.fresh.propose(cfg.lookup_length)[None]
                 else:
                     rows = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
                 parts.append(rows)
                 lengths += [cfg.lookup_length] * rows.shape[0]
-        return parts, lengths
+        return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
 
     def emitted(self, tokens: List[int]) -> None:
         """The host read these tokens: lookup's history grows by them."""
-        if self.lookup is not None:
-            self.lookup.extend(tokens)
+        for proposer in (self.lookup, self.store):
+            if proposer is not None:
+                proposer.extend(tokens)
         if self.fresh is not None:  # every appended step is read: the device length is known
             self.fresh.settle(len(self.lookup.history))
 
     def queue(self, prev: _Queued) -> _Queued:
         """Build the step after ``prev`` (lazily)."""
-        parts, lengths = self.rows(prev)
+        parts, lengths, sources = self.rows(prev)
         if not lengths:
             return self._queue_g0(prev)
         depth = max(lengths)
@@ -137,7 +145,8 @@ class _Pipeline:
         kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
         self.kv.append(lay.size, kept)
         row = beams[acc.beam]
-        return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size)
+        return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size,
+                       sources)
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
@@ -191,7 +200,8 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             kept = set(read.path[: read.n + 1])
             pipe.kv.settle([i in kept for i in range(queued.size)])
             pipe.emitted(read.emitted)
-            yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows)
+            yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows,
+                              sources=queued.sources)
             queued = following
     finally:
         pipe.kv.compact(drop_unread=True)

@@ -23,7 +23,9 @@ from typing import Iterator, List, Sequence
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
+from ..draft.datastore import StoreLookup
 from ..draft.lookup import Lookup, join_beams
+from ..draft.stores import context_or_store, row_sources
 from ..llm.cache import compact_cache, set_cache_length, verify_starts
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
@@ -63,14 +65,18 @@ class _DrafterBeams:
 
 class _JoinedBeams(_DrafterBeams):
     """The drafter's beams (if any), read in the step's sync, joined on the
-    host with lookup beams over the history of emitted tokens; the tree size
-    is counted on the host. Rows have different lengths (PAD-padded)."""
+    host with lookup beams over the history of emitted tokens (or a
+    datastore row where they find nothing); the tree size is counted on the
+    host. Rows have different lengths (PAD-padded). ``sources``: the
+    current tree's row sources."""
 
     padded = True
 
     def __init__(self, embed, draft: DraftConfig, prompt: List[int]):
         super().__init__(embed, draft)
-        self.lookup = Lookup(prompt)
+        self.lookup = Lookup(prompt) if draft.lookup else None
+        self.store = StoreLookup(draft.datastore, prompt) if draft.datastore is not None else None
+        self.sources = ()
 
     def start(self, context, g0) -> List[mx.array]:
         if self.cfg.drafter is None:
@@ -80,20 +86,29 @@ class _JoinedBeams(_DrafterBeams):
 
     def finish(self, vals: List[int], emitted: List[int]):
         cfg = self.cfg
-        self.lookup.extend(emitted)
+        for proposer in (self.lookup, self.store):
+            if proposer is not None:
+                proposer.extend(emitted)
         drafted = []
         if cfg.drafter is not None:
             depth, flat, length = vals[0], vals[1:], cfg.beam_length
             drafted = [flat[w * length : w * length + depth] for w in range(cfg.beam_width)]
-        rows = join_beams(drafted, self.lookup.propose(cfg.lookup_length, cfg.lookup), cfg.lookup)
-        return mx.array(rows, dtype=mx.int32), count_rows(rows), len(rows[0])
+        proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length, cfg.lookup)
+        rows = join_beams(drafted, proposals, cfg.lookup_rows)
+        self.sources = row_sources(len(drafted), len(rows), source)
+        # The depth is the longest row without its PAD end (a datastore row
+        # ends where its sequence did), so that n_nodes == depth only for a
+        # single path: verify runs a chain unhooked then.
+        depth = max(1, max(sum(1 for t in r if t >= 0) for r in rows))
+        rows = [r[:depth] for r in rows]
+        return mx.array(rows, dtype=mx.int32), count_rows(rows), depth
 
 
 def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
                       timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
     """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, one step at a time (see the module doc)."""
     embed, backbone, head = model_parts(model, draft.feature_layers)
-    if draft.lookup:
+    if draft.lookup_rows:
         drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
     else:
         drafts = _DrafterBeams(embed, draft)
@@ -124,7 +139,8 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
         if not read.in_place:
             compact_cache(cache, starts, acc.path)
         set_cache_length(cache, starts, offsets, 1 + read.n)
-        out = read.tokens(step, tree_size, time.perf_counter() - tic, syncs, d_val, draft.drafter_rows, times)
+        out = read.tokens(step, tree_size, time.perf_counter() - tic, syncs, d_val, draft.drafter_rows, times,
+                          sources=getattr(drafts, "sources", None))
         beams, n_val, d_val = drafts.finish(read.rest, read.emitted)
         yield out
 
