@@ -48,6 +48,12 @@ TopKOpt = typer.Option(0, "--top-k", help="Sample from the k most likely tokens 
 MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
 SeedOpt = typer.Option(None, "--seed")
 SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
+DatastoreOpt = typer.Option(
+    None, "--datastore",
+    help="Draft from a datastore of past outputs where context lookup finds nothing: a store file, or 'none' "
+    "(default: the model's own stores, when drafting; see `mlx-redrafter datastore info`).",
+)
+NoHistoryOpt = typer.Option(False, "--no-history", help="Do not append the replies to the model's history datastore (kept locally under the cache folder).")
 
 
 def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool = False):
@@ -65,11 +71,12 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
 
 
 def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
-             lookup=None, announce=True):
+             lookup=None, announce=True, datastore=None, history=False):
     """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
     from ..runtime import load_runtime
 
-    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup,
+                      datastore=datastore, history=history)
     if announce:
         rt.announce(err)
     return rt
@@ -120,4 +127,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 # The commands register themselves on `app` (imported last: they import the flags above).
-from . import run, tools, training  # noqa: E402,F401
+from . import datastore, run, tools, training  # noqa: E402,F401

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import RedrafterError
-from . import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt, SeedOpt,
+from . import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DatastoreOpt, DrafterOpt, DtypeOpt, LookupOpt, NoHistoryOpt, MinPOpt, ModelOpt, NoDraftOpt, SeedOpt,
                SystemOpt, TempOpt, TopKOpt, TopPOpt, _runtime, _sampling, app, err, format_prompt, read_prompt)
 
 
@@ -33,6 +33,7 @@ def generate(
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     dtype: Optional[str] = DtypeOpt,
     adaptive: bool = AdaptiveOpt,
+    datastore: Optional[str] = DatastoreOpt,
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter)."""
     from ..generate import stream_generate
@@ -40,7 +41,7 @@ def generate(
 
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     text = read_prompt(prompt, file)
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, datastore=datastore)
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(rt.model, rt.tokenizer, full, max_tokens=max_tokens, seed=seed, stop=stop,
@@ -70,6 +71,8 @@ def chat(
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."),
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    datastore: Optional[str] = DatastoreOpt,
+    no_history: bool = NoHistoryOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
 
@@ -83,7 +86,8 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, datastore=datastore,
+                  history=not no_history)
     if seed is not None:
         import mlx.core as mx
 
@@ -127,6 +131,8 @@ def serve(
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
+    datastore: Optional[str] = DatastoreOpt,
+    no_history: bool = NoHistoryOpt,
 ):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     # Every check before the slow imports and the model load.
@@ -146,7 +152,8 @@ def serve(
                              "pip install 'mlx-redrafter[server]'") from None
     from ..serve import Engine
 
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, datastore=datastore,
+                  history=not no_history)
     app_ = create_app(Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size))
     err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1 (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")

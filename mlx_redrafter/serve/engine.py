@@ -253,6 +253,8 @@ class Engine:
             self.cache.reset()
         else:
             self.cache.settle(ids + generated + eos)
+        if self.rt.history is not None and generated:
+            self.rt.history.remember(generated, res.tally, self.rt.draft.datastore)
         job.emit("done", res)
         return res
 
@@ -261,9 +263,9 @@ class Engine:
     def stats(self, res: Result) -> dict:
         """The drafting stats of a reply (an extra response field)."""
         t = res.tally
-        by_source = {"drafter": t.drafted_tokens - t.lookup_tokens, "lookup": t.lookup_tokens}
+        by_source = t.by_source
         return {
-            "drafting": self.rt.draft.drafting,  # a drafter, lookup drafts, or both
+            "drafting": self.rt.draft.drafting,  # a drafter, lookup drafts, a datastore, or several
             "beam_width": self.rt.beam_width if self.rt.drafter is not None else None,
             "beam_length": self.rt.beam_length if self.rt.drafter is not None else None,
             "steps": t.steps,
