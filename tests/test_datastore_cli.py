@@ -136,3 +136,26 @@ def test_build_resumes_and_keeps_what_it_built_on_ctrl_c(default_model, tmp_path
     assert report.sequences == 5  # resumed after the prompts already answered
     first = Datastore.open(out, model_key("default")).sequences()[0]
     assert first and all(t not in tok.eos_token_ids for t in first)  # replies without the EOS
+
+
+def test_chat_colours_datastore_drafts_and_the_tally_splits_them():
+    from rich.console import Console
+
+    from mlx_redrafter.chat.terminal import DATASTORE_STYLE, _Output
+    from mlx_redrafter.responses import RedrafterResponse, Tally
+    from mlx_redrafter.step.protocol import StepStats
+
+    out = _Output(interactive=True)
+    out.console = Console(file=io.StringIO(), force_terminal=True, color_system="standard", highlight=False)
+    tally = Tally()
+    for n, (text, source, step) in enumerate([("a", "", 0), ("stored", "datastore", 1), ("b", "", 1),
+                                              ("copied", "lookup", 2), ("c", "", 2)], 1):
+        r = RedrafterResponse(text=text, token=n, logprobs=None, from_draft=bool(source), prompt_tokens=1,
+                              prompt_tps=0.0, generation_tokens=n, generation_tps=0.0, peak_memory=0.0,
+                              stats=StepStats(step=step, accepted=int(bool(source)), source=source))
+        out.token(r, show_drafts=True)
+        tally.add(r)
+    assert DATASTORE_STYLE == "green" and "\x1b[32mstored\x1b[0m" in out.console.file.getvalue()
+    assert "\x1b[35mcopied\x1b[0m" in out.console.file.getvalue()
+    assert tally.by_source == {"drafter": 0, "lookup": 1, "datastore": 1} and tally.datastore_steps == 1
+    assert "20% datastore" in tally.draft_summary()

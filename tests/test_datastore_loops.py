@@ -18,11 +18,13 @@ LOOPS = {"pipelined": True, "synchronous": False}
 
 
 def _store_of(replies, every: int = 7) -> Datastore:
-    """A store of earlier replies, one token in ``every`` changed: its rows
-    are partly right, so partial acceptance and rejection both occur."""
+    """A store of earlier replies: each one with one token in ``every``
+    changed, and its first half unchanged. Its rows are partly right, so
+    partial acceptance and rejection both occur."""
     store = Datastore(model_id="test")
     for r in replies:
         store.add([(t + 1) % 97 if i % every == every - 1 else t for i, t in enumerate(r)])
+        store.add(r[: len(r) // 2])
     return store
 
 
