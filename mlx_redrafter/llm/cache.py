@@ -94,7 +94,8 @@ class PromptCache:
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
         self.cache, self.ids = cache, []  # ids unknown until the generation ends
-        self.hits += int(keep > 0)
+        if keep > 0:  # a host count (no device read)
+            self.hits += 1
         self.reused_tokens += keep
         return keep
 
