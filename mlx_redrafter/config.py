@@ -71,7 +71,11 @@ class DraftConfig:
     and reply, :mod:`~mlx_redrafter.draft.lookup`) to the drafter's beams;
     with no drafter they are the only drafts. ``pipelined=False`` runs the
     synchronous step loop where the pipelined one could run: for
-    comparisons; the tokens are the same.
+    comparisons; the tokens are the same. ``datastore`` (a
+    :class:`~mlx_redrafter.draft.datastore.Datastore` or
+    :class:`~mlx_redrafter.draft.stores.Stores`, None for none) adds one row
+    of ``lookup_length`` tokens from the model's past outputs on steps where
+    context lookup finds nothing (draft/stores.py).
     """
 
     drafter: object = None
@@ -87,10 +91,16 @@ class DraftConfig:
     # expected tokens per unit of verify cost (``curve``, step/curve.py) is best.
     tree: str = DEFAULT_TREE
     curve: object = None  # a step.curve.CostCurve; None: the built-in one
+    datastore: object = None
 
     @property
     def drafting(self) -> bool:
-        return self.drafter is not None or self.lookup > 0
+        return self.drafter is not None or self.lookup > 0 or self.datastore is not None
+
+    @property
+    def lookup_rows(self) -> int:
+        """Rows of a step's tree after the drafter's: lookup rows, or the one datastore row."""
+        return self.lookup if self.lookup else int(self.datastore is not None)
 
     @property
     def drafter_rows(self) -> int:
@@ -108,7 +118,7 @@ class DraftConfig:
         deepest draft (positions run to offset + depth)."""
         if not self.drafting:
             return 0
-        depth = max(self.beam_length if self.drafter is not None else 0, self.lookup_length if self.lookup else 0)
+        depth = max(self.beam_length if self.drafter is not None else 0, self.lookup_length if self.lookup_rows else 0)
         return depth + 1
 
     def check(self) -> None:

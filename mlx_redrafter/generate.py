@@ -79,17 +79,26 @@ def _refuse_both(given, what: str, **loose) -> None:
         raise RedrafterError(f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it.")
 
 
-def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loose_draft: dict):
-    """``(SamplingConfig, DraftConfig)`` of a call: the resolved ones given, else the loose keywords'."""
+def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loose_draft: dict, datastore=None):
+    """``(SamplingConfig, DraftConfig)`` of a call: the resolved ones given, else the loose keywords'
+    with the store that ``datastore=`` names (:func:`~mlx_redrafter.draft.stores.open_datastore`)."""
+    from dataclasses import replace
+
+    from .draft.stores import open_datastore
+
     _refuse_both(sampling, "sampling", **loose_sampling)
     sampling = sampling or SamplingConfig(**loose_sampling)
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
-    _refuse_both(draft, "draft", **loose_draft)
+    _refuse_both(draft, "draft", **loose_draft, datastore=datastore is not None and datastore is not False)
+    if draft is not None:
+        return sampling, with_curve(model, draft)
     d = loose_draft
-    draft = with_curve(model, draft or library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"],
-                                                     warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"])))
-    return sampling, draft
+    draft = library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"],
+                          warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"]))
+    store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
+    draft = draft if store is None else replace(draft, datastore=store)
+    return sampling, with_curve(model, draft)
 
 
 def stream_generate(
@@ -113,6 +122,7 @@ def stream_generate(
     lookup: Optional[Union[bool, int]] = None,
     lookup_context: Sequence[int] = (),
     *,
+    datastore=None,
     timings: bool = False,
     draft: Optional[DraftConfig] = None,
     sampling: Optional[SamplingConfig] = None,
@@ -165,6 +175,9 @@ def stream_generate(
             (verify only the drafts that pay on this device's verify cost,
             ``mlx-redrafter doctor --calibrate``; ``beam_width`` and
             ``beam_length`` are then the caps of the candidates).
+        datastore: suffix-datastore drafts (draft/stores.py): a store file,
+            a ``Datastore``, ``False`` for none, or ``None`` (the model's own
+            stores, only when the call already drafts).
         draft: a resolved :class:`DraftConfig`, in place of the keywords above.
 
     Sampling keywords:
@@ -194,7 +207,7 @@ def stream_generate(
     timings = _timings(timings, profile)
     sampling, draft = _configs(model, sampling, draft, max_tokens, dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
                                dict(drafter=drafter, beam_width=beam_width, beam_length=beam_length, lookup=lookup, warp=warp, controller=controller,
-                                    tree=tree))
+                                    tree=tree), datastore)
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)
@@ -262,7 +275,8 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     other keyword is :func:`stream_generate`'s: ``drafter``, ``beam_width``,
     ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
     ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
-    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``, ``tree``.
+    ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``, ``tree``,
+    ``datastore``.
     """
     text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):

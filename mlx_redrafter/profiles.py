@@ -36,16 +36,18 @@ def drafter_id(drafter_path) -> str:
     return f"{p}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _model_id(model_spec) -> str:
-    """A local model path in absolute form, so that ``./m`` and ``m`` share
-    a profile; other specs (``default``, Hub ids) as they are."""
+def model_id(model_spec) -> str:
+    """The identity of a model spec that what is kept per model (tuned
+    profiles, datastores) is keyed by: a local model path in absolute form,
+    so that ``./m`` and ``m`` share it; other specs (``default``, Hub ids)
+    as they are."""
     spec = str(model_spec)
     path = Path(spec).expanduser()
     return str(path.resolve()) if spec != "default" and path.exists() else spec
 
 
 def profile_path(model_spec: str, drafter_path) -> Path:
-    key = json.dumps([device_id(), _model_id(model_spec), drafter_id(drafter_path)])
+    key = json.dumps([device_id(), model_id(model_spec), drafter_id(drafter_path)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / "profiles" / f"{digest}.json"
 

@@ -70,6 +70,8 @@ class Tally:
     drafted_tokens: int = 0
     lookup_tokens: int = 0  # the part of drafted_tokens that came from lookup beams
     tree_tokens: int = 0  # tokens verified, summed over the steps (g0 included)
+    datastore_tokens: int = 0  # the part that came from datastore rows
+    datastore_steps: int = 0  # steps that accepted datastore tokens
     last: Optional[RedrafterResponse] = None
     _step: int = -1
 
@@ -81,10 +83,12 @@ class Tally:
         self.tokens = r.generation_tokens
         self.drafted_tokens += int(r.from_draft)
         self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
+        self.datastore_tokens += int(r.from_draft and r.stats.source == "datastore")
         if r.stats.step != self._step:
             self.steps += 1
             self.tree_tokens += r.stats.tree_size
             self._step = r.stats.step
+            self.datastore_steps += int(r.from_draft and r.stats.source == "datastore")
         return True
 
     def merge(self, other: "Tally") -> None:
@@ -94,6 +98,8 @@ class Tally:
         self.drafted_tokens += other.drafted_tokens
         self.lookup_tokens += other.lookup_tokens
         self.tree_tokens += other.tree_tokens
+        self.datastore_tokens += other.datastore_tokens
+        self.datastore_steps += other.datastore_steps
         self.last = other.last or self.last
 
     @property
@@ -115,12 +121,18 @@ class Tally:
         """The fraction of tokens that came from accepted lookup drafts."""
         return self.lookup_tokens / max(self.tokens, 1)
 
+    @property
+    def by_source(self) -> dict:
+        """Accepted draft tokens per source."""
+        drafter = self.drafted_tokens - self.lookup_tokens - self.datastore_tokens
+        return {"drafter": drafter, "lookup": self.lookup_tokens, "datastore": self.datastore_tokens}
+
     def draft_summary(self) -> str:
-        """``"40% from drafts"``, split by source when lookup drafts were accepted."""
+        """``"40% from drafts"``, split by source when lookup or datastore drafts were accepted."""
         text = f"{self.draft_share:.0%} from drafts"
-        if self.lookup_tokens:
-            drafter = (self.drafted_tokens - self.lookup_tokens) / max(self.tokens, 1)
-            text += f" ({drafter:.0%} drafter, {self.lookup_share:.0%} lookup)"
+        if self.lookup_tokens or self.datastore_tokens:
+            parts = [f"{n / max(self.tokens, 1):.0%} {k}" for k, n in self.by_source.items() if n or k != "datastore"]
+            text += f" ({', '.join(parts)})"
         return text
 
     def summary(self) -> str:

@@ -60,6 +60,7 @@ class Runtime:
     shape_source: str = "built-in default"
     plain_reason: str = "no drafter"
     note: Optional[str] = None  # a measured fact the user should see, e.g. drafting is slower here
+    history: object = None  # a draft.stores.History: chat and serve append each reply to it
 
     # Read-only views of the resolved draft, for the announcement and reports.
     drafter = property(lambda self: self.draft.drafter)
@@ -71,9 +72,12 @@ class Runtime:
     def announce(self, console) -> None:
         """One line that says, without the paper's terms, how each step drafts."""
         copies = f"{self.lookup} cop{'ies' if self.lookup > 1 else 'y'} from the context"
+        if self.draft.datastore is not None:  # its one row stands in when lookup finds nothing
+            copies = f"{copies} (else 1 from the datastore)" if self.lookup else "1 copy from the datastore"
         if self.drafter is None:
-            if self.lookup:
+            if self.draft.drafting:
                 console.print(f"[dim]model {self.model_spec}, drafting: {copies} per step (no drafter)[/dim]")
+                self._announce_datastore(console)
             else:
                 console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
@@ -84,11 +88,17 @@ class Runtime:
             curve = "built-in curve" if self.draft.curve is None or self.draft.curve.builtin else "measured curve"
             extra += f", tree auto on the {curve}"
         line = (f"model {self.model_spec}, drafting: {guesses}"
-                f"{' + ' + copies + ' per step' if self.lookup else ' per step (no copies from the context)'} "
+                f"{' + ' + copies + ' per step' if self.draft.lookup_rows else ' per step (no copies from the context)'} "
                 f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}]")
         console.print(f"[dim]{escape(line)}[/dim]")
         if self.note:
             console.print(f"[yellow]Note: {self.note}[/yellow]")
+        self._announce_datastore(console)
+
+    def _announce_datastore(self, console) -> None:
+        store = self.draft.datastore
+        if store is not None:
+            console.print(f"[dim]datastore: {len(store)} sequences, {store.tokens} tokens[/dim]")
 
 
 def _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup) -> None:
@@ -123,12 +133,41 @@ def load_runtime(
     adaptive: bool = False,
     lookup: Optional[bool] = None,
     tree: Optional[str] = None,
+    datastore: Optional[str] = None,
+    history: bool = False,
 ) -> Runtime:
     """Load the model and pick its drafter, beam shape and lookup beams
     (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in).
     ``drafter_path="none"``: no drafter. ``tree`` (``auto``/``fixed``; None:
     the default): under ``auto`` the draft carries this device's verify-cost
-    curve (:func:`~mlx_redrafter.step.curve.curve_for`)."""
+    curve (:func:`~mlx_redrafter.step.curve.curve_for`). ``datastore``: a
+    store file, ``"none"``, or None for the model's own stores when it drafts
+    (draft/stores.py); ``history``: append replies to the model's history."""
+    rt = _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree)
+    _add_datastore(rt, datastore, history)
+    return rt
+
+
+def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None:
+    """Set the runtime's datastore and history (they share the history store)."""
+    from dataclasses import replace
+
+    from .draft.datastore import default_path, load_or_empty, model_key
+    from .draft.stores import History, default_stores, open_datastore
+
+    spec = rt.model_spec
+    own = load_or_empty(default_path(spec, "history"), model_key(spec)) if history or datastore is None else None
+    if history:
+        rt.history = History(spec, own)
+    if datastore is None:
+        store = default_stores(spec, own) if rt.draft.drafting else None
+    else:
+        store = open_datastore(datastore, spec)
+    if store is not None:
+        rt.draft = replace(rt.draft, datastore=store)
+
+
+def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree) -> Runtime:
     from .draft.drafter import check_fits, load_drafter
     from .llm.load import load_model
 

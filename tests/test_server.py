@@ -130,7 +130,7 @@ def test_chat_equals_generate_and_stream_equals_whole(client, reference, generat
     stats = r.model_extra["redrafter"]
     assert stats["drafting"] and 0 <= stats["from_drafts"] <= 1 and stats["tokens_per_step"] >= 1
     by_source = stats["from_drafts_by_source"]
-    assert set(by_source) <= {"drafter", "lookup"}
+    assert set(by_source) <= {"drafter", "lookup", "datastore"}
     assert sum(by_source.values()) == pytest.approx(stats["from_drafts"], abs=2e-3)
 
     # The streamed reply is the same text, with usage in the last chunk.

@@ -119,11 +119,14 @@ class ChatSession:
         controller=None,
         info: Optional[dict] = None,
         draft: Optional[DraftConfig] = None,
+        history_store=None,
     ):
         """``history``: earlier ``(user, assistant)`` exchanges. ``max_context``:
         keep the conversation within this many tokens (default: the model's
         context). ``draft``: a resolved draft (its beam shape and lookup beams
-        are the settings'); else ``drafter`` and ``controller``."""
+        are the settings'); else ``drafter`` and ``controller``.
+        ``history_store``: a :class:`~mlx_redrafter.draft.stores.History`
+        that each finished reply is appended to."""
         self.model, self.tokenizer = model, tokenizer
         self.base_draft = draft or DraftConfig(drafter, controller=controller)
         self.settings = settings or ChatSettings()
@@ -135,6 +138,7 @@ class ChatSession:
         self.totals = Totals()
         self.last_turn: Optional[Turn] = None
         self.prompt_cache = PromptCache(model)
+        self.store_history = history_store
 
     @classmethod
     def from_runtime(cls, rt, settings: Optional[ChatSettings] = None, **kwargs) -> "ChatSession":
@@ -143,7 +147,8 @@ class ChatSession:
         settings = settings or ChatSettings()
         settings.beam_width, settings.beam_length, settings.lookup = rt.beam_width, rt.beam_length, rt.lookup
         info = {"model": rt.model_spec, "drafter": str(rt.drafter_path) if rt.drafter_path else None}
-        return cls(rt.model, rt.tokenizer, settings=settings, info=info, draft=rt.draft, **kwargs)
+        return cls(rt.model, rt.tokenizer, settings=settings, info=info, draft=rt.draft, history_store=rt.history,
+                   **kwargs)
 
     @property
     def drafter(self):
@@ -276,6 +281,8 @@ class ChatSession:
             raise
         self.prompt_cache.settle(ids + generated + eos)
         self._record(turn)
+        if self.store_history is not None and generated:
+            self.store_history.remember(generated, turn.tally, self.base_draft.datastore)
 
     def _record(self, turn: Turn) -> None:
         self.totals.add(turn)

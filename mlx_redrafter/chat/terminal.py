@@ -18,6 +18,8 @@ from .conversation import ChatSession, Turn
 
 DRAFT_STYLE = "cyan"  # tokens from the drafter's accepted drafts
 LOOKUP_STYLE = "magenta"  # tokens from accepted lookup drafts
+DATASTORE_STYLE = "green"  # tokens from accepted datastore drafts (the model's past outputs)
+STYLES = {"lookup": LOOKUP_STYLE, "datastore": DATASTORE_STYLE}
 
 
 # --------------------------------------------------------------------------- the terminal loop
@@ -36,7 +38,7 @@ class _Output:
         if self.interactive:
             style = None
             if show_drafts and r.from_draft:
-                style = LOOKUP_STYLE if r.stats.source == "lookup" else DRAFT_STYLE
+                style = STYLES.get(r.stats.source, DRAFT_STYLE)
             self.console.out(r.text, end="", style=style)
         else:
             sys.stdout.write(r.text)
@@ -92,10 +94,11 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
         # Ctrl-C must interrupt a reply even when started with SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         out.console.print("[dim]Type a message. /help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]")
-        if chat.settings.show_drafts and (chat.drafter is not None or chat.settings.lookup):
+        if chat.settings.show_drafts and chat.draft().drafting:
             out.console.print(
-                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter) "
-                f"and [{LOOKUP_STYLE}]{LOOKUP_STYLE}[/{LOOKUP_STYLE}] (lookup).[/dim]"
+                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter), "
+                f"[{LOOKUP_STYLE}]{LOOKUP_STYLE}[/{LOOKUP_STYLE}] (lookup) "
+                f"and [{DATASTORE_STYLE}]{DATASTORE_STYLE}[/{DATASTORE_STYLE}] (datastore).[/dim]"
             )
     while True:
         try:

@@ -52,6 +52,12 @@ TopKOpt = typer.Option(0, "--top-k", help="Sample from the k most likely tokens 
 MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
 SeedOpt = typer.Option(None, "--seed")
 SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
+DatastoreOpt = typer.Option(
+    None, "--datastore",
+    help="Draft from a datastore of past outputs where context lookup finds nothing: a store file, or 'none' "
+    "(default: the model's own stores, when drafting; see `mlx-redrafter datastore info`).",
+)
+NoHistoryOpt = typer.Option(False, "--no-history", help="Do not append the replies to the model's history datastore (kept locally under the cache folder).")
 
 
 def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool = False):
@@ -69,7 +75,7 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
 
 
 def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
-             lookup=None, announce=True, tree=None):
+             lookup=None, announce=True, tree=None, datastore=None, history=False):
     """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
     from ..doctor import slow_blas_warning
     from ..runtime import load_runtime
@@ -77,7 +83,8 @@ def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, 
     warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
     if warning:
         err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
-    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree)
+    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree,
+                      datastore=datastore, history=history)
     if announce:
         rt.announce(err)
     return rt
@@ -128,4 +135,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 # The commands register themselves on `app` (imported last: they import the flags above).
-from . import run, tools, training  # noqa: E402,F401
+from . import datastore, run, tools, training  # noqa: E402,F401

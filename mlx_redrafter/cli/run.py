@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import RedrafterError
-from . import (AdaptiveOpt, TreeOpt, BeamLengthOpt, BeamWidthOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt, SeedOpt,
-               SystemOpt, TempOpt, TopKOpt, TopPOpt, _runtime, _sampling, app, err, format_prompt, read_prompt)
+from . import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DatastoreOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt,
+               NoHistoryOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt, _runtime, _sampling, app, err, format_prompt, read_prompt)
 
 
 @app.command()
@@ -36,6 +36,7 @@ def generate(
     json_any: bool = typer.Option(False, "--json", help="Constrain the reply to a JSON object."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the reply to this JSON Schema (a file)."),
     tree: Optional[str] = TreeOpt,
+    datastore: Optional[str] = DatastoreOpt,
 ):
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter).
 
@@ -47,7 +48,7 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore)
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(rt.model, rt.tokenizer, full, max_tokens=max_tokens, seed=seed, stop=stop,
@@ -107,6 +108,8 @@ def chat(
     adaptive: bool = AdaptiveOpt,
     tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
+    datastore: Optional[str] = DatastoreOpt,
+    no_history: bool = NoHistoryOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
 
@@ -120,7 +123,8 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore,
+                  history=not no_history)
     if seed is not None:
         import mlx.core as mx
 
@@ -183,6 +187,8 @@ def serve(
     dtype: Optional[str] = DtypeOpt,
     lookup: Optional[bool] = LookupOpt,
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
+    datastore: Optional[str] = DatastoreOpt,
+    no_history: bool = NoHistoryOpt,
 ):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /."""
     # Every check before the slow imports and the model load.
@@ -205,7 +211,8 @@ def serve(
                              "pip install 'mlx-redrafter[server]'") from None
     from ..serve import Engine
 
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree)
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore,
+                  history=not no_history)
     engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size,
                     prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
     app_ = create_app(engine, ui=not no_ui)

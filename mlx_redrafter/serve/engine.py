@@ -75,8 +75,8 @@ class Piece:
     field of a streamed chunk.
 
     ``sources`` has one entry per token whose text is in ``text`` (a token
-    may hold part of a character, so a piece can hold several): ``"drafter"``
-    or ``"lookup"`` for a token from an accepted draft, ``"llm"`` for the
+    may hold part of a character, so a piece can hold several): ``"drafter"``,
+    ``"lookup"`` or ``"datastore"`` for a token from an accepted draft, ``"llm"`` for the
     LLM's own token. The counts are the reply's so far.
     """
 
@@ -95,7 +95,7 @@ class Piece:
 
 
 def token_source(r) -> str:
-    """Where a response's token came from: ``"drafter"``, ``"lookup"`` or ``"llm"``."""
+    """Where a response's token came from: ``"drafter"``, ``"lookup"``, ``"datastore"`` or ``"llm"``."""
     return r.stats.source if r.from_draft else "llm"
 
 
@@ -312,6 +312,8 @@ class Engine:
         self.cache.settle(ids + generated + eos)
         for listener in self.listeners:
             listener(res)
+        if self.rt.history is not None and generated:
+            self.rt.history.remember(generated, res.tally, self.rt.draft.datastore)
         job.emit("done", res)
         return res
 
@@ -325,9 +327,9 @@ class Engine:
     def stats(self, res: Result) -> dict:
         """The drafting stats of a reply (an extra response field)."""
         t = res.tally
-        by_source = {"drafter": t.drafted_tokens - t.lookup_tokens, "lookup": t.lookup_tokens}
+        by_source = t.by_source
         return {
-            "drafting": self.rt.draft.drafting,  # a drafter, lookup drafts, or both
+            "drafting": self.rt.draft.drafting,  # a drafter, lookup drafts, a datastore, or several
             "beam_width": self.rt.beam_width if self.rt.drafter is not None else None,
             "beam_length": self.rt.beam_length if self.rt.drafter is not None else None,
             "steps": t.steps,

@@ -9,7 +9,7 @@ Names (counters end in ``_total`` on the wire):
 * ``redrafter_prompt_tokens_total``, ``redrafter_generated_tokens_total``;
 * ``redrafter_tokens_per_step``: a histogram of the tokens each step emitted;
 * ``redrafter_draft_tokens_accepted_total{source}``: emitted tokens that were
-  accepted drafts, by source (``drafter``, ``lookup``; later sources add labels);
+  accepted drafts, by source (``drafter``, ``lookup``, ``datastore``);
 * ``redrafter_prompt_cache_hits_total``, ``redrafter_prompt_cache_reused_tokens_total``,
   ``redrafter_prompt_cache_entries``, ``redrafter_prompt_cache_bytes``;
 * ``redrafter_queue_waiting``, ``redrafter_queue_running``.
@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .engine import Engine, Result
 
-DRAFT_SOURCES = ("drafter", "lookup")  # labels shown from the start, at 0
+DRAFT_SOURCES = ("drafter", "lookup", "datastore")  # labels shown from the start, at 0
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 

@@ -143,13 +143,14 @@ class AutoTree:
         self.cal.observe(Observed(src, dep, bkt, par, rank), sorted(hits))
 
 
-def lookup_buckets(matched: Sequence[int], rows: int, length: int) -> List[int]:
+def lookup_buckets(matched: Sequence[int], rows: int, length: int, source: str = "lookup") -> List[int]:
     """Host score buckets of ``rows`` lookup rows of ``length`` nodes: each
-    row's matched suffix length (a missing row: -1, padding)."""
-    out = []
+    row's score, the matched suffix length (a datastore row: its
+    continuation's count; a missing row: -1, padding)."""
+    out, src = [], SOURCES.index(source)
     for i in range(rows):
         if i < len(matched):
-            b = bucket_of(np, np.full(1, LOOKUP), np.full(1, matched[i], np.float32))[0]
+            b = bucket_of(np, np.full(1, src), np.full(1, matched[i], np.float32))[0]
             out += [b] * length
         else:
             out += [-1] * length

@@ -117,11 +117,11 @@ def model_identity(model, model_spec: Optional[str] = None) -> str:
     loaded from (as profiles key it), else its architecture and size."""
     from mlx.utils import tree_flatten
 
-    from ..profiles import _model_id
+    from ..profiles import model_id
 
     spec = model_spec or getattr(model, "redrafter_spec", None)
     if spec:
-        return _model_id(spec)
+        return model_id(spec)
     args = getattr(model, "args", None)
     size = sum(v.size for _, v in tree_flatten(model.parameters()))
     return f"{getattr(args, 'model_type', type(model).__name__)}:{size}"

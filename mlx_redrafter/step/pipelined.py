@@ -24,6 +24,8 @@ step t (the one sync per step), which has usually finished by then.
   compute even when it matches nothing). More lookup drafts are proposed on
   the host, one step longer than needed, and lined up on the device with
   what the step in flight accepts; a draft that does not line up is padding.
+  Where the host's lookup finds nothing, one datastore row
+  (:mod:`~mlx_redrafter.draft.stores`) is proposed and lined up the same way.
 
 Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
 the adaptive-depth controller nor timings are on, and the drafter's tree
@@ -40,11 +42,13 @@ from typing import Iterator, List, Sequence
 
 import mlx.core as mx
 
+from ..draft.datastore import StoreLookup
 from ..draft.lookup import DeviceLookup, Lookup
+from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
-from .auto import AutoTree, drafter_scores, row_sources
+from .auto import AutoTree, drafter_scores
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import PAD, Tree, layout, merged_parent
 from .verify import install_tree_hooks, tree_hooks
@@ -63,6 +67,7 @@ class _Queued:
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
     structure: object = None  # tree="auto": the candidates' Structure (the read ends with Selection.codes)
+    sources: tuple = ()  # each row's source (draft/stores.py's row_sources)
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -89,12 +94,13 @@ class _Pipeline:
         # One lookup draft (the default) is proposed on the device from the
         # freshest history; more come from the host, one step late.
         self.fresh = DeviceLookup(history) if draft.lookup == 1 else None
+        self.store = StoreLookup(draft.datastore, history) if draft.datastore is not None else None
         self.kv = None  # set after the prefill
         self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
 
     def rows(self, prev: _Queued):
-        """The next step's rows and their nodes' scores (lazy), and the rows' lengths (host)."""
-        cfg, parts, lengths, self.scores = self.cfg, [], [], []
+        """The next step's rows and their nodes' scores (lazy), and the rows' lengths and sources (host)."""
+        cfg, parts, lengths, source, self.scores = self.cfg, [], [], None, []
         if cfg.drafter is not None:
             beams = draft_beams(cfg, self.embed, prev.context, prev.g0)
             parts.append(beams.tokens)
@@ -102,39 +108,48 @@ class _Pipeline:
             lengths += [cfg.beam_length] * cfg.beam_width
         if self.fresh is not None:
             self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
-        if self.lookup is not None:
+        if self.lookup is not None or self.store is not None:
             # Whether to verify lookup rows is decided from what the host has
             # read (a row costs its tokens' compute even when it matches nothing).
-            proposals = self.lookup.propose(cfg.lookup_length + prev.depth + 1, cfg.lookup)
+            proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length + prev.depth + 1,
+                                                 cfg.lookup)
             if proposals:
-                if self.fresh is not None:
+                if self.fresh is not None and source != DATASTORE:
                     rows = self.fresh.propose(cfg.lookup_length)[None]
                     matched = self.fresh.matched.reshape(1, 1)
                 else:
                     rows = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
-                    matched = mx.array(self.lookup.matched, mx.float32)[:, None]
+                    matched = mx.array(self._host_scores(source), mx.float32)[:, None]
                 parts.append(rows)
                 self.scores.append(mx.broadcast_to(matched, rows.shape).astype(mx.float32))
                 lengths += [cfg.lookup_length] * rows.shape[0]
-        return parts, lengths
+        return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
+
+    def _host_scores(self, source: str) -> List[int]:
+        """Each host-proposed row's score: the matched suffix length (lookup)
+        or the continuation's count (the datastore row)."""
+        if source == DATASTORE:
+            return [count for _, count in self.store.last.continuations[:1]]
+        return self.lookup.matched
 
     def emitted(self, tokens: List[int]) -> None:
         """The host read these tokens: lookup's history grows by them."""
-        if self.lookup is not None:
-            self.lookup.extend(tokens)
+        for proposer in (self.lookup, self.store):
+            if proposer is not None:
+                proposer.extend(tokens)
         if self.fresh is not None:  # every appended step is read: the device length is known
             self.fresh.settle(len(self.lookup.history))
 
     def queue(self, prev: _Queued) -> _Queued:
         """Build the step after ``prev`` (lazily)."""
-        parts, lengths = self.rows(prev)
+        parts, lengths, sources = self.rows(prev)
         if not lengths:
             return self._queue_g0(prev)
         depth = max(lengths)
         beams = mx.concatenate([mx.pad(p, [(0, 0), (0, depth - p.shape[1])], constant_values=PAD) for p in parts])
         lay = layout(tuple(lengths))
         if self.auto is not None:
-            return self._queue_auto(prev, beams, lay)
+            return self._queue_auto(prev, beams, lay, sources)
         tree = lay.tree(beams, prev.g0)
         hidden = self._forward(tree, prev.real, chain=len(lengths) == 1)
         logits = self.head(hidden)
@@ -147,11 +162,11 @@ class _Pipeline:
         kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
         self.kv.append(lay.size, kept)
         row = beams[acc.beam]
-        return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size)
+        return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size,
+                       sources=sources)
 
-    def _queue_auto(self, prev: _Queued, beams: mx.array, lay) -> _Queued:
+    def _queue_auto(self, prev: _Queued, beams: mx.array, lay, sources) -> _Queued:
         """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
-        sources = row_sources(self.cfg.drafter_rows, len(lay.lengths))
         structure, ancestors = self.auto.shape(lay.lengths, sources)
         size = self.auto.bucket(structure)
         if size == 1:
@@ -173,7 +188,7 @@ class _Pipeline:
         row = rows[acc.beam]
         read = mx.concatenate([step_read(acc, row), sel.codes])
         return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, size,
-                       structure)
+                       structure=structure, sources=sources)
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
@@ -229,7 +244,8 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             if queued.structure is not None:
                 pipe.auto.observe(queued.structure, read.rest, read.path[: read.n + 1])
             pipe.emitted(read.emitted)
-            yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows)
+            yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows,
+                              sources=queued.sources)
             queued = following
     finally:
         pipe.kv.compact(drop_unread=True)

@@ -17,7 +17,7 @@ the root), ``row`` the drafted tokens of the accepted row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -35,7 +35,7 @@ class StepStats:
     host_syncs: int = 0  # cumulative device->host syncs of the loop
     beam: int = 0  # index of the beam the accepted drafts came from (best first)
     depth: int = 0  # drafted depth verified (beam_length, or the controller's choice)
-    source: str = ""  # where the accepted drafts came from: "drafter" or "lookup" ("" if none)
+    source: str = ""  # where the accepted drafts came from: "drafter", "lookup" or "datastore" ("" if none)
     # Phase times in seconds, measured only with timings=True (which adds syncs):
     draft_time: float = 0.0  # beam search for the next step
     pack_time: float = 0.0  # dedup + packing of this step's beams
@@ -96,9 +96,12 @@ class StepRead:
         return self.path[: self.n + 1] == list(range(self.n + 1))
 
     def tokens(self, step: int, tree_size: int, elapsed: float, syncs: int, depth: int, drafter_rows: int,
-               times: Optional[dict] = None) -> StepTokens:
-        """The :class:`StepTokens` of this step; beams from ``drafter_rows`` on are lookup rows."""
-        source = ("drafter" if self.beam < drafter_rows else "lookup") if self.n else ""
+               times: Optional[dict] = None, sources: Optional[Sequence[str]] = None) -> StepTokens:
+        """The :class:`StepTokens` of this step; ``sources`` names each row's
+        source (without it, beams from ``drafter_rows`` on are lookup rows)."""
+        source = ""
+        if self.n:
+            source = sources[self.beam] if sources else ("drafter" if self.beam < drafter_rows else "lookup")
         times = times or {}
         stats = StepStats(
             step, self.n, tree_size, elapsed, syncs, self.beam, depth, source=source,

@@ -23,11 +23,13 @@ from typing import Iterator, List, Sequence
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
+from ..draft.datastore import StoreLookup
 from ..draft.lookup import Lookup, join_beams
+from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import compact_cache, set_cache_length, verify_starts
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
-from .auto import AutoTree, drafter_scores, lookup_buckets, row_sources
+from .auto import AutoTree, drafter_scores, lookup_buckets
 from .select import bucket_of
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .tree import count_nodes, count_rows, pack
@@ -65,14 +67,18 @@ class _DrafterBeams:
 
 class _JoinedBeams(_DrafterBeams):
     """The drafter's beams (if any), read in the step's sync, joined on the
-    host with lookup beams over the history of emitted tokens; the tree size
-    is counted on the host. Rows have different lengths (PAD-padded)."""
+    host with lookup beams over the history of emitted tokens (or a
+    datastore row where they find nothing); the tree size is counted on the
+    host. Rows have different lengths (PAD-padded). ``sources``: the
+    current tree's row sources."""
 
     padded = True
 
     def __init__(self, embed, draft: DraftConfig, prompt: List[int]):
         super().__init__(embed, draft)
-        self.lookup = Lookup(prompt)
+        self.lookup = Lookup(prompt) if draft.lookup else None
+        self.store = StoreLookup(draft.datastore, prompt) if draft.datastore is not None else None
+        self.sources = ()
         self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
 
     def start(self, context, g0) -> List[mx.array]:
@@ -87,37 +93,48 @@ class _JoinedBeams(_DrafterBeams):
 
     def finish(self, vals: List[int], emitted: List[int]):
         cfg = self.cfg
-        self.lookup.extend(emitted)
+        for proposer in (self.lookup, self.store):
+            if proposer is not None:
+                proposer.extend(emitted)
         drafted, buckets, size = [], [], cfg.beam_width * cfg.beam_length
         if cfg.drafter is not None:
             depth, flat, length = vals[0], vals[1 : 1 + size], cfg.beam_length
             drafted = [flat[w * length : w * length + depth] for w in range(cfg.beam_width)]
             buckets = [vals[1 + size + w * length : 1 + size + w * length + depth] for w in range(cfg.beam_width)]
-        rows = join_beams(drafted, self.lookup.propose(cfg.lookup_length, cfg.lookup), cfg.lookup)
+        proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length, cfg.lookup)
+        rows = join_beams(drafted, proposals, cfg.lookup_rows)
+        self.sources = row_sources(len(drafted), len(rows), source)
         if self.auto is not None:
-            rows = self._trim(rows, buckets, emitted)
-            # The depth is the longest kept row's: the loop takes n nodes == depth for a single path.
-            depth = max((sum(t >= 0 for t in r) for r in rows), default=0)
-            rows = [r[: max(depth, 1)] for r in rows]
-        return mx.array(rows, dtype=mx.int32), count_rows(rows), len(rows[0])
+            rows = self._trim(rows, buckets, emitted, source)
+        # The depth is the longest row without its PAD end (a datastore row
+        # ends where its sequence did; a trimmed tree reports its real depth),
+        # so that n_nodes == depth only for a single path: verify runs a chain
+        # unhooked then.
+        depth = max(1, max((sum(1 for t in r if t >= 0) for r in rows), default=0))
+        rows = [r[:depth] for r in rows]
+        return mx.array(rows, dtype=mx.int32), count_rows(rows), depth
 
-    def _trim(self, rows, buckets, emitted):
+    def _trim(self, rows, buckets, emitted, source):
         """tree="auto": learn from the step just read, then keep the best subset of ``rows``."""
-        cfg, width = self.cfg, len(rows[0])
+        cfg, width, extra = self.cfg, len(rows[0]), len(rows) - len(buckets)
         self.auto.observe_rows(emitted[:-1])
         per_row = [b + [-1] * (width - len(b)) for b in buckets]
-        looked = lookup_buckets(self.lookup.matched, cfg.lookup, cfg.lookup_length)
-        for i in range(cfg.lookup):
+        if source == DATASTORE:  # its one row scores by the continuation's count
+            m = self.store.last
+            looked = lookup_buckets([c for _, c in m.continuations[:1]], extra, cfg.lookup_length, DATASTORE)
+        else:
+            looked = lookup_buckets(self.lookup.matched if self.lookup is not None else [], extra, cfg.lookup_length)
+        for i in range(extra):
             per_row.append((looked[i * cfg.lookup_length : (i + 1) * cfg.lookup_length] + [-1] * width)[:width])
         flat = [b for row in per_row for b in row]
-        return self.auto.trim(rows, row_sources(len(buckets), len(rows)), flat)
+        return self.auto.trim(rows, self.sources, flat)
 
 
 def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
                       timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
     """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, one step at a time (see the module doc)."""
     embed, backbone, head = model_parts(model, draft.feature_layers)
-    if draft.lookup or draft.tree == "auto":
+    if draft.lookup_rows or draft.tree == "auto":
         drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
     else:
         drafts = _DrafterBeams(embed, draft)
@@ -148,7 +165,8 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
         if not read.in_place:
             compact_cache(cache, starts, acc.path)
         set_cache_length(cache, starts, offsets, 1 + read.n)
-        out = read.tokens(step, tree_size, time.perf_counter() - tic, syncs, d_val, draft.drafter_rows, times)
+        out = read.tokens(step, tree_size, time.perf_counter() - tic, syncs, d_val, draft.drafter_rows, times,
+                          sources=getattr(drafts, "sources", None))
         beams, n_val, d_val = drafts.finish(read.rest, read.emitted)
         yield out
 

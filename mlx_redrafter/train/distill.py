@@ -51,6 +51,9 @@ class DistillConfig:
     # that the prefill computes anyway (the LLM's predictions of the user's
     # text, teacher-forced), several times cheaper per position than decoding.
     prompt_positions: bool = True
+    # Copy each position's hidden state to the host (the drafter's training
+    # data); False when only the tokens are wanted (``datastore build``).
+    keep_hidden: bool = True
 
 
 @dataclass
@@ -124,7 +127,7 @@ class Distiller:
         hidden = wide[..., -self.width :]
         logits = self.head(hidden)
         nxt = mx.argmax(logits[-1:] if every else logits, axis=-1).astype(mx.int32)
-        out = {"hidden": hidden.astype(mx.float16)}
+        out = {"hidden": hidden.astype(mx.float16)} if self.cfg.keep_hidden else {}
         k = self.cfg.top_k
         if k:
             # The top-k of the distribution that produced each token (its
@@ -141,7 +144,8 @@ class Distiller:
 
     @staticmethod
     def _keep(row: _Row, token: int, arrays: dict, i: int) -> None:
-        row.add(token, arrays["hidden"][i], {n: v[i] for n, v in arrays.items() if n != "hidden"})
+        hidden = arrays["hidden"][i] if "hidden" in arrays else None
+        row.add(token, hidden, {n: v[i] for n, v in arrays.items() if n != "hidden"})
 
     def _prefill(self, items) -> None:
         """Prefill new rows and merge them into the running batch.
