@@ -176,8 +176,8 @@ def stream_generate(
             ``mlx-redrafter doctor --calibrate``; ``beam_width`` and
             ``beam_length`` are then the caps of the candidates).
         datastore: suffix-datastore drafts (draft/stores.py): a store file,
-            a ``Datastore``, ``False`` for none, or ``None`` (the model's own
-            stores, only when the call already drafts).
+            a ``Datastore``, ``"default"`` (the model's own stores, only when
+            the call already drafts), or ``None``/``False`` (none, the default).
         draft: a resolved :class:`DraftConfig`, in place of the keywords above.
 
     Sampling keywords:

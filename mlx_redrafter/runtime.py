@@ -156,10 +156,11 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
     from .draft.stores import History, default_stores, open_datastore
 
     spec = rt.model_spec
-    own = load_or_empty(default_path(spec, "history"), model_key(spec)) if history or datastore is None else None
+    own_stores = isinstance(datastore, str) and datastore.lower() == "default"
+    own = load_or_empty(default_path(spec, "history"), model_key(spec)) if history or own_stores else None
     if history:
         rt.history = History(spec, own)
-    if datastore is None:
+    if own_stores:
         store = default_stores(spec, own) if rt.draft.drafting else None
     else:
         store = open_datastore(datastore, spec)

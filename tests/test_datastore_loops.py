@@ -121,8 +121,9 @@ def test_stream_generate_takes_a_path_a_store_none_or_false(default_setup, tmp_p
     rs = list(stream_generate(model, tok, ps[0], max_tokens=N_TOKENS, datastore=False, lookup=True))
     assert not any(r.stats.source == "datastore" for r in rs)
     # None: the model's default stores, and only when the call drafts at all.
-    assert open_datastore(None, "default", drafting=False) is None
-    assert isinstance(open_datastore(None, "default"), Stores) and open_datastore(False, "default") is None
+    assert open_datastore("default", "default", drafting=False) is None
+    assert isinstance(open_datastore("default", "default"), Stores) and open_datastore(False, "default") is None
+    assert open_datastore(None, "default") is None  # off unless asked
     with pytest.raises(ValueError, match="draft= and datastore="):
         list(stream_generate(model, tok, ps[0], max_tokens=4, datastore=store, draft=DraftConfig(lookup=1)))
 

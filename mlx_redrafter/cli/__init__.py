@@ -54,8 +54,8 @@ SeedOpt = typer.Option(None, "--seed")
 SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
 DatastoreOpt = typer.Option(
     None, "--datastore",
-    help="Draft from a datastore of past outputs where context lookup finds nothing: a store file, or 'none' "
-    "(default: the model's own stores, when drafting; see `mlx-redrafter datastore info`).",
+    help="Draft from a datastore of past outputs where context lookup finds nothing: a store file, 'default' "
+    "(the model's own stores: history, built, corpus; see `mlx-redrafter datastore info`) or 'none' (the default).",
 )
 NoHistoryOpt = typer.Option(False, "--no-history", help="Do not append the replies to the model's history datastore (kept locally under the cache folder).")
 

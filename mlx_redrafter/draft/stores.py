@@ -105,13 +105,16 @@ def open_datastore(datastore, model_spec=None, drafting: bool = True):
 
     A path (``str``/``Path``): that file (lazily; a bad file is a warning and
     an empty store). A :class:`Datastore` or :class:`Stores`: as it is.
-    ``None``: the model's default stores (:func:`default_stores`) when the
-    draft already drafts (a drafter or lookup) and the model was loaded by
-    spec, else none. ``False``: none."""
-    if datastore is False or (datastore is None and (not drafting or model_spec is None)):
+    ``"default"``: the model's own stores (:func:`default_stores`: history,
+    built, corpus) when the draft already drafts (a drafter or lookup) and
+    the model was loaded by spec. ``None`` or ``False``: none. Off unless
+    asked: in this round's measurements (bench/RESULTS.md section 17) the
+    store did not make drafting faster, and a history that grows between
+    requests changes the drafts, so seeded sampling would not repeat."""
+    if datastore is None or datastore is False:
         return None
-    if datastore is None:
-        return _cached_default_stores(model_spec)
+    if isinstance(datastore, str) and datastore.lower() == "default":
+        return _cached_default_stores(model_spec) if drafting and model_spec is not None else None
     if isinstance(datastore, (str, Path)):
         if str(datastore).lower() == "none":
             return None
