@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import _chat, _free_port, _health, _stop
+from test_server import _chat, _health, _stop
+from ui_servers import Server
 
 MAX_TOKENS = 8
 CACHE_SIZE = 3
@@ -41,27 +41,13 @@ def generate_cli():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, generate_cli):
     """``(base URL, log file)``; the process is always stopped."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--port", str(port), "--max-tokens", str(MAX_TOKENS),
-           "--prompt-cache-size", str(CACHE_SIZE), "--prompt-cache-bytes", "1GB"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = Server(["--max-tokens", str(MAX_TOKENS), "--prompt-cache-size", str(CACHE_SIZE),
+                     "--prompt-cache-bytes", "1GB"], log)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
-            time.sleep(0.5)
-        yield url, log
+        yield server.url, log
     finally:
-        _stop(proc)
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,12 @@ constrained decoding, and say when ``max_tokens`` cut it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
-import httpx
 import jsonschema_rs
 import openai
 import pytest
 
-from test_server import _free_port, _stop
+from ui_servers import Server
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
@@ -120,26 +116,11 @@ def test_cli_bad_schema_is_a_clear_error(capsys, tmp_path, content, message):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--port", str(port), "--max-tokens", str(MAX_TOKENS)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = Server(["--max-tokens", str(MAX_TOKENS)], tmp_path_factory.mktemp("server") / "server.log")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
-            time.sleep(0.5)
-        yield openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=300)
     finally:
-        _stop(proc)
+        server.stop()
 
 
 def _chat(client, **kw):

@@ -1,4 +1,5 @@
-"""Servers for the chat page's browser tests: ``mlx-redrafter serve`` in a
+"""Servers for the tests that need one (the chat page, Ollama, tools, structured
+output, fuzz): ``mlx-redrafter serve`` in a
 subprocess, and a stand-in OpenAI-compatible stream that says whatever a
 test wants (the page must be safe for any server's output). Each is on
 127.0.0.1 and a free port, and always stopped."""
