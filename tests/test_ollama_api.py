@@ -6,13 +6,11 @@ has no call, e.g. ``/api/version``)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import ollama
 import pytest
-from ui_servers import Server, stop_process
+from ui_servers import Server, generate_process
 
 MAX_TOKENS = 8
 PROMPT = "Write a short poem about the sea."
@@ -37,12 +35,8 @@ TOOL_HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _call("Paris")
 @pytest.fixture(scope="module")
 def generate_cli():
     """``mlx-redrafter generate --temp 0`` on PROMPT, loading alongside the server."""
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(MAX_TOKENS), "-p", PROMPT]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with generate_process(PROMPT, MAX_TOKENS) as proc:
         yield proc
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 from openai import OpenAI
 
 from mlx_redrafter.serve import GenParams, Job, JobQueue, QueueFull, Result
+from ui_servers import generate_process
 
 MAX_TOKENS = 8  # the server's default reply length: keeps every request short
 QUEUE = 4
@@ -43,12 +44,8 @@ def _stop(proc) -> None:
 def generate_cli():
     """``mlx-redrafter generate --temp 0`` on PROMPT, started alongside the
     server (both spend their start loading the model)."""
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(MAX_TOKENS), "-p", PROMPT]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with generate_process(PROMPT, MAX_TOKENS) as proc:
         yield proc
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(scope="module")

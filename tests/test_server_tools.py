@@ -6,16 +6,14 @@ drafter) driven with the official ``openai`` client."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import _chat, _health, _stop
-from ui_servers import Server
+from test_server import _chat, _health
+from ui_servers import Server, generate_process
 
 MAX_TOKENS = 8
 CACHE_SIZE = 3
@@ -30,12 +28,8 @@ MARKERS = ("<tool_call", "</tool_call", "<tool_response", "<tools>")
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(MAX_TOKENS), "-p", PROMPT]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with generate_process(PROMPT, MAX_TOKENS) as proc:
         yield proc
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(scope="module")

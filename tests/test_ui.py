@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from openai import OpenAI
-from ui_servers import Server, chromium_path, fake_app, serve_in_thread, stop_process
+from ui_servers import Server, chromium_path, fake_app, generate_process, serve_in_thread
 
 MAX_TOKENS = 16
 PROMPT = "Write a short poem about the sea."
@@ -28,12 +26,8 @@ COLOURED = ".msg.assistant .src-drafter, .msg.assistant .src-lookup"
 @pytest.fixture(scope="module")
 def generate_cli():
     """``mlx-redrafter generate --temp 0`` on PROMPT, loading alongside the server."""
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(MAX_TOKENS), "-p", PROMPT]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with generate_process(PROMPT, MAX_TOKENS) as proc:
         yield proc
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

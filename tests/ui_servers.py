@@ -54,6 +54,18 @@ def wait_healthy(url: str, proc, log: Path, timeout: float = 300) -> None:
         time.sleep(0.5)
 
 
+@contextmanager
+def generate_process(prompt: str, max_tokens: int):
+    """``mlx-redrafter generate --temp 0 -n MAX_TOKENS -p PROMPT`` started now
+    (it loads the model while a server starts beside it); always stopped."""
+    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(max_tokens), "-p", prompt]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        stop_process(proc)
+
+
 class Server:
     """``mlx-redrafter serve ARGS`` on a free port: ``url``, ``stop()``."""
 
