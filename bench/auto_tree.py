@@ -5,7 +5,8 @@ Groups: MT-Bench first turns, Spec-Bench categories and copy-heavy prompts
 and ``auto`` with the default shape (W=2 L=1, one lookup row); ``auto_caps``
 (W=3 L=2 + lookup as caps); ``lookup`` and ``lookup_auto`` (no drafter).
 With ``--q4``, the default model quantized to 4 bits (group 64) too: plain,
-fixed and auto. Each model's verify-cost curve is measured first (<= 30 s)
+fixed, auto and ``default`` (no flags: the model's default tree, here
+``auto``, on the stored or built-in curve). Each model's verify-cost curve is measured first (<= 30 s)
 and printed; the auto modes use it. Every run's tokens are checked against
 plain decoding.
 
@@ -26,10 +27,15 @@ from lookup import Tally, groups  # noqa: E402  (bench/lookup.py's prompt groups
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-def drafts(drafter, curve):
-    from mlx_redrafter.config import DraftConfig
+def drafts(model, drafter, curve):
+    from mlx_redrafter.config import DraftConfig, library_draft
+    from mlx_redrafter.runtime import with_curve
+    from mlx_redrafter.step.curve import default_tree
 
     return {
+        # What a user gets with no flags: the tuned profile or built-in shape,
+        # the model's default tree and this device's stored (else built-in) curve.
+        "default": with_curve(model, library_draft(model, drafter, None, None, None, tree=default_tree(model))),
         "plain": DraftConfig(),
         "fixed": DraftConfig(drafter, 2, 1, lookup=1),
         "auto": DraftConfig(drafter, 2, 1, lookup=1, tree="auto", curve=curve),
@@ -47,7 +53,7 @@ def run_model(label, model, drafter, sets, modes, max_tokens, eos):
 
     curve = measure_curve(model)
     print(f"[{label}] {format_curve(curve)}", file=sys.stderr, flush=True)
-    configs = drafts(drafter, curve)
+    configs = drafts(model, drafter, curve)
     first = next(iter(sets.values()))[0]
     for m in modes:  # untimed warm-up
         measure(model, first, draft=configs[m], max_tokens=4, eos_ids=eos)
@@ -110,8 +116,9 @@ def main(argv=None) -> int:
     if a.q4:
         nn.quantize(model, group_size=64, bits=4)
         q_sets = {g: p for g, p in sets.items() if g in ("mt_bench", "copy")}
-        out["q4"] = run_model("q4g64", model, drafter, q_sets, ["plain", "fixed", "auto"], a.max_tokens, eos)
-        report += "\n" + markdown("4-bit (q4g64)", out["q4"], ["plain", "fixed", "auto"])
+        out["q4"] = run_model("q4g64", model, drafter, q_sets, ["plain", "fixed", "auto", "default"], a.max_tokens,
+                             eos)
+        report += "\n" + markdown("4-bit (q4g64)", out["q4"], ["plain", "fixed", "auto", "default"])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")
     (a.out / "report.md").write_text(out["command"] + "\n\n" + report)

@@ -119,6 +119,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--first-answer", type=int, default=96, help="Tokens of the first answer a revise turn works on.")
     ap.add_argument("--no-history", action="store_true", help="The built store alone (replies are not appended).")
+    ap.add_argument("--auto", action="store_true",
+                    help="Also both_auto and all_auto: both and all with tree='auto' on this device's curve.")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "datastore")
     a = ap.parse_args(argv)
@@ -147,28 +149,37 @@ def main(argv=None) -> int:
         "both": DraftConfig(lookup=1, datastore=store), "defaults": DraftConfig(drafter, W, L, lookup=1),
         "all": DraftConfig(drafter, W, L, lookup=1, datastore=store),
     }
+    modes = MODES
+    if a.auto:  # the cost-aware selection chooses among the drafter's, lookup's and the store's nodes
+        from mlx_redrafter.step.curve import curve_for
+
+        curve = curve_for(model, a.model)
+        print(f"tree auto on {'the built-in' if curve.builtin else 'the measured'} curve", file=sys.stderr)
+        drafts["both_auto"] = DraftConfig(lookup=1, datastore=store, tree="auto", curve=curve)
+        drafts["all_auto"] = DraftConfig(drafter, W, L, lookup=1, datastore=store, tree="auto", curve=curve)
+        modes = MODES + ("both_auto", "all_auto")
     sets = groups(tok, a)
     sets["revise"] = revise_prompts(model, tok, sets["revise"], a.first_answer)
-    for m in MODES:  # untimed: allocations, kernels and the store's index
+    for m in modes:  # untimed: allocations, kernels and the store's index
         measure(model, sets["mt_bench"][0], draft=drafts[m], max_tokens=4, eos_ids=eos)
-    totals, k = {g: {m: Tally() for m in MODES} for g in sets}, 0
+    totals, k = {g: {m: Tally() for m in modes} for g in sets}, 0
     for g, prompts in sets.items():
         for p in prompts:
-            order = MODES[k % len(MODES):] + MODES[: k % len(MODES)]
+            order = modes[k % len(modes):] + modes[: k % len(modes)]
             k += 1
             runs = {m: measure(model, p, draft=drafts[m], max_tokens=a.max_tokens, eos_ids=eos) for m in order}
-            for m in MODES:
+            for m in modes:
                 totals[g][m].add(runs[m], runs[m].tokens == runs["plain"].tokens)
             if not a.no_history:
                 history.add(runs["plain"].tokens)  # as chat and serve append each reply
             print(f"{g}: {k} prompts done", file=sys.stderr, flush=True)
-    every = {m: Tally() for m in MODES}
+    every = {m: Tally() for m in modes}
     for ts in totals.values():
         for m, t in ts.items():
             every[m].merge(t)
     results = {
         "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "model": a.model, "beam_width": W, "beam_length": L, "max_tokens": a.max_tokens,
+        "modes": list(modes), "model": a.model, "beam_width": W, "beam_length": L, "max_tokens": a.max_tokens,
         "store": {"path": str(a.store), "sequences": len(built), "tokens": built.tokens,
                   "bytes": a.store.stat().st_size, "history_sequences": len(history), "history_tokens": history.tokens},
         "prompts": {g: len(p) for g, p in sets.items()},
@@ -187,7 +198,7 @@ def main(argv=None) -> int:
 
 
 def markdown(results: dict) -> str:
-    drafted = [m for m in MODES if m != "plain"]
+    drafted = [m for m in results.get("modes", MODES) if m != "plain"]
     s = results["store"]
     lines = [
         f"Command: `{results['command']}`",

@@ -95,7 +95,7 @@ def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loos
         return sampling, with_curve(model, draft)
     d = loose_draft
     draft = library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"],
-                          warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"]))
+                          warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"], model))
     store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
     draft = draft if store is None else replace(draft, datastore=store)
     return sampling, with_curve(model, draft)

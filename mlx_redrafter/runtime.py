@@ -78,6 +78,7 @@ class Runtime:
             if self.draft.drafting:
                 console.print(f"[dim]model {self.model_spec}, drafting: {copies} per step (no drafter)[/dim]")
                 self._announce_datastore(console)
+                self._announce_unpaid(console)
             else:
                 console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
             return
@@ -94,6 +95,16 @@ class Runtime:
         if self.note:
             console.print(f"[yellow]Note: {self.note}[/yellow]")
         self._announce_datastore(console)
+        self._announce_unpaid(console)
+
+    def _announce_unpaid(self, console) -> None:
+        from .step.dispatch import drafting_pays
+
+        if self.draft.tree == "auto" and not drafting_pays(self.draft):
+            c2 = self.draft.curve(2) if self.draft.curve is not None else None
+            cost = f" (2 tokens cost {c2:.2f} plain steps)" if c2 is not None else ""
+            console.print(f"[yellow]Note: tree auto: on this device's verify-cost curve{cost} no draft can pay, "
+                          "so generation runs plain decoding (same output).[/yellow]")
 
     def _announce_datastore(self, console) -> None:
         store = self.draft.datastore
@@ -185,7 +196,7 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
         rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
-        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), **tree_kw(tree)), model_spec)
+        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), **tree_kw(tree, model)), model_spec)
         return rt
     drafter = load_drafter(path, dtype=dtype)
     check_fits(drafter, model)
@@ -195,7 +206,7 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
 
         controller = load_controller(path)
     resolved = resolve(drafter, beam_width, beam_length, lookup, model_spec=model_spec, drafter_path=path,
-                       controller=controller, **tree_kw(tree))
+                       controller=controller, **tree_kw(tree, model))
     resolved.draft = with_curve(model, resolved.draft, model_spec)
     rt.draft, rt.drafter_path, rt.shape_source = resolved.draft, path, resolved.source
     profile = resolved.profile
@@ -207,9 +218,15 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
     return rt
 
 
-def tree_kw(tree: Optional[str]) -> dict:
-    """``tree=`` for :class:`DraftConfig` (None: its default)."""
-    return {} if tree is None else {"tree": tree}
+def tree_kw(tree: Optional[str], model=None) -> dict:
+    """``tree=`` for :class:`DraftConfig`; None: the default for ``model``
+    (:func:`~mlx_redrafter.step.curve.default_tree`), or DraftConfig's own
+    when no model is given."""
+    from .step.curve import default_tree
+
+    if tree is None:
+        return {} if model is None else {"tree": default_tree(model)}
+    return {"tree": tree}
 
 
 def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:

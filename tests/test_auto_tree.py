@@ -16,9 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import PROMPT, V_SMALL, chi2_passes, exact_first_tokens, small_model  # noqa: F401
 
 from mlx_redrafter.config import DraftConfig, SamplingConfig
-from mlx_redrafter.step.auto import AutoTree, row_sources
+from mlx_redrafter.step.auto import AutoTree, can_pay, row_sources
 from mlx_redrafter.step.curve import CostCurve, builtin_curve
-from mlx_redrafter.step.dispatch import redrafter_steps
+from mlx_redrafter.step.dispatch import drafting_pays, redrafter_steps
 from mlx_redrafter.step.select import BUCKETS, SOURCES
 from mlx_redrafter.step.tree import PAD
 
@@ -192,3 +192,69 @@ def test_the_controller_prices_verification_with_the_curve():
     assert priced["verify_2"] == pytest.approx(11.2) and priced["verify_4"] == pytest.approx(13.6)
     assert priced["draft"] == 1.0 and priced["plain"] == 10.0
     assert step_cost(priced, np.array([2.0])) == pytest.approx(11.2 + 1.5)
+
+
+# --------------------------------------------------------------------------- when nothing can pay
+
+
+Q4_LIKE = CostCurve(tuple(1.0 + 0.97 * (n - 1) for n in range(1, 17)))  # a 4-bit model on this CPU
+
+
+@pytest.mark.parametrize("curve,pays", [(FLAT, True), (SHALLOW, True), (builtin_curve(), True), (STEEP, False),
+                                        (Q4_LIKE, False), (builtin_curve("q4g64-float32"), False)],
+                         ids=["flat", "shallow", "builtin", "steep", "q4-like", "builtin-q4"])
+def test_can_pay_known_answers(curve, pays):
+    drafter = random_drafter(exit_dim=48, num_draft_layers=1)
+    for draft in (auto(drafter, 2, 1, 1, curve), auto(None, 2, 1, 1, curve), auto(drafter, 4, 3, 0, curve)):
+        assert can_pay(draft) is pays
+        assert drafting_pays(draft) is pays
+    assert drafting_pays(DraftConfig(drafter, 2, 1, lookup=1, curve=STEEP))  # a fixed tree always drafts
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_auto_runs_plain_decoding_when_nothing_pays(monkeypatch, pipelined):
+    """tree="auto" on a curve where no draft can pay runs mlx-lm's plain decoding:
+    the same tokens, and the step loops are never entered."""
+    import mlx_redrafter.step.dispatch as dispatch
+
+    model = tiny_model("llama")
+    p = prompts(1)[0]
+    ref = generate_tokens(model, p, max_tokens=N)[0]
+
+    def refuse(*a, **k):
+        raise AssertionError("the ReDrafter loop ran although nothing pays")
+
+    monkeypatch.setattr(dispatch, "redrafter_steps", refuse)
+    draft = auto(OracleDrafter(model, p, N, 2), 2, 2, 1, STEEP, pipelined)
+    out, stats = generate_tokens(model, p, draft=draft, max_tokens=N)
+    assert out == ref
+    assert all(s.tree_size == 1 for s in stats)
+
+
+def test_the_default_tree_follows_the_model_variant(tmp_path, monkeypatch):
+    """Quantized models default to tree="auto" (with the built-in quantized
+    curve, where nothing pays), float ones to "fixed" (bench/RESULTS.md)."""
+    import mlx.nn as nn
+
+    from mlx_redrafter.runtime import with_curve
+    from mlx_redrafter.step.curve import curve_for, default_tree
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    assert default_tree(model) == "fixed"
+    nn.quantize(model, group_size=32, bits=4)
+    assert default_tree(model) == "auto"
+    curve = curve_for(model)
+    assert curve.builtin and curve.variant.startswith("q4g32") and curve(2) > 1.5
+    draft = with_curve(model, DraftConfig(lookup=1, tree=default_tree(model)))
+    assert not drafting_pays(draft)
+
+
+def test_a_strong_host_match_sizes_the_bucket_for_its_row():
+    """The pipelined loop passes the host's lookup match length: a weak match
+    verifies g0 alone, a strong one its row (SHALLOW curve)."""
+    at = AutoTree(SHALLOW)
+    structure, _ = at.shape([4], ["lookup"])
+    assert at.bucket(structure, [1.0] * 4) == 1
+    assert at.bucket(structure, [6.0] * 4) == 4
+    assert at.bucket(structure, [float("nan")] * 4) == at.bucket(structure)  # unknown: the rank rates

@@ -25,8 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from .curve import builtin_curve
-from .select import (DEPTHS, SOURCES, Calibration, Observed, Q_MIN, Selection, Structure, best_subset, bucket_of,
-                     decode_codes, path_p, pick_bucket, row_structure, select_device)
+from .select import (DEPTHS, PRIOR_Q, SOURCES, Calibration, Observed, Q_MIN, Selection, Structure, best_subset,
+                     bucket_of, decode_codes, path_p, pick_bucket, row_structure, select_device)
 from .tree import PAD, unique_mask
 
 DRAFTER, LOOKUP = SOURCES.index("drafter"), SOURCES.index("lookup")
@@ -40,6 +40,33 @@ def drafter_scores(beams) -> mx.array:
         return mx.zeros(beams.tokens.shape, mx.float32)
     cum = beams.path_scores
     return mx.concatenate([cum[:, :1], cum[:, 1:] - cum[:, :-1]], axis=1)
+
+
+def can_pay(draft, curve=None) -> bool:
+    """Whether any tree ``draft`` could propose is expected to beat ``g0``
+    alone on ``curve`` (default: ``draft.curve``, else the built-in one).
+
+    Every row it could draft (the drafter's ``W`` beams of ``L``, its lookup
+    rows, a datastore row) is scored at the most confident prior of its
+    source and depth: if even that best case does not pay, no step of the
+    generation will, and plain decoding runs instead (a steep curve, e.g. a
+    4-bit model on a CPU, where two tokens cost about two plain steps).
+    """
+    curve = curve if curve is not None else (draft.curve if draft.curve is not None else builtin_curve())
+    lengths, sources = [], []
+    if draft.drafter is not None:
+        lengths += [draft.beam_length] * draft.beam_width
+        sources += [SOURCES[DRAFTER]] * draft.beam_width
+    rows = draft.lookup or (1 if draft.datastore is not None else 0)
+    lengths += [draft.lookup_length] * rows
+    sources += [SOURCES[LOOKUP] if draft.lookup else "datastore"] * rows
+    if not lengths:
+        return False
+    structure = row_structure(lengths, sources)
+    best = PRIOR_Q.max(axis=2)  # [source, depth]: the most confident bucket
+    q = best[structure.source, np.minimum(structure.depth, DEPTHS) - 1].astype(np.float64)
+    p = path_p(np, structure.parent, q, max(lengths))
+    return bool(best_subset(p, structure, curve)[1] > 1.0)
 
 
 def row_sources(drafter_rows: int, rows: int) -> List[str]:
@@ -66,9 +93,12 @@ class AutoTree:
 
     # ------------------------------------------------------------------ pipelined
 
-    def bucket(self, structure: Structure) -> int:
-        """The tree size to verify (g0 included), from host estimates of p."""
-        return pick_bucket(self.cal.estimate(structure), structure, self.curve)
+    def bucket(self, structure: Structure, score: Optional[Sequence[float]] = None) -> int:
+        """The tree size to verify (g0 included), from host estimates of p:
+        ``score`` per candidate where the host knows it (a lookup row's
+        matched length; NaN where not), else each node's sibling-rank rate."""
+        score = None if score is None or len(score) != structure.size else np.asarray(score, np.float32)
+        return pick_bucket(self.cal.estimate(structure, score), structure, self.curve)
 
     def select(self, structure: Structure, ancestors, beams: mx.array, lay, scores: mx.array, k: int,
                dedup: bool) -> Tuple[Selection, mx.array, mx.array]:

@@ -44,12 +44,13 @@ BUILTIN_SOURCE = ("built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-1
                   "(DESIGN.md section 10); sizes 9, 11, 13-15 interpolated")
 
 
-def _builtin_costs() -> Tuple[float, ...]:
-    known = sorted(BUILTIN_MEASURED)
-    return tuple(float(np.interp(n, known, [BUILTIN_MEASURED[k] for k in known])) for n in range(1, MAX_SIZE + 1))
+def _interpolated(measured) -> Tuple[float, ...]:
+    """c(N) for N = 1..MAX_SIZE from the measured sizes (linear between them)."""
+    known = sorted(measured)
+    return tuple(float(np.interp(n, known, [measured[k] for k in known])) for n in range(1, MAX_SIZE + 1))
 
 
-BUILTIN_COSTS = _builtin_costs()
+BUILTIN_COSTS = _interpolated(BUILTIN_MEASURED)
 
 
 @dataclass
@@ -93,9 +94,34 @@ class CostCurve:
         return cls(**data)
 
 
-def builtin_curve() -> CostCurve:
-    """The curve measured on this project's CPU, for a device with none of its own."""
+# The same CPU, the default model quantized to 4 bits (``nn.quantize``, group
+# 64), pipelined bursts after 220 tokens (tuning/calibrate.py, budget 90 s,
+# 2026-12-01, quiet machine): dequantizing each weight per token makes the
+# forward nearly linear in N, so no draft pays (bench/RESULTS.md section 18).
+BUILTIN_QUANTIZED_MEASURED = {1: 1.00, 2: 1.98, 9: 8.64, 11: 10.49}
+BUILTIN_QUANTIZED_SOURCE = ("built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M quantized to "
+                            "4 bits (group 64)")
+
+
+def builtin_curve(variant: str = "") -> CostCurve:
+    """The curve measured on this project's CPU, for a device with none of
+    its own: the quantized model's for a quantized ``variant``
+    (:func:`model_variant`, e.g. ``"q4g64-float32"``), else the float one's."""
+    if variant.startswith("q"):
+        return CostCurve(_interpolated(BUILTIN_QUANTIZED_MEASURED), variant=variant, builtin=True,
+                         source=BUILTIN_QUANTIZED_SOURCE)
     return CostCurve(BUILTIN_COSTS, builtin=True, source=BUILTIN_SOURCE)
+
+
+def default_tree(model) -> str:
+    """The tree a generation uses when the caller names none: ``"auto"`` for
+    a quantized model, ``"fixed"`` otherwise. Measured on this CPU in one
+    quiet run (bench/RESULTS.md section 18): the 4-bit default model ran at
+    1.00x of plain decoding with ``auto`` (which falls back to plain decoding
+    there) and 0.48x with ``fixed``; float32 at 1.04x and 1.09x."""
+    from ..config import DEFAULT_TREE
+
+    return "auto" if model_variant(model).startswith("q") else DEFAULT_TREE
 
 
 # --------------------------------------------------------------------------- keys
@@ -160,7 +186,7 @@ def load_curve(model, model_spec: Optional[str] = None) -> Optional[CostCurve]:
 
 def curve_for(model, model_spec: Optional[str] = None) -> CostCurve:
     """The measured curve of this device + model + dtype, else the built-in one."""
-    return load_curve(model, model_spec) or builtin_curve()
+    return load_curve(model, model_spec) or builtin_curve(model_variant(model))
 
 
 def format_curve(curve: CostCurve) -> str:

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..config import DraftConfig, SamplingConfig
 from ..llm.cache import check_cache
+from .auto import can_pay
 from .constrained import constrained_steps
 from .grammar import Grammar, grammar_logits_processor
 from .pipelined import pipelined_steps
@@ -31,6 +32,16 @@ PIPELINED_CACHES = (KVCache, QuantizedKVCache)
 # packs them, measured faster (bench/RESULTS.md section 11: W=2 L=3 is faster
 # pipelined, W=4 L=5 synchronous).
 MAX_SHARED_NODES = 8
+
+
+def drafting_pays(draft: DraftConfig) -> bool:
+    """Whether ``draft`` drafts at all: under ``tree="auto"``, only where its
+    curve lets some tree pay (:func:`~mlx_redrafter.step.auto.can_pay`);
+    otherwise every step would verify ``g0`` alone, which plain mlx-lm
+    decoding does with less host work. The controller keeps its own rule."""
+    if not draft.drafting or draft.tree != "auto" or draft.controller is not None:
+        return draft.drafting
+    return can_pay(draft)
 
 
 def can_pipeline(cache, draft: DraftConfig, timings: bool = False) -> bool:
@@ -104,6 +115,8 @@ def token_steps(model, prompt: mx.array, prompt_cache, *, draft: DraftConfig, sa
     each step's tokens on the host before the next tree is built; the
     pipelined loop and the controller do not run under a grammar)."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if not drafting_pays(draft):  # tree="auto" on a curve where no draft can pay: plain decoding is faster
+        draft = DraftConfig()
     if grammar is not None:
         if not draft.drafting:
             return plain_steps(model, prompt, cache, sampling, grammar)

@@ -101,11 +101,13 @@ class _Pipeline:
     def rows(self, prev: _Queued):
         """The next step's rows and their nodes' scores (lazy), and the rows' lengths and sources (host)."""
         cfg, parts, lengths, source, self.scores = self.cfg, [], [], None, []
+        self.host_scores = []  # per node: what the host knows of its score (NaN: the drafter's, on the device)
         if cfg.drafter is not None:
             beams = draft_beams(cfg, self.embed, prev.context, prev.g0)
             parts.append(beams.tokens)
             self.scores.append(drafter_scores(beams) if self.auto is not None else None)
             lengths += [cfg.beam_length] * cfg.beam_width
+            self.host_scores += [float("nan")] * (cfg.beam_length * cfg.beam_width)
         if self.fresh is not None:
             self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
         if self.lookup is not None or self.store is not None:
@@ -123,6 +125,10 @@ class _Pipeline:
                 parts.append(rows)
                 self.scores.append(mx.broadcast_to(matched, rows.shape).astype(mx.float32))
                 lengths += [cfg.lookup_length] * rows.shape[0]
+                # The host's own match (one step late) stands for the device's in the bucket's estimate.
+                host = self._host_scores(source)
+                self.host_scores += [float(host[min(i, len(host) - 1)]) for i in range(rows.shape[0])
+                                     for _ in range(cfg.lookup_length)]
         return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
 
     def _host_scores(self, source: str) -> List[int]:
@@ -168,7 +174,7 @@ class _Pipeline:
     def _queue_auto(self, prev: _Queued, beams: mx.array, lay, sources) -> _Queued:
         """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
         structure, ancestors = self.auto.shape(lay.lengths, sources)
-        size = self.auto.bucket(structure)
+        size = self.auto.bucket(structure, self.host_scores)
         if size == 1:
             return self._queue_g0(prev)
         depth = beams.shape[1]
