@@ -96,9 +96,11 @@ class CostCurve:
 
 # The same CPU, the default model quantized to 4 bits (``nn.quantize``, group
 # 64), pipelined bursts after 220 tokens (tuning/calibrate.py, budget 90 s,
-# 2026-12-01, quiet machine): dequantizing each weight per token makes the
-# forward nearly linear in N, so no draft pays (bench/RESULTS.md section 18).
-BUILTIN_QUANTIZED_MEASURED = {1: 1.00, 2: 1.98, 9: 8.64, 11: 10.49}
+# 2 rounds, 2026-12-01, quiet machine, 141 ms at N=1): the quantized matmul
+# over N rows costs about N single-row ones here, so no draft pays
+# (bench/RESULTS.md section 18).
+BUILTIN_QUANTIZED_MEASURED = {1: 1.00, 2: 2.09, 3: 2.97, 4: 3.88, 5: 4.85, 6: 5.82, 7: 6.89, 8: 7.91, 9: 8.84,
+                              10: 9.82, 11: 10.92, 12: 11.58, 13: 12.99, 14: 13.56, 15: 14.51, 16: 15.32}
 BUILTIN_QUANTIZED_SOURCE = ("built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M quantized to "
                             "4 bits (group 64)")
 
