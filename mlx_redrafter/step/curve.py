@@ -119,8 +119,8 @@ def default_tree(model) -> str:
     """The tree a generation uses when the caller names none: ``"auto"`` for
     a quantized model, ``"fixed"`` otherwise. Measured on this CPU in one
     quiet run (bench/RESULTS.md section 18): the 4-bit default model ran at
-    1.00x of plain decoding with ``auto`` (which falls back to plain decoding
-    there) and 0.48x with ``fixed``; float32 at 1.04x and 1.09x."""
+    1.02x of plain decoding with ``auto`` (which falls back to plain decoding
+    there) and 0.51x with ``fixed``; float32 at 1.08x and 1.14x."""
     from ..config import DEFAULT_TREE
 
     return "auto" if model_variant(model).startswith("q") else DEFAULT_TREE
