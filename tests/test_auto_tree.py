@@ -258,3 +258,43 @@ def test_a_strong_host_match_sizes_the_bucket_for_its_row():
     assert at.bucket(structure, [1.0] * 4) == 1
     assert at.bucket(structure, [6.0] * 4) == 4
     assert at.bucket(structure, [float("nan")] * 4) == at.bucket(structure)  # unknown: the rank rates
+
+
+# --------------------------------------------------------------------------- rows left out are learned from
+
+
+def test_a_row_left_out_is_learned_from_the_greedy_tokens():
+    """Greedy, a draft token is accepted exactly when it equals the model's
+    own: a host row that was not verified still teaches its cells."""
+    at = AutoTree(FLAT)
+    k = SOURCES.index("lookup")
+    before = at.cal.trials.copy(), at.cal.hits.copy()
+    # Proposed after the read history: it must first repeat what the step in flight emitted ([5]).
+    at.observe_unverified([[5, 6, 7, 8, 9], [4, 6, 7, 8, 9]], [2, 3], "lookup", before=[5], emitted=[6, 7, 1])
+    trials, hits = at.cal.trials - before[0], at.cal.hits - before[1]
+    b = 1  # matched 2 tokens: the lookup's second score bucket
+    assert [trials[k, d, b] for d in range(3)] == [1, 1, 1]
+    assert [hits[k, d, b] for d in range(3)] == [1, 1, 0]  # 6 and 7 right, 8 wrong (the model said 1)
+    assert trials.sum() == 3  # the row that does not line up with [5] is not a trial; nothing past `emitted` is
+
+
+def test_the_pipelined_loop_learns_from_lookup_rows_it_leaves_out(monkeypatch):
+    """A curve on which a weak lookup match never pays at the prior: the
+    rows are left out (g0 alone), and the loop still learns from them."""
+    from mlx_redrafter.step import auto as auto_mod
+
+    seen = []
+    original = auto_mod.AutoTree.observe_unverified
+
+    def spy(self, *args, **kwargs):
+        seen.append(args)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(auto_mod.AutoTree, "observe_unverified", spy)
+    model = tiny_model("llama")
+    p = prompts(1)[0] * 3  # repeated: context lookup finds matches
+    ref = generate_tokens(model, p, max_tokens=N)[0]
+    steep_start = CostCurve(tuple([1.0, 1.55] + [1.55 + 0.6 * n for n in range(1, 15)]))
+    got, _ = run(model, p, auto(None, 2, 1, 1, steep_start))
+    assert got == ref
+    assert seen and all(source == "lookup" for _, _, source, _, _ in seen)

@@ -123,6 +123,34 @@ class AutoTree:
         """Learn from a pipelined step's read: its codes and accepted path."""
         self.cal.observe(decode_codes(codes, structure), path)
 
+    def observe_unverified(self, rows: Sequence[Sequence[int]], scores: Sequence[float], source: str,
+                           before: Sequence[int], emitted: Sequence[int]) -> None:
+        """Learn from host rows the step did not verify (greedy decoding only).
+
+        A lookup or datastore row left out of the tree would be a row that
+        is never observed again, so its calibration could never recover from
+        a low prior. Under greedy decoding a draft token is accepted exactly
+        when it equals the model's own token there, and the host reads those
+        tokens anyway: ``rows`` were proposed after the tokens the host had
+        read, so each must first repeat ``before`` (what the step in flight
+        emitted); its next tokens are then compared with ``emitted`` (this
+        step's tokens). Nodes past ``emitted`` are not observed.
+        """
+        k, src = len(before), SOURCES.index(source)
+        for rank, (row, score) in enumerate(zip(rows, scores)):
+            if list(row[:k]) != list(before):
+                continue
+            draft = list(row[k:])[: len(emitted)]
+            if not draft:
+                continue
+            b = int(bucket_of(np, np.full(1, src), np.full(1, score, np.float32))[0])
+            n = len(draft)
+            hits = 0
+            while hits < n and draft[hits] == emitted[hits]:
+                hits += 1
+            nodes = Observed([src] * n, list(range(1, n + 1)), [b] * n, list(range(n)), [min(rank, 3)] * n)
+            self.cal.observe(nodes, list(range(hits + 1)))
+
     # ------------------------------------------------------------------ synchronous
 
     def trim(self, rows: List[List[int]], sources: Sequence[str], buckets: Sequence[int],

@@ -50,6 +50,7 @@ from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .auto import AutoTree, drafter_scores
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
+from .select import N_BUCKETS, SOURCES
 from .tree import PAD, Tree, layout, merged_parent
 from .verify import install_tree_hooks, tree_hooks
 
@@ -68,6 +69,7 @@ class _Queued:
     size: int  # tokens verified
     structure: object = None  # tree="auto": the candidates' Structure (the read ends with Selection.codes)
     sources: tuple = ()  # each row's source (draft/stores.py's row_sources)
+    host_rows: tuple = ()  # tree="auto", greedy: (proposals, scores, source) the host proposed for this step
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -101,6 +103,7 @@ class _Pipeline:
     def rows(self, prev: _Queued):
         """The next step's rows and their nodes' scores (lazy), and the rows' lengths and sources (host)."""
         cfg, parts, lengths, source, self.scores = self.cfg, [], [], None, []
+        self.host_rows = ()
         self.host_scores = []  # per node: what the host knows of its score (NaN: the drafter's, on the device)
         if cfg.drafter is not None:
             beams = draft_beams(cfg, self.embed, prev.context, prev.g0)
@@ -115,6 +118,7 @@ class _Pipeline:
             # read (a row costs its tokens' compute even when it matches nothing).
             proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length + prev.depth + 1,
                                                  cfg.lookup)
+            self.host_rows = (proposals, self._host_scores(source), source) if proposals else ()
             if proposals:
                 if self.fresh is not None and source != DATASTORE:
                     rows = self.fresh.propose(cfg.lookup_length)[None]
@@ -138,8 +142,19 @@ class _Pipeline:
             return [count for _, count in self.store.last.continuations[:1]]
         return self.lookup.matched
 
+    def learn(self, queued: _Queued, read: StepRead) -> None:
+        """tree="auto": learn from the step's read (its verified nodes), and,
+        greedy, from the host rows it did not verify (:meth:`AutoTree.observe_unverified`)."""
+        self.auto.observe(queued.structure, read.rest, read.path[: read.n + 1])
+        if queued.host_rows:
+            verified = {queued.structure.source[c // N_BUCKETS] for c in read.rest if c >= 0}
+            proposals, scores, source = queued.host_rows
+            if SOURCES.index(source) not in verified:
+                self.auto.observe_unverified(proposals, scores, source, self.last_emitted, read.emitted)
+
     def emitted(self, tokens: List[int]) -> None:
         """The host read these tokens: lookup's history grows by them."""
+        self.last_emitted = list(tokens)
         for proposer in (self.lookup, self.store):
             if proposer is not None:
                 proposer.extend(tokens)
@@ -175,8 +190,11 @@ class _Pipeline:
         """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
         structure, ancestors = self.auto.shape(lay.lengths, sources)
         size = self.auto.bucket(structure, self.host_scores)
-        if size == 1:
-            return self._queue_g0(prev)
+        host_rows = self.host_rows if self.sampling.greedy else ()
+        if size == 1:  # g0 alone; the host rows left out are still learned from
+            queued = self._queue_g0(prev)
+            queued.structure, queued.host_rows = structure, host_rows
+            return queued
         depth = beams.shape[1]
         scores = mx.concatenate([mx.pad(x, [(0, 0), (0, depth - x.shape[1])]) for x in self.scores])
         sel, rows, index = self.auto.select(structure, ancestors, beams, lay, scores, size - 1,
@@ -194,7 +212,7 @@ class _Pipeline:
         row = rows[acc.beam]
         read = mx.concatenate([step_read(acc, row), sel.codes])
         return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, size,
-                       structure=structure, sources=sources)
+                       structure=structure, sources=sources, host_rows=host_rows)
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
@@ -248,7 +266,7 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             kept = set(read.path[: read.n + 1])
             pipe.kv.settle([i in kept for i in range(queued.size)])
             if queued.structure is not None:
-                pipe.auto.observe(queued.structure, read.rest, read.path[: read.n + 1])
+                pipe.learn(queued, read)
             pipe.emitted(read.emitted)
             yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows,
                               sources=queued.sources)
