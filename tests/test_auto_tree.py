@@ -206,8 +206,8 @@ Q4_LIKE = CostCurve(tuple(1.0 + 0.97 * (n - 1) for n in range(1, 17)))  # a 4-bi
 def test_can_pay_known_answers(curve, pays):
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
     for draft in (auto(drafter, 2, 1, 1, curve), auto(None, 2, 1, 1, curve), auto(drafter, 4, 3, 0, curve)):
-        assert can_pay(draft) is pays
-        assert drafting_pays(draft) is pays
+        assert can_pay(draft) == pays
+        assert drafting_pays(draft) == pays
     assert drafting_pays(DraftConfig(drafter, 2, 1, lookup=1, curve=STEEP))  # a fixed tree always drafts
 
 

@@ -66,7 +66,7 @@ def can_pay(draft, curve=None) -> bool:
     best = PRIOR_Q.max(axis=2)  # [source, depth]: the most confident bucket
     q = best[structure.source, np.minimum(structure.depth, DEPTHS) - 1].astype(np.float64)
     p = path_p(np, structure.parent, q, max(lengths))
-    return bool(best_subset(p, structure, curve)[1] > 1.0)
+    return best_subset(p, structure, curve)[1] > 1.0
 
 
 def row_sources(drafter_rows: int, rows: int) -> List[str]:
@@ -97,7 +97,7 @@ class AutoTree:
         """The tree size to verify (g0 included), from host estimates of p:
         ``score`` per candidate where the host knows it (a lookup row's
         matched length; NaN where not), else each node's sibling-rank rate."""
-        score = None if score is None or len(score) != structure.size else np.asarray(score, np.float32)
+        score = None if score is None or len(score) != structure.size else score  # host numbers, NaN = unknown
         return pick_bucket(self.cal.estimate(structure, score), structure, self.curve)
 
     def select(self, structure: Structure, ancestors, beams: mx.array, lay, scores: mx.array, k: int,
@@ -143,7 +143,7 @@ class AutoTree:
             draft = list(row[k:])[: len(emitted)]
             if not draft:
                 continue
-            b = int(bucket_of(np, np.full(1, src), np.full(1, score, np.float32))[0])
+            b = bucket_of(np, np.full(1, src), np.full(1, score, np.float32))[0]  # host numbers
             n = len(draft)
             hits = 0
             while hits < n and draft[hits] == emitted[hits]:

@@ -131,7 +131,7 @@ class _Pipeline:
                 lengths += [cfg.lookup_length] * rows.shape[0]
                 # The host's own match (one step late) stands for the device's in the bucket's estimate.
                 host = self._host_scores(source)
-                self.host_scores += [float(host[min(i, len(host) - 1)]) for i in range(rows.shape[0])
+                self.host_scores += [host[min(i, len(host) - 1)] for i in range(rows.shape[0])
                                      for _ in range(cfg.lookup_length)]
         return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
 
