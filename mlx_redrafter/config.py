@@ -27,7 +27,8 @@ DEFAULT_LOOKUP = 1
 # Tokens per lookup draft: measured offline on the default model's greedy
 # replies (MT-Bench, Spec-Bench summarization; see draft/lookup.py).
 LOOKUP_LENGTH = 4
-# Which draft nodes a step verifies (see DraftConfig.tree); bench/RESULTS.md section 13.
+# Which draft nodes a step verifies (see DraftConfig.tree) for a float model;
+# a quantized one defaults to "auto" (step/curve.py: default_tree; bench/RESULTS.md section 18).
 DEFAULT_TREE = "fixed"
 TREES = ("auto", "fixed")
 

@@ -174,7 +174,9 @@ def stream_generate(
         tree: ``"fixed"`` (every drafted node is verified) or ``"auto"``
             (verify only the drafts that pay on this device's verify cost,
             ``mlx-redrafter doctor --calibrate``; ``beam_width`` and
-            ``beam_length`` are then the caps of the candidates).
+            ``beam_length`` are then the caps of the candidates; where no
+            draft can pay, plain decoding). None: ``"auto"`` for a model kept
+            quantized, ``"fixed"`` otherwise.
         datastore: suffix-datastore drafts (draft/stores.py): a store file,
             a ``Datastore``, ``"default"`` (the model's own stores, only when
             the call already drafts), or ``None``/``False`` (none, the default).

@@ -43,7 +43,8 @@ BeamWidthOpt = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per
 BeamLengthOpt = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH}).")
 TreeOpt = typer.Option(
     None, "--tree", help="auto: verify only the draft nodes expected to pay on this device's measured verify cost "
-    "(width and length become caps); fixed: every drafted node (default: " + DEFAULT_TREE + ")."
+    "(width and length become caps); fixed: every drafted node (default: auto for a model kept quantized, "
+    + DEFAULT_TREE + " otherwise)."
 )
 AdaptiveOpt = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth.")
 TempOpt = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy; serve: when a request does not say).")
