@@ -118,19 +118,19 @@ class _Pipeline:
             # read (a row costs its tokens' compute even when it matches nothing).
             proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length + prev.depth + 1,
                                                  cfg.lookup)
-            self.host_rows = (proposals, self._host_scores(source), source) if proposals else ()
             if proposals:
+                host = self._host_scores(source)
+                self.host_rows = (proposals, host, source)
                 if self.fresh is not None and source != DATASTORE:
                     rows = self.fresh.propose(cfg.lookup_length)[None]
                     matched = self.fresh.matched.reshape(1, 1)
                 else:
                     rows = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
-                    matched = mx.array(self._host_scores(source), mx.float32)[:, None]
+                    matched = mx.array(host, mx.float32)[:, None]
                 parts.append(rows)
                 self.scores.append(mx.broadcast_to(matched, rows.shape).astype(mx.float32))
                 lengths += [cfg.lookup_length] * rows.shape[0]
                 # The host's own match (one step late) stands for the device's in the bucket's estimate.
-                host = self._host_scores(source)
                 self.host_scores += [host[min(i, len(host) - 1)] for i in range(rows.shape[0])
                                      for _ in range(cfg.lookup_length)]
         return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
