@@ -11,6 +11,7 @@ from mlx_lm.utils import _get_classes
 from mlx_redrafter.draft.beam import Beams
 from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import generate_tokens
+from mlx_redrafter.step.dispatch import redrafter_steps
 
 VOCAB = 97
 HIDDEN = 64
@@ -123,3 +124,19 @@ class OracleDrafter:
 def prompts(n: int, vocab: int = VOCAB, seed: int = 3, length: int = 6):
     mx.random.seed(seed)
     return [mx.random.randint(0, vocab, (length + i,)).tolist() for i in range(n)]
+
+
+def run_steps(model, p, draft, n: int, cache=None):
+    """The first ``n`` tokens of the step loop, its stats, and its cache after close."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = cache if cache is not None else make_prompt_cache(model)
+    steps = redrafter_steps(model, mx.array(p, mx.int32), cache, draft=draft)
+    out, stats = [], []
+    for s in steps:
+        out += s.tokens
+        stats.append(s.stats)
+        if len(out) >= n:
+            break
+    steps.close()
+    return out[:n], stats, cache

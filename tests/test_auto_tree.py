@@ -11,14 +11,13 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import TINY_CONFIGS, OracleDrafter, generate_tokens, prompts, random_drafter, tiny_model
-from mlx_lm.models.cache import make_prompt_cache
+from helpers import TINY_CONFIGS, OracleDrafter, generate_tokens, prompts, random_drafter, run_steps, tiny_model
 from test_sampling import PROMPT, V_SMALL, chi2_passes, exact_first_tokens, small_model  # noqa: F401
 
 from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.step.auto import AutoTree, can_pay, row_sources
 from mlx_redrafter.step.curve import CostCurve, builtin_curve
-from mlx_redrafter.step.dispatch import drafting_pays, redrafter_steps
+from mlx_redrafter.step.dispatch import drafting_pays
 from mlx_redrafter.step.select import BUCKETS, SOURCES
 from mlx_redrafter.step.tree import PAD
 
@@ -30,15 +29,7 @@ SHALLOW = CostCurve(tuple(1.0 + 0.12 * (n - 1) for n in range(1, 17)))  # some n
 
 def run(model, p, draft, n=N):
     """The first ``n`` tokens of the step loop and its stats."""
-    steps = redrafter_steps(model, mx.array(p, mx.int32), make_prompt_cache(model), draft=draft)
-    out, stats = [], []
-    for s in steps:
-        out += s.tokens
-        stats.append(s.stats)
-        if len(out) >= n:
-            break
-    steps.close()
-    return out[:n], stats
+    return run_steps(model, p, draft, n)[:2]
 
 
 def auto(drafter, w, l, lookup, curve, pipelined=True, **kw):

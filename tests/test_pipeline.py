@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import OracleDrafter, generate_tokens, prompts, random_drafter, tiny_model
+from helpers import OracleDrafter, generate_tokens, prompts, random_drafter, run_steps, tiny_model
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_redrafter.llm import cache as kv
@@ -22,20 +22,6 @@ from mlx_redrafter.step.pipelined import line_up
 from mlx_redrafter.step.tree import PAD, layout, merged_parent
 
 N = 24
-
-
-def run_steps(model, p, draft, n=N, cache=None):
-    """Tokens of the first ``n`` tokens of the step loop, its stats, and its cache after close."""
-    cache = cache if cache is not None else make_prompt_cache(model)
-    steps = redrafter_steps(model, mx.array(p, mx.int32), cache, draft=draft)
-    out, stats = [], []
-    for s in steps:
-        out += s.tokens
-        stats.append(s.stats)
-        if len(out) >= n:
-            break
-    steps.close()
-    return out[:n], stats, cache
 
 
 def both(draft):
@@ -51,9 +37,9 @@ def test_pipelined_equals_synchronous_and_plain(kind, shape, lookup):
     ref, _ = generate_tokens(model, p, max_tokens=N)
     oracle = OracleDrafter(model, p, N, shape[1])  # accepts runs of every length
     fast, slow = both(DraftConfig(oracle, *shape, lookup=lookup))
-    got, stats, _ = run_steps(model, p, fast)
+    got, stats, _ = run_steps(model, p, fast, N)
     assert got == ref
-    assert run_steps(model, p, slow)[0] == ref
+    assert run_steps(model, p, slow, N)[0] == ref
     assert sum(s.accepted for s in stats) > 0
     # Unpacked trees: every row has its own nodes.
     rows = shape[0] * shape[1]
@@ -127,7 +113,7 @@ def test_compaction_during_a_long_run(monkeypatch):
     model = tiny_model("qwen3")
     p = prompts(2)[1]
     ref, _ = generate_tokens(model, p, max_tokens=40)
-    got, stats, cache = run_steps(model, p, DraftConfig(OracleDrafter(model, p, 40, 3), 2, 3), n=40)
+    got, stats, cache = run_steps(model, p, DraftConfig(OracleDrafter(model, p, 40, 3), 2, 3), 40)
     assert got == ref
     assert cache[0].offset == len(p) + sum(1 + s.accepted for s in stats[1:])
     assert len(calls) > 3 and calls[-1] == {"drop_unread": True}
@@ -152,7 +138,7 @@ def test_the_synchronous_loop_serves_what_cannot_pipeline():
     p = prompts(1)[0]
     ref, _ = generate_tokens(gemma, p, max_tokens=N)
     assert not can_pipeline(gemma.make_cache(), DraftConfig(d))
-    assert run_steps(gemma, p, DraftConfig(OracleDrafter(gemma, p, N, 3), 2, 3))[0] == ref
+    assert run_steps(gemma, p, DraftConfig(OracleDrafter(gemma, p, N, 3), 2, 3), N)[0] == ref
 
 
 def test_sampling_walks_the_merged_tree():
