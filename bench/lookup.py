@@ -192,10 +192,16 @@ def main(argv=None) -> int:
             for f in ("tokens", "time", "steps", "lookup_tokens", "drafter_tokens", "mismatches"):
                 setattr(all_modes[m], f, getattr(all_modes[m], f) + getattr(t, f))
     results["groups"]["all"] = {m: t.row(all_modes["plain"]) for m, t in all_modes.items()}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    report = markdown(results, a.modes)
-    (a.out / "report.md").write_text(report)
+    return save(a.out, results, markdown(results, a.modes))
+
+
+def save(out: Path, results: dict, report: str) -> int:
+    """Write ``results.json`` and ``report.md`` under ``out``, print the
+    report, and return the exit status: 1 if any run's tokens differ from
+    plain greedy decoding (``results["groups"]["all"]``'s mismatches)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "report.md").write_text(report)
     print(report)
     bad = sum(r["mismatches"] for r in results["groups"]["all"].values())
     if bad:
