@@ -294,7 +294,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     # The Markdown table: one row per cell, in (W, L) order, with the JSON's speedups.
     md = (tmp_path / "results.md").read_text().splitlines()
     cell_rows = [line.split(" | ") for line in md[2:] if line.startswith("| ")]
-    assert [(int(r[0][2:]), int(r[1])) for r in cell_rows] == sorted((w, l) for w, l, _ in cfg.cells())
+    assert [(int(r[0][2:]), int(r[1])) for r in cell_rows] == sorted((w, l) for w, l, *_ in cfg.cells())
     by_cell = {(c["width"], c["length"]): c for c in data["cells"]}
     for r in cell_rows:
         assert r[2] == f"{by_cell[(int(r[0][2:]), int(r[1]))]['speedup']:.2f}x"
@@ -310,6 +310,34 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     for key in report.HEATMAPS:
         np.testing.assert_array_equal(drawn[key], expected_matrix(data, key, [1, 2], [2, 3]))
     assert report.heatmap_pixels(3, 4) != size  # the size follows the grid
+
+
+def test_sweep_auto_column_beside_the_fixed_grid(tmp_path, model, drafter):
+    """tree fixed with the auto column: the grid, then one auto cell per width
+    (caps W x the longest L), exact, drawn as a last heatmap column."""
+    cfg = sw.SweepConfig([1, 2], [1, 2], max_tokens=8, baseline_every=3, auto_column=True)
+    assert cfg.has_auto() and not sw.SweepConfig([1], [1]).has_auto()
+    results = sw.run_sweep(model, random_prompts(2), drafter, cfg, tmp_path, {"model": "tiny"})
+    auto = [(1, 2, 0, "auto"), (2, 2, 0, "auto")]
+    assert sorted(sw.cell_key(c) for c in results["cells"]) == sorted([(w, l, 0, "fixed") for w in (1, 2) for l in (1, 2)] + auto)
+    for c in results["cells"]:
+        assert c["status"] == "ok" and c["identical_outputs"] == 2
+        assert 1 <= c["tree_size"] <= 1 + c["width"] * c["length"]
+    assert sw.heatmap_lengths(cfg) == [1, 2, "auto"]
+    drawn = sw.write_outputs(results, tmp_path, cfg)
+    by_key = {sw.cell_key(c): c for c in results["cells"]}
+    for key in report.HEATMAPS:
+        want = [[by_key[(w, l, 0, "fixed")][key] for l in (1, 2)] + [by_key[(w, 2, 0, "auto")][key]] for w in (1, 2)]
+        np.testing.assert_allclose(drawn[key], want)
+    assert png_size(tmp_path / "speedup.png") == report.heatmap_pixels(2, 3)
+    md = [r.split(" | ") for r in (tmp_path / "results.md").read_text().splitlines()[2:] if r.startswith("| ")]
+    assert [r[-1].rstrip(" |") for r in md] == ["fixed"] * 4 + ["auto"] * 2
+    rows = read_csv(tmp_path / "results.csv")
+    assert [r["tree"] for r in rows if r["kind"] == "cell"] == ["fixed"] * 4 + ["auto"] * 2
+    # tree="auto" sweeps every cell as caps: no separate column.
+    assert [t for *_, t in sw.SweepConfig([1], [1, 2], tree="auto", auto_column=True).cells()] == ["auto", "auto"]
+    with pytest.raises(RedrafterError, match="fixed or auto"):
+        sw.SweepConfig([1], [1], tree="wide").check()
 
 
 def test_heatmap_table_colours_and_blanks():
@@ -472,11 +500,14 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     captured = capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["num_prompts"] == 2 and results["config"]["model"] == str(tiny_folder)
-    # Every (W, L) with lookup off and on (the default lookup dimension), each exact.
-    assert sorted(sw.cell_key(c) for c in results["cells"]) == [(1, 2, 0), (1, 2, 1), (2, 2, 0), (2, 2, 1)]
+    # Every (W, L) with lookup off and on (the default lookup dimension), and
+    # the auto column beside them (caps W x the longest L), each exact.
+    grid = [(w, 2, k, t) for t in ("auto", "fixed") for w in (1, 2) for k in (0, 1)]
+    assert sorted(sw.cell_key(c) for c in results["cells"]) == sorted(grid)
     assert all(c["identical_outputs"] == 2 for c in results["cells"]) and results["baselines"]
     best = results["best"]
     assert "saved profile" in captured.err and "Speedupoverplain" in squeeze(captured.out)  # tables on stdout
+    assert squeeze("auto: the cost-aware selection (--tree auto)") in squeeze(captured.out)
 
     # Same --out, other settings: refused before the model is loaded.
     import mlx_redrafter.runtime as session
@@ -490,7 +521,7 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     monkeypatch.undo()
 
     profile = lookup_profile(str(tiny_folder), dfolder)
-    assert (profile["beam_width"], profile["beam_length"], profile["lookup"]) == (best["width"], best["length"], best["lookup"])
+    assert (profile["beam_width"], profile["beam_length"], profile["lookup"], profile["tree"]) == sw.cell_key(best)
 
     gen = ["generate", "--model", str(tiny_folder), "--drafter", str(dfolder), "--prompt", "w1 w2", "-n", "4"]
     assert cli(gen) == 0
@@ -552,6 +583,26 @@ def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_
     assert depths - {0} == {5}  # step 0 (the prompt's token) drafts nothing
     # A drafter built in code has no folder, hence no profile: the built-in shape.
     assert library_draft(model, random_drafter(), None, None).beam_length == DEFAULT_LENGTH
+
+
+def test_a_profile_from_an_auto_cell_sets_the_tree(tmp_path, tiny_folder):
+    """A sweep's best cell may be an auto one: its profile says so, and the
+    tree is then the profile's unless one is given."""
+    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.config import library_draft
+    from mlx_redrafter.llm.load import load_model
+    from mlx_redrafter.profiles import save_profile
+    from mlx_redrafter.runtime import load_runtime, tree_kw
+
+    model, _ = load_model(str(tiny_folder))
+    dfolder = save_random_drafter(tmp_path / "d", seed=11)
+    drafter = load_drafter(dfolder)
+    tree = lambda given=None: library_draft(model, drafter, None, None, **tree_kw(given, model)).tree
+    assert tree() == "fixed"  # a float model's default
+    save_profile(str(tiny_folder), dfolder, 2, 3, tree="auto")
+    assert tree() == "auto" and tree("fixed") == "fixed"
+    assert load_runtime(str(tiny_folder), str(dfolder)).draft.tree == "auto"
+    assert load_runtime(str(tiny_folder), str(dfolder), tree="fixed").draft.tree == "fixed"
 
 
 def test_a_profile_slower_than_plain_decoding_is_announced(tmp_path, tiny_folder):

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import RedrafterError
-from . import DtypeOpt, ModelOpt, TreeOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err
+from . import DtypeOpt, ModelOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err
 
 
 @app.command()
@@ -33,7 +33,9 @@ def sweep(
     adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."),
     lookup: Optional[bool] = typer.Option(None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."),
     dtype: Optional[str] = DtypeOpt,
-    tree: Optional[str] = TreeOpt,
+    tree: Optional[str] = typer.Option(
+        None, "--tree", help="fixed: the fixed W x L grid only; auto: every cell runs the cost-aware selection "
+        "(W and L become caps); default: the fixed grid and an auto column beside it (caps W x the longest L)."),
 ):
     """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -48,7 +50,7 @@ def sweep(
     lookups = [0, 1] if lookup is None else [int(lookup)]
     config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
                             baseline_every, timings, memory_limit, temp, top_p, seed, lookups)
-    config.tree = tree or "fixed"
+    config.tree, config.auto_column = tree or "fixed", tree is None
     config.check()
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
@@ -59,7 +61,7 @@ def sweep(
         partial = sw.sweep_key(config, [], meta)
         check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
     s = _runtime(model, str(drafter_path), dtype=dtype, adaptive=adaptive, announce=False, tree=tree)
-    config.curve = _sweep_curve(s, model, config.tree, save_profile)
+    config.curve = _sweep_curve(s, model, config.has_auto(), save_profile)
     err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
               f"{max_tokens} tokens each[/dim]")
     ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
@@ -83,8 +85,8 @@ def sweep(
         _save_profile(sw, results, model, drafter_path, out)
 
 
-def _sweep_curve(rt, model_spec, tree: str, save_profile: bool):
-    """The curve of the sweep's auto cells (None under fixed); ``--save-profile``
+def _sweep_curve(rt, model_spec, has_auto: bool, save_profile: bool):
+    """The curve of the sweep's auto cells (None without any); ``--save-profile``
     first measures and stores it with the profile."""
     from ..step.curve import curve_for, format_curve, save_curve
     from ..tuning.calibrate import measure_curve
@@ -92,7 +94,7 @@ def _sweep_curve(rt, model_spec, tree: str, save_profile: bool):
     if save_profile:
         curve = measure_curve(rt.model, model_spec)
         err.print(f"saved verify-cost curve {save_curve(curve, rt.model, model_spec)}\n{format_curve(curve)}")
-    return curve_for(rt.model, model_spec) if tree == "auto" else None
+    return curve_for(rt.model, model_spec) if has_auto else None
 
 
 def _save_profile(sw, results, model, drafter_path, out) -> None:

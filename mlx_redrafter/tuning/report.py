@@ -25,7 +25,7 @@ HEATMAPS = {
 
 
 CSV_FIELDS = [
-    "kind", "width", "length", "lookup", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
+    "kind", "width", "length", "lookup", "tree", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
     "speedup", "tokens_per_step", "tree_size", "compression", "verified_depth",
     *[f"{p}_ms" for p in PHASES], "ttft_s", "peak_memory_gb", "memory_overhead_gb",
     "estimated_memory_gb", "identical_outputs", "note",
@@ -61,9 +61,10 @@ def write_csv(results: dict, path: Path) -> None:
 def markdown_table(results: dict) -> str:
     """The cells as a Markdown table (for reports such as bench/RESULTS.md)."""
     head = ("| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
-            "| draft / pack / verify / accept / other ms | peak GB | lookup beams |")
+            "| draft / pack / verify / accept / other ms | peak GB | lookup beams | tree |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for c in sorted(results["cells"], key=lambda c: (c["width"], c["length"], c.get("lookup", 0))):
+    order = lambda c: (c.get("tree", "fixed") != "fixed", c["width"], c["length"], c.get("lookup", 0))
+    for c in sorted(results["cells"], key=order):
         if c["status"] != "ok":
             lines.append(f"| {c['width']} | {c['length']} | {c['status']}: {c.get('note', '')} |")
             continue
@@ -74,7 +75,8 @@ def markdown_table(results: dict) -> str:
             split = f"step {sum(c.get('time_split_ms', {}).values()):.1f}"
         lines.append(
             f"| {c['width']} | {c['length']} | {sp} | {c['tokens_per_s']:.1f} | {c['tokens_per_step']:.2f} | {acc} "
-            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} | {c.get('lookup', 0)} |"
+            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} | {c.get('lookup', 0)} "
+            f"| {c.get('tree', 'fixed')} |"
         )
     base = [f"{b['tokens_per_s']:.1f}" for b in results["baselines"]]
     lines.append("")
@@ -82,8 +84,10 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def grid_matrix(results: dict, key: str, widths: List[int], lengths: List[int]) -> np.ndarray:
-    """``[len(widths), len(lengths)]`` of a cell metric; NaN where a cell was skipped or not measured."""
+def grid_matrix(results: dict, key: str, widths: List[int], lengths: list) -> np.ndarray:
+    """``[len(widths), len(lengths)]`` of a cell metric; NaN where a cell was
+    skipped or not measured. A length may be a label (the sweep's ``auto``
+    column), matched with the cells' ``length`` as it is."""
     m = np.full((len(widths), len(lengths)), np.nan)
     for c in results["cells"]:
         if c["status"] == "ok" and c.get(key) is not None and c["width"] in widths and c["length"] in lengths:

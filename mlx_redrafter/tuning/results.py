@@ -110,7 +110,7 @@ def load_results(out_dir: Path, key: dict, fresh: bool = False) -> dict:
 
 def save_results(out_dir: Path, results: dict) -> None:
     attach_speedups(results)
-    results["cells"].sort(key=lambda c: (c["width"], c["length"]))
+    results["cells"].sort(key=lambda c: (c.get("tree", "fixed") != "fixed", c["width"], c["length"]))  # the auto column after the grid
     best = best_cell(results)
     results["best"] = None if best is None else {
         **{k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")},

@@ -56,11 +56,21 @@ class SweepConfig:
     seed: int = 0  # with temp > 0, prompt i is sampled from seed + i, for every pass
     lookups: List[int] = field(default_factory=lambda: [0])  # lookup beams: [0] off, [1] on, [0, 1] both
     tree: str = "fixed"  # "auto": each cell's W x L (+ lookup) are the caps of the cost-aware selection
-    curve: object = None  # tree="auto": the verify-cost curve (None: the built-in one)
+    curve: object = None  # auto cells: the verify-cost curve (None: the built-in one)
+    # tree="fixed": also one auto cell per width and lookup setting, its caps
+    # W x the longest length: the "auto" column beside the fixed grid.
+    auto_column: bool = False
 
-    def cells(self) -> List[Tuple[int, int, int]]:
-        """``(width, length, lookup beams)`` of every cell."""
-        return [(w, l, k) for w in self.widths for l in self.lengths for k in self.lookups]
+    def cells(self) -> List[Tuple[int, int, int, str]]:
+        """``(width, length, lookup beams, tree)`` of every cell."""
+        grid = [(w, l, k, self.tree) for w in self.widths for l in self.lengths for k in self.lookups]
+        if self.tree != "fixed" or not self.auto_column:
+            return grid
+        return grid + [(w, max(self.lengths), k, "auto") for w in self.widths for k in self.lookups]
+
+    def has_auto(self) -> bool:
+        """Whether any cell runs the cost-aware selection (and needs the curve)."""
+        return any(t == "auto" for *_, t in self.cells())
 
     def check(self) -> None:
         if not self.widths or not self.lengths:
@@ -77,6 +87,8 @@ class SweepConfig:
         SamplingConfig(self.temp, self.top_p)  # raises on a bad value
         if not self.lookups or min(self.lookups) < 0:
             raise RedrafterError(f"Lookup beams must be at least 0 (got {self.lookups}).")
+        if self.tree not in ("fixed", "auto"):
+            raise RedrafterError(f"The sweep's tree must be fixed or auto (got {self.tree!r}).", "Use --tree fixed or --tree auto.")
 
 
 def parse_grid(text: str, flag: str = "--widths") -> List[int]:
@@ -216,17 +228,19 @@ def run_sweep(
             progress(state["done"], units, label)
 
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
+    def draft(w, l, k, tree):
+        return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
+
     if todo:
-        w, l, k = todo[0]
-        warm_up(model, prompts[0], DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=config.tree, curve=config.curve))
+        warm_up(model, prompts[0], draft(*todo[0]))
     reference = None
-    for i, (w, l, k) in enumerate(todo):
+    for i, (w, l, k, tree) in enumerate(todo):
         if i % config.baseline_every == 0:
             reference, seq = _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick)
-        stage(cell_label(w, l, k))
-        p = _pass(model, prompts, DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=config.tree,
-                                                 curve=config.curve), config, eos_ids, tick)
-        results["cells"].append({**summarize_cell(p, w, l, seq, reference if config.temp == 0 else None), "lookup": k})
+        stage(cell_label(w, l, k, tree))
+        p = _pass(model, prompts, draft(w, l, k, tree), config, eos_ids, tick)
+        results["cells"].append({**summarize_cell(p, w, l, seq, reference if config.temp == 0 else None),
+                                 "lookup": k, "tree": tree})
         seq += 1
         save_results(out_dir, results)
     if todo:
@@ -255,36 +269,56 @@ def skip_oversized(model, drafter, cells, prompts, config: SweepConfig, results:
     longest = max(len(p) for p in prompts)
     kv = kv_bytes_per_token(model)
     keep = []
-    for w, l, k in cells:
+    for w, l, k, tree in cells:
         need = estimate_cell_bytes(model, drafter, w, l, longest, config.max_tokens, kv)
         if need > budget:
             results["cells"].append({
-                "width": w, "length": l, "lookup": k, "status": "skipped",
+                "width": w, "length": l, "lookup": k, "tree": tree, "status": "skipped",
                 "estimated_memory_gb": _gb(need),
                 "note": f"skipped: needs about {need / 1e9:.2f} GB, the budget is {budget / 1e9:.2f} GB",
             })
         else:
-            keep.append((w, l, k))
+            keep.append((w, l, k, tree))
     return keep
 
 
-def cell_key(c: dict) -> Tuple[int, int, int]:
-    """``(width, length, lookup beams)`` of a cell record (older records have no lookup: 0)."""
-    return c["width"], c["length"], c.get("lookup", 0)
+def cell_key(c: dict) -> Tuple[int, int, int, str]:
+    """``(width, length, lookup beams, tree)`` of a cell record (older records
+    have no lookup: 0, and no tree: fixed)."""
+    return c["width"], c["length"], c.get("lookup", 0), c.get("tree", "fixed")
 
 
-def cell_label(width: int, length: int, lookup: int) -> str:
-    return f"W={width} L={length}" + (f" +lookup{'' if lookup == 1 else lookup}" if lookup else "")
+def cell_label(width: int, length: int, lookup: int, tree: str = "fixed") -> str:
+    label = f"W={width} L={length}" if tree == "fixed" else f"auto W<={width} L<={length}"
+    return label + (f" +lookup{'' if lookup == 1 else lookup}" if lookup else "")
 
 
-def best_per_shape(cells: List[dict]) -> List[dict]:
-    """For the width x length heatmaps: each (W, L) once, its fastest lookup setting."""
-    best: Dict[Tuple[int, int], dict] = {}
+AUTO = "auto"  # the heatmaps' label of the auto column
+
+
+def best_per_shape(cells: List[dict], auto_column: bool = False) -> List[dict]:
+    """For the width x length heatmaps: each (W, L) once, its fastest lookup
+    setting. ``auto_column``: auto cells are kept apart, with their length
+    set to :data:`AUTO` so that :func:`heatmap_lengths` draws them as a column
+    of their own."""
+    best: Dict[Tuple[int, object], dict] = {}
     for c in cells:
-        shape, old = (c["width"], c["length"]), best.get((c["width"], c["length"]))
+        if auto_column and c.get("tree") == "auto":
+            c = {**c, "length": AUTO}
+        shape = (c["width"], c["length"])
+        old = best.get(shape)
         if old is None or (c.get("speedup") or -1.0) > (old.get("speedup") or -1.0):
             best[shape] = c
     return list(best.values())
+
+
+def heatmap_lengths(config: SweepConfig) -> list:
+    """The heatmaps' columns: the lengths, then ``auto`` when the sweep has its auto column."""
+    return list(config.lengths) + ([AUTO] if _auto_column(config) else [])
+
+
+def _auto_column(config: SweepConfig) -> bool:
+    return config.tree == "fixed" and config.auto_column
 
 
 # --------------------------------------------------------------------------- outputs
@@ -297,14 +331,21 @@ def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.n
     write_csv(results, out_dir / "results.csv")
     (out_dir / "results.md").write_text(markdown_table(results))
     drawn = {}
-    shown = {**results, "cells": best_per_shape(results["cells"])}
+    shown = {**results, "cells": best_per_shape(results["cells"], _auto_column(config))}
+    lengths = heatmap_lengths(config)
     for key, (name, title, fmt) in HEATMAPS.items():
-        if len(config.lookups) > 1:
-            title += " (the faster of lookup on/off)"
-        m = grid_matrix(shown, key, config.widths, config.lengths)
-        drawn[key] = plot_heatmap(m, config.widths, config.lengths, title, out_dir / name, fmt,
+        m = grid_matrix(shown, key, config.widths, lengths)
+        drawn[key] = plot_heatmap(m, config.widths, lengths, _title(title, config), out_dir / name, fmt,
                                   center=1.0 if key == "speedup" else None)
     return drawn
+
+
+def _title(title: str, config: SweepConfig) -> str:
+    if len(config.lookups) > 1:
+        title += " (the faster of lookup on/off)"
+    if config.tree == "auto":
+        title += " (tree auto: W x L are caps)"
+    return title
 
 
 # --------------------------------------------------------------------------- command-line layer
@@ -344,13 +385,15 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
 
 def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
     """Heatmaps in the terminal, the best cell, the notes and the files."""
-    shown = {**results, "cells": best_per_shape(results["cells"])}
+    shown = {**results, "cells": best_per_shape(results["cells"], _auto_column(config))}
+    lengths = heatmap_lengths(config)
     for key in ("speedup", "tokens_per_step", "tokens_per_s"):
         _, title, fmt = HEATMAPS[key]
-        if len(config.lookups) > 1:
-            title += " (the faster of lookup on/off)"
-        m = grid_matrix(shown, key, config.widths, config.lengths)
-        console.print(heatmap_table(m, config.widths, config.lengths, title, fmt, center=1.0 if key == "speedup" else None))
+        m = grid_matrix(shown, key, config.widths, lengths)
+        console.print(heatmap_table(m, config.widths, lengths, _title(title, config), fmt,
+                                    center=1.0 if key == "speedup" else None))
+    if _auto_column(config):
+        console.print(f"[dim]{AUTO}: the cost-aware selection (--tree auto) with W x L={max(config.lengths)} as caps[/dim]")
     base = [b["tokens_per_s"] for b in results["baselines"]]
     if base:
         console.print(f"plain mlx-lm decoding: {np.mean(base):.1f} tok/s (mean of {len(base)} passes, "
@@ -378,6 +421,6 @@ def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> 
         return None
     return save_profile(
         model_spec, drafter_path, best["width"], best["length"], lookup=best.get("lookup", 0),
-        speedup=best["speedup"], tokens_per_s=best["tokens_per_s"],
+        tree=best.get("tree", "fixed"), speedup=best["speedup"], tokens_per_s=best["tokens_per_s"],
         sweep=str((Path(out_dir) / "results.json").resolve()), saved_at=time.time(),
     )
