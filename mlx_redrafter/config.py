@@ -178,12 +178,16 @@ def lookup_beams(lookup, drafter, profile: Optional[dict] = None) -> int:
 
 
 def resolve(drafter=None, beam_width: Optional[int] = None, beam_length: Optional[int] = None, lookup=None,
-            *, model_spec=None, drafter_path=None, **kw) -> Resolved:
+            *, model_spec=None, drafter_path=None, tree: Optional[str] = None, tree_default: str = DEFAULT_TREE,
+            **kw) -> Resolved:
     """The one resolution of a draft: flags > tuned profile > built-in.
 
     ``model_spec`` and ``drafter_path`` key the tuned profile; without them
     (a drafter built in code) only the built-in defaults fill what is not
-    given. ``kw``: the other :class:`DraftConfig` fields (``controller``, ``warp``...).
+    given. ``tree``: as given, else the profile's (a sweep's best cell may be
+    an auto one), else ``tree_default`` (the caller's default for the model,
+    step/curve.py's ``default_tree``). ``kw``: the other :class:`DraftConfig`
+    fields (``controller``, ``warp``...).
     """
     profile, source = None, "built-in default"
     width, length = beam_width, beam_length
@@ -191,7 +195,8 @@ def resolve(drafter=None, beam_width: Optional[int] = None, beam_length: Optiona
         width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length
-    draft = DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), **kw)
+    tree = tree or (profile or {}).get("tree") or tree_default
+    draft = DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), tree=tree, **kw)
     return Resolved(draft, source, profile)
 
 

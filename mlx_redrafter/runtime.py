@@ -184,7 +184,7 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
     from .llm.load import load_model
 
     _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    DraftConfig(**tree_kw(tree)).check()  # a bad --tree fails now, not after the load
+    DraftConfig(**({} if tree is None else {"tree": tree})).check()  # a bad --tree fails now, not after the load
     no_drafter = wants_no_drafter(drafter_path)
     model, tokenizer = load_model(model_spec, dtype=dtype)
     rt = Runtime(model, tokenizer, model_spec)
@@ -196,7 +196,7 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
         rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
-        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), **tree_kw(tree, model)), model_spec)
+        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), tree=plain_tree(tree, model)), model_spec)
         return rt
     drafter = load_drafter(path, dtype=dtype)
     check_fits(drafter, model)
@@ -219,14 +219,20 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
 
 
 def tree_kw(tree: Optional[str], model=None) -> dict:
-    """``tree=`` for :class:`DraftConfig`; None: the default for ``model``
-    (:func:`~mlx_redrafter.step.curve.default_tree`), or DraftConfig's own
-    when no model is given."""
+    """``tree=`` and ``tree_default=`` for :func:`~mlx_redrafter.config.resolve`:
+    the tree given (None: a tuned profile's, else the default for ``model``,
+    :func:`~mlx_redrafter.step.curve.default_tree`, or DraftConfig's own when
+    no model is given)."""
     from .step.curve import default_tree
 
-    if tree is None:
-        return {} if model is None else {"tree": default_tree(model)}
-    return {"tree": tree}
+    return {"tree": tree, **({} if model is None else {"tree_default": default_tree(model)})}
+
+
+def plain_tree(tree: Optional[str], model) -> str:
+    """The tree of a draft without a drafter (no profile): as given, else the model's default."""
+    from .step.curve import default_tree
+
+    return tree or default_tree(model)
 
 
 def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:
