@@ -66,6 +66,28 @@ def test_auto_with_a_random_drafter_is_exact(tiny):
         assert run(model, p, auto(drafter, 2, 2, 1, SHALLOW, pipelined))[0] == ref, kind
 
 
+@pytest.mark.parametrize("lookup", [0, 1], ids=["drafter", "both"])
+def test_the_controller_and_auto_together_are_exact(lookup):
+    """The controller (RADAR) decides how deep the drafter's rows go, the
+    selection which of their nodes are verified: exact, and a controller that
+    always stops at depth 1 caps the drafter's part of even a flat curve's tree."""
+    from mlx_redrafter.draft.controller import Controller, ControllerConfig
+
+    model, p = tiny_model("llama"), prompts(1)[0]
+    ref = generate_tokens(model, p, max_tokens=N)[0]
+    drafter = OracleDrafter(model, p, N, 3)
+    ctrl = Controller(ControllerConfig(beam_width=2, beam_length=3))
+    mx.eval(ctrl.parameters())
+    for threshold in (0.5, 1 - 1e-6):  # 1 - 1e-6: never one level deeper
+        ctrl.config.threshold = threshold
+        got, stats = run(model, p, auto(drafter, 2, 3, lookup, FLAT, controller=ctrl))
+        assert got == ref
+        assert all(s.tree_size <= 1 + 2 * 3 + 4 * lookup for s in stats)
+    if not lookup:
+        assert max(s.tree_size for s in stats) <= 1 + 2 * 1  # depth 1 for both beams
+        assert max(s.tree_size for s in run(model, p, auto(drafter, 2, 3, 0, FLAT))[1]) > 3  # without it: deeper
+
+
 def test_pipelined_sizes_come_from_the_buckets():
     model = tiny_model("llama")
     p = prompts(1)[0]
