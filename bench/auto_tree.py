@@ -4,6 +4,12 @@ Groups: MT-Bench first turns, Spec-Bench categories and copy-heavy prompts
 (bench/lookup.py's), greedy. Modes on the float32 model: plain; ``fixed``
 and ``auto`` with the default shape (W=2 L=1, one lookup row); ``auto_caps``
 (W=3 L=2 + lookup as caps); ``lookup`` and ``lookup_auto`` (no drafter).
+With ``--adaptive`` the float32 modes are the depth controller's comparison
+instead: plain, ``fixed`` and ``auto`` (W=2 L=1), ``auto_deep`` (the
+selection alone, W=2 L=4 + lookup as caps), ``radar`` (the shipped RADAR
+controller alone: it picks the depth of W=2 L=4, every drafted node is
+verified) and ``radar_auto`` (both: the controller picks the depth, the
+selection the nodes). ``--modes`` names any list of these.
 With ``--q4``, the default model quantized to 4 bits (group 64) too: plain,
 fixed, auto and ``default`` (no flags: the model's default tree, here
 ``auto``, on the stored or built-in curve). Each model's verify-cost curve is measured first (<= 30 s)
@@ -11,6 +17,7 @@ and printed; the auto modes use it. Every run's tokens are checked against
 plain decoding.
 
     python bench/auto_tree.py --mt-bench 4 --per-task 1 --copy 1 --max-tokens 64 --q4
+    python bench/auto_tree.py --mt-bench 6 --per-task 1 --copy 1 --max-tokens 64 --adaptive
 """
 
 from __future__ import annotations
@@ -27,25 +34,33 @@ from lookup import Tally, groups  # noqa: E402  (bench/lookup.py's prompt groups
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-def drafts(model, drafter, curve):
-    from mlx_redrafter.config import DraftConfig, library_draft
-    from mlx_redrafter.runtime import with_curve
-    from mlx_redrafter.step.curve import default_tree
+MODES = ["plain", "fixed", "auto", "auto_caps", "lookup", "lookup_auto"]
+ADAPTIVE_MODES = ["plain", "fixed", "auto", "auto_deep", "radar", "radar_auto"]
 
+
+def drafts(model, drafter, curve, controller=None):
+    from mlx_redrafter.config import DraftConfig, library_draft
+    from mlx_redrafter.runtime import tree_kw, with_curve
+
+    # The controller's own shape (the W x L it was trained for: 2 x 4 shipped).
+    cw, cl = (controller.config.beam_width, controller.config.beam_length) if controller else (2, 4)
     return {
         # What a user gets with no flags: the tuned profile or built-in shape,
         # the model's default tree and this device's stored (else built-in) curve.
-        "default": with_curve(model, library_draft(model, drafter, None, None, None, tree=default_tree(model))),
+        "default": with_curve(model, library_draft(model, drafter, None, None, None, **tree_kw(None, model))),
         "plain": DraftConfig(),
         "fixed": DraftConfig(drafter, 2, 1, lookup=1),
         "auto": DraftConfig(drafter, 2, 1, lookup=1, tree="auto", curve=curve),
         "auto_caps": DraftConfig(drafter, 3, 2, lookup=1, tree="auto", curve=curve),
         "lookup": DraftConfig(lookup=1),
         "lookup_auto": DraftConfig(lookup=1, tree="auto", curve=curve),
+        "auto_deep": DraftConfig(drafter, cw, cl, lookup=1, tree="auto", curve=curve),
+        "radar": DraftConfig(drafter, cw, cl, lookup=1, controller=controller),
+        "radar_auto": DraftConfig(drafter, cw, cl, lookup=1, controller=controller, tree="auto", curve=curve),
     }
 
 
-def run_model(label, model, drafter, sets, modes, max_tokens, eos):
+def run_model(label, model, drafter, sets, modes, max_tokens, eos, controller=None):
     """Interleaved runs of ``modes`` over every prompt: per-group rows."""
     from mlx_redrafter.step.curve import format_curve
     from mlx_redrafter.tuning.calibrate import measure_curve
@@ -53,7 +68,7 @@ def run_model(label, model, drafter, sets, modes, max_tokens, eos):
 
     curve = measure_curve(model)
     print(f"[{label}] {format_curve(curve)}", file=sys.stderr, flush=True)
-    configs = drafts(model, drafter, curve)
+    configs = drafts(model, drafter, curve, controller)
     first = next(iter(sets.values()))[0]
     for m in modes:  # untimed warm-up
         measure(model, first, draft=configs[m], max_tokens=4, eos_ids=eos)
@@ -98,20 +113,31 @@ def main(argv=None) -> int:
     ap.add_argument("--copy", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--q4", action="store_true", help="Also the 4-bit quantized default model (plain, fixed, auto).")
+    ap.add_argument("--adaptive", action="store_true", help="float32 modes: " + ",".join(ADAPTIVE_MODES) + " (RADAR alone, auto alone, both).")
+    ap.add_argument("--modes", help="float32 modes, comma-separated (plain first); default " + ",".join(MODES) + ".")
     ap.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "auto_tree")
     a = ap.parse_args(argv)
+    modes = a.modes.split(",") if a.modes else ADAPTIVE_MODES if a.adaptive else MODES
+    known = set(MODES + ADAPTIVE_MODES + ["default"])
+    if modes[0] != "plain" or not set(modes) <= known:
+        ap.error(f"--modes: plain first, then any of {', '.join(sorted(known - {'plain'}))}")
     import mlx.nn as nn
 
     from mlx_redrafter import load_drafter, load_model
     from mlx_redrafter.runtime import resolve_drafter_path
 
     model, tok = load_model("default")
-    drafter = load_drafter(resolve_drafter_path("default", None))
+    drafter_path = resolve_drafter_path("default", None)
+    drafter = load_drafter(drafter_path)
+    controller = None
+    if any(m.startswith("radar") for m in modes):
+        from mlx_redrafter.draft.controller import load_controller
+
+        controller = load_controller(drafter_path)
     eos = sorted(tok.eos_token_ids)
     sets = groups(tok, a.mt_bench, a.per_task, a.copy)
-    modes = ["plain", "fixed", "auto", "auto_caps", "lookup", "lookup_auto"]
     out = {"command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])}
-    out["float32"] = run_model("float32", model, drafter, sets, modes, a.max_tokens, eos)
+    out["float32"] = run_model("float32", model, drafter, sets, modes, a.max_tokens, eos, controller)
     report = markdown("float32", out["float32"], modes)
     if a.q4:
         nn.quantize(model, group_size=64, bits=4)
