@@ -19,6 +19,7 @@ live check is ``mlx-redrafter sweep`` (see bench/RESULTS.md).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -58,7 +59,8 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
     """``[(tokens [n], context [n, c])]``: greedy replies and, at each
     position, the hidden state that produced the token there (features
     first when ``layers``). Cached in ``cache`` (keyed by the settings)."""
-    key = {"prompts": len(prompts), "max_tokens": max_tokens, "layers": list(layers)}
+    digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]  # which prompts, not only how many
+    key = {"prompts": len(prompts), "digest": digest, "max_tokens": max_tokens, "layers": list(layers)}
     if cache.exists():
         arrays, meta = mx.load(str(cache), return_metadata=True)
         if json.loads(meta["key"]) == key:
@@ -95,18 +97,50 @@ def pick(context: np.ndarray, have, want, hidden: int) -> np.ndarray:
     return np.concatenate(cols + [context[:, -hidden:]], axis=1)
 
 
-def accepted_runs(drafter, embed, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
-    """``[n]`` drafted tokens a single greedy beam of length ``MAX_L`` gets
-    accepted from each position (capped by the reply's end)."""
+def greedy_drafts(drafter, embed, tokens: np.ndarray, context: np.ndarray):
+    """``(right, score)``, each ``[n, MAX_L]``: from every position, whether the
+    greedy beam's draft at each depth equals the reply's token (False past the
+    reply's end), and the draft's log-probability given its parent (the score
+    tree="auto" buckets, step/auto.py's ``drafter_scores``)."""
     n = len(tokens)
     pad = np.concatenate([tokens, np.zeros(MAX_L + 1, np.int32)])
     at = np.arange(n)[:, None] + np.arange(MAX_L + 1)[None, :]
     ids = pad[at]
     ctx = mx.array(context).astype(mx.float32)
     logits = drafter(drafter.context(ctx), embed(mx.array(ids[:, :-1])))
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     drafted = np.array(drafter.token_ids(mx.argmax(logits, -1)))
-    right = (drafted == ids[:, 1:]) & (at[:, 1:] < n)
+    return (drafted == ids[:, 1:]) & (at[:, 1:] < n), np.array(logp.max(axis=-1))
+
+
+def accepted_runs(drafter, embed, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """``[n]`` drafted tokens a single greedy beam of length ``MAX_L`` gets
+    accepted from each position (capped by the reply's end)."""
+    right, _ = greedy_drafts(drafter, embed, tokens, context)
     return np.cumprod(right, axis=1).sum(1)
+
+
+def calibration(drafter, embed, data, layers=()) -> dict:
+    """The acceptance tree="auto" calibrates, measured offline: of the greedy
+    drafts at depth d whose parent was accepted, the share accepted, by score
+    bucket (step/select.py's drafter edges). ``q`` [MAX_L, buckets] (None where
+    nothing fell), ``n`` the drafts counted; step/select.py's drafter priors
+    come from this table."""
+    from mlx_redrafter.step.select import N_BUCKETS, bucket_of
+
+    want, h = drafter.config.feature_layers or [], drafter.config.hidden_size
+    hits, seen = np.zeros((MAX_L, N_BUCKETS)), np.zeros((MAX_L, N_BUCKETS))
+    for t, c in data:
+        right, score = greedy_drafts(drafter, embed, t, pick(c, list(layers), want, h))
+        valid = (np.arange(len(t))[:, None] + np.arange(1, MAX_L + 1)[None, :]) < len(t)
+        parent = np.concatenate([np.ones_like(right[:, :1]), np.cumprod(right, axis=1)[:, :-1]], axis=1).astype(bool)
+        for d in range(MAX_L):
+            m = parent[:, d] & valid[:, d]
+            b = bucket_of(np, np.zeros(int(m.sum()), np.int32), score[m, d])
+            np.add.at(hits[d], b, right[m, d])
+            np.add.at(seen[d], b, 1)
+    q = [[round(float(hi / n), 3) if n else None for hi, n in zip(hr, nr)] for hr, nr in zip(hits, seen)]
+    return {"q": q, "n": seen.astype(int).tolist()}
 
 
 def walk(runs: np.ndarray, length: int) -> int:
@@ -131,23 +165,53 @@ def evaluate(drafter, embed, data, layers=()) -> dict:
     return {"first_draft_accepted": by_depth[0], "acceptance_by_depth": by_depth, "tokens_per_step": tps, "positions": int(len(allr))}
 
 
+def load_prompts(spec: str) -> list:
+    """A prompt set by name or file, or ``sharegpt-heldout:N``: the last ``N``
+    ShareGPT conversations in the order the distiller (seed 0) answers them,
+    which a distillation run stopped earlier never saw (the calibration is
+    measured there, not on an evaluation set: data/README.md's rules)."""
+    import random
+
+    from mlx_redrafter.prompts import default_training_prompts, read_conversations
+
+    if not spec.startswith("sharegpt-heldout:"):
+        return load_prompt_set(spec)
+    convs = read_conversations(default_training_prompts())
+    random.Random(DistillConfig().seed).shuffle(convs)
+    return convs[-int(spec.split(":", 1)[1]):]
+
+
+def calibration_table(name: str, cal: dict) -> str:
+    """Markdown: q (drafts counted) by depth and draft-probability bucket."""
+    heads = ["p < 0.1", "0.1-0.25", "0.25-0.5", "0.5-0.75", ">= 0.75"]
+    lines = [f"tree=auto calibration of {name}: accepted share (drafts counted) given the parent accepted", "",
+             "| depth | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for d, (qs, ns) in enumerate(zip(cal["q"], cal["n"]), 1):
+        lines.append(f"| {d} | " + " | ".join("-" if q is None else f"{q:.3f} ({n})" for q, n in zip(qs, ns)) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafters", required=True, help="name=folder,name=folder,...")
-    ap.add_argument("--prompts", default="mt_bench")
+    ap.add_argument("--prompts", default="mt_bench", help="A prompt set, a file, or sharegpt-heldout:N (for --calibration).")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("bench/out/acceptance"))
+    ap.add_argument("--calibration", action="store_true",
+                    help="Also the tree=auto calibration table (acceptance by depth and score bucket) of each drafter.")
     args = ap.parse_args()
     model, tok = load_model("default")
     embed, _, _ = model_parts(model)
     folders = dict(item.split("=", 1) for item in args.drafters.split(","))
     drafters = {name: load_drafter(folder, dtype="float32") for name, folder in folders.items()}
     layers = sorted({i for d in drafters.values() for i in (d.config.feature_layers or [])} | set(reply_layers(model)))
-    prompts = load_prompt_set(args.prompts)
+    prompts = load_prompts(args.prompts)
     data = replies(model, tok, prompts, args.max_tokens, layers, args.out / "replies.safetensors")
     results = {}
     for name, d in drafters.items():
         results[name] = {"folder": folders[name], **evaluate(d, embed, data, layers)}
+        if args.calibration:
+            results[name]["calibration"] = calibration(d, embed, data, layers)
         print(name, json.dumps(results[name]), file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "LD_PRELOAD=... .venv/bin/python " + " ".join(sys.argv)
@@ -157,6 +221,9 @@ def main():
     for name, r in results.items():
         lines.append(f"| {name} | {r['first_draft_accepted']:.3f} | {' / '.join(f'{x:.3f}' for x in r['acceptance_by_depth'])} | "
                      + " / ".join(f"{v:.2f}" for v in r["tokens_per_step"].values()) + " |")
+    for name, r in results.items():
+        if "calibration" in r:
+            lines += ["", calibration_table(name, r["calibration"])]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
