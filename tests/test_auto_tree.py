@@ -88,6 +88,23 @@ def test_the_controller_and_auto_together_are_exact(lookup):
         assert max(s.tree_size for s in run(model, p, auto(drafter, 2, 3, 0, FLAT))[1]) > 3  # without it: deeper
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_a_long_context_prices_trees_dearer(pipelined):
+    """A curve flat after a short context and steep after a long one: a short
+    prompt verifies drafts, a long one g0 alone (its trees attend to more
+    cached tokens), and both stay exact."""
+    model = tiny_model("llama")
+    curve = CostCurve(FLAT.costs, context=16, long_costs=STEEP.costs, long_context=48)
+    sizes = {}
+    for n in (8, 120):
+        p = (prompts(1)[0] * 20)[:n]
+        ref = generate_tokens(model, p, max_tokens=24)[0]
+        got, stats = run(model, p, auto(OracleDrafter(model, p, 24, 2), 2, 2, 1, curve, pipelined), 24)
+        assert got == ref
+        sizes[n] = max(s.tree_size for s in stats)
+    assert sizes[8] > 1 and sizes[120] == 1
+
+
 def test_pipelined_sizes_come_from_the_buckets():
     model = tiny_model("llama")
     p = prompts(1)[0]

@@ -273,9 +273,12 @@ def test_measured_curve_round_trip_and_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     model = tiny_model("llama")
     assert vc.curve_for(model).builtin  # nothing measured yet
-    c = calibrate.measure_curve(model, max_size=5, budget_s=2.0, context=16, max_rounds=3)
+    c = calibrate.measure_curve(model, max_size=5, budget_s=3.0, context=16, max_rounds=3, long_context=48)
     assert len(c.costs) == 5 and c.costs[0] == 1.0 and all(x > 0 for x in c.costs)
     assert not c.builtin and c.rounds == 3 and c.base_ms > 0 and c.measured == (1, 2, 3, 4, 5)
+    # The bucket sizes again after the long context (the others interpolated).
+    assert (c.context, c.long_context) == (16, 48) and len(c.long_costs) == 5 and c.long_costs[0] == 1.0
+    assert "after 48 tokens" in vc.format_curve(c)
     assert (c.device, c.model, c.variant) == vc.curve_key(model)
     assert c.variant == "float32"
     path = vc.save_curve(c, model)
@@ -293,6 +296,21 @@ def test_a_device_too_slow_for_the_budget_gets_a_curve_where_drafting_never_pays
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     c = calibrate.measure_curve(tiny_model("llama"), max_size=4, budget_s=0.0)
     assert c.costs == (1.0, 2.0, 3.0, 4.0) and c.measured == (1,) and c.rounds == 0
+    assert c.long_context == 0 and c.long_costs == ()  # a model of 512 tokens: no long context to measure
+
+
+def test_the_curve_follows_the_context():
+    short, long = (1.0, 1.1, 1.2, 1.3), (1.0, 1.5, 2.0, 2.5)
+    c = vc.CostCurve(short, context=100, long_costs=long, long_context=300)
+    assert c.at(50) is c and c.at(100) is c  # at or below the short context: as measured
+    assert c.at(300).costs == pytest.approx(long) and c.at(300).long_costs == ()
+    assert c.at(200).costs == pytest.approx((1.0, 1.3, 1.6, 1.9)) and c.at(200).context == 200
+    stretched = c.at(100 + 200 * 10)  # far past the long context: at most MAX_CONTEXT_STRETCH gaps
+    assert stretched.costs == pytest.approx([a + vc.MAX_CONTEXT_STRETCH * (b - a) for a, b in zip(short, long)])
+    assert vc.CostCurve(short).at(5000).costs == short  # no long curve: one curve for every context
+    assert vc.CostCurve.from_dict(c.to_dict()) == c  # stored and read back with its long curve
+    old = {k: v for k, v in c.to_dict().items() if k not in ("long_costs", "long_context", "context")}
+    assert vc.CostCurve.from_dict(old).at(5000).costs == short  # a curve stored before: context-free
 
 
 def test_sizes_not_timed_are_interpolated():

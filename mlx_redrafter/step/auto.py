@@ -74,14 +74,29 @@ def row_sources(drafter_rows: int, rows: int) -> List[str]:
     return [SOURCES[DRAFTER]] * drafter_rows + [SOURCES[LOOKUP]] * (rows - drafter_rows)
 
 
+CONTEXT_STEP = 64  # the context-dependent curve is re-priced every this many tokens
+
+
 class AutoTree:
     """One generation's cost-aware selection: its :class:`Calibration` and curve."""
 
     def __init__(self, curve=None, calibration: Optional[Calibration] = None):
-        self.curve = curve if curve is not None else builtin_curve()
+        self.base = curve if curve is not None else builtin_curve()
+        self.curve = self.base  # the base curve at the current context (:meth:`advance`)
         self.cal = calibration if calibration is not None else Calibration()
         self._shapes = {}
         self.pending: Optional[Tuple[Structure, List[List[int]], List[int]]] = None  # synchronous loop
+        self.tokens, self._step = 0, 0
+
+    def advance(self, tokens: int) -> None:
+        """``tokens`` more positions are cached (the prompt, then each step's
+        tokens): trees are priced at the context they attend to, the curve
+        moved every :data:`CONTEXT_STEP` tokens (host numbers only)."""
+        self.tokens += tokens
+        step = self.tokens // CONTEXT_STEP
+        if step != self._step:
+            self._step = step
+            self.curve = self.base.at(step * CONTEXT_STEP)
 
     def shape(self, lengths: Sequence[int], sources: Sequence[str]):
         """``(Structure, device ancestors)`` of rows of these lengths and sources (cached)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -34,6 +34,8 @@ CURVE_VERSION = 1
 MAX_SIZE = 16
 BUCKET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # select.BUCKETS (the sizes a calibration times first)
 CONTEXT_TOKENS = 220  # the cached context each timed call attends to (DESIGN.md sections 9-10)
+LONG_CONTEXT_TOKENS = 1024  # the second context a calibration measures (attention makes long contexts steeper)
+MAX_CONTEXT_STRETCH = 3.0  # CostCurve.at extrapolates at most this many times the measured context gap
 # Measured here (DESIGN.md section 10, 2026-12-01): a 2-core Linux CPU, BLIS,
 # SmolLM2-135M float32, synchronous forward after 220 tokens of context,
 # median of 15 calls. Sizes 9, 11 and 13-15 were not measured; the built-in
@@ -66,6 +68,21 @@ class CostCurve:
     source: str = ""
     rounds: int = 0
     measured: Tuple[int, ...] = field(default=())  # the sizes timed (the others are interpolated)
+    context: int = CONTEXT_TOKENS  # the cached tokens ``costs`` were measured after
+    long_costs: Tuple[float, ...] = field(default=())  # c(N) after ``long_context`` tokens (empty: not measured)
+    long_context: int = 0
+
+    def at(self, context: int) -> "CostCurve":
+        """The curve after ``context`` cached tokens: linear in the context
+        between the two measured ones (attention's cost grows with it), past
+        the long one extrapolated up to :data:`MAX_CONTEXT_STRETCH` gaps; at
+        or below the short one, ``costs`` as measured. Without a long curve,
+        ``self``."""
+        if not self.long_costs or self.long_context <= self.context or context <= self.context:
+            return self
+        t = min((context - self.context) / (self.long_context - self.context), MAX_CONTEXT_STRETCH)
+        costs = tuple(max(1.0, a + t * (b - a)) for a, b in zip(self.costs, self.long_costs))
+        return replace(self, costs=costs, context=int(context), long_costs=(), long_context=0)
 
     def __call__(self, n: int) -> float:
         """c(n); past the measured sizes, the last slope continues (sizes are capped by buckets anyway)."""
@@ -91,6 +108,7 @@ class CostCurve:
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         data["costs"] = tuple(float(c) for c in data["costs"])
         data["measured"] = tuple(int(n) for n in data.get("measured", ()))
+        data["long_costs"] = tuple(float(c) for c in data.get("long_costs", ()))
         return cls(**data)
 
 
@@ -201,4 +219,8 @@ def format_curve(curve: CostCurve) -> str:
     guessed = set(range(1, curve.max_size + 1)) - set(curve.measured) if curve.measured else set()
     sizes = "  ".join(f"{n}:{'~' if n in guessed else ''}{c:.2f}" for n, c in enumerate(curve.costs, start=1))
     note = "  (~ interpolated)" if guessed else ""
-    return f"{head}{note}\n  {sizes}"
+    text = f"{head}{note}\n  after {curve.context} tokens: {sizes}"
+    if curve.long_costs:
+        timed = [n for n in BUCKET_SIZES if n <= len(curve.long_costs)]
+        text += f"\n  after {curve.long_context} tokens: " + "  ".join(f"{n}:{curve.long_costs[n - 1]:.2f}" for n in timed)
+    return text

@@ -155,6 +155,8 @@ class _Pipeline:
     def emitted(self, tokens: List[int]) -> None:
         """The host read these tokens: lookup's history grows by them."""
         self.last_emitted = list(tokens)
+        if self.auto is not None:
+            self.auto.advance(len(tokens))
         for proposer in (self.lookup, self.store):
             if proposer is not None:
                 proposer.extend(tokens)
@@ -244,6 +246,8 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
     tic = time.perf_counter()
     logits, context = prefill(pipe.backbone, pipe.head, cache, prompt)
     pipe.kv = HoleyCache(cache)
+    if pipe.auto is not None:
+        pipe.auto.advance(getattr(cache[0], "offset", 0))  # the prompt (and any cached turns): trees are priced at their context
     g0 = sample_first(logits, sampling)
     zero = mx.array(0, mx.int32)
     queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1)

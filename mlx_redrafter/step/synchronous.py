@@ -93,6 +93,8 @@ class _JoinedBeams(_DrafterBeams):
 
     def finish(self, vals: List[int], emitted: List[int]):
         cfg = self.cfg
+        if self.auto is not None:
+            self.auto.advance(len(emitted))
         for proposer in (self.lookup, self.store):
             if proposer is not None:
                 proposer.extend(emitted)
@@ -140,6 +142,8 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
         drafts = _DrafterBeams(embed, draft)
     tic = time.perf_counter()
     logits, context = prefill(backbone, head, cache, prompt)
+    if getattr(drafts, "auto", None) is not None:
+        drafts.auto.advance(getattr(cache[0], "offset", 0))  # the prompt (and any cached turns): trees are priced at their context
     g0 = sample_first(logits, sampling)
     vals = host_read(g0, *drafts.start(context, g0))
     syncs = 1

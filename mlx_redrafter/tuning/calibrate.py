@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..step.curve import BUCKET_SIZES, MAX_SIZE, CONTEXT_TOKENS, CostCurve, curve_key
+from ..step.curve import BUCKET_SIZES, CONTEXT_TOKENS, LONG_CONTEXT_TOKENS, MAX_SIZE, CostCurve, curve_key
 
 BASE_REPEATS = 3  # N = 1 bursts per round
 
@@ -126,7 +126,8 @@ def _fill(sizes, ratios: Dict[int, float]) -> Tuple[float, ...]:
 
 
 def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_SIZE, budget_s: float = 30.0,
-                  calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0) -> CostCurve:
+                  calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0,
+                  long_context: int = LONG_CONTEXT_TOKENS, long_share: float = 1 / 3) -> CostCurve:
     """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds.
 
     Each round times a short pipelined burst of every size, in a new random
@@ -137,17 +138,47 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
     round). No burst starts that would end past the budget: on a slow
     device the sizes never timed are interpolated (``CostCurve.measured``
     lists those that were).
+
+    Attention over a long context makes every extra token dearer (on this
+    CPU c(7) is 1.8 after 220 tokens, 2.1 after 1024, 2.8 after 2048), so
+    ``long_share`` of the budget measures the bucket sizes again after
+    ``long_context`` tokens (0, or a model whose context is shorter: not
+    measured); :meth:`CostCurve.at` interpolates between the two.
     """
-    from ..llm.parts import model_parts
+    from ..llm.parts import context_limit
     from ..step.verify import install_tree_hooks
 
     if max_size < 1:
         raise ValueError(f"max_size must be at least 1 (got {max_size})")
     sizes = list(range(1, max_size + 1))
     install_tree_hooks(model)
+    limit = context_limit(model)
+    if long_context and limit and long_context + max_size > limit:
+        long_context = 0
+    short_s = budget_s * (1 - long_share) if long_context else budget_s
+    rng = random.Random(seed)
+    ratios, rounds, base_ms = _measure_at(model, context, sizes, short_s, calls, max_rounds, rng)
+    long_costs = ()
+    if long_context:
+        long_sizes = [n for n in sizes if n in BUCKET_SIZES]
+        long_ratios, _, _ = _measure_at(model, long_context, long_sizes, budget_s - short_s, calls, max_rounds, rng)
+        if len(long_ratios) > 1:
+            long_costs = _fill(sizes, long_ratios)
+        else:
+            long_context = 0
+    device, ident, variant = curve_key(model, model_spec)
+    return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
+                     source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
+                     rounds=rounds, measured=tuple(sorted(ratios)), context=context,
+                     long_costs=long_costs, long_context=long_context)
+
+
+def _measure_at(model, context: int, sizes, budget_s: float, calls: int, max_rounds: int, rng):
+    """``(ratios, rounds, base_ms)``: c(N) of the sizes timed after ``context`` cached tokens."""
+    from ..llm.parts import model_parts
+
     _, backbone, head = model_parts(model)
     cache, rewind = _context_cache(model, backbone, context)
-    rng = random.Random(seed)
     timer = _Timer(model, backbone, head, cache, rewind)
     deadline = time.perf_counter() + budget_s
     guess: Dict[int, float] = {}  # seconds per call, from the first call of each shape
@@ -184,8 +215,5 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
     timer.drain()
     # No size verifies for less than one token does (a lower ratio is noise: another process slowed N = 1).
     ratios = {1: 1.0, **{n: max(1.0, float(np.median(r))) for n, r in raw.items() if n != 1 and r}}
-    device, ident, variant = curve_key(model, model_spec)
     base_ms = 1000 * float(np.median(raw[1])) if raw.get(1) else 1000 * guess.get(1, 0.0)
-    return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
-                     source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
-                     rounds=rounds, measured=tuple(sorted(ratios)))
+    return ratios, rounds, base_ms
