@@ -61,17 +61,19 @@ N_BUCKETS = EDGES.shape[1] + 1
 def _prior_table() -> np.ndarray:
     """Priors of q [source, depth, bucket].
 
-    Drafter: about the bucket's draft probability (a distilled drafter is
-    roughly calibrated to its teacher), a little lower deeper; its first
-    drafts average 34-36% accepted here and deeper ones 0.3-0.4 given their
-    parent (bench/RESULTS.md). Lookup: a longer matched suffix is more often
-    right, and once a copy has started it tends to go on (conditional
-    acceptance past depth 1 is higher). Datastore: about 30% of its rows
-    accept a first token (DESIGN.md section 10).
+    Drafter: measured offline with ``bench/acceptance.py --calibration`` on
+    72 held-out ShareGPT replies of the default model (8,195 positions, the
+    shipped drafter's greedy beam, bench/results/acceptance-heldout/): the
+    share of drafts accepted given their parent was, by the draft's own
+    probability bucket. Depth 1, then depths 2-5 pooled (they did not fall
+    with depth; deeper nodes share the last row). Lookup: a longer matched
+    suffix is more often right, and once a copy has started it tends to go
+    on (conditional acceptance past depth 1 is higher). Datastore: about 30%
+    of its rows accept a first token (DESIGN.md section 10).
     """
     q = np.zeros((len(SOURCES), DEPTHS, N_BUCKETS), np.float32)
-    depth_factor = np.array([1.0, 0.95, 0.9, 0.88, 0.86, 0.85, 0.85, 0.85])
-    q[0] = np.array([0.05, 0.17, 0.37, 0.62, 0.85])[None, :] * depth_factor[:, None]
+    q[0, 0] = [0.045, 0.174, 0.389, 0.694, 0.905]
+    q[0, 1:] = [0.065, 0.161, 0.391, 0.709, 0.890]
     q[1, 0] = [0.12, 0.3, 0.45, 0.55, 0.6]
     q[1, 1:] = [0.4, 0.55, 0.65, 0.7, 0.75]
     q[2, 0] = [0.2, 0.25, 0.3, 0.35, 0.4]
@@ -86,13 +88,14 @@ RANKS = 4  # sibling ranks the host estimates tell apart (beam 0, 1, 2, the rest
 def _prior_slots() -> np.ndarray:
     """Priors of q [source, depth, rank] over all scores, for host estimates:
     rank is a node's place among the candidates of its source and depth
-    (beam order: best first). Drafter depth 1: 0.34 for the best beam, then
-    0.07 and 0.06 more for the next two; deeper, about 0.3 given the parent
-    (bench/RESULTS.md section 3's sweep). Lookup and datastore: the bucket
-    priors' means."""
+    (beam order: best first). Drafter, best beam: 0.435 at depth 1 and about
+    0.5 deeper given the parent (the held-out ShareGPT measurement of
+    :func:`_prior_table`'s drafter rows); the next beams add 0.07 and 0.06
+    at depth 1 (bench/RESULTS.md section 3's sweep). Lookup and datastore:
+    the bucket priors' means."""
     q = np.zeros((len(SOURCES), DEPTHS, RANKS), np.float32)
-    q[0, 0] = [0.34, 0.07, 0.06, 0.04]
-    q[0, 1:] = [0.3, 0.2, 0.15, 0.1]
+    q[0, 0] = [0.435, 0.07, 0.06, 0.04]
+    q[0, 1:] = [0.5, 0.2, 0.15, 0.1]
     for s in (1, 2):
         q[s] = PRIOR_Q[s].mean(axis=1, keepdims=True) * np.array([1.0, 0.5, 0.4, 0.3])
     return q
