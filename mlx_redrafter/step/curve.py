@@ -53,6 +53,11 @@ def _interpolated(measured) -> Tuple[float, ...]:
 
 
 BUILTIN_COSTS = _interpolated(BUILTIN_MEASURED)
+# The same curve after 1024 cached tokens: BUILTIN_MEASURED times the ratio
+# of c(N) after 1024 tokens to c(N) after 220, both measured pipelined in one
+# run (tuning/calibrate.py, 240 s, 15 rounds, quiet machine, 2026-12-01;
+# bench/results/curve/): 2-3 tokens cost the same, 4-16 about 10-35% more.
+BUILTIN_LONG_MEASURED = {1: 1.00, 2: 1.06, 3: 1.19, 4: 1.65, 6: 1.89, 8: 1.86, 12: 2.76, 16: 2.89}
 
 
 @dataclass
@@ -130,7 +135,8 @@ def builtin_curve(variant: str = "") -> CostCurve:
     if variant.startswith("q"):
         return CostCurve(_interpolated(BUILTIN_QUANTIZED_MEASURED), variant=variant, builtin=True,
                          source=BUILTIN_QUANTIZED_SOURCE)
-    return CostCurve(BUILTIN_COSTS, builtin=True, source=BUILTIN_SOURCE)
+    return CostCurve(BUILTIN_COSTS, builtin=True, source=BUILTIN_SOURCE, long_costs=_interpolated(BUILTIN_LONG_MEASURED),
+                     long_context=LONG_CONTEXT_TOKENS)
 
 
 def default_tree(model) -> str:
