@@ -308,7 +308,8 @@ def test_a_row_left_out_is_learned_from_the_greedy_tokens():
     assert trials.sum() == 3  # the row that does not line up with [5] is not a trial; nothing past `emitted` is
 
 
-def test_the_pipelined_loop_learns_from_lookup_rows_it_leaves_out(monkeypatch):
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_the_loops_learn_from_lookup_rows_they_leave_out(monkeypatch, pipelined):
     """A curve on which a weak lookup match never pays at the prior: the
     rows are left out (g0 alone), and the loop still learns from them."""
     from mlx_redrafter.step import auto as auto_mod
@@ -321,10 +322,22 @@ def test_the_pipelined_loop_learns_from_lookup_rows_it_leaves_out(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(auto_mod.AutoTree, "observe_unverified", spy)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_redrafter.step.dispatch import redrafter_steps
+
     model = tiny_model("llama")
-    p = prompts(1)[0] * 3  # repeated: context lookup finds matches
+    p = prompts(1)[0]
     ref = generate_tokens(model, p, max_tokens=N)[0]
     steep_start = CostCurve(tuple([1.0, 1.55] + [1.55 + 0.6 * n for n in range(1, 15)]))
-    got, _ = run(model, p, auto(None, 2, 1, 1, steep_start))
-    assert got == ref
+    # The lookup context holds this very reply: every proposed row is right.
+    steps = redrafter_steps(model, mx.array(p, mx.int32), make_prompt_cache(model),
+                            draft=auto(None, 2, 1, 1, steep_start, pipelined), history=p + ref)
+    got = []
+    for step in steps:
+        got += step.tokens
+        if len(got) >= N:
+            break
+    steps.close()
+    assert got[:N] == ref
     assert seen and all(source == "lookup" for _, _, source, _, _ in seen)

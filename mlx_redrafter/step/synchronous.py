@@ -80,6 +80,8 @@ class _JoinedBeams(_DrafterBeams):
         self.store = StoreLookup(draft.datastore, prompt) if draft.datastore is not None else None
         self.sources = ()
         self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
+        self.greedy = True  # synchronous_steps sets it: left-out rows are learned from under greedy decoding only
+        self.left_out = None  # tree="auto": (rows, scores, source) of host rows the last trim dropped whole
 
     def start(self, context, g0) -> List[mx.array]:
         if self.cfg.drafter is None:
@@ -120,16 +122,24 @@ class _JoinedBeams(_DrafterBeams):
         """tree="auto": learn from the step just read, then keep the best subset of ``rows``."""
         cfg, width, extra = self.cfg, len(rows[0]), len(rows) - len(buckets)
         self.auto.observe_rows(emitted[:-1])
+        if self.left_out is not None:  # greedy: host rows the step did not verify, against its tokens
+            self.auto.observe_unverified(*self.left_out, (), emitted)
+            self.left_out = None
         per_row = [b + [-1] * (width - len(b)) for b in buckets]
         if source == DATASTORE:  # its one row scores by the continuation's count
-            m = self.store.last
-            looked = lookup_buckets([c for _, c in m.continuations[:1]], extra, cfg.lookup_length, DATASTORE)
+            raw = [c for _, c in self.store.last.continuations[:1]]
         else:
-            looked = lookup_buckets(self.lookup.matched if self.lookup is not None else [], extra, cfg.lookup_length)
+            raw = self.lookup.matched if self.lookup is not None else []
+        looked = lookup_buckets(raw, extra, cfg.lookup_length, source)
         for i in range(extra):
             per_row.append((looked[i * cfg.lookup_length : (i + 1) * cfg.lookup_length] + [-1] * width)[:width])
         flat = [b for row in per_row for b in row]
-        return self.auto.trim(rows, self.sources, flat)
+        out = self.auto.trim(rows, self.sources, flat)
+        dropped = [i for i in range(min(extra, len(raw))) if all(t < 0 for t in out[len(buckets) + i])]
+        if self.greedy and dropped:
+            self.left_out = ([[t for t in rows[len(buckets) + i] if t >= 0] for i in dropped],
+                             [raw[i] for i in dropped], source)
+        return out
 
 
 def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
@@ -138,6 +148,7 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
     embed, backbone, head = model_parts(model, draft.feature_layers)
     if draft.lookup_rows or draft.tree == "auto":
         drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
+        drafts.greedy = sampling.greedy
     else:
         drafts = _DrafterBeams(embed, draft)
     tic = time.perf_counter()
