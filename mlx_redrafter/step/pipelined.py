@@ -202,7 +202,10 @@ class _Pipeline:
         sel, rows, index = self.auto.select(structure, ancestors, beams, lay, scores, size - 1,
                                             dedup=not self.sampling.greedy)
         tree = sel.tree(beams[lay.node_row, lay.node_pos], prev.g0)
-        hidden = self._forward(tree, prev.real, chain=size == 2)
+        # One row of candidates: the selection is a prefix of it (parents
+        # first, ties to the shallower), a single path that the model's own
+        # causal call verifies without the tree hooks (cheaper per step).
+        hidden = self._forward(tree, prev.real, chain=size == 2 or len(lay.lengths) == 1)
         logits = self.head(hidden)
         if self.sampling.greedy:
             acc = accept_greedy(rows, index, logits)
