@@ -55,22 +55,31 @@ def reply_layers(model) -> list:
     return default_feature_layers(len(model.model.layers))
 
 
+PROMPTS_OF: dict = {}  # id(reply tokens) -> the templated prompt ids it answers (what lookup drafts see first)
+
+
 def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
     """``[(tokens [n], context [n, c])]``: greedy replies and, at each
     position, the hidden state that produced the token there (features
-    first when ``layers``). Cached in ``cache`` (keyed by the settings)."""
+    first when ``layers``). Cached in ``cache`` (keyed by the settings),
+    with each reply's prompt ids (:func:`prompt_of`)."""
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]  # which prompts, not only how many
-    key = {"prompts": len(prompts), "digest": digest, "max_tokens": max_tokens, "layers": list(layers)}
+    key = {"prompts": len(prompts), "digest": digest, "max_tokens": max_tokens, "layers": list(layers), "with_prompts": 1}
     if cache.exists():
         arrays, meta = mx.load(str(cache), return_metadata=True)
         if json.loads(meta["key"]) == key:
-            offsets = np.array(arrays["offsets"])
-            t, c = np.array(arrays["tokens"]), np.array(arrays["context"])
-            return [(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+            offsets, p_off = np.array(arrays["offsets"]), np.array(arrays["prompt_offsets"])
+            t, c, pt = np.array(arrays["tokens"]), np.array(arrays["context"]), np.array(arrays["prompt_tokens"])
+            out = [(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+            for (tokens, _), a, b in zip(out, p_off[:-1], p_off[1:]):
+                PROMPTS_OF[id(tokens)] = pt[a:b]
+            return out
     cfg = DistillConfig(batch_size=40, max_new_tokens=max_tokens, prompt_positions=False, top_k=0, feature_layers=list(layers), stop_loops=0)
     d = Distiller(model, tok, cfg)
     queue = deque((c, 0, []) for c in prompts)
     out = []
+
+    asked = []
 
     def done(row, conv):
         if row is not None:
@@ -78,6 +87,8 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
             if layers:
                 ctx = np.concatenate([np.stack(row.extra["features"]), ctx], axis=1)
             out.append((np.array(row.tokens, np.int32), ctx))
+            asked.append(np.array(d.encode(row.messages), np.int32))
+            PROMPTS_OF[id(out[-1][0])] = asked[-1]
 
     tic = time.perf_counter()
     d.run(queue, done, lambda: False)
@@ -86,8 +97,44 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
     cache.parent.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(cache), {"tokens": mx.array(np.concatenate([t for t, _ in out])),
                                      "context": mx.array(np.concatenate([c for _, c in out])),
-                                     "offsets": mx.array(offsets)}, {"key": json.dumps(key)})
+                                     "offsets": mx.array(offsets),
+                                     "prompt_tokens": mx.array(np.concatenate(asked)),
+                                     "prompt_offsets": mx.array(np.cumsum([0] + [len(a) for a in asked]))},
+                        {"key": json.dumps(key)})
     return out
+
+
+def prompt_of(tokens: np.ndarray) -> np.ndarray:
+    """The templated prompt ids a reply of :func:`replies` answers."""
+    return PROMPTS_OF[id(tokens)]
+
+
+def lookup_calibration(data, length: int = 4) -> dict:
+    """Context lookup's side of the tree=auto calibration, offline: walking
+    each reply token by token over its prompt and the reply so far (what
+    draft/lookup.py's ``Lookup`` sees after emitting that token), the share
+    of its draft's tokens at each depth accepted given the one before was,
+    by the matched suffix length's bucket (step/select.py's lookup edges)."""
+    from mlx_redrafter.draft.lookup import Lookup
+    from mlx_redrafter.step.select import N_BUCKETS, SOURCES, bucket_of
+
+    src = SOURCES.index("lookup")
+    hits, seen = np.zeros((length, N_BUCKETS)), np.zeros((length, N_BUCKETS))
+    for t, _ in data:
+        look = Lookup(prompt_of(t).tolist())
+        for pos in range(len(t) - 1):
+            look.extend([int(t[pos])])
+            rows = look.propose(length, 1)
+            if not rows:
+                continue
+            b = int(bucket_of(np, np.full(1, src), np.full(1, look.matched[0], np.float32))[0])
+            for d, token in enumerate(rows[0][: len(t) - 1 - pos]):
+                seen[d, b] += 1
+                if token != t[pos + 1 + d]:
+                    break
+                hits[d, b] += 1
+    q = [[round(float(hi / n), 3) if n else None for hi, n in zip(hr, nr)] for hr, nr in zip(hits, seen)]
+    return {"q": q, "n": seen.astype(int).tolist()}
 
 
 def pick(context: np.ndarray, have, want, hidden: int) -> np.ndarray:
@@ -181,9 +228,9 @@ def load_prompts(spec: str) -> list:
     return convs[-int(spec.split(":", 1)[1]):]
 
 
-def calibration_table(name: str, cal: dict) -> str:
-    """Markdown: q (drafts counted) by depth and draft-probability bucket."""
-    heads = ["p < 0.1", "0.1-0.25", "0.25-0.5", "0.5-0.75", ">= 0.75"]
+def calibration_table(name: str, cal: dict, heads=("p < 0.1", "0.1-0.25", "0.25-0.5", "0.5-0.75", ">= 0.75")) -> str:
+    """Markdown: q (drafts counted) by depth and score bucket (the drafter's
+    draft probability; lookup's matched suffix length)."""
     lines = [f"tree=auto calibration of {name}: accepted share (drafts counted) given the parent accepted", "",
              "| depth | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for d, (qs, ns) in enumerate(zip(cal["q"], cal["n"]), 1):
@@ -212,11 +259,16 @@ def main():
         results[name] = {"folder": folders[name], **evaluate(d, embed, data, layers)}
         if args.calibration:
             results[name]["calibration"] = calibration(d, embed, data, layers)
+    if args.calibration:
+        results_lookup = lookup_calibration(data)
+        print("lookup", json.dumps(results_lookup), file=sys.stderr)
         print(name, json.dumps(results[name]), file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "LD_PRELOAD=... .venv/bin/python " + " ".join(sys.argv)
+    extra = {"lookup_calibration": results_lookup} if args.calibration else {}
     (args.out / "results.json").write_text(json.dumps({"command": command, "prompts": args.prompts,
-                                                       "max_tokens": args.max_tokens, "drafters": results}, indent=1) + "\n")
+                                                       "max_tokens": args.max_tokens, "drafters": results, **extra},
+                                                      indent=1) + "\n")
     lines = [f"`{command}`", "", "| drafter | first drafts accepted | acceptance by depth 1-5 | tokens/step W=1 L=1 / 2 / 3 / 4 / 5 |", "|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['first_draft_accepted']:.3f} | {' / '.join(f'{x:.3f}' for x in r['acceptance_by_depth'])} | "
@@ -224,6 +276,9 @@ def main():
     for name, r in results.items():
         if "calibration" in r:
             lines += ["", calibration_table(name, r["calibration"])]
+    if args.calibration:
+        lines += ["", calibration_table("context lookup (4-token drafts)", results_lookup,
+                                        ["match 1", "2", "3", "4", "5+"])]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
