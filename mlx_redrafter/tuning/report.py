@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .measure import PHASES
+from .results import cell_order
 
 # Figures: sizes in inches that are exact binary fractions, so the PNG's
 # pixel size is exactly inches * DPI (tests check it).
@@ -63,8 +64,7 @@ def markdown_table(results: dict) -> str:
     head = ("| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
             "| draft / pack / verify / accept / other ms | peak GB | lookup beams | tree |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    order = lambda c: (c.get("tree", "fixed") != "fixed", c["width"], c["length"], c.get("lookup", 0))
-    for c in sorted(results["cells"], key=order):
+    for c in sorted(results["cells"], key=cell_order):
         if c["status"] != "ok":
             lines.append(f"| {c['width']} | {c['length']} | {c['status']}: {c.get('note', '')} |")
             continue

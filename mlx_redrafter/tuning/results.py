@@ -36,6 +36,12 @@ def attach_speedups(results: dict) -> None:
         cell["memory_overhead_gb"] = round(cell["peak_memory_gb"] - base_mem, 4)
 
 
+def cell_order(c: dict) -> tuple:
+    """How cells are listed (results file, Markdown): the fixed grid by (W, L,
+    lookup beams), then the auto cells (records without a tree are fixed)."""
+    return c.get("tree", "fixed") != "fixed", c["width"], c["length"], c.get("lookup", 0)
+
+
 def best_cell(results: dict) -> Optional[dict]:
     """The measured cell with the highest speedup."""
     ok = [c for c in results["cells"] if c["status"] == "ok" and "speedup" in c]
@@ -110,7 +116,7 @@ def load_results(out_dir: Path, key: dict, fresh: bool = False) -> dict:
 
 def save_results(out_dir: Path, results: dict) -> None:
     attach_speedups(results)
-    results["cells"].sort(key=lambda c: (c.get("tree", "fixed") != "fixed", c["width"], c["length"]))  # the auto column after the grid
+    results["cells"].sort(key=cell_order)
     best = best_cell(results)
     results["best"] = None if best is None else {
         **{k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")},

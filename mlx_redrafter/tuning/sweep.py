@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..config import DraftConfig, SamplingConfig
+from ..config import TREES, DraftConfig, SamplingConfig
 from ..errors import RedrafterError
 from .measure import Pass, run_pass, time_split_ms, warm_up
 from .memory import estimate_cell_bytes, kv_bytes_per_token, memory_budget_bytes
@@ -64,9 +64,13 @@ class SweepConfig:
     def cells(self) -> List[Tuple[int, int, int, str]]:
         """``(width, length, lookup beams, tree)`` of every cell."""
         grid = [(w, l, k, self.tree) for w in self.widths for l in self.lengths for k in self.lookups]
-        if self.tree != "fixed" or not self.auto_column:
+        if not self.auto_column_on():
             return grid
         return grid + [(w, max(self.lengths), k, "auto") for w in self.widths for k in self.lookups]
+
+    def auto_column_on(self) -> bool:
+        """Whether the auto column is measured (beside a fixed grid only: under tree="auto" every cell is auto)."""
+        return self.tree == "fixed" and self.auto_column
 
     def has_auto(self) -> bool:
         """Whether any cell runs the cost-aware selection (and needs the curve)."""
@@ -87,7 +91,7 @@ class SweepConfig:
         SamplingConfig(self.temp, self.top_p)  # raises on a bad value
         if not self.lookups or min(self.lookups) < 0:
             raise RedrafterError(f"Lookup beams must be at least 0 (got {self.lookups}).")
-        if self.tree not in ("fixed", "auto"):
+        if self.tree not in TREES:
             raise RedrafterError(f"The sweep's tree must be fixed or auto (got {self.tree!r}).", "Use --tree fixed or --tree auto.")
 
 
@@ -314,11 +318,15 @@ def best_per_shape(cells: List[dict], auto_column: bool = False) -> List[dict]:
 
 def heatmap_lengths(config: SweepConfig) -> list:
     """The heatmaps' columns: the lengths, then ``auto`` when the sweep has its auto column."""
-    return list(config.lengths) + ([AUTO] if _auto_column(config) else [])
+    return list(config.lengths) + ([AUTO] if config.auto_column_on() else [])
 
 
-def _auto_column(config: SweepConfig) -> bool:
-    return config.tree == "fixed" and config.auto_column
+def heatmap_matrices(results: dict, config: SweepConfig, keys) -> Tuple[list, Dict[str, np.ndarray]]:
+    """``(columns, {key: [widths, columns] matrix})`` that the heatmaps of
+    ``keys`` draw: each shape's fastest lookup setting, the auto column last."""
+    shown = {**results, "cells": best_per_shape(results["cells"], config.auto_column_on())}
+    lengths = heatmap_lengths(config)
+    return lengths, {key: grid_matrix(shown, key, config.widths, lengths) for key in keys}
 
 
 # --------------------------------------------------------------------------- outputs
@@ -331,11 +339,9 @@ def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.n
     write_csv(results, out_dir / "results.csv")
     (out_dir / "results.md").write_text(markdown_table(results))
     drawn = {}
-    shown = {**results, "cells": best_per_shape(results["cells"], _auto_column(config))}
-    lengths = heatmap_lengths(config)
+    lengths, matrices = heatmap_matrices(results, config, HEATMAPS)
     for key, (name, title, fmt) in HEATMAPS.items():
-        m = grid_matrix(shown, key, config.widths, lengths)
-        drawn[key] = plot_heatmap(m, config.widths, lengths, _title(title, config), out_dir / name, fmt,
+        drawn[key] = plot_heatmap(matrices[key], config.widths, lengths, _title(title, config), out_dir / name, fmt,
                                   center=1.0 if key == "speedup" else None)
     return drawn
 
@@ -385,14 +391,13 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
 
 def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
     """Heatmaps in the terminal, the best cell, the notes and the files."""
-    shown = {**results, "cells": best_per_shape(results["cells"], _auto_column(config))}
-    lengths = heatmap_lengths(config)
-    for key in ("speedup", "tokens_per_step", "tokens_per_s"):
+    keys = ("speedup", "tokens_per_step", "tokens_per_s")
+    lengths, matrices = heatmap_matrices(results, config, keys)
+    for key in keys:
         _, title, fmt = HEATMAPS[key]
-        m = grid_matrix(shown, key, config.widths, lengths)
-        console.print(heatmap_table(m, config.widths, lengths, _title(title, config), fmt,
+        console.print(heatmap_table(matrices[key], config.widths, lengths, _title(title, config), fmt,
                                     center=1.0 if key == "speedup" else None))
-    if _auto_column(config):
+    if config.auto_column_on():
         console.print(f"[dim]{AUTO}: the cost-aware selection (--tree auto) with W x L={max(config.lengths)} as caps[/dim]")
     base = [b["tokens_per_s"] for b in results["baselines"]]
     if base:
