@@ -55,14 +55,20 @@ def reply_layers(model) -> list:
     return default_feature_layers(len(model.model.layers))
 
 
-PROMPTS_OF: dict = {}  # id(reply tokens) -> the templated prompt ids it answers (what lookup drafts see first)
+class Replies(list):
+    """``[(tokens [n], context [n, c])]``, and ``prompts``: each reply's
+    templated prompt ids (what context lookup sees before the reply)."""
+
+    def __init__(self, items, prompts):
+        super().__init__(items)
+        self.prompts = list(prompts)
 
 
 def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
     """``[(tokens [n], context [n, c])]``: greedy replies and, at each
     position, the hidden state that produced the token there (features
-    first when ``layers``). Cached in ``cache`` (keyed by the settings),
-    with each reply's prompt ids (:func:`prompt_of`)."""
+    first when ``layers``), as :class:`Replies` (with each reply's prompt
+    ids). Cached in ``cache`` (keyed by the settings)."""
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]  # which prompts, not only how many
     key = {"prompts": len(prompts), "digest": digest, "max_tokens": max_tokens, "layers": list(layers), "with_prompts": 1}
     if cache.exists():
@@ -70,10 +76,8 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
         if json.loads(meta["key"]) == key:
             offsets, p_off = np.array(arrays["offsets"]), np.array(arrays["prompt_offsets"])
             t, c, pt = np.array(arrays["tokens"]), np.array(arrays["context"]), np.array(arrays["prompt_tokens"])
-            out = [(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
-            for (tokens, _), a, b in zip(out, p_off[:-1], p_off[1:]):
-                PROMPTS_OF[id(tokens)] = pt[a:b]
-            return out
+            return Replies([(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])],
+                           [pt[a:b] for a, b in zip(p_off[:-1], p_off[1:])])
     cfg = DistillConfig(batch_size=40, max_new_tokens=max_tokens, prompt_positions=False, top_k=0, feature_layers=list(layers), stop_loops=0)
     d = Distiller(model, tok, cfg)
     queue = deque((c, 0, []) for c in prompts)
@@ -88,7 +92,6 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
                 ctx = np.concatenate([np.stack(row.extra["features"]), ctx], axis=1)
             out.append((np.array(row.tokens, np.int32), ctx))
             asked.append(np.array(d.encode(row.messages), np.int32))
-            PROMPTS_OF[id(out[-1][0])] = asked[-1]
 
     tic = time.perf_counter()
     d.run(queue, done, lambda: False)
@@ -101,15 +104,16 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
                                      "prompt_tokens": mx.array(np.concatenate(asked)),
                                      "prompt_offsets": mx.array(np.cumsum([0] + [len(a) for a in asked]))},
                         {"key": json.dumps(key)})
-    return out
+    return Replies(out, asked)
 
 
-def prompt_of(tokens: np.ndarray) -> np.ndarray:
-    """The templated prompt ids a reply of :func:`replies` answers."""
-    return PROMPTS_OF[id(tokens)]
+def rates(hits: np.ndarray, seen: np.ndarray) -> dict:
+    """A calibration table: ``q`` (accepted share, None where nothing fell) and ``n`` (drafts counted)."""
+    q = [[round(float(hi / n), 3) if n else None for hi, n in zip(hr, nr)] for hr, nr in zip(hits, seen)]
+    return {"q": q, "n": seen.astype(int).tolist()}
 
 
-def lookup_calibration(data, length: int = 4) -> dict:
+def lookup_calibration(data: Replies, length: int = 4) -> dict:
     """Context lookup's side of the tree=auto calibration, offline: walking
     each reply token by token over its prompt and the reply so far (what
     draft/lookup.py's ``Lookup`` sees after emitting that token), the share
@@ -120,8 +124,8 @@ def lookup_calibration(data, length: int = 4) -> dict:
 
     src = SOURCES.index("lookup")
     hits, seen = np.zeros((length, N_BUCKETS)), np.zeros((length, N_BUCKETS))
-    for t, _ in data:
-        look = Lookup(prompt_of(t).tolist())
+    for (t, _), prompt in zip(data, data.prompts):
+        look = Lookup(prompt.tolist())
         for pos in range(len(t) - 1):
             look.extend([int(t[pos])])
             rows = look.propose(length, 1)
@@ -133,8 +137,7 @@ def lookup_calibration(data, length: int = 4) -> dict:
                 if token != t[pos + 1 + d]:
                     break
                 hits[d, b] += 1
-    q = [[round(float(hi / n), 3) if n else None for hi, n in zip(hr, nr)] for hr, nr in zip(hits, seen)]
-    return {"q": q, "n": seen.astype(int).tolist()}
+    return rates(hits, seen)
 
 
 def pick(context: np.ndarray, have, want, hidden: int) -> np.ndarray:
@@ -186,8 +189,7 @@ def calibration(drafter, embed, data, layers=()) -> dict:
             b = bucket_of(np, np.zeros(int(m.sum()), np.int32), score[m, d])
             np.add.at(hits[d], b, right[m, d])
             np.add.at(seen[d], b, 1)
-    q = [[round(float(hi / n), 3) if n else None for hi, n in zip(hr, nr)] for hr, nr in zip(hits, seen)]
-    return {"q": q, "n": seen.astype(int).tolist()}
+    return rates(hits, seen)
 
 
 def walk(runs: np.ndarray, length: int) -> int:
