@@ -126,12 +126,13 @@ def prompts(n: int, vocab: int = VOCAB, seed: int = 3, length: int = 6):
     return [mx.random.randint(0, vocab, (length + i,)).tolist() for i in range(n)]
 
 
-def run_steps(model, p, draft, n: int, cache=None):
-    """The first ``n`` tokens of the step loop, its stats, and its cache after close."""
+def run_steps(model, p, draft, n: int, cache=None, history=()):
+    """The first ``n`` tokens of the step loop, its stats, and its cache after
+    close. ``history``: the lookup context before the prompt."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = cache if cache is not None else make_prompt_cache(model)
-    steps = redrafter_steps(model, mx.array(p, mx.int32), cache, draft=draft)
+    steps = redrafter_steps(model, mx.array(p, mx.int32), cache, draft=draft, history=history)
     out, stats = [], []
     for s in steps:
         out += s.tokens

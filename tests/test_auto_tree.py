@@ -322,22 +322,11 @@ def test_the_loops_learn_from_lookup_rows_they_leave_out(monkeypatch, pipelined)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(auto_mod.AutoTree, "observe_unverified", spy)
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_redrafter.step.dispatch import redrafter_steps
-
     model = tiny_model("llama")
     p = prompts(1)[0]
     ref = generate_tokens(model, p, max_tokens=N)[0]
     steep_start = CostCurve(tuple([1.0, 1.55] + [1.55 + 0.6 * n for n in range(1, 15)]))
     # The lookup context holds this very reply: every proposed row is right.
-    steps = redrafter_steps(model, mx.array(p, mx.int32), make_prompt_cache(model),
-                            draft=auto(None, 2, 1, 1, steep_start, pipelined), history=p + ref)
-    got = []
-    for step in steps:
-        got += step.tokens
-        if len(got) >= N:
-            break
-    steps.close()
-    assert got[:N] == ref
+    got = run_steps(model, p, auto(None, 2, 1, 1, steep_start, pipelined), N, history=p + ref)[0]
+    assert got == ref
     assert seen and all(source == "lookup" for _, _, source, _, _ in seen)
