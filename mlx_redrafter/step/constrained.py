@@ -88,11 +88,12 @@ def constrained_steps(
     sampling = sampling or SamplingConfig()
     check_cache(cache)
     embed, backbone, head = model_parts(model, draft.feature_layers)
-    drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
+    drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt), sampling.greedy)
     matcher, eos = grammar.matcher(), set(grammar.eos_ids)
 
     tic = time.perf_counter()
     logits, context = prefill(backbone, head, cache, prompt)
+    drafts.prefilled(cache)
     g0 = sample_first(apply_mask(logits, matcher.mask()), sampling)
     vals = host_read(g0, *drafts.start(context, g0))
     syncs, last = 1, vals[0]

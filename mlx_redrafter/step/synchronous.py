@@ -59,6 +59,9 @@ class _DrafterBeams:
         self.beams, depth = self.draft(context, g0)
         return [count_nodes(self.beams, depth), depth]
 
+    def prefilled(self, cache) -> None:
+        """The prompt is in ``cache``: nothing to do without tree="auto"."""
+
     def finish(self, vals: List[int], emitted: List[int]):
         """``(beams, n_nodes, depth)`` of the next tree, from the synced values."""
         n_nodes, depth = vals
@@ -74,14 +77,19 @@ class _JoinedBeams(_DrafterBeams):
 
     padded = True
 
-    def __init__(self, embed, draft: DraftConfig, prompt: List[int]):
+    def __init__(self, embed, draft: DraftConfig, prompt: List[int], greedy: bool):
         super().__init__(embed, draft)
         self.lookup = Lookup(prompt) if draft.lookup else None
         self.store = StoreLookup(draft.datastore, prompt) if draft.datastore is not None else None
         self.sources = ()
         self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
-        self.greedy = True  # synchronous_steps sets it: left-out rows are learned from under greedy decoding only
+        self.greedy = greedy  # left-out rows are learned from under greedy decoding only
         self.left_out = None  # tree="auto": (rows, scores, source) of host rows the last trim dropped whole
+
+    def prefilled(self, cache) -> None:
+        """tree="auto": trees are priced at their context, the prompt (and any cached turns) first."""
+        if self.auto is not None:
+            self.auto.advance(getattr(cache[0], "offset", 0))
 
     def start(self, context, g0) -> List[mx.array]:
         if self.cfg.drafter is None:
@@ -147,14 +155,12 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
     """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, one step at a time (see the module doc)."""
     embed, backbone, head = model_parts(model, draft.feature_layers)
     if draft.lookup_rows or draft.tree == "auto":
-        drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt))
-        drafts.greedy = sampling.greedy
+        drafts = _JoinedBeams(embed, draft, list(history) + host_read(prompt), sampling.greedy)
     else:
         drafts = _DrafterBeams(embed, draft)
     tic = time.perf_counter()
     logits, context = prefill(backbone, head, cache, prompt)
-    if getattr(drafts, "auto", None) is not None:
-        drafts.auto.advance(getattr(cache[0], "offset", 0))  # the prompt (and any cached turns): trees are priced at their context
+    drafts.prefilled(cache)
     g0 = sample_first(logits, sampling)
     vals = host_read(g0, *drafts.start(context, g0))
     syncs = 1
