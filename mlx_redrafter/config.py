@@ -27,6 +27,10 @@ DEFAULT_LOOKUP = 1
 # Tokens per lookup draft: measured offline on the default model's greedy
 # replies (MT-Bench, Spec-Bench summarization; see draft/lookup.py).
 LOOKUP_LENGTH = 4
+# Token id of padding after the end of a shorter draft row: every draft source
+# (draft/) writes it and the step that consumes the rows (step/tree.py) reads it,
+# so it lives on the floor both stand on.
+PAD = -1
 # Which draft nodes a step verifies (see DraftConfig.tree) for a float model;
 # a quantized one defaults to "auto" (step/curve.py: default_tree; bench/RESULTS.md section 18).
 DEFAULT_TREE = "fixed"

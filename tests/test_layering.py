@@ -39,7 +39,7 @@ NAMED = [
     "tuning/measure", "tuning/cost", "tuning/sweep", "tuning/report",
     "train/distill", "train/shards", "train/trainer", "train/world", "train/controller",
     "chat/terminal", "chat/conversation", "chat/commands", "chat/settings",
-    "serve/engine", "serve/openai_api",
+    "serve/engine", "serve/app", "serve/streaming", "serve/openai_api", "serve/ollama_api",
 ]
 COMMANDS = (P + "cli", P + "chat", P + "tuning.sweep", P + "serve")
 
@@ -153,6 +153,12 @@ def test_llm_imports_only_the_ground_floor():
 
 def test_step_and_draft_import_only_llm_config_and_each_other():
     assert not offenders(files_of(ENGINE), GROUND + CONFIG + LLM + ENGINE)
+
+
+def test_draft_sources_do_not_import_the_step_that_consumes_them():
+    """Arrays flow one way: draft/ proposes rows, step/ verifies them; a shared
+    constant (PAD) lives on the floor both stand on (config.py)."""
+    assert not offenders(files_of(["draft"]), GROUND + CONFIG + LLM + ["draft"])
 
 
 def test_nothing_below_imports_the_tools_the_apps_or_the_cli():

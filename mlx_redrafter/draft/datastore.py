@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import RedrafterError
 from ..files import cache_root
 from ..profiles import model_id
-from ..step.tree import PAD
+from ..config import PAD
 from .datastore_file import read_store, write_store
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Tuple
 
-from ..step.tree import PAD
+from ..config import PAD
 
 # Measured offline on the default model's greedy replies (MT-Bench, Spec-Bench
 # summarization): suffixes of 3 then 2 tokens, the latest occurrence, 4 tokens

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-PAD = -1  # token id of padding after the end of a shorter beam
+from ..config import PAD  # noqa: F401  (padding after the end of a shorter beam; re-exported)
 
 
 @dataclass
