@@ -93,7 +93,11 @@ def test_cli_json_schema_and_json(capsys, tmp_path):
     assert code == 0, err
     _valid(out.strip())
     code, out, err = _cli(capsys, "-n", "2", "--json", "-p", ASK)
-    assert code == 0 and "Warning" in err and "not parse" in err
+    assert code == 1 and "Error:" in err and "not parse" in err and "Raise --max-tokens (now 2)" in err
+    with pytest.raises(json.JSONDecodeError):  # what the exit status warns a script of
+        json.loads(out)
+    code, out, err = _cli(capsys, "-n", "3", "--json-schema", str(schema), "-p", ASK)
+    assert code == 1 and "before the JSON was complete" in err
 
 
 @pytest.mark.parametrize("content, message", [

@@ -41,7 +41,8 @@ def generate(
     """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter).
 
     With --json or --json-schema the reply is structured output (exactly
-    plain constrained decoding; drafting runs the synchronous loop)."""
+    plain constrained decoding; drafting runs the synchronous loop); cut by
+    --max-tokens before the JSON closes, it exits with status 1."""
     from ..generate import stream_generate
     from ..responses import Tally
 
@@ -56,10 +57,13 @@ def generate(
         print(r.text, end="", flush=True)
         tally.add(r)
     print()
-    if tally.last is not None and tally.last.incomplete:
-        err.print(f"[bold yellow]Warning:[/bold yellow] the reply stopped ({tally.last.finish_reason}) before the "
+    cut = tally.last is not None and tally.last.incomplete
+    if cut:
+        err.print(f"[bold red]Error:[/bold red] the reply stopped ({tally.last.finish_reason}) before the "
                   f"JSON was complete: it will not parse. Raise --max-tokens (now {max_tokens}).", soft_wrap=True)
     err.print(f"[dim]{tally.summary()}[/dim]")
+    if cut:  # a script reading the JSON learns it from the exit status, not from its parser
+        raise typer.Exit(1)
 
 
 def _grammar(json_any: bool, schema_file: Optional[Path]):
