@@ -67,7 +67,7 @@ def test_serve_appends_each_reply(default_model, cleared, record):
 
     from mlx_redrafter.runtime import load_runtime
     from mlx_redrafter.serve import Engine
-    from mlx_redrafter.serve.openai_api import create_app
+    from mlx_redrafter.serve.app import create_app
 
     rt = load_runtime("default", history=record)
     with TestClient(create_app(Engine(rt, max_tokens=8))) as http:

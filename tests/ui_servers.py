@@ -98,7 +98,9 @@ def fake_app(pieces: List[Tuple[str, str]]):
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    from mlx_redrafter.serve.openai_api import APIError, mount_ui
+    from mlx_redrafter.serve.app import mount_ui
+    from mlx_redrafter.serve.openai_api import error_response
+    from mlx_redrafter.serve.streaming import BUSY, Failure
 
     app = FastAPI()
 
@@ -110,8 +112,8 @@ def fake_app(pieces: List[Tuple[str, str]]):
     async def chat(request: Request):  # Request at module level: FastAPI resolves the annotation there
         body = await request.json()
         if body["messages"][-1]["content"] == "busy":
-            return APIError(503, "The server is busy: 4 requests are waiting for the model (the bound is 4). "
-                            "Retry later.", type="server_error", code="queue_full").response()
+            return error_response(Failure(503, "The server is busy: 4 requests are waiting for the model "
+                                          "(the bound is 4). Retry later.", BUSY))
         return StreamingResponse(_chunks(pieces), media_type="text/event-stream")
 
     mount_ui(app)

@@ -209,7 +209,7 @@ def serve(
     try:
         import uvicorn
 
-        from ..serve.openai_api import create_app
+        from ..serve.app import create_app
     except ImportError as e:
         raise RedrafterError(f"The server needs packages that are not installed ({e.name}).",
                              "pip install 'mlx-redrafter[server]'") from None

@@ -2,8 +2,12 @@
 
 * engine.py: the core, without HTTP: a fair bounded queue of jobs on one
   worker thread, and the KV cache consecutive requests share;
-* openai_api.py: the HTTP layer (FastAPI; the ``server`` extra), with the
-  chat page (ui/, static files) at ``/``;
+* app.py: the HTTP app (FastAPI; the ``server`` extra): every API's routes,
+  ``/health``, ``/metrics``, the chat page (ui/, static files) at ``/``, and
+  each API's error shape by path;
+* streaming.py: what every route shares: queueing a job, the worker's
+  events on the event loop, streamed replies, the neutral ``Failure``;
+* openai_api.py, openai_reply.py: OpenAI's API;
 * ollama_api.py, ollama_reply.py: Ollama's native API on the same engine;
 * tools.py: tool calling (tools into the prompt, calls out of the reply).
 """

@@ -1,7 +1,7 @@
 """The core of ``mlx-redrafter serve``: one model, a fair bounded queue of
 requests, and the KV caches that requests share.
 
-No HTTP here (that is :mod:`~mlx_redrafter.serve.openai_api`, a thin layer on top):
+No HTTP here (that is :mod:`~mlx_redrafter.serve.app`, a thin layer on top):
 :class:`Engine` turns token ids into a :class:`Job`, runs jobs one at a time
 on its worker thread, and reports each job's text through the job's
 ``emit`` callback.

@@ -18,21 +18,17 @@ Errors are Ollama's: ``{"error": "..."}``, also as a line of a stream.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from dataclasses import replace
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import RedrafterError
-from .engine import Engine, GenParams, QueueFull
+from .engine import Engine, GenParams
 from .ollama_reply import ModelFacts, OllamaReply, line
-from .openai_api import _CancellingStream, _events
+from .streaming import CRASH, INVALID, NO_MODEL, Failure, client_left, generation_failure, grammar, sampling, submit
 from .tools import render
 
 log = logging.getLogger(__name__)
@@ -49,15 +45,10 @@ NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_pe
                    "mirostat_tau": None, "mirostat_eta": None}
 
 
-class OllamaError(Exception):
-    """An error answered as Ollama's ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": self.message})
+def error_response(f: Failure) -> JSONResponse:
+    """Ollama's error: ``{"error": message}`` (the message names the field at fault)."""
+    named = f.param is None or f.param in f.message
+    return JSONResponse(status_code=f.status, content={"error": f.message if named else f"{f.param}: {f.message}"})
 
 
 class _Body(BaseModel):
@@ -114,48 +105,26 @@ class ModelBody(_Body):
     name: Optional[str] = None  # older clients' name for ``model``
 
 
-class _OllamaRoute(APIRoute):
-    """Answers this router's errors in Ollama's shape (the app's handlers answer OpenAI's)."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def route(request: Request):
-            try:
-                return await handler(request)
-            except OllamaError as e:
-                return e.response()
-            except RequestValidationError as e:
-                first = (e.errors() or [{}])[0]
-                where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-                return OllamaError(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}").response()
-            except Exception as e:  # the app's handler would answer OpenAI's shape
-                log.exception("Ollama route %s failed", request.url.path)
-                return OllamaError(500, f"{type(e).__name__}: {e}").response()
-
-        return route
-
-
 def _unsupported(req: _Generation, extra: dict) -> None:
     """A 400 naming the first field this server cannot honour yet."""
     asked = [k for k, v in extra.items() if v]
     if req.think not in (None, False):
-        raise OllamaError(400, "'think' is not supported: the served model does not think; drop it.")
+        raise Failure(400, "'think' is not supported: the served model does not think; drop it.")
     if req.logprobs or req.top_logprobs:
-        raise OllamaError(400, "'logprobs' is not supported yet; drop it.")
+        raise Failure(400, "'logprobs' is not supported yet; drop it.")
     if asked:
-        raise OllamaError(400, f"'{asked[0]}' is not supported by this server; drop it.")
+        raise Failure(400, f"'{asked[0]}' is not supported by this server; drop it.")
     options = req.options.model_extra if req.options is not None else {}
     for name, value in (options or {}).items():
         if name in RUNTIME_OPTIONS:
             log.warning("Ignoring the Ollama option %s=%r: it tunes Ollama's own runtime.", name, value)
         elif name not in NEUTRAL_OPTIONS or NEUTRAL_OPTIONS[name] not in (None, value):
-            raise OllamaError(400, f"The option 'options.{name}' is not supported by this server; drop it.")
+            raise Failure(400, f"The option 'options.{name}' is not supported by this server; drop it.")
 
 
 def _check_model(engine: Engine, facts: ModelFacts, model: Optional[str]) -> None:
     if model and model not in (engine.model_id, facts.name):
-        raise OllamaError(404, f"model '{model}' not found; this server serves '{facts.name}'.")
+        raise Failure(404, f"model '{model}' not found; this server serves '{facts.name}'.", NO_MODEL, "model")
 
 
 async def _grammar(engine: Engine, fmt):
@@ -164,29 +133,25 @@ async def _grammar(engine: Engine, fmt):
     if fmt in (None, ""):
         return None
     if not (fmt == "json" or isinstance(fmt, dict)):
-        raise OllamaError(400, f"'format' must be \"json\" or a JSON Schema object (got {fmt!r}).")
-    try:  # off the event loop: the first compile builds the tokenizer's index
-        return await asyncio.to_thread(engine.grammar, fmt)
-    except RedrafterError as e:
-        raise OllamaError(400, f"format: {e.problem}") from None
+        raise Failure(400, f"'format' must be \"json\" or a JSON Schema object (got {fmt!r}).", INVALID, "format")
+    return await grammar(engine, fmt, "format")
 
 
 def _params(engine: Engine, options: Optional[Options], grammar=None) -> GenParams:
     o = options or Options()
-    asked = {"temp": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "min_p": o.min_p}
-    sampling = replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
+    sampled = sampling(engine, temp=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p)
     stop = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
     if o.num_predict == 0:
-        raise OllamaError(400, "options.num_predict must be positive, or -1 (until the context is full).")
+        raise Failure(400, "options.num_predict must be positive, or -1 (until the context is full).")
     # -1 (no limit) and -2 (fill the context): the engine cuts it to the context's room.
     max_tokens = engine.max_tokens if o.num_predict is None else (o.num_predict if o.num_predict > 0 else 1 << 30)
     seed = o.seed if o.seed is None or o.seed >= 0 else None
-    return GenParams(max_tokens, sampling, seed, stop, grammar)
+    return GenParams(max_tokens, sampled, seed, stop, grammar)
 
 
 def ollama_router(engine: Engine) -> APIRouter:
     """The Ollama routes over ``engine`` (include it in the app that runs the engine)."""
-    router = APIRouter(route_class=_OllamaRoute)
+    router = APIRouter()
     facts: List[ModelFacts] = []
 
     def model_facts() -> ModelFacts:  # measured on first use, not at import
@@ -234,9 +199,9 @@ def _render(engine: Engine, body: ChatBody):
     try:
         return render(engine.rt.tokenizer, messages, body.tools or None)
     except RedrafterError as e:
-        raise OllamaError(400, e.problem) from None
+        raise Failure(400, e.problem) from None
     except Exception as e:  # e.g. a template that refuses a role, or tools that are not function schemas
-        raise OllamaError(400, f"Could not render these messages and tools: {type(e).__name__}: {e}") from None
+        raise Failure(400, f"Could not render these messages and tools: {type(e).__name__}: {e}") from None
 
 
 def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:
@@ -252,31 +217,20 @@ async def _answer(engine: Engine, body: _Generation, request: Request, ids: List
     """Queue the request and answer it, as NDJSON lines or one object."""
     if not ids:  # Ollama's way to load a model: nothing to generate
         return reply.loaded()
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-
-    def emit(kind, value):  # called on the worker thread
-        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
-
-    grammar = await _grammar(engine, body.format)
-    try:
-        job = engine.job(ids, _params(engine, body.options, grammar), emit)
-        engine.submit(job)
-    except RedrafterError as e:
-        raise OllamaError(400, e.problem) from None
-    except QueueFull as e:
-        raise OllamaError(503, f"server busy: {e} Retry later.") from None
-    lines = _lines(reply, _events(events, job, request), body.stream)
+    compiled = await _grammar(engine, body.format)
+    queued = submit(engine, ids, _params(engine, body.options, compiled),
+                    "messages" if isinstance(body, ChatBody) else "prompt")
+    lines = _lines(reply, queued.events(request), body.stream)
     if body.stream:
-        return _CancellingStream(job, lines, media_type="application/x-ndjson")
+        return queued.stream(lines, media_type="application/x-ndjson")
     try:
         out = [obj async for obj in lines]
     finally:
-        job.cancel()  # a no-op once it is done; stops it when this handler is cancelled
+        queued.job.cancel()  # a no-op once it is done; stops it when this handler is cancelled
     if not out:  # the client left: nobody reads this
-        return JSONResponse(status_code=499, content=None)
+        return client_left()
     if "error" in out[-1]:
-        raise OllamaError(500, out[-1]["error"])
+        raise Failure(500, out[-1]["error"], CRASH)
     return out[-1]
 
 
@@ -288,7 +242,7 @@ async def _lines(reply: OllamaReply, events, streamed: bool):
                 if streamed:
                     yield line(obj)
         elif kind == "error":
-            error = f"Generation failed: {type(value).__name__}: {value}"
+            error = generation_failure(value).message
             yield line({"error": error}) if streamed else {"error": error}
             return
         elif not value.cancelled:

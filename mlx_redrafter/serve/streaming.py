@@ -1,0 +1,170 @@
+"""What every API of ``serve`` shares between its request and the
+:class:`~mlx_redrafter.serve.engine.Engine`: the model check, the sampling a
+request asks for, its grammar, queueing a job, the bridge from the worker
+thread's ``emit`` to the event loop, and streamed replies that stop their job
+however the stream ends.
+
+Each API answers errors in its own shape (OpenAI's error object, Ollama's
+``{"error": ...}``, Anthropic's ``{"type": "error", ...}``), so this module
+raises one neutral :class:`Failure` and each API turns it into its shape
+(``kind`` says what went wrong in OpenAI's ``code`` vocabulary, which the
+other shapes map from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import AsyncIterator, List, Optional, Sequence, Tuple
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..config import SamplingConfig
+from ..errors import RedrafterError
+from .engine import Engine, GenParams, Job, QueueFull, Result
+
+# How often a request waiting for the model checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+# What a failure is, in OpenAI's ``code`` words; each API maps these to its own.
+INVALID = "invalid_value"
+MISSING = "missing_required_parameter"
+UNSUPPORTED = "unsupported_parameter"
+TOO_LONG = "context_length_exceeded"
+NO_MODEL = "model_not_found"
+NOT_FOUND = "not_found"
+BUSY = "queue_full"
+CRASH = "server_error"
+UNAUTHORIZED = "invalid_api_key"
+FORBIDDEN = "forbidden"
+
+
+class Failure(Exception):
+    """A request that cannot be answered: an HTTP ``status``, a ``message``
+    that says what to change, the ``kind`` of failure (the constants above)
+    and the request field at fault (``param``, dotted)."""
+
+    def __init__(self, status: int, message: str, kind: str = INVALID, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def generation_failure(e: BaseException) -> Failure:
+    """The failure of a job that raised on the worker: a request the engine
+    refused (a :class:`RedrafterError`) is the client's, anything else ours."""
+    if isinstance(e, RedrafterError):
+        return Failure(400, e.problem)
+    return Failure(500, f"Generation failed: {type(e).__name__}: {e}", CRASH)
+
+
+def unsupported(field: str, hint: str = "drop it from the request") -> Failure:
+    """The 400 of a field this server cannot honour (named, never silently ignored)."""
+    return Failure(400, f"'{field}' is not supported by mlx-redrafter serve; {hint}.", UNSUPPORTED, field)
+
+
+def check_model(engine: Engine, model: Optional[str], also: Sequence[str] = ()) -> None:
+    """A 404 for a request naming a model this server does not serve
+    (``also``: other names it answers to, such as Ollama's ``name:latest``)."""
+    if model and model not in (engine.model_id, *also):
+        raise Failure(404, f"The model '{model}' does not exist here; this server serves '{engine.model_id}'.",
+                      NO_MODEL, "model")
+
+
+def sampling(engine: Engine, **asked) -> SamplingConfig:
+    """The server's sampling with what the request set (``temp``, ``top_p``,
+    ``top_k``, ``min_p``; None: not set)."""
+    return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
+
+
+async def grammar(engine: Engine, spec, param: str):
+    """``spec`` (a JSON Schema, ``"json"``, ...) compiled for the model, or
+    None without one; a bad spec is a 400 at ``param`` naming the problem."""
+    if spec is None:
+        return None
+    try:  # off the event loop: the first compile builds the tokenizer's index (about a second)
+        return await asyncio.to_thread(engine.grammar, spec)
+    except RedrafterError as e:
+        raise Failure(400, e.problem, INVALID, param) from None
+
+
+class Queued:
+    """A submitted job and the events its worker emits, on the event loop."""
+
+    def __init__(self, job: Job, events: "asyncio.Queue[Tuple[str, object]]"):
+        self.job, self._events = job, events
+
+    async def events(self, request: Request) -> AsyncIterator[Tuple[str, object]]:
+        """``("text", Piece)`` ... then ``("done", Result)`` or ``("error",
+        exception)``; cancels the job when the client leaves."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                kind = None
+            if await request.is_disconnected():
+                self.job.cancel()
+                return
+            if kind is None:
+                continue
+            yield kind, value
+            if kind in ("done", "error"):
+                return
+
+    async def result(self, request: Request) -> Optional[Result]:
+        """The finished job's :class:`Result` (None: its client left); a
+        :class:`Failure` when the generation failed."""
+        try:
+            async for kind, value in self.events(request):
+                if kind == "error":
+                    raise generation_failure(value)
+                if kind == "done":
+                    return None if value.cancelled else value
+        finally:
+            self.job.cancel()  # a no-op once it is done; stops it when this handler is cancelled
+        return None
+
+    def stream(self, body: AsyncIterator[str], media_type: str = "text/event-stream") -> StreamingResponse:
+        """``body`` streamed; the job stops however the stream ends."""
+        return CancellingStream(self.job, body, media_type=media_type)
+
+
+def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "messages") -> Queued:
+    """Queue a job for ``ids`` (a 400 at ``param`` when the prompt is empty or
+    does not fit the context, a 503 when the queue is full)."""
+    if not ids:
+        raise Failure(400, "The prompt is empty.", INVALID, param)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(kind, value):  # called on the worker thread
+        loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    try:
+        job = engine.job(ids, params, emit)
+    except RedrafterError as e:
+        raise Failure(400, e.problem, TOO_LONG, param) from None
+    try:
+        engine.submit(job)
+    except QueueFull as e:
+        raise Failure(503, f"The server is busy: {e} Retry later.", BUSY) from None
+    return Queued(job, events)
+
+
+def client_left() -> JSONResponse:
+    """The answer nobody reads: the client went away before its reply was done."""
+    return JSONResponse(status_code=499, content=None)
+
+
+class CancellingStream(StreamingResponse):
+    """A streamed reply that stops its job however the stream ends."""
+
+    def __init__(self, job: Job, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
