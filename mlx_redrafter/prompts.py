@@ -1,7 +1,9 @@
 """Prompt sets: the evaluation sets shipped with the package, user files, and
 the guard that keeps evaluation prompts out of training.
 
-A conversation is ``{"id", "category", "turns": [user messages]}``.
+A conversation is ``{"id", "category", "turns": [user messages]}``; one
+recorded from ``chat`` or ``serve`` (``make-drafter --prompts history``) also
+holds ``"ids"``, its first prompt's exact token ids.
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ def _conversation(record, index: int) -> Optional[dict]:
                 return None
             cid = record.get("id", record.get("question_id", record.get("task_id", index)))
             category = record.get("category", record.get("dataset", ""))
-            return {"id": str(cid), "category": str(category), "turns": [str(t) for t in turns]}
+            conv = {"id": str(cid), "category": str(category), "turns": [str(t) for t in turns]}
+            ids = record.get("prompt_ids")
+            if isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids):
+                conv["ids"] = ids
+            return conv
     return None
 
 
@@ -173,6 +179,18 @@ def chat_prompt_ids(tokenizer, messages: List[dict]) -> List[int]:
 def first_turn_ids(tokenizer, conversations: List[dict]) -> List[List[int]]:
     """The first user turn of every conversation, templated."""
     return [chat_prompt_ids(tokenizer, build_messages(None, [], c["turns"][0])) for c in conversations]
+
+
+def conversation_ids(tokenizer, conv: dict, raw: bool = False) -> List[int]:
+    """The first prompt of ``conv`` as token ids: the exact ``ids`` it was
+    recorded with (history), else its first turn as the text itself when
+    ``raw`` (a base model continues text, as ``generate`` feeds it), else
+    templated (:func:`first_turn_ids`)."""
+    if conv.get("ids"):
+        return list(conv["ids"])
+    if raw:
+        return list(encode_prompt(tokenizer, conv["turns"][0]))
+    return first_turn_ids(tokenizer, [conv])[0]
 
 
 # --------------------------------------------------------------------------- eval-set guard

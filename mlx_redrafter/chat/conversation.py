@@ -282,7 +282,7 @@ class ChatSession:
         self.prompt_cache.settle(ids + generated + eos)
         self._record(turn)
         if self.store_history is not None and generated:
-            self.store_history.remember(generated, turn.tally, self.base_draft.datastore)
+            self.store_history.remember(generated, turn.tally, self.base_draft.datastore, prompt=ids)
 
     def _record(self, turn: Turn) -> None:
         self.totals.add(turn)

@@ -131,15 +131,16 @@ def clear(
     model: str = ModelOpt,
     kind: str = typer.Option("history", "--kind", help="history | built | corpus | all"),
 ):
-    """Empty the model's history store (the replies chat and serve kept), or another kind."""
+    """Empty the model's history store (the replies chat and serve kept, and their prompts), or another kind."""
     from ..draft.datastore import KINDS, default_path
-    from ..draft.stores import session_path
+    from ..draft.stores import prompts_path, session_path
 
     kinds = KINDS if kind == "all" else (kind,)
     if not set(kinds) <= set(KINDS):
         raise RedrafterError(f"Unknown --kind {kind!r}.", f"Use one of {', '.join(KINDS)} or all.")
     for k in kinds:
         path = default_path(model, k)
-        for p in (path, path.with_name(path.name + ".done.json")) + ((session_path(model),) if k == "history" else ()):
+        history = (session_path(model), prompts_path(model)) if k == "history" else ()
+        for p in (path, path.with_name(path.name + ".done.json")) + history:
             p.unlink(missing_ok=True)
         print(f"cleared {k}: {path}")

@@ -4,9 +4,10 @@ A model's stores live in ``cache_root()/datastore/<digest of the model>/``
 (:func:`~mlx_redrafter.draft.datastore.default_path`):
 
 * ``history.bin``: the replies that ``chat`` and ``serve`` generated, appended
-  after each one (``--no-history`` turns it off). It is the user's own text,
-  as token ids, kept on this machine only; ``mlx-redrafter datastore clear``
-  empties it.
+  after each one (``--no-history`` turns it off), and ``history-prompts.bin``
+  beside it, the prompt of each (``make-drafter --prompts history`` distils
+  from them). It is the user's own text, as token ids, kept on this machine
+  only; ``mlx-redrafter datastore clear`` empties both.
 * ``built.bin``: replies to training prompts (``mlx-redrafter datastore build``).
 * ``corpus.bin``: the user's own documents (``mlx-redrafter datastore add``).
 * ``session.json``: the last chat or serve session's datastore counts (``info``).
@@ -166,6 +167,16 @@ def session_path(model_spec) -> Path:
     return default_path(model_spec, "history").with_name(SESSION)
 
 
+def prompts_path(model_spec) -> Path:
+    """The history's prompts, beside it: the exact ids each reply answered."""
+    return default_path(model_spec, "history").with_name("history-prompts.bin")
+
+
+def history_prompts(model_spec) -> List[List[int]]:
+    """The prompts that ``chat`` and ``serve`` kept for the model, oldest first."""
+    return Datastore.open(prompts_path(model_spec), model_key(model_spec)).sequences()
+
+
 def read_session(model_spec) -> Optional[SessionStats]:
     """The last session's counts, or None (none recorded, or unreadable)."""
     try:
@@ -178,16 +189,18 @@ def read_session(model_spec) -> Optional[SessionStats]:
 class History:
     """Appends replies to a model's history store and keeps the session's counts.
 
-    ``remember(tokens, tally, store)`` runs after each reply: the reply joins
-    the history (saved at once, atomically) and the session's counts are
-    written beside it. A failure to write is a warning: it never fails a reply."""
+    ``remember(tokens, tally, store, prompt=ids)`` runs after each reply: the
+    reply joins the history and its prompt the history's prompts (both saved
+    at once, atomically) and the session's counts are written beside them.
+    A failure to write is a warning: it never fails a reply."""
 
     def __init__(self, model_spec, store: Optional[Datastore] = None):
         self.model_spec = model_spec
         self.store = store or load_or_empty(default_path(model_spec, "history"), model_key(model_spec))
+        self.prompts = load_or_empty(prompts_path(model_spec), model_key(model_spec))
         self.session = SessionStats()
 
-    def remember(self, tokens: Sequence[int], tally=None, drafts=None) -> None:
+    def remember(self, tokens: Sequence[int], tally=None, drafts=None, prompt: Optional[Sequence[int]] = None) -> None:
         tokens = [int(t) for t in tokens]
         s = self.session
         s.replies += 1
@@ -201,6 +214,9 @@ class History:
             if tokens and self.store.refused is None:
                 self.store.add(tokens)
                 self.store.save()
+            if tokens and prompt and self.prompts.refused is None:
+                self.prompts.add([int(t) for t in prompt])
+                self.prompts.save()
             write_json_atomic(session_path(self.model_spec), asdict(s))
         except (OSError, RedrafterError) as e:
             log.warning("Could not save the datastore history: %s", e)

@@ -313,7 +313,7 @@ class Engine:
         for listener in self.listeners:
             listener(res)
         if self.rt.history is not None and generated:
-            self.rt.history.remember(generated, res.tally, self.rt.draft.datastore)
+            self.rt.history.remember(generated, res.tally, self.rt.draft.datastore, prompt=ids)
         job.emit("done", res)
         return res
 

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ..errors import RedrafterError
 from ..llm.parts import model_parts
-from ..prompts import chat_prompt_ids, read_conversations, refuse_eval_set
+from ..prompts import chat_prompt_ids, conversation_ids, read_conversations, refuse_eval_set
 from .shards import Manifest, Sequence, write_shard
 from .world import World, digest, model_fingerprint, world
 
@@ -54,6 +54,10 @@ class DistillConfig:
     # Copy each position's hidden state to the host (the drafter's training
     # data); False when only the tokens are wanted (``datastore build``).
     keep_hidden: bool = True
+    # First turns as the user's text alone, without a template or role lines:
+    # how a base model (no chat template) is prompted. Prompts recorded as
+    # token ids (history) are fed as they are either way.
+    raw: bool = False
 
 
 @dataclass
@@ -118,6 +122,13 @@ class Distiller:
     def encode(self, messages) -> List[int]:
         return chat_prompt_ids(self.tokenizer, messages)
 
+    def prompt_ids(self, conv: dict, turn: int, messages) -> List[int]:
+        """A turn's prompt: a first turn's recorded ids or raw text when it
+        has them (:func:`~mlx_redrafter.prompts.conversation_ids`), else the template's."""
+        if turn == 0 and (conv.get("ids") or self.cfg.raw):
+            return conversation_ids(self.tokenizer, conv, self.cfg.raw)
+        return self.encode(messages)
+
     def _forward(self, tokens: mx.array, cache, every: bool = False):
         """The batch's next tokens and what a row keeps of this position
         (of every position with ``every``, batch 1), as numpy arrays: one
@@ -157,7 +168,7 @@ class Distiller:
         """
         group, firsts = None, []
         for conv, turn, msgs in items:
-            prompt = self.encode(msgs)
+            prompt = self.prompt_ids(conv, turn, msgs)
             cache = [BatchKVCache([0]) for _ in self.model.layers]
             first, arrays = self._forward(mx.array([prompt], dtype=mx.int32), cache, every=self.cfg.prompt_positions)
             row = _Row(conv, turn, msgs, len(prompt))
@@ -214,7 +225,7 @@ class Distiller:
                 while queue and len(self.rows) + len(items) < B:
                     conv, turn, history = queue.popleft()
                     msgs = _messages(conv, turn, history, self.cfg.system)
-                    if len(self.encode(msgs)) > self.cfg.max_prompt_tokens:
+                    if len(self.prompt_ids(conv, turn, msgs)) > self.cfg.max_prompt_tokens:
                         self.skipped += 1
                         on_done(None, conv)  # the conversation ends here
                         continue
@@ -375,14 +386,17 @@ def _check_share(convs: list, cfg: DistillConfig, w: World) -> None:
         )
 
 
-def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, tokenizer=None, progress=None) -> Manifest:
+def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, tokenizer=None, progress=None,
+            stop=None) -> Manifest:
     """Answer training prompts with the LLM and write resumable shards to ``out``.
 
     Under ``mlx.launch`` each rank answers its share of the prompts into
     ``out/rank-R/`` and rank 0 writes ``out/progress.json`` for all of them
     once every rank finished; the returned manifest is that merged one.
     ``progress(manifest, running_tokens)`` is called after every decode step
-    with this rank's own manifest.
+    with this rank's own manifest; ``stop()``, when given, is asked after
+    it and ends the run when true (``make-drafter`` ends distillation when
+    the rates it measures say the budget's share is spent).
     Ctrl-C (KeyboardInterrupt) writes the finished replies before re-raising.
     """
     from ..llm.load import load_model
@@ -411,7 +425,7 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     def should_stop():
         if progress:
             progress(manifest, sum(len(s.tokens) for s in writer.pending) + sum(len(r.tokens) for r in distiller.rows))
-        return deadline is not None and time.perf_counter() > deadline
+        return (deadline is not None and time.perf_counter() > deadline) or (stop is not None and stop())
 
     try:
         distiller.run(queue, writer.on_done, should_stop)

@@ -231,7 +231,11 @@ def _check_inputs(model, corpus: Corpus, data_dir, cfg: TrainConfig, w: World) -
     })
 
 
-def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos_ids, w: World):
+# What ``train(extend=True)`` takes from its own config when it resumes a checkpoint.
+BUDGET_FIELDS = ("minutes", "max_steps", "epochs")
+
+
+def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos_ids, w: World, extend: bool = False):
     """The drafter, optimizer, config and :class:`Start` of a new or resumed
     run, identical on every rank: rank 0 reads the checkpoint (it alone wrote
     it) and its weights and optimizer state are sent to the others."""
@@ -244,7 +248,8 @@ def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos
         raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
     start = Start()
     if state is not None:
-        cfg = TrainConfig(**state["config"])
+        budget = {k: getattr(cfg, k) for k in BUDGET_FIELDS} if extend else {}
+        cfg = TrainConfig(**{**state["config"], **budget})
         start = Start(state["step"], state.get("seconds", 0.0), state.get("best_accepted", -1.0))
     if state is not None and w.rank == 0:
         drafter = load_drafter(ck / "drafter", dtype="float32")
@@ -339,6 +344,7 @@ def train(
     eos_ids=(),
     progress: Optional[Callable[[int, int, float], None]] = None,
     log_console: Optional[Callable[[str], None]] = None,
+    extend: bool = False,
 ) -> Path:
     """Train (or resume training) a drafter for ``model`` and save it to ``out``.
 
@@ -346,11 +352,16 @@ def train(
     batch indices, computes the gradient of its slice of each batch
     (``cfg.batch_size`` is the total), and the gradients are averaged, so the
     weights match a one-process run; rank 0 alone writes ``out``.
+
+    A resumed run keeps the checkpoint's settings; with ``extend`` it takes
+    its budget (``minutes``, ``max_steps``, ``epochs``) from ``cfg``, so a
+    larger budget trains on (``make-drafter`` reruns), on the data folder as
+    it is now (a rerun may have distilled more).
     """
     w, out, corpus = world(), Path(out), read_corpus(data_dir)
     _check_inputs(model, corpus, data_dir, cfg, w)
     embed, _, _ = model_parts(model)
-    drafter, optimizer, cfg, start = _begin(model, corpus, out, cfg, resume, eos_ids, w)
+    drafter, optimizer, cfg, start = _begin(model, corpus, out, cfg, resume, eos_ids, w, extend)
     if w.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     vmap = vocab_map(drafter, int(embed.weight.shape[0]))

@@ -94,6 +94,23 @@ class Pass:
     def peak_memory(self) -> int:
         return max((r.peak_memory for r in self.runs), default=0)
 
+    @property
+    def decode_time(self) -> float:
+        return sum(r.decode_time for r in self.runs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoding throughput over every prompt (the prefill left out: it is
+        the same work for every way of decoding)."""
+        secs = self.decode_time
+        return sum(r.decode_tokens for r in self.runs) / secs if secs > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per decode step (1 for plain decoding)."""
+        emitted = [n for r in self.runs for n, _ in r.step_tokens()]
+        return sum(emitted) / len(emitted) if emitted else 0.0
+
 
 def run_pass(
     model,
