@@ -63,6 +63,7 @@ class Result:
     drafted_by_source: Dict[str, int] = field(default_factory=dict)  # accepted draft tokens by source
     structured: bool = False  # the reply was constrained by a grammar
     incomplete: bool = False  # ...and ended before the grammar was complete (the JSON will not parse)
+    stop_sequence: Optional[str] = None  # the stop string that ended the reply (None: EOS, max_tokens, cancelled)
 
     @property
     def completion_tokens(self) -> int:
@@ -215,11 +216,11 @@ class Engine:
         ``mlx-redrafter generate`` encodes its prompt."""
         return chat_prompt_ids(self.rt.tokenizer, messages)
 
-    def render(self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None) -> Rendered:
+    def render(self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None, **options) -> Rendered:
         """``messages`` and ``tools`` through the chat template (see
-        :func:`~mlx_redrafter.serve.tools.render`); without tools the ids are
-        :meth:`chat_ids`'."""
-        return render(self.rt.tokenizer, messages, tools, tool_choice)
+        :func:`~mlx_redrafter.serve.tools.render`, which takes ``options``);
+        without tools the ids are :meth:`chat_ids`'."""
+        return render(self.rt.tokenizer, messages, tools, tool_choice, **options)
 
     def text_ids(self, prompt: str) -> List[int]:
         return encode_prompt(self.rt.tokenizer, prompt)
@@ -309,6 +310,8 @@ class Engine:
         # Cancelled mid-reply too: the closed step loop left the cache holding a
         # prefix of the prompt + the verified tokens (as in the chat after Ctrl-C).
         res.cancelled = res.finish_reason is None
+        if res.finish_reason == "stop" and not eos and job.params.stop:
+            res.stop_sequence = first_stop(self.rt.tokenizer.decode(generated), job.params.stop)
         self.cache.settle(ids + generated + eos)
         for listener in self.listeners:
             listener(res)
@@ -350,6 +353,12 @@ class Engine:
         c = self.cache
         return {"entries": c.entries, "bytes": c.nbytes, "hits": c.hits, "reused_tokens": c.reused_tokens,
                 "bound": c.lru.max_size, "bound_bytes": c.lru.max_bytes}
+
+
+def first_stop(text: str, stop: Sequence[str]) -> Optional[str]:
+    """The stop string that ends ``text`` first (the one the stream stopped at)."""
+    hits = [(text.find(s), i) for i, s in enumerate(stop) if s and s in text]
+    return stop[min(hits)[1]] if hits else None
 
 
 def _count(res: Result, r) -> bool:
