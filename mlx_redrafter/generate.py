@@ -40,6 +40,8 @@ from .runtime import tree_kw, with_curve
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
 
+# ``drafter=``'s default: the drafter store's drafter for the model, if any (draft/store.py).
+AUTO = "auto"
 INCOMPLETE = ("The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
               "the JSON is incomplete. Raise max_tokens.")
 
@@ -90,10 +92,19 @@ def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loos
     sampling = sampling or SamplingConfig(**loose_sampling)
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
-    _refuse_both(draft, "draft", **loose_draft, datastore=datastore is not None and datastore is not False)
+    auto = isinstance(loose_draft["drafter"], str) and loose_draft["drafter"] == AUTO
+    _refuse_both(draft, "draft", **{**loose_draft, "drafter": None if auto else loose_draft["drafter"]},
+                 datastore=datastore is not None and datastore is not False)
     if draft is not None:
         return sampling, with_curve(model, draft)
-    d = loose_draft
+    d = dict(loose_draft)
+    if auto:
+        from .draft.store import drafter_for
+
+        d["drafter"] = drafter_for(model)[0]
+    elif isinstance(d["drafter"], str):
+        raise RedrafterError(f"drafter={d['drafter']!r} is not a drafter.",
+                             f"Pass load_drafter({d['drafter']!r}), None for plain decoding, or {AUTO!r} for the store's.")
     draft = library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"],
                           warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"], model))
     store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
@@ -105,7 +116,7 @@ def stream_generate(
     model,
     tokenizer,
     prompt: Union[str, List[int], mx.array],
-    drafter=None,
+    drafter=AUTO,
     beam_width: Optional[int] = None,
     beam_length: Optional[int] = None,
     max_tokens: int = 256,
@@ -129,19 +140,20 @@ def stream_generate(
     grammar=None,
     tree: Optional[str] = None,
 ) -> Iterator[RedrafterResponse]:
-    """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when a
-    ``drafter`` is given (plain decoding when it is ``None``).
+    """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when
+    there is a drafter: the one given, else the drafter store's for this
+    model (plain decoding with ``drafter=None``).
 
     The prompt: a string is tokenized and used **as is, with no chat
     template** (as in mlx-lm); token ids (a list or an ``mx.array``) are used
     as they are. To chat, template the messages first::
 
-        from mlx_redrafter import load_drafter, load_model, stream_generate
+        from mlx_redrafter import load_model, stream_generate
 
         model, tokenizer = load_model("default")
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True)
-        for r in stream_generate(model, tokenizer, prompt, drafter=load_drafter("default")):
+        for r in stream_generate(model, tokenizer, prompt):  # the drafter shipped for "default"
             print(r.text, end="", flush=True)
 
     Each yielded :class:`~mlx_redrafter.responses.RedrafterResponse` is one
@@ -155,8 +167,14 @@ def stream_generate(
     ``generation_tokens``, ``generation_tps``, ``peak_memory``).
 
     Drafting keywords:
-        drafter: a :class:`Drafter` (``load_drafter("default")`` is the one
-            shipped for the default model), or ``None``.
+        drafter: a :class:`Drafter` (``load_drafter(...)``: a folder, a model
+            id, a Hub repo); ``None`` for no drafter (plain decoding, or
+            lookup drafts alone with ``lookup=True``); or ``"auto"`` (the
+            default): the drafter that fits this model in the drafter store
+            (``mlx-redrafter drafters list``: installed by ``make-drafter``,
+            fetched from the Hub, or shipped with the package, as
+            :func:`~mlx_redrafter.draft.store.find` picks it), else none.
+            The lookup is cached on the model: later calls cost a ``stat``.
         beam_width, beam_length: beams per step and tokens per beam
             (``beam_length`` counts drafted tokens, not ``g0``). Not given:
             this device's tuned profile (``mlx-redrafter sweep

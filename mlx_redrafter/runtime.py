@@ -31,20 +31,22 @@ def wants_no_drafter(drafter: Optional[str]) -> bool:
 
 
 def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
-    """``--drafter``, else the drafter shipped for ``model_spec``, else a clear error."""
+    """``--drafter`` (a folder, a stored drafter, a Hub repo: draft/hub.py
+    ``locate``), else the store's or the package's drafter for
+    ``model_spec`` (found from its files, before any load), else a clear error."""
+    from .draft.hub import locate
+    from .draft.store import find
+    from .llm.load import identity_for_spec
+
     if drafter is not None:
-        path = Path(drafter).expanduser()
-        if not path.exists():
-            raise RedrafterError(f"Drafter path does not exist: {drafter}", "Check the --drafter path.")
-        return path
-    path = shipped_drafter_path(model_spec)
-    if path is None:
-        hint = "(the default model's drafter is not installed yet)" if model_spec == "default" else f"for {model_spec!r}"
+        return locate(drafter).path
+    found = find(identity_for_spec(model_spec))
+    if found is None:
         raise RedrafterError(
-            f"No drafter given and none ships {hint}.",
-            "Pass --drafter PATH (train one with `mlx-redrafter distill` + `mlx-redrafter train`).",
+            f"No drafter given and the drafter store holds none for {model_spec!r}.",
+            f"Make one with `mlx-redrafter make-drafter --model {model_spec}`, or pass --drafter PATH|org/name.",
         )
-    return path
+    return found.path
 
 
 @dataclass
@@ -61,6 +63,9 @@ class Runtime:
     plain_reason: str = "no drafter"
     note: Optional[str] = None  # a measured fact the user should see, e.g. drafting is slower here
     history: object = None  # a draft.stores.History: chat and serve append each reply to it
+    drafter_source: Optional[str] = None  # where the drafter came from: the store, the package, the Hub
+    drafter_note: Optional[str] = None  # e.g. the drafter was trained on another copy of the model
+    hint: Optional[str] = None  # no drafter: how to make one
 
     # Read-only views of the resolved draft, for the announcement and reports.
     drafter = property(lambda self: self.draft.drafter)
@@ -81,6 +86,8 @@ class Runtime:
                 self._announce_unpaid(console)
             else:
                 console.print(f"[dim]model {self.model_spec}: plain decoding ({self.plain_reason})[/dim]")
+            if self.hint:
+                console.print(f"[yellow]{escape(self.hint)}[/yellow]", soft_wrap=True)
             return
         w, length = self.beam_width, self.beam_length
         guesses = f"{w} drafter guess{'es' if w > 1 else ''} of {length} token{'s' if length > 1 else ''}"
@@ -90,10 +97,12 @@ class Runtime:
             extra += f", tree auto on the {curve}"
         line = (f"model {self.model_spec}, drafting: {guesses}"
                 f"{' + ' + copies + ' per step' if self.draft.lookup_rows else ' per step (no copies from the context)'} "
-                f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}]")
+                f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}"
+                f"{f' ({self.drafter_source})' if self.drafter_source else ''}]")
         console.print(f"[dim]{escape(line)}[/dim]")
-        if self.note:
-            console.print(f"[yellow]Note: {self.note}[/yellow]")
+        for note in (self.drafter_note, self.note):
+            if note:
+                console.print(f"[yellow]Note: {escape(note)}[/yellow]")
         self._announce_datastore(console)
         self._announce_unpaid(console)
 
@@ -130,8 +139,6 @@ def _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptiv
         if v is not None and v < 1:
             raise RedrafterError(f"{name} must be at least 1 (got {v}).")
     parse_dtype(dtype)  # a bad dtype fails now, not after the load
-    if drafter_path is not None and not no_drafter and not Path(drafter_path).expanduser().exists():
-        raise RedrafterError(f"Drafter path does not exist: {drafter_path}", "Check the --drafter path.")
 
 
 def load_runtime(
@@ -186,18 +193,24 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
     _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
     DraftConfig(**({} if tree is None else {"tree": tree})).check()  # a bad --tree fails now, not after the load
     no_drafter = wants_no_drafter(drafter_path)
+    located = None
+    if drafter_path and not no_drafter:  # a missing folder or an uncached Hub repo fails before the slow load
+        from .draft.hub import locate
+
+        located = locate(drafter_path)
     model, tokenizer = load_model(model_spec, dtype=dtype)
     rt = Runtime(model, tokenizer, model_spec)
     if no_draft:
         rt.plain_reason = "--no-draft"
         return rt
-    path = None if no_drafter else (Path(drafter_path).expanduser() if drafter_path else shipped_drafter_path(model_spec))
-    if path is None:
+    located = located or (None if no_drafter else _store_drafter(model, model_spec))
+    if located is None:
         if adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
-        rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
-        rt.draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), tree=plain_tree(tree, model)), model_spec)
+        _without_drafter(rt, no_drafter, lookup, tree)
         return rt
+    path = located.path
+    rt.drafter_source, rt.drafter_note = (None if located.source == "given" else located.source), located.note
     drafter = load_drafter(path, dtype=dtype)
     check_fits(drafter, model)
     controller = None
@@ -216,6 +229,40 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
             f"--no-draft is faster here (same output)"
         )
     return rt
+
+
+def _store_drafter(model, model_spec: str):
+    """The drafter the store (or the package) holds for the loaded model, as a located folder, or None."""
+    from .draft.hub import Located
+    from .draft.store import find, model_identity
+
+    identity = model_identity(model, model_spec)
+    found = find(identity)
+    if found is None:
+        return None
+    return Located(found.path, found.source if found.shipped else f"from the store: {found.source}", found.note(identity))
+
+
+def _without_drafter(rt: Runtime, no_drafter: bool, lookup, tree: Optional[str]) -> None:
+    """The draft of a model without a drafter: lookup drafts as asked; not
+    asked (and no ``--drafter none``), where this device's verify-cost curve
+    says they pay, with the one line that says how to make a drafter."""
+    import dataclasses
+
+    from .step.auto import can_pay
+    from .step.curve import curve_for
+
+    model, spec = rt.model, rt.model_spec
+    rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
+    draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), tree=plain_tree(tree, model)), spec)
+    if not no_drafter:
+        pays = can_pay(dataclasses.replace(draft, lookup=1), curve_for(model, spec))
+        if lookup is None:
+            draft = dataclasses.replace(draft, lookup=int(pays))
+            if not pays:
+                rt.plain_reason = "no drafter; lookup drafts do not pay on this device's verify-cost curve"
+        rt.hint = f"No drafter for this model yet: `mlx-redrafter make-drafter --model {spec}` makes one."
+    rt.draft = draft
 
 
 def tree_kw(tree: Optional[str], model=None) -> dict:

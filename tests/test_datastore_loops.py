@@ -115,10 +115,10 @@ def test_stream_generate_takes_a_path_a_store_none_or_false(default_setup, tmp_p
     path = store.save(tmp_path / "s.bin")
     ref_text = tok.decode(refs[0])
     for given in (path, str(path), store):
-        rs = list(stream_generate(model, tok, ps[0], max_tokens=N_TOKENS, datastore=given))
+        rs = list(stream_generate(model, tok, ps[0], max_tokens=N_TOKENS, datastore=given, drafter=None))
         assert "".join(r.text for r in rs).strip() == ref_text.strip()
         assert any(r.stats.source == "datastore" for r in rs)
-    rs = list(stream_generate(model, tok, ps[0], max_tokens=N_TOKENS, datastore=False, lookup=True))
+    rs = list(stream_generate(model, tok, ps[0], max_tokens=N_TOKENS, datastore=False, lookup=True, drafter=None))
     assert not any(r.stats.source == "datastore" for r in rs)
     # None: the model's default stores, and only when the call drafts at all.
     assert open_datastore("default", "default", drafting=False) is None
@@ -133,7 +133,7 @@ def test_a_foreign_store_file_warns_and_drafts_nothing(default_setup, tmp_path, 
     other = Datastore(model_id="another/model")
     other.add(refs[0])
     path = other.save(tmp_path / "other.bin")
-    rs = list(stream_generate(model, tok, ps[0], max_tokens=12, datastore=path))
+    rs = list(stream_generate(model, tok, ps[0], max_tokens=12, datastore=path, drafter=None))
     assert [r.token for r in rs if r.finish_reason != "stop" or r.token not in tok.eos_token_ids][:12] == refs[0][:12]
     assert not any(r.stats.source == "datastore" for r in rs)
     assert "another/model" in caplog.text

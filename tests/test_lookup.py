@@ -185,7 +185,7 @@ def test_default_model_lookup_exact(default_setup, with_drafter):
 
 
 def _run(model, tok, prompt, **kw):
-    rs = list(stream_generate(model, tok, prompt, **kw))
+    rs = list(stream_generate(model, tok, prompt, **{"drafter": None, **kw}))  # no drafter unless given
     return [r.token for r in rs], "".join(r.text for r in rs), rs
 
 

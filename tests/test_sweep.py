@@ -480,13 +480,13 @@ def test_cli_sweep_bad_input_is_one_clear_error(tmp_path, tiny_folder, drafter_f
     assert "No drafter given" in capsys.readouterr().err
 
 
-def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch):
-    import mlx_redrafter.runtime as session
+def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch, tmp_path):
+    import mlx_redrafter.draft.store as store
 
-    monkeypatch.setattr(session, "shipped_drafter_path", lambda spec: None)
+    monkeypatch.setattr(store, "shipped_root", lambda: tmp_path)  # the package ships none, the store holds none
     with pytest.raises(RedrafterError, match="No drafter given") as e:
         resolve_drafter_path("default", None)
-    assert "--drafter" in e.value.fix
+    assert "--drafter" in e.value.fix and "make-drafter --model default" in e.value.fix
 
 
 def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, prompt_file, capsys, monkeypatch):

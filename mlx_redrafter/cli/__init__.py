@@ -31,8 +31,14 @@ err = Console(stderr=True)
 
 ModelOpt = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a Hub id or a .gguf file.")
 DtypeOpt = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16 (default: float16 on a GPU, float32 on the CPU).")
-DrafterOpt = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model, if any); 'none' for no drafter.")
-NeededDrafterOpt = typer.Option(None, "--drafter", "-d", help="Drafter folder (default: the one shipped for the model).")
+DrafterOpt = typer.Option(
+    None, "--drafter", "-d",
+    help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
+    "drafter store's for the model, else the one shipped for it; none: lookup drafts where they pay); 'none' for no drafter.")
+NeededDrafterOpt = typer.Option(
+    None, "--drafter", "-d",
+    help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
+    "drafter store's for the model, else the one shipped for it).")
 NoDraftOpt = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available.")
 LookupOpt = typer.Option(
     None, "--lookup/--no-lookup",
@@ -136,4 +142,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 # The commands register themselves on `app` (imported last: they import the flags above).
-from . import datastore, run, tools, training  # noqa: E402,F401
+from . import datastore, drafters, run, tools, training  # noqa: E402,F401

@@ -1,0 +1,102 @@
+"""``mlx-redrafter drafters list|path|rm`` (the drafter store, draft/store.py)
+and ``mlx-redrafter upload`` (publishing one on the Hub, draft/publish.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import RedrafterError
+from . import app, err
+
+drafters_app = typer.Typer(no_args_is_help=True, help="The drafter store: the drafters the tools pick for each model.")
+app.add_typer(drafters_app, name="drafters")
+
+
+def _row(e, used=None) -> list:
+    base = e.meta.get("base_model") or {}
+    speed = f"{e.speedup:.2f}x" if isinstance(e.speedup, (int, float)) else "-"
+    state = f"does not fit: {e.problem}" if e.problem else ("used" if used is not None and e.path == used else "")
+    return [e.model_id, str(base.get("fingerprint", "-"))[:8], e.source, speed, str(e.path), state]
+
+
+@drafters_app.command("list")
+def list_cmd(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Only the drafters of this model's family, and which one the tools use for it."),
+):
+    """Show the stored drafters (and the package's): model, fingerprint, source, measured speed-up, folder."""
+    from ..draft import store
+
+    used, rows = None, None
+    if model is not None:
+        from ..llm.load import identity_for_spec
+
+        identity = identity_for_spec(model)
+        found = store.find(identity)
+        used = found.path if found else None
+        rows = store.candidates(identity)
+    rows = store.entries() if rows is None else rows
+    table = [["model", "fingerprint", "source", "speed-up", "path", ""]] + [_row(e, used) for e in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:  # plain columns: whole paths, whatever the terminal's width
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if not rows:
+        err.print(f"No drafters in {store.store_root()}" + (f" for {model}" if model else "") +
+                  ". `mlx-redrafter make-drafter --model M` makes one.")
+
+
+@drafters_app.command("path")
+def path_cmd(model: str = typer.Argument(..., help="'default', an mlx-lm folder, a Hub id or a .gguf file.")):
+    """Print the folder of the drafter the tools use for MODEL."""
+    from ..draft import store
+    from ..llm.load import identity_for_spec
+
+    identity = identity_for_spec(model)
+    found = store.find(identity)
+    if found is None:
+        refused = [f"{e.path}: {e.problem}" for e in store.candidates(identity) if e.problem]
+        raise RedrafterError(f"The drafter store holds no drafter that fits {model}"
+                             + (f" (refused: {'; '.join(refused)})" if refused else "") + ".",
+                             f"Make one with `mlx-redrafter make-drafter --model {model}`.")
+    print(found.path)
+    note = found.note(identity)
+    if note:
+        err.print(f"[yellow]Note: {note}[/yellow]", soft_wrap=True)
+
+
+@drafters_app.command("rm")
+def rm_cmd(name: str = typer.Argument(..., help="A drafter's folder name (`drafters list`), or a model id: every drafter made for it.")):
+    """Remove stored drafters (asks nothing; says what it removed)."""
+    from ..draft import store
+
+    for path in store.remove(name):
+        print(f"removed {path}")
+
+
+@app.command()
+def upload(
+    drafter: str = typer.Argument(..., help="A drafter folder, a name from `drafters list`, or a model id (its stored drafter)."),
+    repo: str = typer.Option(..., "--repo", help="The Hub repo to publish to (org/name)."),
+    include_private_data: bool = typer.Option(False, "--include-private-data", help="Publish a drafter trained on your own conversations (--prompts history)."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the folder that would be uploaded (see --out) and print its model card; upload nothing."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where --dry-run writes the folder (default: ./upload-ORG--NAME)."),
+):
+    """Publish a drafter on the Hugging Face Hub with a model card written from what it knows (base model, data, recipe, acceptance, verdict)."""
+    from ..draft.hub import is_hub_id, locate
+    from ..draft.publish import publish
+    from ..draft.store import slug
+
+    if not is_hub_id(repo):
+        raise RedrafterError(f"--repo {repo!r} is not a Hub repo id.", "Use --repo ORG/NAME.")
+    folder = locate(drafter).path
+    if dry_run:
+        staged = Path(publish(folder, repo, include_private_data=include_private_data,
+                              dry_run=out or Path(f"upload-{slug(repo)}")))
+        print((staged / "README.md").read_text())
+        err.print(f"wrote {staged} (nothing uploaded: --dry-run)", soft_wrap=True)
+        return
+    address = publish(folder, repo, private=private, include_private_data=include_private_data)
+    err.print(f"uploaded {folder} to {address}", soft_wrap=True)

@@ -1,0 +1,136 @@
+"""Where a named drafter is: a folder, a drafter the store or the package
+knows, or a Hugging Face Hub repo.
+
+:func:`locate` is what ``--drafter SPEC`` and ``load_drafter(SPEC)`` go
+through. A Hub repo (``org/name``) is fetched with ``huggingface_hub`` as
+mlx-lm fetches models (llm/load.py: ``hub_snapshot``: cached, and the cache
+alone under ``HF_HUB_OFFLINE``), then kept in the store (draft/store.py),
+one folder per repo, refreshed when the repo's revision changes. Both
+layouts load: this project's (``config.json`` + ``model.safetensors``, with
+the official key names, so an official safetensors checkpoint is one too) and
+the official PyTorch code's (``pytorch_model.bin`` or shards), which is
+converted once, through converters/drafter.py's safe reader (no pickle code
+runs), into the store.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import RedrafterError
+from ..llm.identity import ModelIdentity, model_name
+from ..llm.load import hub_snapshot, is_path_like
+from . import store
+from .drafter import MODEL_TYPE, shipped_drafter_path
+
+# The files of a drafter repo (README.md: its model card).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "README.md"]
+
+
+@dataclass(frozen=True)
+class Located:
+    """A drafter folder and where it came from (for the announcement)."""
+
+    path: Path
+    source: str
+    note: Optional[str] = None
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` names a Hub repo (``org/name``) rather than a local path."""
+    return spec.count("/") == 1 and not is_path_like(spec) and not Path(spec).expanduser().exists()
+
+
+def locate(spec, say: Optional[Callable[[str], None]] = None) -> Located:
+    """The drafter folder ``spec`` names: an existing folder (or a file in one);
+    a stored drafter's name, or the id of a model the store holds a drafter
+    for (preferred to the package's own); ``"default"`` or another name a
+    drafter ships for; else a Hub repo id, fetched. ``say`` gets one-line
+    messages (default: standard error)."""
+    spec = str(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return Located(path if path.is_dir() else path.parent, "given")
+    stored = store.find_named(spec) or store.find_named(model_name(spec) or spec)
+    if stored is not None:
+        return Located(stored.path, f"from the store: {stored.source}")
+    shipped = shipped_drafter_path(spec)
+    if shipped is not None:
+        return Located(shipped, "shipped with the package")
+    if is_hub_id(spec):
+        return fetch(spec, say)
+    raise RedrafterError(
+        f"Drafter path does not exist: {spec}",
+        "Give a drafter folder, a Hub repo id (org/name), a name from `mlx-redrafter drafters list`, or 'default' "
+        "for the drafter shipped with the default model.",
+    )
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _stored(repo: str) -> Optional[store.Entry]:
+    return next((e for e in store.entries() if (e.meta.get("hub") or {}).get("repo") == repo), None)
+
+
+def fetch(repo: str, say: Optional[Callable[[str], None]] = None) -> Located:
+    """The drafter of the Hub repo ``repo``, in the store (fetched, and
+    converted from the PyTorch layout, on its first use or a new revision)."""
+    say = say or _say
+    kept = _stored(repo)
+    try:
+        head = hub_snapshot(repo, allow_patterns=["config.json", store.META], what="Drafter")
+    except RedrafterError:
+        if kept is None:
+            raise
+        say(f"The Hub cannot be reached: using the copy of {repo} in the store ({kept.path}).")
+        return Located(kept.path, kept.source)
+    revision = head.name
+    if kept is not None and (kept.meta.get("hub") or {}).get("revision") == revision:
+        return Located(kept.path, kept.source)
+    _check_is_drafter(repo, head)
+    snapshot = hub_snapshot(repo, allow_patterns=HUB_PATTERNS, what="Drafter")
+    meta = store.read_meta(snapshot)
+    identity = ModelIdentity.from_dict(meta.get("base_model"))
+    hub = {"repo": repo, "revision": revision}
+    if (snapshot / "model.safetensors").is_file():
+        path = store.install(snapshot, identity, {**meta, "source": f"hub:{repo}", "hub": hub}, name=store.slug(repo))
+        return Located(path, f"hub:{repo}")
+    return Located(_convert(repo, snapshot, identity, {**meta, "hub": hub}, say), f"converted from hub:{repo}")
+
+
+def _check_is_drafter(repo: str, folder: Path) -> None:
+    """Refuse a repo that is not a drafter (a model repo's weights are never fetched as one)."""
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        kind = None
+    if kind != MODEL_TYPE:
+        raise RedrafterError(
+            f"{repo} on the Hugging Face Hub is not a ReDrafter drafter (config.json model_type {kind!r}), "
+            "and the drafter store holds no drafter for a model of that name.",
+            f"Make one for it: mlx-redrafter make-drafter --model {repo}",
+        )
+
+
+def _convert(repo: str, snapshot: Path, identity, meta: dict, say) -> Path:
+    """Convert the PyTorch-layout drafter in ``snapshot`` into the store, once."""
+    from ..converters.drafter import convert_drafter
+
+    say(f"Converting the PyTorch drafter {repo} into the drafter store (once; pickles are read, never run)...")
+    store.store_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=store.store_root(), prefix=".convert-") as tmp:
+        # float32: every source dtype widens to it exactly; the drafter loads at the device's dtype.
+        report = convert_drafter(snapshot, Path(tmp) / "drafter", dtype="float32")
+        path = store.install(report.dst, identity, {**meta, "source": f"converted from hub:{repo}",
+                                                    "conversion": {"format": report.format,
+                                                                   "source_dtypes": report.source_dtypes}},
+                             name=store.slug(repo))
+    say(f"Converted {repo} ({report.format}) -> {path}")
+    return path
