@@ -1,8 +1,11 @@
 """Fuzzing ``mlx-redrafter serve`` with schemathesis against its own OpenAPI
-schema (FastAPI's ``/openapi.json``): a bounded number of generated requests
-per route, on both APIs, none of which may get a 5xx; afterwards the server
-still answers a normal request. The server runs in a subprocess on
-127.0.0.1 and a free port, and is always stopped."""
+schema (``/openapi.json``): a bounded number of generated requests per
+route, on every API, none of which may get a 5xx, and every answer's status
+and media type must be the ones the schema documents (schemathesis'
+``status_code_conformance`` and ``content_type_conformance``: clients
+generated from the schema are right); afterwards the server still answers a
+normal request. The server runs in a subprocess on 127.0.0.1 and a free port,
+and is always stopped."""
 
 from __future__ import annotations
 
@@ -10,11 +13,14 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 from ui_servers import Server
 
 EXAMPLES = 8  # per route: ~10 routes, about 30 s on a loaded 2-core machine
 # Reply lengths the generated requests may ask for: long replies only cost time.
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "num_predict")
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "num_predict")
+CONFORMANCE = [status_code_conformance, content_type_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +46,13 @@ def _bounded(node):
     return node
 
 
-def test_no_generated_request_gets_a_5xx(server):
+def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(server):
     raw = httpx.get(server.url + "/openapi.json", timeout=30).json()
     schema = schemathesis.openapi.from_dict(_bounded(raw))
     operations = [r.ok() for r in schema.get_all_operations()]
     paths = {op.path for op in operations}
     assert {"/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show"} <= paths
-    failures = []
+    failures, undocumented = [], []
     for op in operations:
 
         @given(case=op.as_strategy())
@@ -57,9 +63,15 @@ def test_no_generated_request_gets_a_5xx(server):
             response = case.call(base_url=server.url, timeout=120)
             if response.status_code >= 500:
                 failures.append((op.method, op.path, case.body, response.status_code, response.text[:300]))
+            try:
+                case.validate_response(response, checks=CONFORMANCE)
+            except FailureGroup as e:
+                undocumented.append((op.method, op.path, response.status_code, response.headers.get("content-type"),
+                                     [f.title for f in e.exceptions]))
 
         fuzz()
     assert not failures, failures
+    assert not undocumented, undocumented
     health = server.health()
     assert health["queue"]["waiting"] == 0
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,

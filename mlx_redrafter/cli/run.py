@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import RedrafterError
 from . import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DatastoreOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt,
@@ -193,8 +194,13 @@ def serve(
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
     datastore: Optional[str] = DatastoreOpt,
     no_history: bool = NoHistoryOpt,
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require this key on every route but the chat page and /health, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $MLX_REDRAFTER_API_KEY, else no key)."),
+    allow_host: List[str] = typer.Option([], "--allow-host", help="Also answer to this Host name (repeatable; '*.lan': a domain, '*': any). Always answered: localhost, 127.0.0.1, [::1] and the --host address."),
+    allow_origin: List[str] = typer.Option([], "--allow-origin", help="Let web pages from this origin use the server, with CORS (repeatable, e.g. http://localhost:3000; '*': any page; also $MLX_REDRAFTER_ORIGINS, comma-separated). The chat page's own origin always may."),
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /."""
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /.
+
+    Other Host names and web pages' origins are refused (403) unless allowed; --api-key guards every route but the page."""
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
@@ -210,16 +216,20 @@ def serve(
         import uvicorn
 
         from ..serve.app import create_app
+        from ..serve.security import SecurityConfig
     except ImportError as e:
         raise RedrafterError(f"The server needs packages that are not installed ({e.name}).",
                              "pip install 'mlx-redrafter[server]'") from None
+    security = SecurityConfig.resolve(host, api_key, allow_host, allow_origin)
+    for warning in security.warnings():
+        err.print(f"[bold yellow]Warning:[/bold yellow] {escape(warning)}", soft_wrap=True)
     from ..serve import Engine
 
     rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore,
                   history=not no_history)
     engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size,
                     prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
-    app_ = create_app(engine, ui=not no_ui)
+    app_ = create_app(engine, ui=not no_ui, security=security)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
     err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")

@@ -7,25 +7,35 @@ Routes: OpenAI's (:mod:`~mlx_redrafter.serve.openai_api`), Ollama's
 
 An error is answered in the shape of the API its path belongs to
 (:func:`error_response`): Ollama's under ``/api/``, OpenAI's elsewhere. An
-unknown route is a 404 listing the routes there are.
+unknown route is a 404 listing the routes there are. A client's error is one
+line in the log; the server's own failures keep their tracebacks.
+
+Who may use the app (Host names, browser origins, the API key) is its
+:class:`~mlx_redrafter.serve.security.SecurityConfig`; ``/openapi.json``
+documents what each route really answers (:mod:`~mlx_redrafter.serve.openapi`).
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from . import ollama_api, openai_api
 from .engine import Engine
 from .metrics import Metrics, RequestCounter
+from .openapi import document
+from .security import SecurityConfig, secure
 from .streaming import CRASH, NOT_FOUND, Failure
+
+log = logging.getLogger(__name__)
 
 # The chat page's static files (package data: no build step, no CDN).
 UI_DIR = Path(__file__).resolve().parent / "ui"
@@ -37,14 +47,24 @@ SHAPES: List[Tuple[str, Callable[[Failure], Response]]] = [
 
 
 def error_response(path: str, failure: Failure) -> Response:
-    """``failure`` answered in the error shape of the API that ``path`` belongs to."""
+    """``failure`` answered in the error shape of the API that ``path``
+    belongs to; a client's (a 4xx) is logged as one line."""
+    if failure.status < 500:  # no traceback: the mistake is the client's, the message says it
+        log.warning("%d %s: %s", failure.status, path, failure.message)
+    return shaped_error(path, failure)
+
+
+def shaped_error(path: str, failure: Failure) -> Response:
+    """``failure`` in the error shape of ``path``'s API (not logged)."""
     shape = next((s for prefix, s in SHAPES if path.startswith(prefix)), openai_api.error_response)
     return shape(failure)
 
 
-def create_app(engine: Engine, ui: bool = True) -> FastAPI:
+def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfig] = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (its worker runs with the app),
-    with the chat page at ``/`` unless ``ui`` is False."""
+    with the chat page at ``/`` unless ``ui`` is False, guarded as
+    ``security`` says (``serve`` resolves it from its flags; None: no Host,
+    Origin or key checks, for tests and apps that guard it themselves)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -55,15 +75,17 @@ def create_app(engine: Engine, ui: bool = True) -> FastAPI:
             engine.stop()
 
     app = FastAPI(title="mlx-redrafter", lifespan=lifespan)
+    if security is not None:
+        secure(app, security, error_response)
     metrics = Metrics(engine)
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestCounter, metrics=metrics)  # added last, so outermost: refusals are counted too
     _error_handlers(app)
 
     @app.get("/health")
     async def health():
         return engine.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # documented as the text it is
     async def prometheus():
         return Response(metrics.text(), media_type=metrics.content_type)
 
@@ -71,6 +93,7 @@ def create_app(engine: Engine, ui: bool = True) -> FastAPI:
     app.include_router(ollama_api.ollama_router(engine))  # Ollama's native API, on the same engine and queue
     if ui:
         mount_ui(app)
+    document(app, shaped_error, security)
     return app
 
 

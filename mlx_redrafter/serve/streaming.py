@@ -14,6 +14,7 @@ other shapes map from).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from typing import AsyncIterator, List, Optional, Sequence, Tuple
 
@@ -26,6 +27,7 @@ from .engine import Engine, GenParams, Job, QueueFull, Result
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger(__name__)
 
 # What a failure is, in OpenAI's ``code`` words; each API maps these to its own.
 INVALID = "invalid_value"
@@ -55,6 +57,7 @@ def generation_failure(e: BaseException) -> Failure:
     refused (a :class:`RedrafterError`) is the client's, anything else ours."""
     if isinstance(e, RedrafterError):
         return Failure(400, e.problem)
+    log.error("Generation failed", exc_info=e)  # the server's own failure keeps its traceback
     return Failure(500, f"Generation failed: {type(e).__name__}: {e}", CRASH)
 
 

@@ -1,0 +1,354 @@
+"""Who may drive ``mlx-redrafter serve`` (mlx_redrafter/serve/security.py):
+the Host allowlist (DNS rebinding), browser origins (CORS), the API key in
+each API's error shape, the warnings at start; a client's error as one log
+line; and ``/openapi.json`` documenting what each route answers.
+
+The app is the real one on the default model (its shipped drafter off: the
+replies only have to come), in process: uvicorn on a thread on 127.0.0.1 and
+a free port where real clients (the official ``openai`` and ``ollama``) or
+raw HTTP headers matter, Starlette's TestClient for the rest. The chat page
+asking for the key is in tests/test_ui.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from contextlib import contextmanager
+
+import httpx
+import jsonschema_rs
+import ollama
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from ui_servers import serve_in_thread
+
+from mlx_redrafter.errors import RedrafterError
+from mlx_redrafter.serve import Engine
+from mlx_redrafter.serve.app import create_app
+from mlx_redrafter.serve.security import SecurityConfig
+
+KEY = "sk-local-test-key"
+HI = [{"role": "user", "content": "Hi"}]
+ORIGIN = "http://localhost:3000"  # a local web app the user allows
+NO_ENV: dict = {}  # resolve() reads the key and origins from here, not from the test's environment
+# One route of each kind, with the shape its errors have.
+ROUTES = [("GET", "/v1/models", "openai"), ("POST", "/v1/chat/completions", "openai"),
+          ("POST", "/v1/completions", "openai"), ("GET", "/metrics", "openai"),
+          ("GET", "/api/tags", "ollama"), ("POST", "/api/chat", "ollama"), ("POST", "/api/generate", "ollama")]
+BODIES = {"/v1/chat/completions": {"messages": HI, "max_tokens": 2}, "/v1/completions": {"prompt": "1,", "max_tokens": 2},
+          "/api/chat": {"messages": HI, "stream": False}, "/api/generate": {"prompt": "1,", "stream": False}}
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from mlx_redrafter.runtime import load_runtime
+
+    return load_runtime("default", None, no_draft=True)
+
+
+def _app(runtime, **flags):
+    security = SecurityConfig.resolve(flags.pop("bind", "127.0.0.1"), environ=flags.pop("environ", NO_ENV), **flags)
+    return create_app(Engine(runtime, max_tokens=2), security=security)
+
+
+@contextmanager
+def _client(runtime, host="127.0.0.1:8080", **flags):
+    """TestClient on the guarded app, reaching it as ``host``."""
+    with TestClient(_app(runtime, **flags), base_url=f"http://{host}") as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def open_server(runtime):
+    """The defaults of ``serve``: no key, no other host or origin."""
+    with serve_in_thread(_app(runtime)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_server(runtime):
+    with serve_in_thread(_app(runtime, api_key=KEY, allow_origins=[ORIGIN])) as url:
+        yield url
+
+
+def _message(shape: str, body: dict) -> str:
+    """The message of an error in ``shape``, checking the shape on the way."""
+    if shape == "ollama":
+        assert set(body) == {"error"} and isinstance(body["error"], str)
+        return body["error"]
+    if shape == "anthropic":
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]["message"]
+
+
+def _request(url, method, path, **kw):
+    return httpx.request(method, url + path, json=BODIES.get(path), timeout=120, **kw)
+
+
+# --------------------------------------------------------------------------- Host names
+
+
+@pytest.mark.parametrize("method, path, shape", ROUTES)
+def test_a_rebinding_host_gets_a_403_naming_the_flag(open_server, method, path, shape):
+    r = _request(open_server, method, path, headers={"Host": "attacker.example"})
+    assert r.status_code == 403
+    message = _message(shape, r.json())
+    assert "attacker.example" in message and "--allow-host attacker.example" in message
+
+
+def test_loopback_names_and_allowed_hosts_pass(open_server, runtime):
+    port = open_server.rsplit(":", 1)[1]
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert httpx.get(open_server + "/api/tags", headers={"Host": host}).status_code == 200, host
+    for host in ("127.0.0.1.attacker.example", "localhost.attacker.example", "192.168.1.5", ""):
+        assert httpx.get(open_server + "/api/tags", headers={"Host": host}).status_code == 403, host
+    with _client(runtime, "my-mac.local:8080", allow_hosts=["my-mac.local", "*.lan"]) as http:
+        assert http.get("/v1/models").status_code == 200
+        assert http.get("/v1/models", headers={"Host": "box.lan"}).status_code == 200
+        assert http.get("/v1/models", headers={"Host": "attacker.example"}).status_code == 403
+    with _client(runtime, "anything.example", allow_hosts=["*"]) as http:
+        assert http.get("/v1/models").status_code == 200
+
+
+def test_a_server_on_all_interfaces_answers_its_addresses_and_name(runtime):
+    name = socket.gethostname()
+    with _client(runtime, "192.168.1.5:8080", bind="0.0.0.0", api_key=KEY) as http:
+        for host in ("192.168.1.5:8080", "[fe80::1]:8080", "10.0.0.2", name, "localhost"):
+            assert http.get("/health", headers={"Host": host}).status_code == 200, host
+        assert http.get("/health", headers={"Host": "attacker.example"}).status_code == 403
+
+
+# --------------------------------------------------------------------------- browser origins
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1"])
+def test_a_foreign_origin_gets_a_403(open_server, origin):
+    for method, path, shape in (("POST", "/v1/chat/completions", "openai"), ("POST", "/api/chat", "ollama"),
+                                ("GET", "/api/tags", "ollama")):
+        r = _request(open_server, method, path, headers={"Origin": origin})
+        assert r.status_code == 403, (path, r.text)
+        assert f"--allow-origin {origin}" in _message(shape, r.json())
+        assert "access-control-allow-origin" not in r.headers
+    preflight = httpx.options(open_server + "/v1/chat/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 403
+
+
+def test_the_servers_own_origin_passes(open_server):
+    r = _request(open_server, "POST", "/v1/chat/completions", headers={"Origin": open_server})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    port = open_server.rsplit(":", 1)[1]
+    r = _request(open_server, "GET", "/api/tags", headers={"Origin": f"http://localhost:{port}",
+                                                            "Host": f"localhost:{port}"})
+    assert r.status_code == 200
+
+
+def test_an_allowed_origin_gets_cors_and_preflights(keyed_server):
+    preflight = httpx.options(keyed_server + "/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200  # before the key: a preflight carries none
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"]
+    r = _request(keyed_server, "POST", "/v1/chat/completions", headers={"Origin": ORIGIN,
+                                                                         "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = _request(keyed_server, "POST", "/v1/chat/completions", headers={"Origin": ORIGIN})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN  # the page can read why
+
+
+def test_origins_from_the_environment_and_patterns(runtime):
+    env = {"MLX_REDRAFTER_ORIGINS": "chrome-extension://*, http://localhost:5173"}
+    with _client(runtime, environ=env) as http:
+        for origin, status in (("chrome-extension://abcdef", 200), ("http://localhost:5173", 200),
+                               ("http://localhost:5174", 403), ("https://evil.example", 403)):
+            assert http.get("/v1/models", headers={"Origin": origin}).status_code == status, origin
+    with _client(runtime, allow_origins=["*"]) as http:
+        r = http.get("/v1/models", headers={"Origin": "https://anywhere.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+# --------------------------------------------------------------------------- the API key
+
+
+def test_official_clients_work_with_the_defaults(open_server):
+    client = openai.OpenAI(base_url=open_server + "/v1", api_key="ignored", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="default", messages=HI, max_tokens=2, temperature=0)
+    assert r.choices[0].message.content is not None
+    reply = ollama.Client(host=open_server).chat(model="default", messages=HI, options={"num_predict": 2})
+    assert reply.message.content is not None
+    assert httpx.get(open_server + "/", timeout=30).status_code == 200  # the chat page
+
+
+def test_official_clients_work_with_the_key(keyed_server):
+    client = openai.OpenAI(base_url=keyed_server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="default", messages=HI, max_tokens=2, temperature=0)
+    assert r.choices[0].message.content is not None
+    assert [m.id for m in client.models.list()] == ["default"]
+    keyed = ollama.Client(host=keyed_server, headers={"Authorization": f"Bearer {KEY}"})
+    assert keyed.chat(model="default", messages=HI, options={"num_predict": 2}).message.content is not None
+    assert keyed.list().models
+    r = httpx.get(keyed_server + "/api/tags", headers={"x-api-key": KEY})  # Anthropic's header
+    assert r.status_code == 200
+
+
+def test_official_clients_with_a_wrong_key_get_a_401(keyed_server):
+    client = openai.OpenAI(base_url=keyed_server + "/v1", api_key="wrong", max_retries=0, timeout=120)
+    with pytest.raises(openai.AuthenticationError) as e:
+        client.chat.completions.create(model="default", messages=HI, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    assert "wrong API key" in e.value.message
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        with pytest.raises(ollama.ResponseError) as e:
+            ollama.Client(host=keyed_server, headers=headers).chat(model="default", messages=HI)
+        assert e.value.status_code == 401 and "--api-key" in e.value.error
+
+
+@pytest.mark.parametrize("method, path, shape", ROUTES)
+@pytest.mark.parametrize("headers", [{}, {"Authorization": f"Bearer {KEY}x"}, {"x-api-key": "nope"},
+                                     {"Authorization": KEY}], ids=["none", "bearer", "x-api-key", "no-scheme"])
+def test_a_missing_or_wrong_key_is_a_401_in_each_apis_shape(keyed_server, method, path, shape, headers):
+    r = _request(keyed_server, method, path, headers=headers)
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    message = _message(shape, r.json())
+    assert "API key" in message and "Authorization: Bearer KEY" in message and KEY not in message
+    if shape == "openai":
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_page_and_health_need_no_key(keyed_server):
+    for path in ("/", "/ui/app.js", "/ui/api.js", "/health"):
+        assert httpx.get(keyed_server + path).status_code == 200, path
+    assert httpx.get(keyed_server + "/openapi.json").status_code == 401
+    assert httpx.get(keyed_server + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+# --------------------------------------------------------------------------- the flags
+
+
+def test_flags_are_checked_and_warned_about():
+    assert SecurityConfig.resolve("127.0.0.1", environ=NO_ENV).warnings() == []
+    assert SecurityConfig.resolve("0.0.0.0", api_key=KEY, environ=NO_ENV).warnings() == []
+    [warning] = SecurityConfig.resolve("0.0.0.0", environ=NO_ENV).warnings()
+    assert "without --api-key" in warning and "MLX_REDRAFTER_API_KEY" in warning
+    assert SecurityConfig.resolve("0.0.0.0", environ={"MLX_REDRAFTER_API_KEY": KEY}).api_key == KEY
+    both = SecurityConfig.resolve("127.0.0.1", allow_hosts=["*"], allow_origins=["*"], environ=NO_ENV).warnings()
+    assert len(both) == 2 and "DNS rebinding" in both[0] and "every web page" in both[1]
+    assert SecurityConfig.resolve(allow_origins=["HTTP://LocalHost:3000/"], environ=NO_ENV).origins == (ORIGIN,)
+    for flags, message in ((dict(api_key=" "), "--api-key is empty"),
+                           (dict(allow_origins=["localhost:3000"]), "is not an origin"),
+                           (dict(allow_origins=["http://localhost:3000/chat"]), "is not an origin"),
+                           (dict(allow_hosts=["a*b"]), "is not a host name"),
+                           (dict(allow_hosts=["*example.com"]), "is not a host name")):
+        with pytest.raises(RedrafterError, match=message):
+            SecurityConfig.resolve("127.0.0.1", environ=NO_ENV, **flags)
+
+
+def test_serve_resolves_the_flags_before_the_load_and_warns(monkeypatch, capsys):
+    """The command line's flags reach the app (uvicorn and the port check are
+    stood in for: a test never listens on 0.0.0.0)."""
+    import uvicorn
+
+    from mlx_redrafter.cli import main, run
+
+    def serve(*args) -> int:
+        try:
+            return main(["serve", *args])
+        except SystemExit as e:  # typer exits after a command that succeeded
+            return e.code
+
+    served = {}
+    monkeypatch.setattr(run, "_check_port", lambda host, port: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    monkeypatch.delenv("MLX_REDRAFTER_API_KEY", raising=False)
+    assert serve("--host", "0.0.0.0", "--allow-origin", "localhost:3000") == 1
+    assert "--allow-origin 'localhost:3000' is not an origin" in capsys.readouterr().err and not served
+    assert serve("--no-draft", "--host", "0.0.0.0", "--allow-host", "box.lan", "-n", "2") == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Warning: serving on 0.0.0.0 without --api-key" in err
+    assert served["host"] == "0.0.0.0"
+    with TestClient(served["app"], base_url="http://box.lan:8080") as http:
+        assert http.get("/api/tags").status_code == 200
+        assert http.get("/api/tags", headers={"Host": "attacker.example"}).status_code == 403
+    served.clear()
+    monkeypatch.setenv("MLX_REDRAFTER_API_KEY", KEY)
+    assert serve("--no-draft", "--host", "0.0.0.0", "-n", "2") == 0
+    assert "Warning" not in capsys.readouterr().err
+    with TestClient(served["app"], base_url="http://127.0.0.1:8080") as http:
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+# --------------------------------------------------------------------------- client errors in the log
+
+
+def test_a_clients_error_is_one_log_line(runtime, caplog):
+    with _client(runtime, api_key=KEY) as http:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        cases = [("/api/chat", dict(content=b"\xff\xfe{", headers={**auth, "content-type": "application/json"})),
+                 ("/v1/chat/completions", dict(content=b"{not json", headers={**auth, "content-type": "application/json"})),
+                 ("/api/generate", dict(json={"prompt": "x", "options": {"temperature": "hot"}}, headers=auth)),
+                 ("/v1/chat/completions", dict(json={"messages": HI})),  # no key
+                 ("/nowhere", dict(json={}, headers=auth))]
+        for path, kw in cases:
+            caplog.clear()
+            with caplog.at_level(logging.INFO):
+                r = http.post(path, **kw)
+            assert 400 <= r.status_code < 500, (path, r.status_code)
+            records = [rec for rec in caplog.records if rec.name.startswith("mlx_redrafter")]
+            assert len(records) == 1, (path, [rec.getMessage() for rec in records])
+            [rec] = records
+            assert rec.exc_info is None and "\n" not in rec.getMessage()
+            assert rec.getMessage().startswith(f"{r.status_code} {path}: ")
+        assert not [rec for rec in caplog.records if rec.exc_info]
+
+
+def test_the_servers_own_failure_keeps_its_traceback(runtime, caplog):
+    def broken(job):
+        raise RuntimeError("the model fell over")
+
+    engine = Engine(runtime, max_tokens=2)
+    engine.queue.handler = broken  # every job the worker runs raises
+    with TestClient(create_app(engine)) as http, caplog.at_level(logging.INFO):
+        r = http.post("/v1/chat/completions", json={"messages": HI})
+        streamed = http.post("/api/chat", json={"messages": HI}).text
+    assert r.status_code == 500 and "the model fell over" in r.json()["error"]["message"]
+    assert "the model fell over" in json.loads(streamed.splitlines()[-1])["error"]
+    failed = [rec for rec in caplog.records if rec.exc_info]
+    assert len(failed) == 2 and all(rec.getMessage() == "Generation failed" for rec in failed)
+    assert all(isinstance(rec.exc_info[1], RuntimeError) and rec.exc_info[2] is not None for rec in failed)
+
+
+# --------------------------------------------------------------------------- /openapi.json
+
+
+def test_openapi_documents_what_each_route_answers(runtime):
+    with _client(runtime, api_key=KEY) as http:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        paths = http.get("/openapi.json", headers=auth).json()["paths"]
+        assert "422" not in json.dumps(paths)
+        assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+        assert "text/event-stream" in paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+        assert "application/x-ndjson" in paths["/api/chat"]["post"]["responses"]["200"]["content"]
+        assert "401" not in paths["/health"]["get"]["responses"]
+        for method, path, _ in ROUTES:
+            responses = paths[path][method.lower()]["responses"]
+            assert {"401", "403", "500"} <= set(responses), path
+            if method == "POST":
+                assert {"400", "404", "503"} <= set(responses), path
+            # The documented error schema is what the route really answers.
+            for status, headers in (("401", {}), ("403", {**auth, "Host": "attacker.example"})):
+                schema = responses[status]["content"]["application/json"]["schema"]
+                r = http.request(method, path, json=BODIES.get(path), headers=headers)
+                assert r.status_code == int(status)
+                jsonschema_rs.validate(schema, r.json())
+            if method == "POST":
+                r = http.request(method, path, content=b"[", headers={**auth, "content-type": "application/json"})
+                assert r.status_code == 400
+                jsonschema_rs.validate(responses["400"]["content"]["application/json"]["schema"], r.json())
