@@ -181,21 +181,43 @@ def test_default_model_no_tools_is_the_plain_prompt(default_model):
     assert r.text.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions.")
 
 
-def test_default_model_forced_calls_prefill_the_opening(default_model):
+def _forced(tok, rendered) -> str:
+    """The text the reply's grammar forces from its first token."""
+    from mlx_redrafter.step.grammar import compile_grammar
+
+    return tok.decode(compile_grammar(tok, rendered.grammar).matcher().forced_tokens())
+
+
+def test_default_model_forced_calls_are_constrained_from_the_first_token(default_model):
     _, tok = default_model
     named = render(tok, ASK, [TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}})
-    assert named.prefill == '<tool_call>{"name": "get_weather", "arguments": '
-    assert named.text.endswith("<|im_start|>assistant\n" + named.prefill)
+    assert named.prefill == "" and named.text.endswith("<|im_start|>assistant\n")
     assert named.ids == encode_prompt(tok, named.text)
-    # The model writes only the arguments; the parser has read the prefill.
-    stream = named.stream()
-    events = stream.feed('{"city": "Paris"}}') + stream.feed("</tool_call>") + stream.finish()
-    assert _summary(stream.calls) == [("get_weather", PARIS, 0)] and events == stream.calls
-    required = render(tok, ASK, [WEATHER], "required")
-    assert required.prefill == '<tool_call>{"name": "'
-    content, calls = parse('get_weather", "arguments": {"city": "Paris"}}</tool_call>', required.format,
-                           prefill=required.prefill)
-    assert (content, _summary(calls)) == ("", [("get_weather", PARIS, 0)])
+    # The grammar writes the call's opening; the model writes only the arguments.
+    assert _forced(tok, named).startswith('<tool_call>{"name": "get_weather", "arguments":')
+    assert render(tok, ASK, [TIME, WEATHER], {"name": "get_weather"}).grammar == named.grammar  # the neutral form
+    required = render(tok, ASK, [WEATHER, TIME], "required")
+    assert required.prefill == "" and _forced(tok, required) == '<tool_call>{"name": "get_'
+    assert render(tok, ASK, [WEATHER], "none").grammar is None
+
+
+# MiniMax's layout, cut down: a format whose calls no grammar here constrains.
+MINIMAX_TEMPLATE = """{%- for message in messages %}<{{ message.role }}>{{ message.content }}
+{%- endfor %}{% if tools %}<minimax:tool_call>{% endif %}<assistant>"""
+
+
+def test_unconstrained_format_prefills_a_forced_call(tmp_path, caplog):
+    tok = _template_tokenizer(tmp_path, MINIMAX_TEMPLATE)
+    fmt = tool_format(tok)
+    assert (fmt.name, fmt.constrained) == ("minimax_m2", False)
+    with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tool_grammar"):
+        r = render(tok, ASK, [WEATHER], "required")
+    assert "minimax_m2 tool format cannot be constrained" in caplog.text
+    assert r.grammar is None and r.prefill == "<minimax:tool_call>" and r.text.endswith(r.prefill)
+    assert render(tok, ASK, [WEATHER], "auto").prefill == ""
+    with pytest.raises(RedrafterError, match="cannot be held to both") as e:
+        render(tok, ASK, [WEATHER], content={"type": "object"})
+    assert e.value.param == "content"
 
 
 def test_default_model_tool_history_renders_as_text(default_model):
@@ -316,9 +338,9 @@ def test_hermes_template_renders_tools_and_history_itself(tmp_path):
 def test_hermes_template_forced_call_and_parse(tmp_path):
     tok = _template_tokenizer(tmp_path, HERMES_TEMPLATE)
     r = render(tok, ASK, [TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}})
-    assert r.prefill == '<tool_call>\n{"name": "get_weather", "arguments": '
-    assert r.text.endswith("<|im_start|>assistant\n" + r.prefill) and r.ids == encode_prompt(tok, r.text)
-    reply = '{"city": "Paris"}}\n</tool_call>'
+    assert r.prefill == "" and r.text.endswith("<|im_start|>assistant\n") and r.ids == encode_prompt(tok, r.text)
+    assert _forced(tok, r).startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     stream = r.stream()
     events = [e for i in range(0, len(reply), 3) for e in stream.feed(reply[i:i + 3])] + stream.finish()
     assert events == stream.calls and _summary(stream.calls) == [("get_weather", PARIS, 0)]
@@ -330,8 +352,9 @@ def test_mistral_template_forced_call_and_history(tmp_path):
     assert (fmt.name, fmt.start, fmt.end) == ("mistral", "[TOOL_CALLS]", "")
     r = render(tok, ASK, [WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert r.text == "[AVAILABLE_TOOLS]" + json.dumps([WEATHER]) + "[/AVAILABLE_TOOLS][INST]" + ASK[0]["content"] + \
-        "[/INST][TOOL_CALLS]get_weather[ARGS]"
-    content, calls = parse('{"city": "Paris"}', r.format, r.tools, r.prefill)
+        "[/INST]"
+    assert _forced(tok, r) == "[TOOL_CALLS]get_weather[ARGS]{"
+    content, calls = parse('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', r.format, r.tools, r.prefill)
     assert (content, _summary(calls)) == ("", [("get_weather", PARIS, 0)])
     history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "abcdefghi", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

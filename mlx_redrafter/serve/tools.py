@@ -14,15 +14,20 @@ it. In that format, earlier calls are rendered into the assistant message as
 the same lines, and tool results as a user message of
 ``<tool_response>{"name": ..., "content": ...}</tool_response>`` lines.
 
-``tool_choice`` ``"required"`` or a named function forces a call by
-prefilling the reply with the call's opening (for a named function, up to
-and including the name), so the model writes only the arguments.
+The reply is constrained by a grammar (:attr:`Rendered.grammar`, see
+:mod:`~mlx_redrafter.serve.tool_grammar`) in every format a grammar can
+express (:attr:`ToolFormat.constrained`): a call names one of the tools and
+its arguments validate against that tool's schema. ``tool_choice``
+``"required"`` or a named function: calls from the reply's first token;
+``"auto"``: free text until the model opens a call. In a format that cannot
+be constrained, a forced call is prefilled with the call's opening (for a
+named function, up to and including the name) and the reply only parsed.
 
 :class:`ToolCallStream` splits streamed text into content and calls with
 mlx-lm's ``TextStateMachine``: text that may be the start of a marker is held
 back, so markers never reach the content. A call the parser cannot read
-(e.g. arguments that are not JSON) comes back as content, without its
-markers, and a warning is logged.
+(e.g. arguments that are not JSON, possible only unconstrained) comes back
+as content, without its markers, and a warning is logged.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from mlx_lm.tool_parsers import json_tools
 from ..errors import RedrafterError
 from ..llm.text import encode_prompt
 from ..prompts import render_messages
+from .tool_grammar import SYNTAXES, ToolError, reply_grammar
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,12 @@ class ToolFormat:
     parser: Callable[[str, Optional[list]], Any]
     native: bool
     opening: Optional[str] = None  # the _OPENINGS entry; None: forced calls prefill only ``start``
+    syntax: Optional[str] = None  # its tool_grammar.SYNTAXES key; None: calls cannot be constrained
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains this format's calls (``/v1/models`` says it)."""
+        return self.syntax is not None
 
     def prefill(self, function: Optional[str] = None) -> str:
         """The reply's forced opening: a call (``function=None``) or a call to ``function``."""
@@ -92,15 +104,16 @@ class ToolFormat:
 
 
 GENERIC_FORMAT = ToolFormat(GENERIC, json_tools.tool_call_start, json_tools.tool_call_end,
-                            json_tools.parse_tool_call, native=False, opening=_OPENINGS[GENERIC])
+                            json_tools.parse_tool_call, native=False, opening=_OPENINGS[GENERIC], syntax=GENERIC)
 
 
 def parser_format(name: str, opening: Optional[str] = None) -> ToolFormat:
     """The format of the mlx-lm parser ``mlx_lm.tool_parsers.<name>``
     (``opening``: the _OPENINGS key, when it is not ``name``)."""
     module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    key = opening or name
     return ToolFormat(name, module.tool_call_start, module.tool_call_end or "", module.parse_tool_call,
-                      native=True, opening=_OPENINGS.get(opening or name))
+                      native=True, opening=_OPENINGS.get(key), syntax=key if key in SYNTAXES else None)
 
 
 def tool_format(tokenizer) -> ToolFormat:
@@ -121,10 +134,13 @@ def tool_format(tokenizer) -> ToolFormat:
 @dataclass
 class Rendered:
     """A chat prompt with its tools: the ids to generate from (prefill
-    included), and what parsing the reply needs.
+    included), and what generating and parsing the reply need.
 
     Parse the reply only when ``tools`` is not None (tools were rendered):
     without tools it is plain text, exactly as ``generate`` returns it.
+    ``grammar`` is the spec to compile (``Engine.grammar``) and generate
+    under: the tool calls' grammar, the content's schema alone, or None (free
+    text).
     """
 
     ids: List[int]
@@ -132,39 +148,60 @@ class Rendered:
     prefill: str
     format: ToolFormat
     tools: Optional[list]  # the tools rendered; None when none
+    grammar: Any = None
 
     def stream(self) -> "ToolCallStream":
         """A parser for the reply that follows ``ids`` (it has read the prefill)."""
         return ToolCallStream(self.format, self.tools, self.prefill)
 
 
+def tool_names(tools: Optional[list]) -> List[str]:
+    """The function names of OpenAI-shaped ``tools``; a :class:`ToolError` for one that is not a function."""
+    names = []
+    for t in tools or []:
+        name = (t.get("function") or {}).get("name") if isinstance(t, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ToolError(f"The tool {str(t)[:80]!r} is not a function with a name.",
+                            'Send tools as {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+        names.append(name)
+    return names
+
+
 def check_tool_choice(tools: Optional[list], tool_choice) -> Optional[str]:
-    """The tool_choice as ``"auto"``, ``"none"``, ``"required"`` or a function
-    name; a :class:`RedrafterError` for one that cannot be honoured."""
-    names = [t.get("function", {}).get("name") for t in tools or []]
+    """The tool choice as ``"auto"``, ``"none"``, ``"required"`` or a function
+    name; a :class:`ToolError` for one that cannot be honoured. A named
+    function may come as OpenAI's chat form ``{"type": "function",
+    "function": {"name": ...}}`` or with its ``name`` on top (the Responses
+    API's form and the neutral ``{"name": ...}``)."""
+    names = tool_names(tools)
     if tool_choice is None:
         return "auto" if names else "none"
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
-        if tool_choice.get("type") != "function" or not isinstance(name, str):
-            raise RedrafterError(f"tool_choice {tool_choice!r} is not a function choice.",
-                                 'Use {"type": "function", "function": {"name": ...}}.')
+        name = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ToolError(f"tool_choice {tool_choice!r} is not a function choice.",
+                            'Use {"type": "function", "function": {"name": ...}}.', "tool_choice")
         if name not in names:
-            raise RedrafterError(f"tool_choice names the function {name!r}, which is not among the tools {names}.",
-                                 "Name one of the functions sent in 'tools'.")
+            raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools {names}.",
+                            "Name one of the functions sent in 'tools'.", "tool_choice")
         return name
     if tool_choice not in ("auto", "none", "required"):
-        raise RedrafterError(f"tool_choice {tool_choice!r} is not supported.",
-                             'Use "auto", "none", "required" or a named function.')
+        raise ToolError(f"tool_choice {tool_choice!r} is not supported.",
+                        'Use "auto", "none", "required" or a named function.', "tool_choice")
     if tool_choice == "required" and not names:
-        raise RedrafterError('tool_choice is "required" but no tools were sent.', "Send 'tools', or drop tool_choice.")
+        raise ToolError('tool_choice is "required" but no tools were sent.', "Send 'tools', or drop tool_choice.",
+                        "tool_choice")
     return tool_choice
 
 
-def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None, tool_choice=None) -> Rendered:
+def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None, tool_choice=None,
+           parallel_tool_calls: bool = True, content=None) -> Rendered:
     """The prompt for ``messages`` and ``tools`` under ``tool_choice``
-    (OpenAI's: ``"auto"``, ``"none"``, ``"required"`` or
-    ``{"type": "function", "function": {"name": ...}}``).
+    (``"auto"``, ``"none"``, ``"required"`` or a named function, see
+    :func:`check_tool_choice`), with the grammar of the reply: at most one
+    call unless ``parallel_tool_calls``; ``content`` (a JSON Schema or
+    ``"json"``, e.g. OpenAI's ``response_format``): what the reply is when
+    it is not a call.
 
     Without tools (or with ``"none"``) and without tool history, the ids are
     exactly :func:`~mlx_redrafter.prompts.chat_prompt_ids`'.
@@ -180,9 +217,11 @@ def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None,
             text = render_messages(tokenizer, msgs)
     else:
         text = render_messages(tokenizer, generic_messages(messages, shown))
-    prefill = "" if choice in ("auto", "none") else fmt.prefill(None if choice == "required" else choice)
+    grammar = reply_grammar(tokenizer, fmt, shown, choice, parallel_tool_calls, content)
+    forced = choice not in ("auto", "none") and grammar is None  # unconstrained: prefill the opening
+    prefill = fmt.prefill(None if choice == "required" else choice) if forced else ""
     text += prefill
-    return Rendered(list(encode_prompt(tokenizer, text)), text, prefill, fmt, shown)
+    return Rendered(list(encode_prompt(tokenizer, text)), text, prefill, fmt, shown, grammar)
 
 
 def _arguments(args) -> Any:
@@ -380,8 +419,9 @@ def openai_tool_call(call: ToolCall, streaming: bool = False) -> dict:
 
 
 def openai_message(content: str, calls: Sequence[ToolCall]) -> dict:
-    """OpenAI's assistant ``message``: content is null when the reply is only calls."""
-    msg = {"role": "assistant", "content": content if content or not calls else None}
+    """OpenAI's assistant ``message``: content is null when the reply is only
+    calls (and the whitespace between them)."""
+    msg = {"role": "assistant", "content": content if content.strip() or not calls else None}
     if calls:
         msg["tool_calls"] = [openai_tool_call(c) for c in calls]
     return msg

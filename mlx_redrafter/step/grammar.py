@@ -62,6 +62,16 @@ def _ll_tokenizer(tokenizer):
     return ll
 
 
+def special_token(tokenizer, text: str):
+    """The id of the special token spelled ``text`` (one that a grammar names
+    as ``<[id]>``, since its bytes never match a string literal), or None
+    when ``text`` is ordinary text for ``tokenizer``."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return None  # text (checked first: building the llguidance tokenizer takes a second)
+    return ids[0] if _ll_tokenizer(tokenizer).is_special_token(ids[0]) else None
+
+
 @dataclass
 class Grammar:
     """A grammar compiled for one tokenizer; :meth:`matcher` starts a parse.
