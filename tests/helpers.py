@@ -141,3 +141,42 @@ def run_steps(model, p, draft, n: int, cache=None, history=()):
             break
     steps.close()
     return out[:n], stats, cache
+
+
+# --------------------------------------------------------------------------- on disk, for the commands
+
+SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
+
+
+def save_tiny_folder(path, seed: int = 0):
+    """A tiny llama as an mlx-lm folder, with a word-level tokenizer
+    (``w0 w1 ...``), an EOS token and a chat template, all built here
+    (another ``seed``: another copy of the same model, same family)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, tiny_model("llama", seed=seed))
+    save_config(dict(TINY_CONFIGS["llama"]), path / "config.json")
+    words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def save_random_drafter(path, seed: int = 1, **kw):
+    from mlx_redrafter import save_drafter
+
+    return save_drafter(random_drafter(seed=seed, **kw), path)

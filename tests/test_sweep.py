@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import OracleDrafter, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, tiny_model
+from helpers import (OracleDrafter, SPECIALS, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, save_random_drafter,
+                     save_tiny_folder, tiny_model)
 from mlx_redrafter.tuning import report, sweep as sw
 from mlx_redrafter.tuning.measure import PHASES
 from mlx_redrafter.runtime import resolve_drafter_path
@@ -25,45 +26,14 @@ from mlx_redrafter.errors import RedrafterError
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 
 
 # --------------------------------------------------------------------------- fixtures
 
 
-def save_tiny_folder(path: Path) -> Path:
-    """A tiny llama as an mlx-lm folder, with a word-level tokenizer
-    (``w0 w1 ...``), an EOS token and a chat template, all built here."""
-    from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_model(path, tiny_model("llama"))
-    save_config(dict(TINY_CONFIGS["llama"]), path / "config.json")
-    words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    fast.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    fast.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     return save_tiny_folder(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def save_random_drafter(path: Path, seed: int = 1) -> Path:
-    from mlx_redrafter import save_drafter
-
-    return save_drafter(random_drafter(seed=seed), path)
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,10 @@ def apply_dtype(model: nn.Module, dtype=None, keep_quantized: Optional[bool] = N
     if not keep_quantized:
         model = dequantize_model(model)
     model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    # Arrays a module keeps beside its parameters (Llama 3's RoPE frequencies, "_freqs")
+    # are lazy too: evaluated here, or a server's worker thread could not evaluate them.
+    buffers = [v for _, m in model.named_modules() for v in m.values() if isinstance(v, mx.array)]
+    mx.eval(model.parameters(), buffers)
     return model
 
 

@@ -1,0 +1,293 @@
+"""The drafter store (draft/store.py) and the tools that read it, on tiny
+models saved in temp folders: the model's identity, install / find / list /
+rm, the store's drafter picked up by ``generate``, ``chat``, ``serve`` and
+``stream_generate`` (greedy output equal to plain decoding), a drafter that
+does not fit refused with the reason, another copy's drafter used with a
+note, and lookup drafting with the one line naming make-drafter when the
+store has nothing.
+
+Every test that installs sets its own ``MLX_REDRAFTER_CACHE`` (``store``
+fixture), so nothing leaks into the other tests of the worker.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from helpers import HIDDEN, VOCAB, random_drafter, save_random_drafter, save_tiny_folder, tiny_model
+from mlx_redrafter.draft import store as st
+from mlx_redrafter.errors import RedrafterError
+
+PROMPT = "w1 w2 w3 w1 w2 w3 w1"
+
+
+def cli(args) -> int:
+    from mlx_redrafter.cli import main
+
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code or 0
+
+
+def squeeze(text: str) -> str:
+    return "".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Two copies of one tiny model (same family, other weights) and a drafter that fits both."""
+    root = tmp_path_factory.mktemp("store-models")
+    return save_tiny_folder(root / "tiny"), save_tiny_folder(root / "other", seed=5), save_random_drafter(root / "d")
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A store of this test's own."""
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "drafters"
+
+
+def installed(folder, drafter, **meta):
+    from mlx_redrafter.llm.load import identity_for_spec
+
+    identity = identity_for_spec(str(folder))
+    return st.install(drafter, identity, {"source": "make-drafter", **meta}), identity
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def test_identity_is_the_files_and_costs_nothing_twice(folders, monkeypatch):
+    from mlx_redrafter.llm import identity as ident
+    from mlx_redrafter.llm.load import identity_for_spec, load_model
+
+    tiny, other, _ = folders
+    # Read from the files: no pass over the weights (the weights' fingerprint is never computed).
+    monkeypatch.setattr(ident, "weights_fingerprint", lambda m: pytest.fail("the weights were fingerprinted"))
+    model, _ = load_model(str(tiny))
+    a = st.model_identity(model)
+    assert st.model_identity(model) is a  # cached on the model
+    assert "redrafter_identity" not in dict(model.parameters())  # not a parameter of the model
+    assert (a.id, a.hidden_size, a.vocab_size, a.num_layers) == ("tiny", HIDDEN, VOCAB, 2)
+    # The dtype policy does not change it, and the files alone give the same (nothing loaded).
+    assert load_model(str(tiny), dtype="float16")[0].redrafter_identity == a == identity_for_spec(str(tiny))
+    # Another copy: another fingerprint, the same family.
+    b = identity_for_spec(str(other))
+    assert b.family == a.family and b.fingerprint != a.fingerprint
+    # A quantized copy of the same model is of the same family too.
+    import mlx.nn as nn
+
+    q = tiny_model("llama")
+    nn.quantize(q, group_size=32, bits=4)
+    monkeypatch.undo()
+    assert st.model_identity(q).family == a.family
+
+
+def test_the_shipped_drafter_records_the_default_models_family():
+    from mlx_redrafter.llm.load import identity_for_spec
+
+    meta = st.read_meta(st.shipped_root() / "smollm2-135m-instruct")
+    identity = identity_for_spec("default")
+    assert meta["base_model"]["family"] == identity.family and meta["base_model"]["id"] == identity.id
+
+
+# --------------------------------------------------------------------------- install, find, list, rm
+
+
+def test_install_find_list_and_rm(folders, store, capsys):
+    tiny, other, drafter = folders
+    path, identity = installed(tiny, drafter, verdict={"drafter": {"speedup": 1.25}})
+    assert path.parent.parent == store and path.parent.name == identity.family
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", st.META]
+    meta = st.read_meta(path)
+    assert meta["format"] == 1 and meta["source"] == "make-drafter" and meta["base_model"] == identity.to_dict()
+    found = st.find(identity)
+    assert found.path == path and found.exact and found.note(identity) is None
+    assert st.read_meta(drafter) == {}  # a folder without META
+
+    assert cli(["drafters", "list"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if str(path) in line)
+    assert "tiny" in row and identity.short in row and "make-drafter" in row and "1.25x" in row
+    assert "shipped with the package" in out  # the package's drafters are listed too
+    assert cli(["drafters", "path", str(tiny)]) == 0
+    assert capsys.readouterr().out.strip() == str(path)
+
+    assert cli(["drafters", "rm", path.name]) == 0
+    assert capsys.readouterr().out.strip() == f"removed {path}"
+    assert not path.exists() and st.find(identity) is None
+    assert cli(["drafters", "rm", path.name]) == 1
+    assert "No drafter" in capsys.readouterr().err
+    assert cli(["drafters", "rm", "smollm2-135m-instruct"]) == 1
+    assert "ships with the package" in capsys.readouterr().err
+    # By model id: every drafter made for it.
+    installed(tiny, drafter)
+    installed(other, drafter)
+    assert len(st.remove("tiny")) == 1 and st.find(identity).path.name.startswith("other-")
+
+
+def test_the_store_is_preferred_to_the_package_and_the_exact_copy_first(folders, store):
+    from mlx_redrafter.llm.load import identity_for_spec
+
+    tiny, other, drafter = folders
+    default = identity_for_spec("default")
+    assert st.find(default).shipped and st.find(default).exact
+    small = save_random_drafter(store.parent / "d576", hidden=576, vocab=49152, exit_dim=32, num_draft_layers=1,
+                                draft_vocab_size=16, rnn=False)
+    mine = st.install(small, default, {"source": "make-drafter"})
+    assert st.find(default).path == mine and not st.find(default).shipped
+    # Of two copies' drafters, the one of this copy, whatever was installed last.
+    a, ia = installed(tiny, drafter)
+    installed(other, drafter)
+    assert st.find(ia).path == a
+
+
+def test_a_drafter_that_does_not_fit_is_refused_with_the_reason(folders, store, capsys):
+    tiny, _, drafter = folders
+    wrong = save_random_drafter(store.parent / "wrong", vocab=VOCAB + 3)
+    from mlx_redrafter.llm.load import identity_for_spec
+
+    identity = identity_for_spec(str(tiny))
+    with pytest.raises(RedrafterError, match="vocab_size is 100 but the model's embedding has 97 rows"):
+        st.install(wrong, identity, {"source": "make-drafter"})
+    # One that got there anyway (its config edited after the install) is skipped, and says why.
+    path, _ = installed(tiny, drafter)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
+    assert st.find(identity) is None
+    assert cli(["drafters", "list", "--model", str(tiny)]) == 0
+    assert "does not fit: The drafter's hidden_size is 32 but the model's is 64." in capsys.readouterr().out
+    assert cli(["drafters", "path", str(tiny)]) == 1
+    assert "hidden_size is 32" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the tools read it
+
+
+def test_generate_uses_the_stored_drafter_and_says_where_it_came_from(folders, store, capsys):
+    tiny, _, drafter = folders
+    path, _ = installed(tiny, drafter)
+    gen = ["generate", "--model", str(tiny), "--prompt", PROMPT, "-n", "12", "--raw"]
+    assert cli(gen + ["--no-draft"]) == 0
+    plain = capsys.readouterr().out
+    assert cli(gen) == 0
+    drafted = capsys.readouterr()
+    assert drafted.out == plain
+    assert squeeze(f"drafter {path} (from the store: make-drafter)") in squeeze(drafted.err)
+
+
+def test_another_copys_drafter_is_used_with_a_note(folders, store):
+    from rich.console import Console
+
+    from mlx_redrafter.runtime import load_runtime
+
+    tiny, other, drafter = folders
+    path, _ = installed(tiny, drafter)
+    rt = load_runtime(str(other))
+    assert rt.drafter_path == path and rt.drafter is not None
+    console = Console(record=True, width=400)
+    rt.announce(console)
+    notes = [line for line in console.export_text().splitlines() if line.startswith("Note:")]
+    assert len(notes) == 1 and "trained for tiny" in notes[0] and "another copy of this model (other" in notes[0]
+
+
+def test_chat_uses_the_stored_drafter(folders, store, monkeypatch, capsys):
+    tiny, _, drafter = folders
+    path, _ = installed(tiny, drafter)
+    replies = {}
+    for flags in ([], ["--no-draft"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6 w7 w5 w6\nw9 w8\n"))
+        assert cli(["chat", "--model", str(tiny), "-n", "8", "--no-history", *flags]) == 0
+        captured = capsys.readouterr()
+        replies[bool(flags)] = captured.out
+        assert (str(path) in squeeze(captured.err)) == (not flags)
+    assert replies[False] == replies[True] and replies[False].strip()
+
+
+def test_serve_uses_the_stored_drafter(folders, store):
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from mlx_redrafter.runtime import load_runtime
+    from mlx_redrafter.serve import Engine
+    from mlx_redrafter.serve.app import create_app
+
+    tiny, _, drafter = folders
+    path, _ = installed(tiny, drafter)
+    texts = {}
+    for no_draft in (False, True):
+        rt = load_runtime(str(tiny), no_draft=no_draft)  # what `mlx-redrafter serve --model` loads
+        with TestClient(create_app(Engine(rt, max_tokens=10))) as http:
+            health = http.get("/health").json()
+            texts[no_draft] = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0}).json()
+        assert health["drafter"] == (None if no_draft else str(path))
+    assert texts[False]["choices"][0]["text"] == texts[True]["choices"][0]["text"]
+
+
+def test_stream_generate_uses_the_stored_drafter_by_default(folders, store):
+    from mlx_redrafter import generate, stream_generate
+    from mlx_redrafter.llm.load import load_model
+
+    tiny, _, drafter = folders
+    model, tok = load_model(str(tiny))
+    plain = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=12)]
+    assert st.drafter_for(model) == (None, None)
+    path, _ = installed(tiny, drafter)
+    rs = list(stream_generate(model, tok, PROMPT, max_tokens=12))  # drafter="auto": the store's
+    assert [r.token for r in rs] == plain
+    assert all(r.stats.tree_size > 1 for r in rs[1:])  # every step verified drafts
+    loaded, found = st.drafter_for(model)
+    assert found.path == path and st.drafter_for(model)[0] is loaded  # cached on the model
+    # None explicit: plain decoding; a drafter given: that one.
+    assert all(r.stats.tree_size == 1 for r in stream_generate(model, tok, PROMPT, max_tokens=6, drafter=None))
+    assert generate(model, tok, PROMPT, max_tokens=12, drafter=random_drafter(seed=4)) == generate(
+        model, tok, PROMPT, max_tokens=12, drafter=None)
+    with pytest.raises(RedrafterError, match="is not a drafter"):
+        list(stream_generate(model, tok, PROMPT, max_tokens=2, drafter="some/folder"))
+    # Removed: the next call sees it (the family folder changed).
+    st.remove(path.name)
+    assert all(r.stats.tree_size == 1 for r in stream_generate(model, tok, PROMPT, max_tokens=4))
+
+
+def test_load_drafter_by_model_id_and_store_name(folders, store):
+    from mlx_redrafter import load_drafter
+
+    tiny, _, drafter = folders
+    path, _ = installed(tiny, drafter)
+    assert load_drafter("tiny").source_path == path
+    assert load_drafter(path.name).source_path == path
+    assert load_drafter("default").source_path == st.shipped_root() / "smollm2-135m-instruct"
+    with pytest.raises(RedrafterError, match="Drafter path does not exist: no-such-drafter"):
+        load_drafter("no-such-drafter")
+
+
+def test_no_drafter_drafts_by_lookup_where_it_pays_and_names_make_drafter(folders, store, capsys, monkeypatch):
+    from mlx_redrafter.runtime import load_runtime
+    from mlx_redrafter.step import auto
+
+    tiny, _, _ = folders
+    gen = ["generate", "--model", str(tiny), "--prompt", PROMPT, "-n", "12", "--raw"]
+    assert cli(gen + ["--no-draft"]) == 0
+    plain = capsys.readouterr().out
+    assert auto.can_pay(load_runtime(str(tiny), "none", lookup=True).draft)  # the float built-in curve: lookup pays
+    assert cli(gen) == 0
+    got = capsys.readouterr()
+    assert got.out == plain
+    assert "drafting:1copyfromthecontextperstep(nodrafter)" in squeeze(got.err)
+    lines = [line for line in got.err.splitlines() if "make-drafter" in line]
+    assert len(lines) == 1 and f"`mlx-redrafter make-drafter --model {tiny}`" in lines[0]
+    # Where lookup does not pay on the curve: plain decoding, the same one line.
+    monkeypatch.setattr(auto, "can_pay", lambda draft, curve=None: False)
+    rt = load_runtime(str(tiny))
+    assert rt.lookup == 0 and not rt.draft.drafting and "do not pay" in rt.plain_reason and "make-drafter" in rt.hint
+    # The flags still win, and --drafter none says nothing about make-drafter.
+    assert load_runtime(str(tiny), lookup=True).lookup == 1
+    assert cli(gen + ["--no-lookup"]) == 0
+    assert "plaindecoding(nodrafter" in squeeze(capsys.readouterr().err)
+    assert cli(gen + ["--drafter", "none"]) == 0
+    assert "make-drafter" not in capsys.readouterr().err
