@@ -258,6 +258,50 @@ def test_server_gone_is_a_readable_message(plain_server, page):
     assert page.input_value("#input") == "Hello?"
 
 
+# --------------------------------------------------------------------------- the API key
+
+
+def test_the_page_asks_for_the_key_once_and_keeps_it(tmp_path, page):
+    key = "sk-page-test"
+    keyed = Server(["--no-draft", "--max-tokens", "4", "--api-key", key], tmp_path / "keyed.log")
+    try:
+        asked, answers = [], [key]
+
+        def answer(dialog):  # the page's question, answered as a user would
+            asked.append(dialog.message)
+            reply = answers.pop(0)
+            dialog.accept(reply) if reply is not None else dialog.dismiss()
+
+        page.on("dialog", answer)
+        page.goto(keyed.url + "/")
+        _send(page, "Say hi.")
+        _wait_reply(page, 1)
+        assert len(asked) == 1 and "needs an API key" in asked[0]
+        assert page.evaluate("localStorage.getItem('mlx-redrafter.api-key')") == key
+        page.reload()
+        page.wait_for_selector(REPLY)
+        _send(page, "Again.")
+        _wait_reply(page, 2)
+        assert len(asked) == 1  # kept in the browser: not asked again
+
+        # A kept key the server refuses is asked for again.
+        page.evaluate("localStorage.setItem('mlx-redrafter.api-key', 'stale')")
+        answers.append(key)
+        _send(page, "Once more.")
+        _wait_reply(page, 3)
+        assert len(asked) == 2 and "refused the API key" in asked[1]
+
+        # No key given: a readable error, the text given back to retry.
+        page.evaluate("localStorage.removeItem('mlx-redrafter.api-key')")
+        answers.append(None)
+        _send(page, "No key.")
+        page.wait_for_selector("#error:not([hidden])")
+        assert "API key" in page.inner_text("#error") and page.input_value("#input") == "No key."
+        assert len(asked) == 3 and len(_messages(page)) == 6
+    finally:
+        keyed.stop()
+
+
 # --------------------------------------------------------------------------- untrusted output
 
 EVIL = (

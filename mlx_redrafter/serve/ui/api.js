@@ -1,7 +1,31 @@
-// The page's side of OpenAI's streamed chat route, and readable errors.
+// The page's side of OpenAI's streamed chat route, readable errors, and the
+// server's API key (asked for when the server answers 401, then kept).
+
+import { storedKey, storeKey } from "./store.js";
 
 /** An error to show on the page (its message is for people). */
 export class ChatError extends Error {}
+
+/**
+ * `fetch(path, init)` with the kept API key as `Authorization: Bearer`. A 401
+ * asks for the key (again, when the kept one was refused) and retries with
+ * it; cancelling the question gives the 401 back.
+ */
+async function authorizedFetch(path, init = {}) {
+  for (;;) {
+    const key = storedKey();
+    const headers = { ...init.headers, ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+    const response = await fetch(path, { ...init, headers });
+    if (response.status !== 401) return response;
+    const asked = prompt(
+      key
+        ? "The server refused the API key kept here. Enter the key (the --api-key it was started with):"
+        : "This server needs an API key. Enter the key (the --api-key it was started with):",
+    );
+    if (!asked || !asked.trim()) return response;
+    storeKey(asked.trim());
+  }
+}
 
 /**
  * Stream a chat reply. `onChunk(obj)` sees each parsed server-sent event
@@ -12,7 +36,7 @@ export class ChatError extends Error {}
 export async function streamChat(body, signal, onChunk) {
   let response;
   try {
-    response = await fetch("v1/chat/completions", {
+    response = await authorizedFetch("v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
@@ -71,6 +95,9 @@ async function httpError(response) {
   if (response.status === 503 || response.status === 429) {
     return new ChatError(error.message ? message : "The server is busy. Try again in a moment.");
   }
+  if (response.status === 401) {
+    return new ChatError("This server needs its API key (the --api-key it was started with). Send again to enter it.");
+  }
   if (error.code === "context_length_exceeded") {
     return new ChatError(`${message} Start a new chat, or shorten the system prompt or the message.`);
   }
@@ -80,7 +107,7 @@ async function httpError(response) {
 /** The model id and whether it drafts, for the header ("" when unknown). */
 export async function serverInfo() {
   try {
-    const health = await (await fetch("health")).json();
+    const health = await (await authorizedFetch("health")).json();
     return `${health.model} · ${health.drafter ? "drafter on" : "no drafter"}`;
   } catch {
     return "";

@@ -71,3 +71,23 @@ export class Store {
     }
   }
 }
+
+// The server's API key (`serve --api-key`), asked for once and kept apart
+// from the conversations; null when none was given yet.
+const API_KEY = "mlx-redrafter.api-key";
+
+export function storedKey(storage = localStorage) {
+  try {
+    return storage.getItem(API_KEY);
+  } catch {
+    return null;
+  }
+}
+
+export function storeKey(key, storage = localStorage) {
+  try {
+    storage.setItem(API_KEY, key);
+  } catch {
+    // disabled storage: the key is asked for again next time
+  }
+}
