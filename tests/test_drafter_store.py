@@ -179,6 +179,9 @@ def test_generate_uses_the_stored_drafter_and_says_where_it_came_from(folders, s
     drafted = capsys.readouterr()
     assert drafted.out == plain
     assert squeeze(f"drafter {path} (from the store: make-drafter)") in squeeze(drafted.err)
+    from mlx_redrafter.runtime import resolve_drafter_path
+
+    assert resolve_drafter_path(str(tiny), None) == path  # what `sweep` measures without --drafter
 
 
 def test_another_copys_drafter_is_used_with_a_note(folders, store):
