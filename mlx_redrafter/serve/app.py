@@ -112,6 +112,8 @@ def _error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException):
         if exc.status_code == 404 and request.scope.get("route") is None:  # no route, not a handler's 404
             failure = _unknown_route(app, request.url.path)
+        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body"
+            failure = Failure(400, f"The body is not UTF-8 JSON: {exc.__cause__}.", "invalid_json")
         else:
             failure = Failure(exc.status_code, str(exc.detail), NOT_FOUND if exc.status_code == 404 else None)
         return error_response(request.url.path, failure)
