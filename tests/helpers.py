@@ -46,13 +46,14 @@ TINY_CONFIGS = {
 }
 
 
-def tiny_model(kind: str, seed: int = 0, scale: float = 4.0):
-    """A random mlx-lm model of the given type, float32, parameters evaluated.
+def tiny_model(kind: str, seed: int = 0, scale: float = 4.0, **config_changes):
+    """A random mlx-lm model of the given type, float32, parameters evaluated
+    (``config_changes``: e.g. ``vocab_size=`` for a given tokenizer).
 
     Weights are scaled up so that logits are peaked and the argmax margins
     are far above float32 rounding.
     """
-    config = dict(TINY_CONFIGS[kind])
+    config = {**TINY_CONFIGS[kind], **config_changes}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -144,6 +145,21 @@ def run_steps(model, p, draft, n: int, cache=None, history=()):
 
 
 # --------------------------------------------------------------------------- on disk, for the commands
+
+
+def cli(args) -> int:
+    """``mlx-redrafter ARGS``: its exit code (typer ends a successful command with SystemExit)."""
+    from mlx_redrafter.cli import main
+
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code or 0
+
+
+def squeeze(text: str) -> str:
+    return "".join(text.split())
+
 
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 

@@ -18,24 +18,11 @@ import sys
 
 import pytest
 
-from helpers import HIDDEN, VOCAB, random_drafter, save_random_drafter, save_tiny_folder, tiny_model
+from helpers import HIDDEN, VOCAB, cli, random_drafter, save_random_drafter, save_tiny_folder, squeeze, tiny_model
 from mlx_redrafter.draft import store as st
 from mlx_redrafter.errors import RedrafterError
 
 PROMPT = "w1 w2 w3 w1 w2 w3 w1"
-
-
-def cli(args) -> int:
-    from mlx_redrafter.cli import main
-
-    try:
-        return main(args)
-    except SystemExit as e:
-        return e.code or 0
-
-
-def squeeze(text: str) -> str:
-    return "".join(text.split())
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from helpers import random_drafter, save_random_drafter, save_tiny_folder
+from helpers import cli, random_drafter, save_random_drafter, save_tiny_folder
 from mlx_redrafter import load_drafter
 from mlx_redrafter.draft import publish, store as st
 from mlx_redrafter.errors import RedrafterError
@@ -24,15 +24,6 @@ from torch_format import write_zip
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 PROMPT = "w1 w2 w3 w1 w2 w3 w1"
-
-
-def cli(args) -> int:
-    from mlx_redrafter.cli import main
-
-    try:
-        return main(args)
-    except SystemExit as e:
-        return e.code or 0
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import (OracleDrafter, SPECIALS, TINY_CONFIGS, VOCAB, prompts as random_prompts, random_drafter, save_random_drafter,
-                     save_tiny_folder, tiny_model)
+from helpers import (OracleDrafter, SPECIALS, TINY_CONFIGS, VOCAB, cli, prompts as random_prompts, random_drafter,
+                     save_random_drafter, save_tiny_folder, squeeze, tiny_model)
 from mlx_redrafter.tuning import report, sweep as sw
 from mlx_redrafter.tuning.measure import PHASES
 from mlx_redrafter.runtime import resolve_drafter_path
@@ -74,20 +74,6 @@ def png_size(path: Path):
 def read_csv(path: Path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def cli(args) -> int:
-    """``mlx-redrafter ARGS``: its exit code (typer ends a successful command with SystemExit)."""
-    from mlx_redrafter.cli import main
-
-    try:
-        return main(args)
-    except SystemExit as e:
-        return e.code or 0
-
-
-def squeeze(text: str) -> str:
-    return "".join(text.split())
 
 
 def num(s: str):
