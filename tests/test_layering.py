@@ -40,6 +40,7 @@ NAMED = [
     "train/distill", "train/shards", "train/trainer", "train/world", "train/controller",
     "chat/terminal", "chat/conversation", "chat/commands", "chat/settings",
     "serve/engine", "serve/app", "serve/streaming", "serve/openai_api", "serve/ollama_api",
+    "serve/anthropic_api", "serve/anthropic_reply", "serve/responses_api", "serve/responses_reply",
 ]
 COMMANDS = (P + "cli", P + "chat", P + "tuning.sweep", P + "serve")
 
@@ -197,6 +198,46 @@ def test_no_module_uses_a_command_module_as_a_library():
                 if not own and not cli and (m == cmd or m.startswith(cmd + ".")):
                     found.setdefault(str(path.relative_to(REPO)), []).append(m)
     assert not found, found
+
+
+def import_cycles(files) -> list:
+    """The import cycles among ``files`` (each a sorted list of module names),
+    function-local imports included: strongly connected components of the graph."""
+    modules = {module_name(p): p for p in files}
+
+    def target(name):  # `pkg.module.attr` -> `pkg.module`
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {m: {t for t in map(target, package_imports(p)) if t and t != m} for m, p in modules.items()}
+    seen, cycles = set(), []
+    for start in graph:  # a module is in a cycle with the modules it reaches that reach it back
+        if start in seen:
+            continue
+        ahead = _reach(graph, start)
+        group = sorted(m for m in ahead if start in _reach(graph, m))
+        seen.update(group)
+        if len(group) > 1:
+            cycles.append(group)
+    return cycles
+
+
+def _reach(graph, start) -> set:
+    out, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - out:
+            out.add(nxt)
+            todo.append(nxt)
+    return out
+
+
+def test_serve_imports_no_circle():
+    """Every API's routes stand on serve/streaming.py, none on another API's
+    module (openai_api and ollama_api once imported each other)."""
+    assert not import_cycles(files_of(["serve"]))
+    a, b = PACKAGE / "serve" / "openai_api.py", PACKAGE / "serve" / "ollama_api.py"
+    assert import_cycles([a, b]) == [] and import_cycles(files_of(["cli"])), "the cycle finder finds cli's (typer's app)"
 
 
 # --------------------------------------------------------------------------- sizes and one protocol

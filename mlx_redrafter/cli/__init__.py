@@ -142,4 +142,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 # The commands register themselves on `app` (imported last: they import the flags above).
-from . import datastore, drafters, run, tools, training  # noqa: E402,F401
+from . import datastore, drafters, make, run, tools, training  # noqa: E402,F401

@@ -2,11 +2,14 @@
 :class:`~mlx_redrafter.serve.Engine` (its queue and prompt cache shared).
 
 Routes: OpenAI's (:mod:`~mlx_redrafter.serve.openai_api`), Ollama's
-(:mod:`~mlx_redrafter.serve.ollama_api`), ``GET /health``, ``GET /metrics``
+(:mod:`~mlx_redrafter.serve.ollama_api`), Anthropic's Messages
+(:mod:`~mlx_redrafter.serve.anthropic_api`), OpenAI's Responses
+(:mod:`~mlx_redrafter.serve.responses_api`), ``GET /health``, ``GET /metrics``
 (Prometheus) and the chat page at ``/`` (``ui=False`` turns it off).
 
 An error is answered in the shape of the API its path belongs to
-(:func:`error_response`): Ollama's under ``/api/``, OpenAI's elsewhere. An
+(:func:`error_response`): Ollama's under ``/api/``, Anthropic's under
+``/v1/messages``, OpenAI's elsewhere (the Responses API's included). An
 unknown route is a 404 listing the routes there are. A client's error is one
 line in the log; the server's own failures keep their tracebacks.
 
@@ -28,7 +31,7 @@ from fastapi.responses import FileResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from . import ollama_api, openai_api
+from . import anthropic_api, ollama_api, openai_api, responses_api
 from .engine import Engine
 from .metrics import Metrics, RequestCounter
 from .openapi import document
@@ -43,6 +46,7 @@ UI_DIR = Path(__file__).resolve().parent / "ui"
 # Path prefix -> the error shape of the API there (the first match wins; OpenAI's is the default).
 SHAPES: List[Tuple[str, Callable[[Failure], Response]]] = [
     ("/api/", ollama_api.error_response),
+    ("/v1/messages", anthropic_api.error_response),
 ]
 
 
@@ -91,6 +95,8 @@ def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfi
 
     app.include_router(openai_api.openai_router(engine))
     app.include_router(ollama_api.ollama_router(engine))  # Ollama's native API, on the same engine and queue
+    app.include_router(anthropic_api.anthropic_router(engine))  # Anthropic's Messages API
+    app.include_router(responses_api.responses_router(engine))  # OpenAI's Responses API, stateless
     if ui:
         mount_ui(app)
     document(app, shaped_error, security)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..config import SamplingConfig
 from ..errors import RedrafterError
 from .engine import Engine, GenParams, Job, QueueFull, Result
+from .tools import Rendered
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -61,9 +62,9 @@ def generation_failure(e: BaseException) -> Failure:
     return Failure(500, f"Generation failed: {type(e).__name__}: {e}", CRASH)
 
 
-def unsupported(field: str, hint: str = "drop it from the request") -> Failure:
+def unsupported(field: str, why: str = "drop it from the request") -> Failure:
     """The 400 of a field this server cannot honour (named, never silently ignored)."""
-    return Failure(400, f"'{field}' is not supported by mlx-redrafter serve; {hint}.", UNSUPPORTED, field)
+    return Failure(400, f"'{field}' is not supported by mlx-redrafter serve: {why}.", UNSUPPORTED, field)
 
 
 def check_model(engine: Engine, model: Optional[str], also: Sequence[str] = ()) -> None:
@@ -78,6 +79,23 @@ def sampling(engine: Engine, **asked) -> SamplingConfig:
     """The server's sampling with what the request set (``temp``, ``top_p``,
     ``top_k``, ``min_p``; None: not set)."""
     return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
+
+
+def render(engine: Engine, messages: List[dict], tools: Optional[list] = None, tool_choice=None,
+           content_param: str = "content", **options) -> Rendered:
+    """A chat request's prompt through the chat template, with its tools
+    (OpenAI's function shape) and the reply's grammar spec
+    (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included). Tools,
+    a tool choice or a content schema that cannot be honoured are a 400 naming
+    the field (the content's is ``content_param``), and so are messages the
+    model's chat template refuses."""
+    try:
+        return engine.render(messages, tools, tool_choice, **options)
+    except RedrafterError as e:
+        param = getattr(e, "param", "tool_choice")
+        raise Failure(400, e.problem, INVALID, content_param if param == "content" else param) from None
+    except Exception as e:  # e.g. a template that refuses a role or an order of roles
+        raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
 
 
 async def grammar(engine: Engine, spec, param: str):

@@ -1,0 +1,303 @@
+"""``make-drafter``'s stages after training: the depth controller, this
+device's verify-cost curve, the verdict, the install, and the drafter's
+metadata (META, draft/store.py: what its model card says).
+
+Each stage is keyed by the drafter it measured (its file's size and time,
+:func:`~mlx_redrafter.profiles.drafter_id`): a rerun that trained on
+measures the new drafter again, one that did not skips them. The controller
+and the verdict run on held-out prompts only (:mod:`.sources`): the verdict
+on the first ones, the controller on the next (the same ones when there are
+too few: the verdict measures fixed shapes, which the controller does not
+touch).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+from ..errors import RedrafterError
+from ..files import write_json_atomic
+from .recipe_state import Status
+
+CONTROLLER_DEPTH = 4  # `make train-default`'s train-controller -L
+MAX_PROMPT_TOKENS = 512  # as train-controller: longer held-out prompts are left out
+
+
+def held_prompts(run) -> List[Tuple[str, List[int]]]:
+    """``(conversation id, prompt ids)`` of the held-out prompts that fit."""
+    from ..llm.parts import context_limit
+    from ..prompts import conversation_ids
+
+    if getattr(run, "_held_ids", None) is None:
+        limit = context_limit(run.model) or 1 << 30
+        room = max(run.sizes.verdict_tokens, run.sizes.controller_tokens) + 16
+        want = run.sizes.verdict_prompts + run.sizes.controller_prompts
+        run._held_ids = []
+        for conv in run.held:
+            ids = conversation_ids(run.tokenizer, conv, run.raw)
+            if len(ids) <= min(MAX_PROMPT_TOKENS, limit - room):
+                run._held_ids.append((conv["id"], ids))
+            if len(run._held_ids) >= want:
+                break
+    if not run._held_ids:
+        raise RedrafterError(f"None of the prompts in {run.source.path} is held out (or short enough) to measure the drafter on.",
+                             "Give more prompts (the verdict holds out a share of them by id).")
+    return run._held_ids
+
+
+def verdict_prompts(run):
+    return held_prompts(run)[: run.sizes.verdict_prompts]
+
+
+def controller_prompts(run):
+    held, n = held_prompts(run), run.sizes.verdict_prompts
+    return held[n : n + run.sizes.controller_prompts] or held[: run.sizes.controller_prompts]
+
+
+def _status(run, stage: str, tic: float, fraction: float, info: str, after: float = 0.0) -> Status:
+    """A fixed stage's status: its ETA from how far it got (else its estimate)."""
+    from .budget import estimate_fixed_s
+
+    spent = time.perf_counter() - tic
+    est = run.state["last"].get(stage) or estimate_fixed_s(run.sizes, run.rates.step_s).get(stage, 0.0)
+    eta = spent / fraction - spent if fraction > 0 else est - spent
+    return Status(stage, fraction, max(eta, 0.0), max(eta, 0.0) + after, info)
+
+
+def _after(run, stage: str) -> float:
+    """Estimated seconds of the fixed stages after ``stage``."""
+    from .budget import estimate_fixed_s
+
+    est = estimate_fixed_s(run.sizes, run.rates.step_s)
+    order = list(est)
+    return sum(run.state["last"].get(s, est[s]) for s in order[order.index(stage) + 1 :])
+
+
+# --------------------------------------------------------------------------- controller and curve
+
+
+def controller_stage(run) -> None:
+    """Train the depth controller next to the drafter (``train-controller``'s fit)."""
+    from ..config import DEFAULT_WIDTH
+    from ..draft.drafter import load_drafter
+    from ..step.curve import load_curve
+    from .controller import fit_and_save
+
+    stamp = run.stamp()
+    if run.state.finished("controller", stamp):
+        return
+    ids = [p for _, p in controller_prompts(run)]
+    tic, after = time.perf_counter(), _after(run, "controller")
+
+    def progress(stage, done, total):
+        fraction = {"recording": 0.9 * done / max(total or 1, 1), "measuring latency": 0.9}.get(stage, 0.95)
+        run.tell(_status(run, "controller", tic, fraction, f"{stage} {done}/{total or '?'}", after))
+
+    with run.state.timed("controller"):
+        fit = fit_and_save(run.model, load_drafter(run.drafter_dir), run.drafter_dir, ids, DEFAULT_WIDTH, CONTROLLER_DEPTH,
+                           run.sizes.controller_tokens, eos_ids=run.tokenizer.eos_token_ids, seed=run.cfg.seed,
+                           curve=load_curve(run.model, run.cfg.model), progress=progress)
+    run.state["controller"] = {"prompts": len(ids), "steps": fit.steps, "best_depth": fit.best_depth,
+                               "fixed": {str(d): round(v, 4) for d, v in fit.fixed.items()},
+                               "learned": round(fit.learned, 4), "beats_fixed": fit.beats_fixed}
+    line = ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items())
+    run.tell(Status("controller", 1.0, line=f"depth controller: {fit.steps} steps recorded; offline tokens per "
+                    f"plain-step time {line}, adaptive {fit.learned:.2f}"))
+    run.state.finish("controller", stamp)
+
+
+def calibrate_stage(run) -> None:
+    """Measure and store this device's verify-cost curve (``doctor --calibrate``)."""
+    from ..step.curve import load_curve, save_curve
+    from ..tuning.calibrate import measure_curve
+
+    if run.state.finished("calibrate", True) and load_curve(run.model, run.cfg.model) is not None:
+        return
+    run.tell(_status(run, "calibrate", time.perf_counter(), 0.0, "timing verify calls", _after(run, "calibrate")))
+    with run.state.timed("calibrate"):
+        curve = measure_curve(run.model, run.cfg.model, budget_s=run.sizes.calibrate_s)
+    path = save_curve(curve, run.model, run.cfg.model)
+    run.tell(Status("calibrate", 1.0, line=f"verify-cost curve: c(2) {curve(2):.2f}, c(4) {curve(4):.2f} "
+                    f"({curve.rounds} rounds), saved {path}"))
+    run.state.finish("calibrate", True)
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def verdict_settings(run) -> dict:
+    """What the verdict measures besides plain decoding: lookup alone, the new
+    drafter and the drafter the model already uses (if any), in the shape the
+    tools give a drafter by default."""
+    from ..config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
+    from ..draft.drafter import load_drafter
+    from ..draft.store import find
+    from ..step.curve import curve_for, default_tree
+    from ..tuning.verdict import DRAFTER, EXISTING, LOOKUP
+
+    tree = default_tree(run.model)
+    curve = curve_for(run.model, run.cfg.model) if tree == "auto" else None
+
+    def shape(drafter):
+        return DraftConfig(drafter, DEFAULT_WIDTH, DEFAULT_LENGTH, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)
+
+    settings = {LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve),
+                DRAFTER: shape(load_drafter(run.drafter_dir))}
+    run.existing = find(run.identity)
+    if run.existing is not None:
+        settings[EXISTING] = shape(load_drafter(run.existing.path))
+    return settings
+
+
+def verdict_stage(run) -> None:
+    """The new drafter against plain decoding, lookup alone and the drafter in use; the install rule."""
+    from ..tuning.verdict import DRAFTER, EXISTING, decide, real_measure, run_verdict, summarize
+
+    stamp = run.stamp()
+    if run.state.finished("verdict", stamp):
+        return
+    held = verdict_prompts(run)
+    cids, prompts = [c for c, _ in held], [p for _, p in held]
+    settings = verdict_settings(run)
+    partial = run.state["verdict_passes"] or {}
+    done = partial.get("passes") if (partial.get("stamp"), partial.get("prompts")) == (stamp, cids) else None
+    tic, where = time.perf_counter(), {"pass": 0, "of": 1, "prompt": 0}
+
+    def on_pass(name, i, n):
+        where.update({"pass": i, "of": n, "prompt": 0, "name": name})
+        tick()
+
+    def tick():
+        fraction = (where["pass"] + where["prompt"] / len(prompts)) / where["of"]
+        where["prompt"] += 1
+        run.tell(_status(run, "verdict", tic, fraction, f"{where.get('name', '')}: prompt {min(where['prompt'], len(prompts))}/{len(prompts)}"))
+
+    def save(passes):
+        run.state["verdict_passes"] = {"stamp": stamp, "prompts": cids, "passes": passes}
+        run.state.save()
+
+    measure = run.measure or real_measure(run.model, run.tokenizer.eos_token_ids, tick)
+    with run.state.timed("verdict"):
+        passes = run_verdict(settings, prompts, run.sizes.verdict_tokens, measure, done, save, on_pass)
+    summary = summarize(passes)
+    install, reason = decide(summary)
+    verdict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device_line(), "commit": commit(),
+               "max_tokens": run.sizes.verdict_tokens, "prompt_ids": cids, **summary, "installed": install, "reason": reason}
+    verdict[DRAFTER].update(beam_width=settings[DRAFTER].beam_width, beam_length=settings[DRAFTER].beam_length,
+                            lookup=settings[DRAFTER].lookup, tree=settings[DRAFTER].tree)
+    if EXISTING in verdict:
+        verdict[EXISTING]["path"] = str(run.existing.path)
+    if not install:
+        verdict["needs"] = learning_need(run, summary).to_dict()
+    run.state["verdict"] = verdict
+    run.state.finish("verdict", stamp)
+
+
+def learning_need(run, summary):
+    """What the drafter's learning curve says it lacks (:mod:`.learning`)."""
+    from ..tuning.verdict import DRAFTER, target_speedup
+    from .budget import train_seconds_per_position
+    from .learning import data_needed, learning_points
+    from .recipe import _positions
+    from .shards import Manifest
+
+    points = learning_points(run.drafter_dir / "train_log.jsonl", run.train_cfg.batch_size)
+    record = training_record(run.drafter_dir)
+    accuracy = (record.get("eval_acc") or [points[-1][1] if points else 0.0])[0]
+    per_position = 1 / max(run.rates.positions_per_s, 1e-9) + train_seconds_per_position(
+        run.rates, run.train_cfg.batch_size, run.source.held_out)
+    d = summary[DRAFTER]
+    return data_needed(points, accuracy, d["tokens_per_step"], d["speedup"], target_speedup(summary),
+                       _positions(Manifest.load(run.data)), per_position)
+
+
+def training_record(drafter_dir: Path) -> dict:
+    """The training record saved with the drafter (its step and held-out metrics)."""
+    import json
+
+    try:
+        return dict(json.loads((Path(drafter_dir) / "config.json").read_text()).get("training") or {})
+    except (OSError, ValueError):
+        return {}
+
+
+def device_line() -> str:
+    """The device a verdict was measured on, in words."""
+    import mlx.core as mx
+
+    from ..doctor import report
+
+    info, kind = report(), mx.default_device().type
+    return f"{getattr(kind, 'name', kind)}, {info['machine']}, {info['cpu_count']} cores, {info['blas']}"
+
+
+def commit() -> str:
+    """The package's git commit when it runs from a checkout, else its version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = "mlx-redrafter " + version("mlx-redrafter")
+    except PackageNotFoundError:
+        release = "unknown"
+    try:
+        out = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or release
+    except (OSError, subprocess.SubprocessError):
+        return release
+
+
+# --------------------------------------------------------------------------- install and META
+
+
+def install_stage(run) -> None:
+    """Write the drafter's META; install it into the store when the verdict says it pays."""
+    from ..draft.store import META, install
+
+    meta = build_meta(run)
+    write_json_atomic(run.drafter_dir / META, meta)
+    run.state["meta"] = meta
+    if not meta["verdict"].get("installed"):
+        run.state["installed"] = None
+        run.state.save()
+        return
+    with run.state.timed("install"):
+        path = install(run.drafter_dir, run.identity, meta)
+    run.state["installed"] = str(path)
+    run.state.finish("install", run.stamp())
+
+
+def build_meta(run) -> dict:
+    """What the drafter's model card says: the base model, the data, the
+    recipe (the command and each stage's minutes), held-out acceptance and
+    the verdict with the device it was measured on."""
+    from .recipe import _checkpoint, _positions
+    from .shards import Manifest
+
+    m, record, seconds = Manifest.load(run.data), training_record(run.drafter_dir), run.state["seconds"]
+    stages = {s: {"minutes": round(v / 60, 2)} for s, v in seconds.items()}
+    stages.setdefault("train", {})["steps"] = _checkpoint(run.drafter_dir).get("step", 0)
+    train, distill = run.train_cfg, run.distill_cfg
+    accepted = record.get("eval_accepted_w1")
+    return {
+        "source": "make-drafter",
+        "base_model": run.identity.to_dict(),
+        "data": {"prompts": run.source.label, "private": run.source.private, "conversations": len(m.done),
+                 "positions": _positions(m), "tokens": m.tokens, "prompt_positions": m.prompt_tokens,
+                 "held_out": run.source.held_out},
+        "recipe": {"command": run.cfg.command, "minutes": run.cfg.minutes, "runs": len(run.state["runs"]),
+                   "stages": stages, "rates": run.state["rates"],
+                   "distill": {k: getattr(distill, k) for k in ("batch_size", "max_new_tokens", "max_prompt_tokens",
+                                                                 "top_k", "prompt_positions", "raw")},
+                   "train": {k: getattr(train, k) for k in ("exit_dim", "num_draft_layers", "rnn", "draft_vocab_size",
+                                                             "depth", "batch_size", "lr", "skip_repeats",
+                                                             "soft_weight", "depth_decay")},
+                   "controller": run.state["controller"]},
+        "acceptance": {"held_out": {"positions": record.get("eval_examples"), "step": record.get("step"),
+                                    "by_depth": record.get("eval_acc"), "accepted_w1": accepted,
+                                    "tokens_per_step": None if accepted is None else round(1 + accepted, 4)}},
+        "verdict": run.state["verdict"],
+    }

@@ -1,0 +1,102 @@
+"""A drafter's own learning curve, and how much more data it says a drafter needs.
+
+The points are the trainer's held-out evaluations (``train_log.jsonl``):
+depth-1 accuracy (the share of first drafts right, teacher-forced) against
+the positions seen by then (steps x batch). Within the first pass nearly
+every position seen is new, so positions seen stand for positions of data.
+The fit is ``accuracy = a + b * ln(positions)``: the shape of the
+data-scaling curve in bench/RESULTS.md section 12, straight on a log scale
+over four doublings. Least squares over the points past the first 20% of
+training (the warm-up's steep start would tilt the line).
+
+To turn a speed-up into an accuracy, a step's cost is held fixed and the
+tokens it adds beyond one are taken to grow with the first-draft accuracy:
+``tokens/step - 1 = beta * accuracy``, with ``beta`` from this verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+MIN_POINTS = 3
+
+
+def learning_points(log_path, batch_size: int) -> List[Tuple[int, float]]:
+    """``(positions seen, held-out depth-1 accuracy)`` of every evaluation in a training log."""
+    points = []
+    path = Path(log_path)
+    if not path.is_file():
+        return points
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("eval_acc") and rec.get("step"):
+            points.append((int(rec["step"]) * batch_size, float(rec["eval_acc"][0])))
+    return sorted(dict(points).items())
+
+
+def fit_log(points: List[Tuple[int, float]]) -> Optional[Tuple[float, float]]:
+    """``(a, b)`` of ``accuracy = a + b ln(positions)``, or None with fewer than :data:`MIN_POINTS`."""
+    if not points:
+        return None
+    cut = points[-1][0] * 0.2
+    used = [(p, a) for p, a in points if p > cut] or points
+    if len(used) < MIN_POINTS:
+        return None
+    xs = [math.log(p) for p, _ in used]
+    ys = [a for _, a in used]
+    mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx_) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    b = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - b * mx_, b
+
+
+@dataclass
+class Need:
+    """What the curve says about a drafter that did not pay."""
+
+    message: str
+    accuracy: Optional[float] = None  # the depth-1 accuracy it would take
+    positions: Optional[float] = None  # distilled positions it would take (in all)
+    more_minutes: Optional[float] = None  # more budget for that, at this run's rates
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def data_needed(points, accuracy: float, tokens_per_step: float, speedup: float, target: float,
+                data_positions: int, seconds_per_position: float) -> Need:
+    """How many distilled positions the drafter would need to beat ``target``
+    (a speed-up), from its learning curve (:func:`fit_log`), and the budget
+    that takes at ``seconds_per_position`` (distilling and training one)."""
+    fit = fit_log(points)
+    if fit is None:
+        return Need(f"its learning curve has {len(points)} held-out point(s), too few to extrapolate "
+                    f"(it takes {MIN_POINTS}); a larger budget gives more")
+    a, b = fit
+    shape = f"held-out first-draft accuracy = {a:.3f} + {b:.4f} ln(positions), over {len(points)} evaluations"
+    if b <= 0 or tokens_per_step <= 1 or accuracy <= 0 or speedup <= 0:
+        return Need(f"its learning curve is flat ({shape}): more data alone is not predicted to make it pay")
+    cost = tokens_per_step / speedup  # one step in plain steps
+    want = (target * cost - 1) / ((tokens_per_step - 1) / accuracy)
+    if want >= 1:
+        return Need(f"it would need a first-draft accuracy of {want:.2f} or more ({shape}): "
+                    "more data alone cannot make it pay at this step cost", want)
+    if want <= accuracy:
+        return Need(f"its accuracy ({accuracy:.3f}) is already what the step cost calls for ({want:.3f}), "
+                    "so more data is not what it lacks: the verify cost on this device is", want)
+    seen = points[-1][0]
+    needed = math.exp((want - a) / b)
+    total = data_positions * max(needed / max(seen, 1), 1.0)
+    more = max(total - data_positions, 0.0) * seconds_per_position / 60
+    return Need(f"its learning curve ({shape}) reaches the {want:.3f} it needs at about {needed:,.0f} positions: "
+                f"about {total:,.0f} distilled positions in all, {total - data_positions:,.0f} more "
+                f"(about {more:.0f} more minutes at this run's rates)", want, total, more)

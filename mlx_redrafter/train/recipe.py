@@ -1,0 +1,300 @@
+"""``make-drafter``: the whole recipe for one model, in one resumable command.
+
+Stages, each the existing function of its command: distillation
+(:func:`~mlx_redrafter.train.distill.distill`), training
+(:func:`~mlx_redrafter.train.trainer.train`), the depth controller
+(:func:`~mlx_redrafter.train.controller.fit_and_save`), this device's
+verify-cost curve (:func:`~mlx_redrafter.tuning.calibrate.measure_curve`),
+the verdict (:mod:`~mlx_redrafter.tuning.verdict`) and the install into the
+drafter store (:func:`~mlx_redrafter.draft.store.install`), which happens
+only when the verdict measured the drafter faster than decoding without
+one (:mod:`.finish`).
+
+The budget is a total over every run into the work folder (``OUT``:
+``data/`` the distilled shards, ``drafter/`` the drafter, its checkpoint and
+controller, ``make-drafter.json`` the state, :mod:`.recipe_state`); it is
+split by the rates this run measures (:mod:`.budget`). Ctrl-C keeps what is
+done; the same command continues; a larger budget distils more and trains
+on from the checkpoint, and the stages after it measure the new drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .budget import LiveRate, Rates, Sizes, fit_sizes, more_distill_s, measure_step_s, measure_train_rate
+from .recipe_state import STAGES, State, Status, default_out
+from .sources import HISTORY, held_out_conversations, open_source, source_label
+
+DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
+LARGE_VOCAB = 65536  # past this many tokens the draft vocabulary doubles (see head_settings)
+
+
+@dataclass
+class RecipeConfig:
+    """What ``make-drafter`` is asked to do (the command's flags)."""
+
+    model: str = "default"
+    minutes: float = 90.0  # total over every run into ``out``
+    out: Optional[Path] = None  # None: a folder under cache_root() keyed by the model and prompts
+    prompts: Optional[str] = None  # None: the shipped ShareGPT prompts; "history"; or a prompt file
+    max_conversations: Optional[int] = None  # distil at most this many conversations (over all runs)
+    command: str = ""  # the command line, recorded in the drafter's metadata
+    sizes: Optional[Sizes] = None  # the controller's, calibration's and verdict's sizes (None: fit to the budget)
+    distill: dict = field(default_factory=dict)  # DistillConfig fields over the recipe's
+    train: dict = field(default_factory=dict)  # TrainConfig fields over the recipe's
+    seed: int = 0
+
+
+@dataclass
+class Report:
+    out: Path
+    drafter: Path  # the drafter in the work folder
+    installed: Optional[Path]  # where the store keeps it (None: the verdict refused it)
+    verdict: dict
+    meta: dict
+    already_done: bool  # the folder had finished every stage for this budget before this run
+
+
+def head_settings(hidden: int, vocab: int) -> dict:
+    """The drafter's head from the model's own sizes: the default preset's
+    shape (one ResBlock as wide as the LLM, so the head starts from the LLM's
+    own output rows) and a reduced draft vocabulary, 4096 tokens, or 8192 for
+    a vocabulary over 65536 (Gemma 3's 262144 spreads the same text over more
+    ids; a doubling costs 1.7x the draft time, section 12's vocabulary table)."""
+    draft = DEFAULT_VOCAB if vocab <= LARGE_VOCAB else 2 * DEFAULT_VOCAB
+    return dict(exit_dim=hidden, num_draft_layers=1, draft_vocab_size=draft if draft < vocab else None, skip_repeats=5)
+
+
+def make_drafter(cfg: RecipeConfig, progress: Optional[Callable[[Status], None]] = None, measure=None) -> Report:
+    """Run (or continue) the recipe for ``cfg.model`` and return what it made.
+
+    ``progress(status)`` follows every stage. ``measure`` replaces the
+    verdict's timed passes (:mod:`~mlx_redrafter.tuning.verdict`). A
+    ``KeyboardInterrupt`` leaves the folder as a rerun continues it.
+    """
+    from ..errors import RedrafterError
+
+    if not cfg.minutes or cfg.minutes <= 0:
+        raise RedrafterError(f"The budget must be more than 0 minutes (got {cfg.minutes}).", "Use e.g. --minutes 90 or --hours 1.5.")
+    label = source_label(cfg.prompts)
+    out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model, label)
+    state = State.open(out, cfg.model, label)
+    run = _Run(cfg, state, out, progress or (lambda status: None), measure)
+    with state.timed("setup"):
+        run.load()
+    finished_before = run.all_finished()
+    for stage in STAGES:
+        getattr(run, stage)()
+    return run.report(finished_before)
+
+
+class _Run:
+    """One run of the recipe into a work folder: the loaded model and what the stages share."""
+
+    def __init__(self, cfg: RecipeConfig, state: State, out: Path, tell, measure=None):
+        self.cfg, self.state, self.out, self.tell, self.measure = cfg, state, out, tell, measure
+        self.budget = 60.0 * cfg.minutes
+        self.data, self.drafter_dir = out / "data", out / "drafter"
+        self.held_acc = None
+
+    # -- set-up --------------------------------------------------------------
+
+    def load(self) -> None:
+        from ..llm.load import load_model
+        from ..llm.identity import model_identity
+        from ..prompts import has_chat_template
+
+        self.tell(Status("loading", info=f"model {self.cfg.model}"))
+        self.model, self.tokenizer = load_model(self.cfg.model)
+        self.identity = model_identity(self.model, self.cfg.model)
+        self.source = open_source(self.cfg.prompts, self.cfg.model, self.tokenizer, self.out, self.state["held_out"])
+        self.state["held_out"] = self.source.held_out
+        self.raw = not has_chat_template(self.tokenizer)
+        self.state["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": self.cfg.minutes,
+                                   "command": self.cfg.command})
+        self.distill_cfg, self.train_cfg = self._settings()
+        self.held = held_out_conversations(self.source, self.cfg.seed)
+        self.rates = Rates.from_dict(self.state["rates"])
+        self._measure_rates()
+
+    def _settings(self):
+        """The distillation and training settings: the recipe's, with the
+        config's overrides, fixed by the folder's first run (the budget
+        fields excepted: a rerun may change them)."""
+        from .distill import DistillConfig
+        from .trainer import BUDGET_FIELDS, TrainConfig
+
+        distill = asdict(DistillConfig(batch_size=80, raw=self.raw, seed=self.cfg.seed,
+                                       max_prompt_tokens=1024 if self.source.label == HISTORY else 384))
+        distill = self.state.pin("distill", {**distill, **self.cfg.distill}, self.cfg.distill)
+        train = asdict(TrainConfig(**head_settings(self.identity.hidden_size, self.identity.vocab_size),
+                                   eval_fraction=self.source.held_out, seed=self.cfg.seed))
+        fixed = {k: v for k, v in self.cfg.train.items() if k not in BUDGET_FIELDS}
+        budget = {"epochs": 1000.0, **{k: v for k, v in self.cfg.train.items() if k in BUDGET_FIELDS}}
+        train = self.state.pin("train", {**train, **fixed}, fixed)
+        return (DistillConfig(**{**distill, "max_conversations": self.cfg.max_conversations}),
+                TrainConfig(**{**train, **budget}))
+
+    def _measure_rates(self) -> None:
+        from ..prompts import conversation_ids
+
+        if not self.rates.step_s:
+            self.tell(Status("loading", info="timing a decode step"))
+            conv = (self.held or [{"id": "x", "turns": ["Hello"]}])[0]
+            self.rates.step_s = measure_step_s(self.model, conversation_ids(self.tokenizer, conv, self.raw)[:256])
+        if not self.rates.train_steps_per_s:
+            self.tell(Status("loading", info="timing a training step"))
+            self.rates.train_steps_per_s = measure_train_rate(self.model, self.train_cfg, top_k=self.distill_cfg.top_k)
+        self.state["rates"] = asdict(self.rates)
+        self.sizes = self.cfg.sizes or fit_sizes(self.budget, self.rates.step_s)
+        self.state.save()
+
+    # -- what is left ----------------------------------------------------------
+
+    def stamp(self) -> Optional[str]:
+        """The drafter in the folder, as the stages after training key what they measured."""
+        from ..profiles import drafter_id
+
+        return drafter_id(self.drafter_dir) if (self.drafter_dir / "model.safetensors").is_file() else None
+
+    def data_final(self) -> bool:
+        return self.state.finished("distill", self.budget) and self.state.finished("train", self.budget)
+
+    def fixed_todo_s(self) -> float:
+        """Seconds the controller, calibration and verdict still need (the last
+        run's where they ran, else estimated from the decode step)."""
+        from .budget import estimate_fixed_s
+
+        stamp = self.stamp() if self.data_final() else None
+        keys = {"controller": stamp, "calibrate": True, "verdict": stamp}
+        est = estimate_fixed_s(self.sizes, self.rates.step_s)
+        return sum(self.state["last"].get(k, est[k]) for k in est if not self.state.finished(k, keys[k]))
+
+    def left_s(self) -> float:
+        """Seconds of the budget left for distilling and training."""
+        return self.budget - self.state.spent() - self.fixed_todo_s()
+
+    def all_finished(self) -> bool:
+        stamp = self.stamp()
+        return self.data_final() and stamp is not None and all(
+            self.state.finished(s, stamp) for s in ("controller", "verdict")) and self.state.finished("calibrate", True)
+
+    # -- distillation ------------------------------------------------------------
+
+    def distill(self) -> None:
+        from .distill import distill
+        from .shards import Manifest
+
+        if self.state.finished("distill", self.budget):
+            return
+        before = Manifest.load(self.data)
+        start = _positions(before)
+        left, train_spent = self.left_s(), self.state["seconds"].get("train", 0.0)
+        live = LiveRate(self.rates.positions_per_s)
+        seen = {"m": before}
+
+        def planned() -> float:
+            rates = Rates(self.rates.step_s, live.rate or self.rates.positions_per_s, self.rates.train_steps_per_s)
+            return more_distill_s(left, start, train_spent, rates, self.train_cfg.batch_size, self.source.held_out)
+
+        def progress(m, running):
+            seen["m"] = m
+            live.update(_positions(m) + running)
+            plan = planned()
+            self.tell(Status("distill", min(live.elapsed / max(plan, 1e-9), 1.0), plan - live.elapsed,
+                             left - live.elapsed + self.fixed_todo_s(),
+                             f"{live.now:.0f} positions/s, {len(m.done)} conversations, {_positions(m) + running:,} positions"))
+
+        def stop() -> bool:  # at least one finished reply, whatever the budget: training needs data
+            return live.elapsed >= planned() and seen["m"] is not None and seen["m"].sequences > 0
+
+        with self.state.timed("distill"):
+            m = distill(self.cfg.model, self.source.path, self.data, self.distill_cfg, self.model, self.tokenizer,
+                        progress=progress, stop=stop)
+        if live.elapsed > 0 and _positions(m) > start:
+            self.rates.positions_per_s = (_positions(m) - start) / live.elapsed
+            self.state["rates"] = asdict(self.rates)
+        self.tell(Status("distill", 1.0, line=f"distilled {_positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
+                         f"({len(m.done)} conversations, {_positions(m):,} positions in all)"))
+        self.state.finish("distill", self.budget)
+
+    # -- training ------------------------------------------------------------
+
+    def train(self) -> None:
+        from dataclasses import replace
+
+        from .trainer import train
+
+        if self.state.finished("train", self.budget):
+            return
+        ck = _checkpoint(self.drafter_dir)
+        left = max(self.left_s(), 0.0)
+        steps = max(int(left * self.rates.train_steps_per_s), 1)
+        every = self.train_cfg.eval_every if "eval_every" in self.cfg.train else max(10, steps // 8)
+        cfg = replace(self.train_cfg, minutes=(ck.get("seconds", 0.0) + left) / 60, eval_every=every,
+                      checkpoint_every=every)
+        tic = time.perf_counter()
+
+        def progress(step, total, loss):
+            e = time.perf_counter() - tic
+            acc = "" if self.held_acc is None else f", held-out first-draft accuracy {self.held_acc:.3f}"
+            self.tell(Status("train", min(e / max(left, 1e-9), 1.0), left - e, left - e + self.fixed_todo_s(),
+                             f"step {step}, loss {loss:.3f}{acc}"))
+
+        def log_console(line: str) -> None:
+            rec = json.loads(line)
+            if rec.get("eval_acc"):
+                self.held_acc = rec["eval_acc"][0]
+
+        with self.state.timed("train"):
+            train(self.model, self.data, self.drafter_dir, cfg, resume=bool(ck), extend=True,
+                  eos_ids=sorted(self.tokenizer.eos_token_ids), progress=progress, log_console=log_console)
+        after = _checkpoint(self.drafter_dir)
+        added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
+        if added > 1 and secs > 0:
+            self.rates.train_steps_per_s = added / secs
+            self.state["rates"] = asdict(self.rates)
+        self.tell(Status("train", 1.0, line=f"trained {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"))
+        self.state.finish("train", self.budget)
+
+    # -- the stages after training (finish.py) ----------------------------------
+
+    def controller(self) -> None:
+        from .finish import controller_stage
+
+        controller_stage(self)
+
+    def calibrate(self) -> None:
+        from .finish import calibrate_stage
+
+        calibrate_stage(self)
+
+    def verdict(self) -> None:
+        from .finish import verdict_stage
+
+        verdict_stage(self)
+
+    def install(self) -> None:
+        from .finish import install_stage
+
+        install_stage(self)
+
+    def report(self, already_done: bool) -> Report:
+        return Report(self.out, self.drafter_dir, self.state["installed"] and Path(self.state["installed"]),
+                      self.state["verdict"] or {}, self.state["meta"] or {}, already_done)
+
+
+def _positions(m) -> int:
+    """Training positions a data folder holds: reply tokens and prompt positions."""
+    return 0 if m is None else m.tokens + m.prompt_tokens
+
+
+def _checkpoint(drafter_dir: Path) -> dict:
+    """The training checkpoint's state (step, seconds), ``{}`` without one."""
+    path = drafter_dir / "checkpoint" / "state.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
