@@ -114,7 +114,10 @@ def secure(app, config: SecurityConfig, refuse: Refuse) -> None:
     failure)`` answers a refusal in the shape of the path's API."""
     if config.api_key is not None:
         app.add_middleware(KeyGuard, key=config.api_key, refuse=refuse)
-    app.add_middleware(OriginGuard, refuse=refuse, allow_methods=["*"], allow_headers=["*"], **config.cors())
+    # allow_private_network: Chrome asks before a public page's request to a local address;
+    # an origin the user allowed may make it.
+    app.add_middleware(OriginGuard, refuse=refuse, allow_methods=["*"], allow_headers=["*"],
+                       allow_private_network=True, **config.cors())
     app.add_middleware(HostGuard, config=config, refuse=refuse)
 
 
