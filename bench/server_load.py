@@ -6,9 +6,10 @@
 Starts one server (default model and shipped drafter, 127.0.0.1, a free
 port) and, while it loads, ``mlx-redrafter generate --temp 0`` on each
 prompt: the greedy references. After a warm-up, ``--clients`` threads send
-``--requests`` mixed requests: the OpenAI chat route and Ollama's
-``/api/chat`` and ``/api/generate``, streamed and not, greedy or seeded
-sampling, some with tools (Ollama's with a history that makes the default
+``--requests`` mixed requests: the OpenAI chat route, Ollama's
+``/api/chat`` and ``/api/generate``, Anthropic's ``/v1/messages`` and
+OpenAI's ``/v1/responses``, streamed and not, greedy or sampled (seeded
+where the API has a seed), some with tools (Ollama's with a history that makes the default
 model call one), and some (``--disconnect``) that hang up at a random point
 (a streamed one after a random number of lines, a whole one after a random
 wait). It checks that every request that stayed connected got a complete,
@@ -41,6 +42,15 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+# The same tool in Anthropic's and the Responses API's shapes.
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
+                     "input_schema": WEATHER["function"]["parameters"]}
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+APIS = ["openai", "ollama_chat", "ollama_generate", "anthropic", "responses"]
+# Anthropic's stop_reason and the Responses API's status in OpenAI's finish_reason words.
+STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
+
+
 def _call(city: str) -> dict:
     return {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": city}}}]}
@@ -69,7 +79,7 @@ def references(max_tokens: int) -> Dict[str, subprocess.Popen]:
 
 def plan(rng: random.Random, max_tokens: int, disconnect: float) -> dict:
     """A random request: route, streamed or not, greedy or not, tools, hang-up."""
-    api = rng.choice(["openai", "ollama_chat", "ollama_generate"])
+    api = rng.choice(APIS)
     tools = api != "ollama_generate" and rng.random() < 0.15
     greedy = tools or rng.random() < 0.7
     return {"api": api, "stream": rng.random() < 0.5, "tools": tools, "greedy": greedy,
@@ -81,6 +91,8 @@ def body(p: dict) -> tuple:
     """``(path, json)`` of a planned request."""
     sampling = {"temperature": 0} if p["greedy"] else {"temperature": 0.8, "seed": p["seed"]}
     messages = TOOL_HISTORY if p["tools"] and p["api"] == "ollama_chat" else [{"role": "user", "content": p["prompt"]}]
+    if p["api"] in ("anthropic", "responses"):
+        return _agent_body(p, messages, {"temperature": sampling["temperature"]})  # these APIs have no seed
     if p["api"] == "openai":
         b = {"messages": messages, "max_tokens": p["max_tokens"], "stream": p["stream"], **sampling}
         return "/v1/chat/completions", {**b, **({"tools": [WEATHER]} if p["tools"] else {})}
@@ -89,6 +101,14 @@ def body(p: dict) -> tuple:
         return "/api/generate", {"model": "default", "prompt": p["prompt"], "stream": p["stream"], "options": options}
     b = {"model": "default", "messages": messages, "stream": p["stream"], "options": options}
     return "/api/chat", {**b, **({"tools": [WEATHER]} if p["tools"] else {})}
+
+
+def _agent_body(p: dict, messages: List[dict], sampling: dict) -> tuple:
+    if p["api"] == "anthropic":
+        b = {"model": "default", "messages": messages, "max_tokens": p["max_tokens"], "stream": p["stream"], **sampling}
+        return "/v1/messages", {**b, **({"tools": [ANTHROPIC_WEATHER]} if p["tools"] else {})}
+    b = {"model": "default", "input": messages, "max_output_tokens": p["max_tokens"], "stream": p["stream"], **sampling}
+    return "/v1/responses", {**b, **({"tools": [FLAT_WEATHER]} if p["tools"] else {})}
 
 
 def send(url: str, p: dict) -> dict:
@@ -118,13 +138,18 @@ def answer(p: dict, got: dict) -> dict:
     """``{"text", "calls", "finish"}`` of a complete answer; raises ValueError when malformed."""
     if got["status"] != 200:
         raise ValueError(f"status {got['status']}: {got['lines'][:1]}")
-    if p["api"] == "openai" and not p["stream"]:
+    sse = p["api"] in ("openai", "anthropic", "responses")
+    if sse and not p["stream"]:
         objs = [json.loads("\n".join(got["lines"]))]
-    else:  # server-sent events or NDJSON: one object a line
-        objs = [json.loads(x[len("data: "):]) if p["api"] == "openai" else json.loads(x)
-                for x in got["lines"] if x != "data: [DONE]"]
+    else:  # server-sent events (their data lines) or NDJSON: one object a line
+        objs = [json.loads(x[len("data: "):]) if sse else json.loads(x)
+                for x in got["lines"] if x != "data: [DONE]" and not x.startswith("event: ")]
     if p["api"] == "openai":
         return _openai(p, objs, got["lines"])
+    if p["api"] == "anthropic":
+        return _anthropic(p, objs)
+    if p["api"] == "responses":
+        return _responses(p, objs)
     if not objs[-1].get("done") or any(o.get("done") for o in objs[:-1]) or any("error" in o for o in objs):
         raise ValueError(f"not one final object: {objs[-1]}")
     key = "response" if p["api"] == "ollama_generate" else "message"
@@ -147,6 +172,40 @@ def _openai(p: dict, objs: List[dict], lines: List[str]) -> dict:
     calls = [c["function"]["name"] for d in deltas for c in d["delta"].get("tool_calls") or []]
     text = "".join(d["delta"].get("content") or "" for d in deltas)
     return {"text": text, "calls": calls, "finish": deltas[-1]["finish_reason"], "tokens": None}
+
+
+def _anthropic(p: dict, objs: List[dict]) -> dict:
+    if not p["stream"]:
+        (o,) = objs
+        text = "".join(b["text"] for b in o["content"] if b["type"] == "text")
+        calls = [b["name"] for b in o["content"] if b["type"] == "tool_use"]
+        return {"text": text, "calls": calls, "finish": STOP_REASONS[o["stop_reason"]], "tokens": o["usage"]["output_tokens"]}
+    kinds = [o["type"] for o in objs]
+    if kinds[0] != "message_start" or kinds[-1] != "message_stop" or "error" in kinds:
+        raise ValueError(f"not message_start ... message_stop: {kinds[:2]} ... {kinds[-2:]}")
+    text = "".join(o["delta"]["text"] for o in objs if o["type"] == "content_block_delta" and "text" in o["delta"])
+    calls = [o["content_block"]["name"] for o in objs if o["type"] == "content_block_start"
+             and o["content_block"]["type"] == "tool_use"]
+    end = objs[-2]
+    return {"text": text, "calls": calls, "finish": STOP_REASONS[end["delta"]["stop_reason"]],
+            "tokens": end["usage"]["output_tokens"]}
+
+
+def _responses(p: dict, objs: List[dict]) -> dict:
+    if p["stream"]:
+        if [o["sequence_number"] for o in objs] != list(range(len(objs))):
+            raise ValueError("sequence_number is not 0, 1, 2, ...")
+        if objs[-1]["type"] not in ("response.completed", "response.incomplete"):
+            raise ValueError(f"the stream ended with {objs[-1]['type']}")
+        streamed = "".join(o["delta"] for o in objs if o["type"] == "response.output_text.delta")
+        objs = [objs[-1]["response"]]
+    (o,) = objs
+    text = "".join(c["text"] for i in o["output"] if i["type"] == "message" for c in i["content"])
+    if p["stream"] and streamed != text:
+        raise ValueError("the streamed deltas are not the final response's text")
+    calls = [i["name"] for i in o["output"] if i["type"] == "function_call"]
+    finish = "length" if o["status"] == "incomplete" else "tool_calls" if calls else "stop"
+    return {"text": text, "calls": calls, "finish": finish, "tokens": o["usage"]["output_tokens"]}
 
 
 def check(p: dict, got: dict, refs: Dict[str, str]) -> Optional[str]:
