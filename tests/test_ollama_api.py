@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema_rs
 import ollama
 import pytest
 from ui_servers import Server, generate_process
@@ -115,9 +116,12 @@ def test_options(client, cli_reply):
 
 
 def test_tool_call_whole_and_streamed(client):
+    """The call is constrained (a grammar: the name is a tool's, the
+    arguments validate against its schema) from the moment the model opens it."""
     r = client.chat("default", messages=TOOL_HISTORY, tools=[WEATHER], options={**GREEDY, "num_predict": 40})
     assert [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls] == [
         ("get_weather", {"city": "London"})]
+    jsonschema_rs.validate(WEATHER["function"]["parameters"], dict(r.message.tool_calls[0].function.arguments))
     assert "<tool_call>" not in r.message.content and r.done_reason == "stop"
     parts = list(client.chat("default", messages=TOOL_HISTORY, tools=[WEATHER],
                              options={**GREEDY, "num_predict": 40}, stream=True))
@@ -131,9 +135,22 @@ def test_tool_call_whole_and_streamed(client):
     assert answer.done and isinstance(answer.message.content, str)
 
 
-def test_format_is_structured_output(server, client):
-    import jsonschema_rs
+def test_tools_with_a_format(client):
+    """With tools and ``format``, the reply is a valid call or JSON that validates."""
+    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
+              "required": ["answer"], "additionalProperties": False}
+    for messages in (TOOL_HISTORY, _user("Answer in JSON: what is 2 + 2?")):
+        r = client.chat("default", messages=messages, tools=[WEATHER], format=answer,
+                        options={**GREEDY, "num_predict": 40})
+        assert r.done_reason == "stop"
+        for c in r.message.tool_calls or []:
+            assert c.function.name == "get_weather"
+            jsonschema_rs.validate(WEATHER["function"]["parameters"], dict(c.function.arguments))
+        if not r.message.tool_calls:
+            jsonschema_rs.validate(answer, json.loads(r.message.content))
 
+
+def test_format_is_structured_output(server, client):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     r = client.chat("default", messages=_user("Invent a person, as JSON."), format=schema,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema_rs
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +23,8 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                         "parameters": {"type": "object", "properties": {}}}}
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 MARKERS = ("<tool_call", "</tool_call", "<tool_response", "<tools>")
 
@@ -67,41 +70,94 @@ def test_models_card(client):
     [m] = client.models.list().data
     assert m.model_extra["context_length"] == 8192
     assert m.model_extra["tools"] is True and m.model_extra["tool_format"] == "generic"
+    assert m.model_extra["tool_calls_constrained"] is True
 
 
-def test_forced_call_whole_and_streamed(served, client):
-    """The default model does not write valid arguments reliably (the schema
-    constraint comes with structured output): the forced call comes back as a
-    call to that function, or, when its arguments are not JSON, as content
-    with a logged warning; never a marker, never a 500."""
-    kw = dict(tools=[WEATHER], tool_choice=FORCED, max_tokens=48)
-    r = _chat(client, ASK, **kw)
-    msg, reason = r.choices[0].message, r.choices[0].finish_reason
-    _no_markers(msg.content)
-    if msg.tool_calls:
-        assert reason == "tool_calls"
-        assert [c.function.name for c in msg.tool_calls][:1] == ["get_weather"]
-        assert all(isinstance(json.loads(c.function.arguments), dict) for c in msg.tool_calls)
-    else:
-        assert reason == "stop" and msg.content
-        assert "Could not parse a generic tool call" in served[1].read_text()
-
-    chunks = list(_chat(client, ASK, stream=True, **kw))
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    _no_markers(content)
-    assert content == (msg.content or "")
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
-        (i, c.function.name, c.function.arguments) for i, c in enumerate(msg.tool_calls or [])]
-    assert chunks[-1].choices[0].finish_reason == reason
+def _valid_calls(message, tools=(WEATHER,)):
+    """The message's calls as ``(name, arguments)``, each named after one of
+    ``tools`` and validating against its schema."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    out = []
+    for c in message.tool_calls or []:
+        assert c.function.name in schemas, c.function.name
+        arguments = json.loads(c.function.arguments)
+        jsonschema_rs.validate(schemas[c.function.name], arguments)
+        out.append((c.function.name, arguments))
+    return out
 
 
-def test_required_and_auto_keep_markers_out(client):
-    for choice in ("required", "auto"):
+def test_the_measured_failures_are_impossible_now(client):
+    """DESIGN.md section 10 measured, on these exact requests: a named
+    function echoed its schema as content; "required" called a function
+    named "Paris". Now the calls name a tool and their arguments validate
+    (several calls may come in a row, parallel_tool_calls being true; the
+    last may be cut by max_tokens)."""
+    for choice in (FORCED, "required"):
         r = _chat(client, ASK, tools=[WEATHER], tool_choice=choice, max_tokens=48)
-        _no_markers(r.choices[0].message.content)
-        assert r.choices[0].finish_reason in ("tool_calls", "stop", "length")
-        assert (r.choices[0].finish_reason == "tool_calls") == bool(r.choices[0].message.tool_calls)
+        msg, reason = r.choices[0].message, r.choices[0].finish_reason
+        calls = _valid_calls(msg)
+        assert calls and {name for name, _ in calls} == {"get_weather"}, msg
+        assert reason in ("tool_calls", "length")
+        _no_markers(msg.content)
+
+
+def test_one_call_whole_and_streamed(client):
+    """parallel_tool_calls false: exactly one call, and the reply ends after it."""
+    kw = dict(tools=[WEATHER], tool_choice=FORCED, max_tokens=48, parallel_tool_calls=False)
+    r = _chat(client, ASK, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    [(name, arguments)] = _valid_calls(msg)
+    chunks = list(_chat(client, ASK, stream=True, **kw))
+    deltas = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in deltas] == [(0, name, arguments)]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_in_a_row(client):
+    r = _chat(client, ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=64, parallel_tool_calls=True)
+    assert len(_valid_calls(r.choices[0].message, (WEATHER, TIME))) >= 2  # the default model repeats its call
+
+
+def _call(i, city):
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+# Two earlier calls in the history: the default model then answers the third question with a call too.
+HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _call(1, "Paris"),
+           {"role": "user", "content": "Weather in Rome?"}, _call(2, "Rome"),
+           {"role": "user", "content": "Weather in London?"}]
+
+
+def test_auto_calls_are_constrained_from_their_opening(client):
+    r = _chat(client, HISTORY, tools=[WEATHER], max_tokens=48)
+    assert r.choices[0].finish_reason == "tool_calls" and _valid_calls(r.choices[0].message)
+    # Without a reason to call, free text ends normally, without a call.
+    r = _chat(client, ASK, tools=[WEATHER], tool_choice="auto", max_tokens=48)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    _no_markers(r.choices[0].message.content)
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def test_tools_with_a_response_format(client):
+    """With tools and response_format, the reply is a valid call, or content
+    that validates against the schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    for messages in (HISTORY, [{"role": "user", "content": "Answer in JSON: what is 2 + 2?"}]):
+        r = _chat(client, messages, tools=[WEATHER], response_format=fmt, max_tokens=40, parallel_tool_calls=False)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason in ("tool_calls", "stop")
+        if not _valid_calls(msg):
+            jsonschema_rs.validate(ANSWER, json.loads(msg.content))
+    with pytest.raises(BadRequestError) as e:
+        _chat(client, ASK, tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "strin"}}})
+    assert e.value.body["param"] == "response_format"
 
 
 def test_tool_result_round_trip(client, default_model):

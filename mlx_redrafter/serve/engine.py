@@ -226,9 +226,11 @@ class Engine:
         return encode_prompt(self.rt.tokenizer, prompt)
 
     def card(self) -> dict:
-        """What ``/v1/models`` says of the model beside its id."""
+        """What ``/v1/models`` says of the model beside its id (whether a
+        grammar constrains its tool calls: ``tool_calls_constrained``)."""
+        fmt = tool_format(self.rt.tokenizer)
         return {"context_length": context_limit(self.rt.model) or None, "tools": True,
-                "tool_format": tool_format(self.rt.tokenizer).name}
+                "tool_format": fmt.name, "tool_calls_constrained": fmt.constrained}
     def grammar(self, spec):
         """``spec`` (a JSON Schema, ``"json"``...) compiled for the model; a
         :class:`RedrafterError` names what is wrong with it."""

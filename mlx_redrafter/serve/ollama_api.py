@@ -12,7 +12,8 @@ Ollama's own runtime (``num_ctx``, ``num_gpu``, ...) are ignored with a
 warning in the log; any other option, and the fields this server cannot
 honour yet (``images``, ``think``, ...), get a 400 that names them.
 ``format`` (``"json"`` or a JSON Schema) makes the reply structured output
-(:mod:`~mlx_redrafter.step.grammar`). ``tools`` on ``/api/chat`` go through :mod:`~mlx_redrafter.serve.tools`.
+(:mod:`~mlx_redrafter.step.grammar`). ``tools`` on ``/api/chat`` go through :mod:`~mlx_redrafter.serve.tools`,
+their calls constrained (with ``format``, what is not a call is that JSON).
 Errors are Ollama's: ``{"error": "..."}``, also as a line of a stream.
 """
 
@@ -25,11 +26,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import RedrafterError
 from .engine import Engine, GenParams
 from .ollama_reply import ModelFacts, OllamaReply, line
-from .streaming import CRASH, INVALID, NO_MODEL, Failure, client_left, generation_failure, grammar, sampling, submit
-from .tools import render
+from .streaming import (CRASH, INVALID, NO_MODEL, Failure, client_left, generation_failure, grammar, render, sampling,
+                        submit)
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,14 @@ def _check_model(engine: Engine, facts: ModelFacts, model: Optional[str]) -> Non
         raise Failure(404, f"model '{model}' not found; this server serves '{facts.name}'.", NO_MODEL, "model")
 
 
-async def _grammar(engine: Engine, fmt):
-    """Ollama's ``format`` (``"json"`` or a JSON Schema) compiled for the model;
-    None without one. A bad value is a 400 naming the problem."""
+def _format(fmt):
+    """Ollama's ``format``: ``"json"``, a JSON Schema, or None without one;
+    anything else is a 400."""
     if fmt in (None, ""):
         return None
     if not (fmt == "json" or isinstance(fmt, dict)):
         raise Failure(400, f"'format' must be \"json\" or a JSON Schema object (got {fmt!r}).", INVALID, "format")
-    return await grammar(engine, fmt, "format")
+    return fmt
 
 
 def _params(engine: Engine, options: Optional[Options], grammar=None) -> GenParams:
@@ -182,7 +182,8 @@ def ollama_router(engine: Engine) -> APIRouter:
         _check_model(engine, model_facts(), body.model)
         reply_only = not body.messages
         rendered = None if reply_only else _render(engine, body)
-        return await _answer(engine, body, request, rendered.ids if rendered else [], OllamaReply(engine, True, rendered))
+        return await _answer(engine, body, request, rendered.ids if rendered else [], OllamaReply(engine, True, rendered),
+                             rendered)
 
     @router.post("/api/generate")
     async def generate(body: GenerateBody, request: Request):
@@ -195,13 +196,10 @@ def ollama_router(engine: Engine) -> APIRouter:
 
 
 def _render(engine: Engine, body: ChatBody):
+    """The chat's prompt with its tools (Ollama has no tool_choice: auto) and
+    the reply's grammar, ``format`` within."""
     messages = [m.model_dump(exclude_none=True, exclude={"images", "thinking"}) for m in body.messages]
-    try:
-        return render(engine.rt.tokenizer, messages, body.tools or None)
-    except RedrafterError as e:
-        raise Failure(400, e.problem) from None
-    except Exception as e:  # e.g. a template that refuses a role, or tools that are not function schemas
-        raise Failure(400, f"Could not render these messages and tools: {type(e).__name__}: {e}") from None
+    return render(engine, messages, body.tools or None, None, "format", content=_format(body.format))
 
 
 def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:
@@ -213,11 +211,14 @@ def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:
     return engine.chat_ids(system + [{"role": "user", "content": body.prompt}])
 
 
-async def _answer(engine: Engine, body: _Generation, request: Request, ids: List[int], reply: OllamaReply):
-    """Queue the request and answer it, as NDJSON lines or one object."""
+async def _answer(engine: Engine, body: _Generation, request: Request, ids: List[int], reply: OllamaReply,
+                  rendered=None):
+    """Queue the request and answer it, as NDJSON lines or one object (a
+    chat's grammar comes with its ``rendered`` prompt)."""
     if not ids:  # Ollama's way to load a model: nothing to generate
         return reply.loaded()
-    compiled = await _grammar(engine, body.format)
+    spec = rendered.grammar if rendered is not None else _format(body.format)
+    compiled = await grammar(engine, spec, "tools" if rendered is not None and rendered.tools else "format")
     queued = submit(engine, ids, _params(engine, body.options, compiled),
                     "messages" if isinstance(body, ChatBody) else "prompt")
     lines = _lines(reply, queued.events(request), body.stream)

@@ -12,7 +12,9 @@ supported ones. Responses add one field standard clients ignore,
 ``response_format`` (``text``, ``json_object``, ``json_schema``) makes the
 reply structured output; cut by ``max_tokens`` (``finish_reason
 "length"``) it is incomplete JSON, and ``redrafter.structured.complete``
-says so.
+says so. Tool calls are constrained too (:mod:`~mlx_redrafter.serve.tool_grammar`):
+``tool_choice`` and ``parallel_tool_calls`` as OpenAI's; with tools and a
+``response_format``, what is not a call is that JSON.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import RedrafterError
 from .engine import Engine, GenParams
 from .openai_reply import Reply
 from .streaming import (CRASH, INVALID, MISSING, UNSUPPORTED, Failure, check_model, client_left,
-                        generation_failure, grammar, sampling, submit)
+                        generation_failure, grammar, render, sampling, submit)
 from .tools import Rendered
 
 # --------------------------------------------------------------------------- request models
@@ -129,6 +130,7 @@ class ChatRequest(_Generation):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Union[str, Dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None  # OpenAI's default: true
 
 
 class CompletionRequest(_Generation):
@@ -190,9 +192,14 @@ def openai_router(engine: Engine) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         check_supported(req)
-        rendered = _render(engine, req)
+        spec = req.response_format.grammar() if req.response_format is not None else None
+        rendered = render(engine, [m.plain() for m in req.messages], req.tools, req.tool_choice, "response_format",
+                          parallel_tool_calls=req.parallel_tool_calls is not False, content=spec)
+        # The reply's grammar: the tool calls' (the content's schema within), or the schema alone.
+        compiled = await grammar(engine, rendered.grammar, "tools" if rendered.tools else "response_format")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _serve(engine, req, request, rendered.ids, max_tokens, chat=True, rendered=rendered)
+        return await _serve(engine, req, request, rendered.ids, max_tokens, chat=True, rendered=rendered,
+                            compiled=compiled)
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -207,16 +214,6 @@ def openai_router(engine: Engine) -> APIRouter:
     return router
 
 
-def _render(engine: Engine, req: ChatRequest) -> Rendered:
-    """The request's prompt through the chat template, with its tools."""
-    try:
-        return engine.render([m.plain() for m in req.messages], req.tools, req.tool_choice)
-    except RedrafterError as e:  # a tool_choice that cannot be honoured
-        raise Failure(400, e.problem, INVALID, "tool_choice") from None
-    except Exception as e:  # e.g. a template that refuses a role or an order of roles
-        raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
-
-
 def _model_card(engine: Engine) -> dict:
     return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlx-redrafter", **engine.card()}
 
@@ -228,11 +225,13 @@ def _params(engine: Engine, req: _Generation, max_tokens: Optional[int], grammar
 
 
 async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool,
-                 rendered: Optional[Rendered] = None):
-    """Queue the request and answer it, streamed or whole."""
+                 rendered: Optional[Rendered] = None, compiled=None):
+    """Queue the request and answer it, streamed or whole (a chat's grammar
+    is ``compiled`` with its prompt; a completion's is its response_format)."""
     check_model(engine, req.model)
-    spec = req.response_format.grammar() if req.response_format is not None else None
-    compiled = await grammar(engine, spec, "response_format")
+    if rendered is None:
+        spec = req.response_format.grammar() if req.response_format is not None else None
+        compiled = await grammar(engine, spec, "response_format")
     queued = submit(engine, ids, _params(engine, req, max_tokens, compiled), "messages" if chat else "prompt")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     reply = Reply(engine, queued.job, chat, include_usage, rendered, lambda e: error_body(generation_failure(e)))

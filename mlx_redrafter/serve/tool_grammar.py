@@ -338,12 +338,12 @@ def tool_grammar(tokenizer, syntax: str, tools: Sequence[dict], choice, parallel
     return lark.text(f"{text} | {trigger} {calls_rest}")
 
 
-def _checked(spec, what: str, param: str):
+def _checked(spec, what: Optional[str], param: str) -> None:
+    """A :class:`ToolError` at ``param`` for a schema llguidance refuses (``what``: whose it is)."""
     try:
         check_grammar(spec)
     except RedrafterError as e:
-        raise ToolError(f"{what}: {e.problem}", e.fix, param) from None
-    return spec
+        raise ToolError(f"{what}: {e.problem}" if what else e.problem, e.fix, param) from None
 
 
 def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: bool = True,
@@ -353,7 +353,7 @@ def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: 
     grammar cannot express, where the calls are parsed only (logged), unless
     a content schema was asked for too (a :class:`ToolError`)."""
     if content is not None:
-        _checked(content, "The content's schema", "content")
+        _checked(content, None, "content")
     if not tools:
         return content
     for t in tools:
