@@ -4,7 +4,7 @@
 #   make test        set up, then run the test suite
 #   make bench       short benchmark (< 10 min on a 2-core Linux box)
 #   make bench-full  full benchmark
-#   make train-default  distill + train the shipped drafter for the default model
+#   make train-default  make-drafter for the default model, copied into the package if faster
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -86,28 +86,26 @@ bench: setup
 bench-full: setup
 	$(RUN)$(PY) bench/run.py
 
-# The drafter shipped for the default model: ~106 min of distillation + 30 min
-# of training on a 2-core machine with BLIS, then installed into the package
-# with a depth controller measured on this machine (about 4.5 min, for --adaptive).
-# The prompts are the ShareGPT ones shipped in mlx_redrafter/data. Shorter runs:
-# `make train-default DISTILL_MINUTES=20 TRAIN_MINUTES=10` (a distill budget that
-# finishes no batch of replies leaves train no data).
-# This is the current recipe (top-16 soft targets, depth weights 0.8^d, the
-# prompts' positions: bench/RESULTS.md, section 12). The previous drafter's
-# first recipe (hard labels, equal depth weights, replies only):
-# `make train-default DISTILL_MINUTES=75 TRAIN_MINUTES=35 DISTILL_FLAGS="--top-k 0 --batch-size 48"
-# TRAIN_FLAGS="--soft-weight 0 --depth-decay 1"`.
+# The drafter shipped for the default model, made by `make-drafter` (one
+# resumable command: distillation and training split by the rates it measures,
+# about 106 + 30 minutes on a 2-core machine with BLIS, then the depth
+# controller, this device's verify-cost curve and a verdict against the drafter
+# shipped now); copied into the package only when the verdict measured it
+# faster. The prompts are the ShareGPT ones shipped in mlx_redrafter/data, the
+# recipe the current one (top-16 soft targets, depth weights 0.8^d, the prompts'
+# positions: bench/RESULTS.md, section 12). MINUTES is the whole budget (a
+# rerun with more continues in runs/make-drafter-default), e.g.
+# `make train-default MINUTES=30` for a shorter run.
 SHIPPED := mlx_redrafter/drafters/smollm2-135m-instruct
-DISTILL_MINUTES ?= 106
-TRAIN_MINUTES ?= 30
-DISTILL_FLAGS ?= --batch-size 80
-TRAIN_FLAGS ?=
+MINUTES ?= 150
+WORK := runs/make-drafter-default
 train-default: setup
-	$(RUN)$(BIN)/mlx-redrafter distill --model default --out runs/distill-default --minutes $(DISTILL_MINUTES) $(DISTILL_FLAGS)
-	$(RUN)$(BIN)/mlx-redrafter train --model default --data runs/distill-default --out runs/drafter-default --preset default --minutes $(TRAIN_MINUTES) $(TRAIN_FLAGS)
-	mkdir -p $(SHIPPED)
-	cp runs/drafter-default/config.json runs/drafter-default/model.safetensors runs/drafter-default/train_log.jsonl $(SHIPPED)/
-	$(RUN)$(BIN)/mlx-redrafter train-controller --model default -W 2 -L 4 --num-prompts 24 --max-tokens 96
+	$(RUN)$(BIN)/mlx-redrafter make-drafter --model default --minutes $(MINUTES) --out $(WORK)
+	@if $(PY) -c "import json, sys; sys.exit(not json.load(open('$(WORK)/drafter/redrafter.json'))['verdict']['installed'])"; then \
+	  mkdir -p $(SHIPPED) && cd $(WORK)/drafter && \
+	  cp config.json model.safetensors train_log.jsonl controller.json controller.safetensors redrafter.json $(CURDIR)/$(SHIPPED)/ && \
+	  echo "copied into $(SHIPPED)"; \
+	else echo "not copied into $(SHIPPED): the verdict did not measure it faster (see $(WORK)/drafter/redrafter.json)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -394,9 +394,10 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     ``out/rank-R/`` and rank 0 writes ``out/progress.json`` for all of them
     once every rank finished; the returned manifest is that merged one.
     ``progress(manifest, running_tokens)`` is called after every decode step
-    with this rank's own manifest; ``stop()``, when given, is asked after
-    it and ends the run when true (``make-drafter`` ends distillation when
-    the rates it measures say the budget's share is spent).
+    with this rank's own manifest; ``stop(replies)``, when given, is asked
+    after it with the number of replies this run finished (written or about
+    to be) and ends the run when true (``make-drafter`` ends distillation
+    when the rates it measures say the budget's share is spent).
     Ctrl-C (KeyboardInterrupt) writes the finished replies before re-raising.
     """
     from ..llm.load import load_model
@@ -425,7 +426,9 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     def should_stop():
         if progress:
             progress(manifest, sum(len(s.tokens) for s in writer.pending) + sum(len(r.tokens) for r in distiller.rows))
-        return (deadline is not None and time.perf_counter() > deadline) or (stop is not None and stop())
+        if stop is not None and stop(writer.run["sequences"] + len(writer.pending)):
+            return True
+        return deadline is not None and time.perf_counter() > deadline
 
     try:
         distiller.run(queue, writer.on_done, should_stop)

@@ -131,9 +131,11 @@ class _Run:
 
         distill = asdict(DistillConfig(batch_size=80, raw=self.raw, seed=self.cfg.seed,
                                        max_prompt_tokens=1024 if self.source.label == HISTORY else 384))
+        distill = {k: v for k, v in distill.items() if k not in ("minutes", "max_conversations")}
         distill = self.state.pin("distill", {**distill, **self.cfg.distill}, self.cfg.distill)
         train = asdict(TrainConfig(**head_settings(self.identity.hidden_size, self.identity.vocab_size),
                                    eval_fraction=self.source.held_out, seed=self.cfg.seed))
+        train = {k: v for k, v in train.items() if k not in BUDGET_FIELDS}
         fixed = {k: v for k, v in self.cfg.train.items() if k not in BUDGET_FIELDS}
         budget = {"epochs": 1000.0, **{k: v for k, v in self.cfg.train.items() if k in BUDGET_FIELDS}}
         train = self.state.pin("train", {**train, **fixed}, fixed)
@@ -196,22 +198,20 @@ class _Run:
         start = _positions(before)
         left, train_spent = self.left_s(), self.state["seconds"].get("train", 0.0)
         live = LiveRate(self.rates.positions_per_s)
-        seen = {"m": before}
 
         def planned() -> float:
             rates = Rates(self.rates.step_s, live.rate or self.rates.positions_per_s, self.rates.train_steps_per_s)
             return more_distill_s(left, start, train_spent, rates, self.train_cfg.batch_size, self.source.held_out)
 
         def progress(m, running):
-            seen["m"] = m
             live.update(_positions(m) + running)
             plan = planned()
             self.tell(Status("distill", min(live.elapsed / max(plan, 1e-9), 1.0), plan - live.elapsed,
                              left - live.elapsed + self.fixed_todo_s(),
                              f"{live.now:.0f} positions/s, {len(m.done)} conversations, {_positions(m) + running:,} positions"))
 
-        def stop() -> bool:  # at least one finished reply, whatever the budget: training needs data
-            return live.elapsed >= planned() and seen["m"] is not None and seen["m"].sequences > 0
+        def stop(replies: int) -> bool:  # at least one finished reply, whatever the budget: training needs data
+            return live.elapsed >= planned() and (replies > 0 or _positions(before) > 0)
 
         with self.state.timed("distill"):
             m = distill(self.cfg.model, self.source.path, self.data, self.distill_cfg, self.model, self.tokenizer,
