@@ -16,6 +16,7 @@ import logging
 import socket
 from contextlib import contextmanager
 
+import anthropic
 import httpx
 import jsonschema_rs
 import ollama
@@ -36,9 +37,14 @@ NO_ENV: dict = {}  # resolve() reads the key and origins from here, not from the
 # One route of each kind, with the shape its errors have.
 ROUTES = [("GET", "/v1/models", "openai"), ("POST", "/v1/chat/completions", "openai"),
           ("POST", "/v1/completions", "openai"), ("GET", "/metrics", "openai"),
-          ("GET", "/api/tags", "ollama"), ("POST", "/api/chat", "ollama"), ("POST", "/api/generate", "ollama")]
+          ("GET", "/api/tags", "ollama"), ("POST", "/api/chat", "ollama"), ("POST", "/api/generate", "ollama"),
+          ("POST", "/v1/messages", "anthropic"), ("POST", "/v1/messages/count_tokens", "anthropic"),
+          ("POST", "/v1/responses", "openai")]
 BODIES = {"/v1/chat/completions": {"messages": HI, "max_tokens": 2}, "/v1/completions": {"prompt": "1,", "max_tokens": 2},
-          "/api/chat": {"messages": HI, "stream": False}, "/api/generate": {"prompt": "1,", "stream": False}}
+          "/api/chat": {"messages": HI, "stream": False}, "/api/generate": {"prompt": "1,", "stream": False},
+          "/v1/messages": {"model": "default", "max_tokens": 2, "messages": HI},
+          "/v1/messages/count_tokens": {"model": "default", "messages": HI},
+          "/v1/responses": {"input": "Hi", "max_output_tokens": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +191,9 @@ def test_official_clients_work_with_the_defaults(open_server):
     assert r.choices[0].message.content is not None
     reply = ollama.Client(host=open_server).chat(model="default", messages=HI, options={"num_predict": 2})
     assert reply.message.content is not None
+    message = anthropic.Anthropic(base_url=open_server, api_key="ignored", max_retries=0, timeout=120).messages.create(
+        model="default", max_tokens=2, messages=HI)
+    assert message.type == "message" and message.stop_reason in ("max_tokens", "end_turn")
     assert httpx.get(open_server + "/", timeout=30).status_code == 200  # the chat page
 
 
@@ -196,8 +205,16 @@ def test_official_clients_work_with_the_key(keyed_server):
     keyed = ollama.Client(host=keyed_server, headers={"Authorization": f"Bearer {KEY}"})
     assert keyed.chat(model="default", messages=HI, options={"num_predict": 2}).message.content is not None
     assert keyed.list().models
-    r = httpx.get(keyed_server + "/api/tags", headers={"x-api-key": KEY})  # Anthropic's header
+    r = httpx.get(keyed_server + "/api/tags", headers={"x-api-key": KEY})  # Anthropic's header, anywhere
     assert r.status_code == 200
+    claude = anthropic.Anthropic(base_url=keyed_server, api_key=KEY, max_retries=0, timeout=120)  # sends x-api-key
+    message = claude.messages.create(model="default", max_tokens=2, messages=HI)
+    assert message.type == "message" and message.content is not None
+    with claude.messages.stream(model="default", max_tokens=2, messages=HI) as stream:
+        assert stream.get_final_message().usage.output_tokens >= 1
+    assert claude.messages.count_tokens(model="default", messages=HI).input_tokens > 0
+    r = client.responses.create(model="default", input="Hi", max_output_tokens=2)
+    assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
 
 
 def test_official_clients_with_a_wrong_key_get_a_401(keyed_server):
@@ -210,6 +227,13 @@ def test_official_clients_with_a_wrong_key_get_a_401(keyed_server):
         with pytest.raises(ollama.ResponseError) as e:
             ollama.Client(host=keyed_server, headers=headers).chat(model="default", messages=HI)
         assert e.value.status_code == 401 and "--api-key" in e.value.error
+    claude = anthropic.Anthropic(base_url=keyed_server, api_key="wrong", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        claude.messages.create(model="default", max_tokens=2, messages=HI)
+    assert e.value.status_code == 401
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        client.responses.create(model="default", input="Hi", max_output_tokens=2)
 
 
 @pytest.mark.parametrize("method, path, shape", ROUTES)
@@ -223,6 +247,8 @@ def test_a_missing_or_wrong_key_is_a_401_in_each_apis_shape(keyed_server, method
     assert "API key" in message and "Authorization: Bearer KEY" in message and KEY not in message
     if shape == "openai":
         assert r.json()["error"]["code"] == "invalid_api_key"
+    if shape == "anthropic":
+        assert r.json()["error"]["type"] == "authentication_error"
 
 
 def test_the_page_and_health_need_no_key(keyed_server):
@@ -349,8 +375,8 @@ def test_openapi_documents_what_each_route_answers(runtime):
         for method, path, _ in ROUTES:
             responses = paths[path][method.lower()]["responses"]
             assert {"401", "403", "500"} <= set(responses), path
-            if method == "POST":
-                assert {"400", "404", "503"} <= set(responses), path
+            if method == "POST":  # every POST names a model; all but counting tokens queue a generation
+                assert {"400", "404"} <= set(responses) and ("503" in responses) != path.endswith("count_tokens"), path
             # The documented error schema is what the route really answers.
             for status, headers in (("401", {}), ("403", {**auth, "Host": "attacker.example"})):
                 schema = responses[status]["content"]["application/json"]["schema"]
