@@ -236,12 +236,15 @@ def stream_generate(
     grammar = None if grammar is None else compile_for_model(model, tokenizer, grammar)
     steps = token_steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, timings=timings,
                         history=lookup_context, grammar=grammar)
-    yield from _stream_text(tokenizer, steps, prompt.size, max_tokens, stop, structured=grammar is not None)
+    yield from stream_text(tokenizer, steps, prompt.size, max_tokens, stop, structured=grammar is not None)
 
 
-def _stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Sequence[str], structured=False):
-    """The responses of a stream of steps: text, EOS, stop strings, ``max_tokens``
-    (``structured``: a grammar's output, incomplete unless EOS ends it)."""
+def stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Sequence[str], structured=False):
+    """The responses of a stream of steps (:class:`~mlx_redrafter.step.protocol.StepTokens`):
+    text, EOS, stop strings and ``max_tokens`` exactly as :func:`stream_generate`
+    ends them (``structured``: a grammar's output, incomplete unless EOS ends
+    it). The server feeds it a request's steps wherever they are decoded
+    (alone with drafts, or in a batch). ``tokenizer``: mlx-lm's wrapper."""
     detok = tokenizer.detokenizer
     detok.reset()
     matcher = StopMatcher(stop)

@@ -21,6 +21,7 @@ from ui_servers import generate_process
 
 MAX_TOKENS = 8  # the server's default reply length: keeps every request short
 QUEUE = 4
+MAX_BATCH = 4  # requests decoded at once (--max-batch)
 PROMPT = "Write a short poem about the sea."
 LONG = "Count from 1 to 500, separated by commas."  # a reply far longer than any test waits for
 
@@ -54,7 +55,7 @@ def server(tmp_path_factory, generate_cli):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--port", str(port),
-           "--max-tokens", str(MAX_TOKENS), "--queue-size", str(QUEUE)]
+           "--max-tokens", str(MAX_TOKENS), "--queue-size", str(QUEUE), "--max-batch", str(MAX_BATCH)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -115,7 +116,7 @@ def test_models_and_health(server, client):
     h = _health(server)
     assert h["status"] == "ok" and h["model"] == "default"
     assert h["drafter"] is not None  # the shipped drafter is used
-    assert h["queue"]["bound"] == QUEUE
+    assert h["queue"]["bound"] == QUEUE and h["queue"]["max_batch"] == MAX_BATCH
 
 
 def test_chat_equals_generate_and_stream_equals_whole(client, reference, generate_cli):
@@ -193,13 +194,95 @@ def test_second_turn_reuses_the_cache(client):
 # --------------------------------------------------------------------------- many clients
 
 
-def test_four_concurrent_clients(client):
+def _batch_steps(server) -> float:
+    """How many steps so far decoded more than one request (``/metrics``)."""
+    text = httpx.get(server + "/metrics", timeout=10).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("redrafter_batch")}
+    return values["redrafter_batch_size_count"] - values['redrafter_batch_size_bucket{le="1.0"}']
+
+
+def _alone(client, prompts, max_tokens):
+    return [_chat(client, p, max_tokens=max_tokens).choices[0].message.content for p in prompts]
+
+
+def test_four_concurrent_clients_equal_each_alone(server, client):
     prompts = ["Name a fruit.", "Name a city.", "What is 2 + 2?", "Say hi."]
-    alone = [_chat(client, p, max_tokens=4).choices[0].message.content for p in prompts]
+    alone = _alone(client, prompts, 12)
+    batched = _batch_steps(server)
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda p: _chat(client, p, max_tokens=4), prompts))
+        together = list(pool.map(lambda p: _chat(client, p, max_tokens=12), prompts))
     assert [r.choices[0].message.content for r in together] == alone
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in together)
+    # They were decoded together: steps of several rows, and tokens decoded in the batch.
+    assert _batch_steps(server) > batched
+    assert sum(r.model_extra["redrafter"]["tokens_batched"] for r in together) > 0
+    assert _wait_idle(server, 0)["queue"]["active"] == 0
+
+
+def _streamed(client, prompt, max_tokens, on_chunk=None, **kw):
+    """A streamed greedy reply's text; ``on_chunk(i)`` after each chunk (False: hang up)."""
+    text = ""
+    stream = _chat(client, prompt, max_tokens=max_tokens, stream=True, **kw)
+    for i, chunk in enumerate(stream):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if on_chunk is not None and on_chunk(i) is False:
+            stream.close()
+            return None
+    return text
+
+
+def test_joining_and_hanging_up_mid_batch_leave_the_others_unchanged(server, client):
+    prompts = ["Write a short poem about the sea.", "Explain what a prime number is.", "Name three rivers."]
+    alone = _alone(client, prompts, 24)
+    cancelled = _health(server)["queue"]["cancelled"]
+    joined, pool = threading.Event(), ThreadPoolExecutor(4)
+
+    def join_after(i):  # the third request starts while the first two decode
+        if i == 3 and not joined.is_set():
+            joined.set()
+            late.append(pool.submit(_streamed, client, prompts[2], 24))
+
+    late = []
+    try:
+        first = pool.submit(_streamed, client, prompts[0], 24, join_after)
+        second = pool.submit(_streamed, client, prompts[1], 24)
+        leaver = pool.submit(_streamed, client, "Count from 1 to 500.", 200, lambda i: i < 3)
+        texts = [first.result(300), second.result(300)]
+        assert leaver.result(300) is None
+        assert joined.wait(60)
+        texts.append(late[0].result(300))
+    finally:
+        pool.shutdown()
+    assert texts == alone
+    h = _wait_idle(server, 0)
+    assert h["queue"]["cancelled"] == cancelled + 1 and h["queue"]["active"] == 0
+
+
+def test_mixed_sampling_and_a_grammar_in_one_batch(server, client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    ask = "Name a city in France, as JSON."
+    greedy_alone = _alone(client, ["Name a fruit."], 12)[0]
+    structured_alone = _chat(client, ask, max_tokens=24, response_format=fmt).choices[0].message.content
+    batched = _batch_steps(server)
+    calls = [
+        lambda: _chat(client, "Name a fruit.", max_tokens=12),
+        lambda: _chat(client, ask, max_tokens=24, response_format=fmt),
+        lambda: client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPT}],
+                                               temperature=0.9, top_p=0.9, seed=11, max_tokens=12),
+        lambda: client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi."}],
+                                               temperature=0.7, extra_body={"top_k": 20}, max_tokens=12),
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        greedy, structured, seeded, top_k = [f.result(300) for f in [pool.submit(c) for c in calls]]
+    assert greedy.choices[0].message.content == greedy_alone
+    assert structured.choices[0].message.content == structured_alone
+    assert json.loads(structured_alone)["city"]
+    for r in (seeded, top_k):
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    assert _batch_steps(server) > batched
 
 
 def _open_request(server, body: dict) -> socket.socket:
@@ -207,7 +290,7 @@ def _open_request(server, body: dict) -> socket.socket:
     host, port = server.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
 
@@ -229,27 +312,39 @@ def test_disconnect_stops_generation(server, client, reference):
     assert _chat(client, PROMPT).choices[0].message.content == reference.choices[0].message.content
 
 
-def test_full_queue_answers_503(server, client, reference):
-    served = _health(server)["queue"]["served"]
+def test_full_queue_answers_503_with_retry_after(server, client, reference):
+    """MAX_BATCH decoding and QUEUE waiting: the next request (OpenAI's or
+    Ollama's) is a 503 with Retry-After; once the clients leave, requests
+    are served again and the queue is back at 0."""
+    before = _health(server)["queue"]
     socks = [_open_request(server, _long(True))]
     try:
         deadline = time.monotonic() + 60
         while not _health(server)["queue"]["running"]:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        socks += [_open_request(server, _long(False)) for _ in range(QUEUE)]
-        while _health(server)["queue"]["waiting"] < QUEUE:
-            assert time.monotonic() < deadline
+        socks += [_open_request(server, _long(i % 2 == 0)) for i in range(MAX_BATCH + QUEUE - 1)]
+        while True:  # all in: decoding (batched where that pays) or waiting
+            q = _health(server)["queue"]
+            if q["active"] + q["waiting"] == MAX_BATCH + QUEUE:
+                break
+            assert time.monotonic() < deadline, q
             time.sleep(0.1)
         r = httpx.post(server + "/v1/chat/completions", json=_long(False), timeout=60)
-        assert r.status_code == 503
-        assert r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["Retry-After"]) >= 1
+        r = httpx.post(server + "/api/chat", json={"model": "default", "messages": [{"role": "user", "content": LONG}]},
+                       timeout=60)
+        assert r.status_code == 503 and "busy" in r.json()["error"] and int(r.headers["Retry-After"]) >= 1
     finally:
         for s in socks:
             s.close()
-    # Every client left: the running reply stops and the waiting ones are skipped.
-    _wait_idle(server, served + 1 + QUEUE)
+    # Every client left: the decoding replies stop and the waiting ones are skipped.
+    h = _wait_idle(server, before["served"] + MAX_BATCH + QUEUE)
+    assert h["queue"]["shed"] == before["shed"] + 2 and h["queue"]["active"] == 0
     assert _chat(client, PROMPT).choices[0].message.content == reference.choices[0].message.content
+    assert _health(server)["queue"]["waiting"] == 0
+    assert "redrafter_requests_shed_total" in httpx.get(server + "/metrics", timeout=10).text
 
 
 # --------------------------------------------------------------------------- bad input

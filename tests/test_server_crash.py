@@ -57,7 +57,7 @@ def test_sigkill_mid_stream_then_restart(tmp_path):
     cache.mkdir()
     work.mkdir()
     env = {**os.environ, "MLX_REDRAFTER_CACHE": str(cache)}
-    args = ["--max-tokens", "400", "--no-ui"]
+    args = ["--max-tokens", "400", "--no-ui", "--max-batch", "1"]  # one at a time: the second request waits
     first = Server(args, tmp_path / "serve.log", env=env, cwd=work)
     try:
         streams = {

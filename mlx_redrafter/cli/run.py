@@ -184,7 +184,8 @@ def serve(
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
     min_p: float = MinPOpt,
-    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait for the model; past it the server answers 503."),
+    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait while --max-batch others decode; past both the server answers 503 with Retry-After."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted)."),
     prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."),
     prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."),
     adaptive: bool = AdaptiveOpt,
@@ -204,6 +205,8 @@ def serve(
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
+    if max_batch < 1:
+        raise RedrafterError(f"--max-batch must be at least 1 (got {max_batch}).", "1 serves one request at a time.")
     cache_bytes = _cache_bytes(prompt_cache_bytes)
     if prompt_cache_size < 1:
         raise RedrafterError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
@@ -227,7 +230,7 @@ def serve(
 
     rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore,
                   history=not no_history)
-    engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size,
+    engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size, max_batch=max_batch,
                     prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
     app_ = create_app(engine, ui=not no_ui, security=security)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
@@ -237,7 +240,7 @@ def serve(
 
 @app.command()
 def doctor(
-    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this device's verify-cost curve c(N) for the model (<= 30 s) and store it for --tree auto."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this device's verify-cost curve c(N) for --tree auto and its batched-decoding gains for serve (<= 40 s), and store them."),
     model: str = ModelOpt,
     dtype: Optional[str] = DtypeOpt,
 ):
@@ -267,7 +270,7 @@ def _show_curve(model_spec: str, dtype: Optional[str], calibrate: bool) -> None:
     if calibrate:
         from ..tuning.calibrate import measure_curve
 
-        err.print("measuring the verify-cost curve (at most 30 s)...")
+        err.print("measuring the verify-cost curve and the batch curve (at most 40 s)...")
         path = save_curve(measure_curve(model, model_spec), model, model_spec)
         err.print(f"saved {path}")
     curve = curve_for(model, model_spec)

@@ -85,6 +85,15 @@ class PromptCache:
         """Take a copy of the stored cache sharing the longest prefix with
         ``ids`` as the working cache, trimmed to that prefix; return its length
         (pass ``ids[length:]`` and ``prompt_cache=self.cache`` to stream_generate)."""
+        self.cache, keep = self.fetch(ids)
+        self.ids = []  # ids unknown until the generation ends
+        return keep
+
+    def fetch(self, ids: Sequence[int]):
+        """``(cache, length)``: a copy of the stored cache sharing the longest
+        prefix with ``ids``, trimmed to that prefix (at most all of ``ids``
+        but the last), or a fresh cache and 0. Several generations at once
+        (the server's batch) each fetch their own."""
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, list(ids))
         keep = len(ids) - len(rest)
         if cache is not None and not rest:  # an exact hit: stream_generate needs one prompt token
@@ -93,22 +102,28 @@ class PromptCache:
                 cache = None
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
-        self.cache, self.ids = cache, []  # ids unknown until the generation ends
         self.hits += 1 if keep > 0 else 0
         self.reused_tokens += keep
-        return keep
+        return cache, keep
 
     def settle(self, known: List[int]) -> None:
         """After a generation: the cache holds a prefix of ``known`` (prompt +
         emitted tokens + the EOS that ended them), sometimes missing the last
         token or holding a few accepted drafts past EOS (stream_generate's
         contract); trim it to what we know and store it."""
-        held = min(self.cache[0].offset, len(known))
-        if trim_cache(self.cache, held) and held > 0:
-            self.ids = list(known[:held])
-            self.lru.insert_cache(self.KEY, self.ids, self.cache)
+        if self.store(self.cache, known):
+            self.ids = list(known[: self.cache[0].offset])
         else:
             self.discard()
+
+    def store(self, cache, known: Sequence[int]) -> bool:
+        """Store ``cache``, which holds a prefix of ``known`` (see :meth:`settle`),
+        trimmed to what is known; False (nothing stored) when it cannot be."""
+        held = min(cache[0].offset, len(known))
+        if not trim_cache(cache, held) or held <= 0:
+            return False
+        self.lru.insert_cache(self.KEY, list(known[:held]), cache)
+        return True
 
     def discard(self) -> None:
         """Drop the working cache (after an interrupted generation, whose cache

@@ -59,9 +59,11 @@ def error_response(path: str, failure: Failure) -> Response:
 
 
 def shaped_error(path: str, failure: Failure) -> Response:
-    """``failure`` in the error shape of ``path``'s API (not logged)."""
+    """``failure`` in the error shape of ``path``'s API (not logged), with its headers."""
     shape = next((s for prefix, s in SHAPES if path.startswith(prefix)), openai_api.error_response)
-    return shape(failure)
+    response = shape(failure)
+    response.headers.update(failure.headers)
+    return response
 
 
 def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfig] = None) -> FastAPI:

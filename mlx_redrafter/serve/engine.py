@@ -1,10 +1,14 @@
 """The core of ``mlx-redrafter serve``: one model, a fair bounded queue of
-requests, and the KV caches that requests share.
+requests decoded together, and the KV caches that requests share.
 
 No HTTP here (that is :mod:`~mlx_redrafter.serve.app`, a thin layer on top):
-:class:`Engine` turns token ids into a :class:`Job`, runs jobs one at a time
-on its worker thread, and reports each job's text through the job's
-``emit`` callback.
+:class:`Engine` turns token ids into a :class:`Job`, decodes jobs on its
+worker thread (:mod:`~mlx_redrafter.serve.scheduler`: at most ``max_batch``
+at once, ``queue_size`` more waiting, then :class:`QueueFull`), and reports
+each job's text through the job's ``emit`` callback. A request alone
+decodes with the runtime's drafting exactly as ``generate`` does;
+concurrent ones are decoded together where that pays
+(:mod:`~mlx_redrafter.serve.batch`).
 
 The KV caches stay from one request to the next
 (:class:`~mlx_redrafter.llm.cache.PromptCache`, on mlx-lm's
@@ -17,196 +21,41 @@ resolved :class:`~mlx_redrafter.config.DraftConfig` with the job's own
 
 from __future__ import annotations
 
-import queue
-import threading
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from ..generate import stream_generate
 from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
 from ..llm.text import encode_prompt
 from ..prompts import chat_prompt_ids
-from ..responses import Tally
-from .tools import Rendered, render, tool_format
 from ..step.grammar import compile_for_model
-
-
-class QueueFull(Exception):
-    """The queue holds its bound of waiting requests."""
-
-
-@dataclass
-class GenParams:
-    """What a request may choose (OpenAI's names map onto these)."""
-
-    max_tokens: int
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    seed: Optional[int] = None
-    stop: List[str] = field(default_factory=list)
-    grammar: object = None  # a compiled Grammar (Engine.grammar): structured output
-
-
-@dataclass
-class Result:
-    """A finished (or cancelled) job."""
-
-    text: str = ""
-    finish_reason: Optional[str] = None  # "stop", "length", or None when cancelled
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
-    tally: Tally = field(default_factory=Tally)
-    cancelled: bool = False
-    step_tokens: List[int] = field(default_factory=list)  # tokens emitted by each step
-    drafted_by_source: Dict[str, int] = field(default_factory=dict)  # accepted draft tokens by source
-    structured: bool = False  # the reply was constrained by a grammar
-    incomplete: bool = False  # ...and ended before the grammar was complete (the JSON will not parse)
-    stop_sequence: Optional[str] = None  # the stop string that ended the reply (None: EOS, max_tokens, cancelled)
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.tally.tokens
-
-
-@dataclass
-class Piece:
-    """A piece of a reply's text and how it was made: the ``x_redrafter``
-    field of a streamed chunk.
-
-    ``sources`` has one entry per token whose text is in ``text`` (a token
-    may hold part of a character, so a piece can hold several): ``"drafter"``,
-    ``"lookup"`` or ``"datastore"`` for a token from an accepted draft, ``"llm"`` for the
-    LLM's own token. The counts are the reply's so far.
-    """
-
-    text: str
-    sources: List[str]
-    tokens: int = 0
-    steps: int = 0
-    tokens_per_second: float = 0.0
-    prompt_tokens: int = 0
-    prompt_tokens_reused: int = 0
-
-    def extension(self) -> dict:
-        return {"sources": self.sources, "tokens": self.tokens, "steps": self.steps,
-                "tokens_per_second": round(self.tokens_per_second, 2), "prompt_tokens": self.prompt_tokens,
-                "prompt_tokens_reused": self.prompt_tokens_reused}
-
-
-def token_source(r) -> str:
-    """Where a response's token came from: ``"drafter"``, ``"lookup"``, ``"datastore"`` or ``"llm"``."""
-    return r.stats.source if r.from_draft else "llm"
-
-
-@dataclass(eq=False)  # compared and hashed by identity: the queue keeps a set of live jobs
-class Job:
-    """One request: its prompt ids, its parameters, and where its output goes.
-
-    ``emit(kind, value)`` is called from the worker thread with
-    ``("text", Piece)`` per response with text, then ``("done", Result)`` or
-    ``("error", exception)``.
-    """
-
-    ids: List[int]
-    params: GenParams
-    emit: Callable[[str, object], None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        """Stop the job at its next step (or skip it if it has not started)."""
-        self.cancelled.set()
-
-
-class JobQueue:
-    """First come, first served, on one worker thread, with at most ``size``
-    requests waiting (the one running not counted)."""
-
-    def __init__(self, handler: Callable[[Job], "Result"], size: int):
-        if size < 1:
-            raise RedrafterError(f"The queue size must be at least 1 (got {size}).")
-        self.handler, self.size = handler, size
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._lock = threading.Lock()
-        self.waiting = 0
-        self.running = False
-        self.served = 0
-        self.cancelled = 0
-        self._live: set = set()  # submitted and not finished
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, job: Job) -> None:
-        """Queue ``job``; :class:`QueueFull` when ``size`` requests wait already."""
-        with self._lock:
-            if self.waiting >= self.size:
-                raise QueueFull(f"{self.waiting} requests are waiting for the model (the bound is {self.size}).")
-            self.waiting += 1
-            self._live.add(job)
-        self._queue.put(job)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="redrafter-worker", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Cancel every job (the running one stops at its next step) and end the worker."""
-        with self._lock:
-            for job in self._live:
-                job.cancel()
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                self.waiting -= 1
-                self.running = True
-            res = None
-            try:
-                if job.cancelled.is_set():  # its client left while it waited
-                    res = Result(cancelled=True)
-                    job.emit("done", res)
-                else:
-                    res = self.handler(job)
-            except BaseException as e:  # the worker must survive any request
-                try:
-                    job.emit("error", e)
-                except Exception:
-                    pass  # nobody is listening any more (the server is stopping)
-            finally:
-                with self._lock:
-                    self._live.discard(job)
-                    self.running = False
-                    self.served += 1
-                    self.cancelled += int(res is not None and res.cancelled)
-
-    def status(self) -> dict:
-        with self._lock:
-            return {"waiting": self.waiting, "running": self.running, "bound": self.size,
-                    "served": self.served, "cancelled": self.cancelled}
+from .batch import BatchDecoder
+from .jobs import GenParams, Job, Piece, Result, token_source  # noqa: F401 (the engine's public names)
+from .scheduler import JobQueue, QueueFull, Scheduler  # noqa: F401
+from .tools import Rendered, render, tool_format
 
 
 class Engine:
-    """A :class:`~mlx_redrafter.runtime.Runtime` served one request at a time,
-    with prompt caches shared across requests (at most ``prompt_cache_size``
-    sequences and ``prompt_cache_bytes`` bytes). ``max_tokens`` and
-    ``sampling``: what a request that does not say gets. ``listeners`` are
-    called on the worker thread with every job's :class:`Result` (metrics)."""
+    """A :class:`~mlx_redrafter.runtime.Runtime` serving up to ``max_batch``
+    requests at once (1: one at a time, each drafted, as before batching)
+    with ``queue_size`` more waiting, and prompt caches shared across requests
+    (at most ``prompt_cache_size`` sequences and ``prompt_cache_bytes``
+    bytes). ``max_tokens`` and ``sampling``: what a request that does not say
+    gets. ``listeners`` are called on the worker thread with every job's
+    :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
+    step decoded, ``queue.shed_listeners`` for each request turned away."""
 
     def __init__(self, runtime, max_tokens: int = 512, sampling: Optional[SamplingConfig] = None,
-                 queue_size: int = 16, prompt_cache_size: int = 10, prompt_cache_bytes: int = 1 << 63):
+                 queue_size: int = 16, prompt_cache_size: int = 10, prompt_cache_bytes: int = 1 << 63,
+                 max_batch: int = 8):
         self.rt = runtime
         self.model_id = runtime.model_spec
         self.max_tokens = max_tokens
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
-        self.queue = JobQueue(self._run, queue_size)
+        decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
+        self.queue = Scheduler(decoder, queue_size, decoder.max_batch)
         self.listeners: List[Callable[[Result], None]] = []
 
     # ------------------------------------------------------------------ prompts
@@ -275,59 +124,26 @@ class Engine:
         params.max_tokens = self.fit(ids, params.max_tokens)
         return Job(list(ids), params, emit)
 
-    def _run(self, job: Job) -> Result:
-        """Generate one job's reply on the worker thread."""
+    def finish(self, row, cache) -> None:
+        """A row's reply ended (or its client left): store its KV cache (which
+        holds a prefix of the prompt + the reply + the EOS that ended it, as a
+        closed step loop or the batch leave it), tell the listeners and the
+        lookup history, then the job (on the worker thread)."""
+        job, res, generated = row.job, row.res, row.generated
         ids = job.ids
-        res = Result(prompt_tokens=len(ids), structured=job.params.grammar is not None)
-        generated: List[int] = []
-        eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
-        sources: List[str] = []  # of the tokens whose text has not been emitted yet
-        try:
-            res.reused_tokens = self.cache.reuse(ids)
-            p = job.params
-            stream = stream_generate(
-                self.rt.model, self.rt.tokenizer, ids[res.reused_tokens:], prompt_cache=self.cache.cache,
-                lookup_context=ids[:res.reused_tokens], draft=self.rt.draft, sampling=p.sampling,
-                max_tokens=p.max_tokens, seed=p.seed, stop=p.stop, grammar=p.grammar,
-            )
-            try:
-                for r in stream:
-                    if _count(res, r):
-                        generated.append(r.token)
-                        sources.append(token_source(r))
-                    else:  # the EOS response emits no token
-                        eos = [r.token]
-                    res.text += r.text
-                    res.finish_reason, res.incomplete = r.finish_reason, r.incomplete
-                    if r.text:
-                        job.emit("text", self._piece(r.text, sources, res))
-                        sources = []
-                    if job.cancelled.is_set():  # the client left: stop at this step
-                        break
-            finally:
-                stream.close()
-        except BaseException:
-            self.cache.discard()
-            raise
-        # Cancelled mid-reply too: the closed step loop left the cache holding a
-        # prefix of the prompt + the verified tokens (as in the chat after Ctrl-C).
+        res.tokens = list(generated)
         res.cancelled = res.finish_reason is None
-        if res.finish_reason == "stop" and not eos and job.params.stop:
+        if res.finish_reason == "stop" and not row.eos and job.params.stop:
             res.stop_sequence = first_stop(self.rt.tokenizer.decode(generated), job.params.stop)
-        self.cache.settle(ids + generated + eos)
+        if cache is not None:
+            self.cache.store(cache, ids + generated + row.eos)
         for listener in self.listeners:
             listener(res)
         if self.rt.history is not None and generated:
             self.rt.history.remember(generated, res.tally, self.rt.draft.datastore, prompt=ids)
         job.emit("done", res)
-        return res
 
     # ------------------------------------------------------------------ reports
-
-    @staticmethod
-    def _piece(text: str, sources: List[str], res: Result) -> Piece:
-        t = res.tally
-        return Piece(text, sources, t.tokens, t.steps, t.last.generation_tps, res.prompt_tokens, res.reused_tokens)
 
     def stats(self, res: Result) -> dict:
         """The drafting stats of a reply (an extra response field)."""
@@ -345,6 +161,7 @@ class Engine:
             "prompt_tokens_prefilled": res.prompt_tokens - res.reused_tokens,
             "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
             "structured": {"complete": not res.incomplete} if res.structured else None,
+            "tokens_batched": res.batched_tokens,  # decoded together with other requests (plain decoding)
         }
 
     def health(self) -> dict:
@@ -361,17 +178,3 @@ def first_stop(text: str, stop: Sequence[str]) -> Optional[str]:
     """The stop string that ends ``text`` first (the one the stream stopped at)."""
     hits = [(text.find(s), i) for i, s in enumerate(stop) if s and s in text]
     return stop[min(hits)[1]] if hits else None
-
-
-def _count(res: Result, r) -> bool:
-    """Count a response into ``res``; False for the EOS response (no token)."""
-    step = res.tally.steps
-    if not res.tally.add(r):
-        return False
-    if res.tally.steps != step:
-        res.step_tokens.append(0)
-    res.step_tokens[-1] += 1
-    if r.from_draft:
-        source = r.stats.source or "drafter"
-        res.drafted_by_source[source] = res.drafted_by_source.get(source, 0) + 1
-    return True

@@ -12,7 +12,10 @@ Names (counters end in ``_total`` on the wire):
   accepted drafts, by source (``drafter``, ``lookup``, ``datastore``);
 * ``redrafter_prompt_cache_hits_total``, ``redrafter_prompt_cache_reused_tokens_total``,
   ``redrafter_prompt_cache_entries``, ``redrafter_prompt_cache_bytes``;
-* ``redrafter_queue_waiting``, ``redrafter_queue_running``.
+* ``redrafter_queue_waiting``, ``redrafter_queue_running`` (requests
+  decoding, also as ``redrafter_requests_active``);
+* ``redrafter_requests_shed_total``: requests answered 503 (queue full);
+* ``redrafter_batch_size``: a histogram of the requests each step decoded.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .engine import Engine, Result
 
 DRAFT_SOURCES = ("drafter", "lookup", "datastore")  # labels shown from the start, at 0
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 class Metrics:
@@ -53,9 +57,16 @@ class Metrics:
               registry=r).set_function(lambda: cache.nbytes)
         Gauge("redrafter_queue_waiting", "Requests waiting for the model.",
               registry=r).set_function(lambda: queue.status()["waiting"])
-        Gauge("redrafter_queue_running", "Requests being generated (0 or 1).",
-              registry=r).set_function(lambda: int(queue.status()["running"]))
+        Gauge("redrafter_queue_running", "Requests being generated.",
+              registry=r).set_function(lambda: queue.status()["running"])
+        Gauge("redrafter_requests_active", "Requests decoding (at most --max-batch).",
+              registry=r).set_function(lambda: queue.status()["active"])
+        self.shed = Counter("redrafter_requests_shed", "Requests refused with a 503: the queue was full.", registry=r)
+        self.batch = Histogram("redrafter_batch_size", "Requests decoded by one step.", buckets=BATCH_BUCKETS,
+                               registry=r)
         engine.listeners.append(self.observe)
+        queue.step_listeners.append(self.batch.observe)
+        queue.shed_listeners.append(self.shed.inc)
 
     def observe(self, res: Result) -> None:
         """Count one finished or cancelled generation (on the worker thread)."""

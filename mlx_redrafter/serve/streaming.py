@@ -46,11 +46,14 @@ FORBIDDEN = "forbidden"
 class Failure(Exception):
     """A request that cannot be answered: an HTTP ``status``, a ``message``
     that says what to change, the ``kind`` of failure (the constants above)
-    and the request field at fault (``param``, dotted)."""
+    and the request field at fault (``param``, dotted); ``headers`` go on
+    the answer whatever its shape (a 503's ``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, kind: str = INVALID, param: Optional[str] = None):
+    def __init__(self, status: int, message: str, kind: str = INVALID, param: Optional[str] = None,
+                 headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers = dict(headers or {})
 
 
 def generation_failure(e: BaseException) -> Failure:
@@ -167,8 +170,9 @@ def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "mess
         raise Failure(400, e.problem, TOO_LONG, param) from None
     try:
         engine.submit(job)
-    except QueueFull as e:
-        raise Failure(503, f"The server is busy: {e} Retry later.", BUSY) from None
+    except QueueFull as e:  # Retry-After: the engine's estimate from the measured time per request
+        raise Failure(503, f"The server is busy: {e} Retry in {e.retry_after} s.", BUSY,
+                      headers={"Retry-After": str(e.retry_after)}) from None
     return Queued(job, events)
 
 

@@ -57,17 +57,23 @@ def target_probs(logits: mx.array, sampling) -> mx.array:
     log-probabilities, apply top-p, min-p and top-k (in that order) with
     mlx-lm's own functions, then divide by the temperature.
     """
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    return mx.softmax(filtered_logprobs(logprobs, sampling) * (1.0 / sampling.temp), axis=-1)
+
+
+def filtered_logprobs(logprobs: mx.array, sampling) -> mx.array:
+    """``logprobs`` through mlx-lm's sampler filters, as ``make_sampler``
+    chains them: top-p, min-p, then top-k (mlx-lm's own functions)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
     if 0 < sampling.top_p < 1.0:
         logprobs = apply_top_p(logprobs, sampling.top_p)
     if sampling.min_p != 0.0:
         logprobs = apply_min_p(logprobs, sampling.min_p)
     if sampling.top_k > 0:
         logprobs = apply_top_k(logprobs, sampling.top_k)
-    return mx.softmax(logprobs * (1.0 / sampling.temp), axis=-1)
+    return logprobs
 
 
 def sample_first(logits: mx.array, sampling) -> mx.array:

@@ -13,6 +13,11 @@ generation loop (the next call queued before the last is read), and keeps
 each size's median over the rounds, as a ratio to ``N = 1`` (the model's own
 one-token call, i.e. a plain decoding step). It fits in ``budget_s`` seconds.
 
+The same calibration times plain batched decoding (``serve`` decodes
+concurrent requests together) at :data:`BATCH_SIZES`: ``batch_gains`` are
+the aggregate tokens/s at each batch size over one sequence's
+(:meth:`CostCurve.batch_gain`; the built-in ones when none was measured).
+
 Curves are stored next to the tuned profiles (``cache_root()/profiles``),
 keyed by device, model and dtype/quantization; :func:`curve_for` loads this
 device's curve or falls back to :data:`BUILTIN_COSTS` (flagged ``builtin``).
@@ -58,6 +63,14 @@ BUILTIN_COSTS = _interpolated(BUILTIN_MEASURED)
 # run (tuning/calibrate.py, 240 s, 15 rounds, quiet machine, 2026-12-01;
 # bench/results/curve/): 2-3 tokens cost the same, 4-16 about 10-35% more.
 BUILTIN_LONG_MEASURED = {1: 1.00, 2: 1.06, 3: 1.19, 4: 1.65, 6: 1.89, 8: 1.86, 12: 2.76, 16: 2.89}
+BATCH_SIZES = (1, 2, 4, 8)  # the batch sizes a calibration times (``serve --max-batch`` defaults to the largest)
+# Batched greedy decoding measured here (DESIGN.md section 6: a 2-core Linux
+# CPU, BLIS, SmolLM2-135M float32, ~64 tokens of context, BatchKVCache):
+# 13 tokens/s at batch 1, 59 at 8, 85 at 16, 92 at 32, 113 at 64; as a gain
+# over batch 1, the sizes between interpolated linearly.
+BUILTIN_BATCH_MEASURED = {1: 13.0, 8: 59.0, 16: 85.0, 32: 92.0, 64: 113.0}
+BUILTIN_BATCH_SOURCE = ("built-in: batched greedy decoding measured on a 2-core Linux CPU with BLIS, "
+                        "SmolLM2-135M float32 (DESIGN.md section 6); sizes 2-7 interpolated")
 
 
 @dataclass
@@ -76,6 +89,16 @@ class CostCurve:
     context: int = CONTEXT_TOKENS  # the cached tokens ``costs`` were measured after
     long_costs: Tuple[float, ...] = field(default=())  # c(N) after ``long_context`` tokens (empty: not measured)
     long_context: int = 0
+    batch_sizes: Tuple[int, ...] = field(default=())  # batch sizes timed (empty: not measured, the built-in gains)
+    batch_gains: Tuple[float, ...] = field(default=())  # aggregate tokens/s at each batch size over batch 1
+
+    def batch_gain(self, n: int) -> float:
+        """Aggregate tokens/s of plain decoding ``n`` sequences together, over
+        decoding one: measured, else :func:`builtin_batch` for this variant;
+        linear between the sizes timed, flat past the largest (never a guess
+        that more rows pay more than measured)."""
+        sizes, gains = (self.batch_sizes, self.batch_gains) if self.batch_sizes else builtin_batch(self.variant)
+        return float(np.interp(n, sizes, gains))
 
     def at(self, context: int) -> "CostCurve":
         """The curve after ``context`` cached tokens: linear in the context
@@ -114,6 +137,8 @@ class CostCurve:
         data["costs"] = tuple(float(c) for c in data["costs"])
         data["measured"] = tuple(int(n) for n in data.get("measured", ()))
         data["long_costs"] = tuple(float(c) for c in data.get("long_costs", ()))
+        data["batch_sizes"] = tuple(int(n) for n in data.get("batch_sizes", ()))
+        data["batch_gains"] = tuple(float(g) for g in data.get("batch_gains", ()))
         return cls(**data)
 
 
@@ -137,6 +162,19 @@ def builtin_curve(variant: str = "") -> CostCurve:
                          source=BUILTIN_QUANTIZED_SOURCE)
     return CostCurve(BUILTIN_COSTS, builtin=True, source=BUILTIN_SOURCE, long_costs=_interpolated(BUILTIN_LONG_MEASURED),
                      long_context=LONG_CONTEXT_TOKENS)
+
+
+def builtin_batch(variant: str = "") -> Tuple[Tuple[int, ...], Tuple[float, ...]]:
+    """``(sizes, gains)`` of batched decoding for a device with no measured
+    batch curve. Float models: :data:`BUILTIN_BATCH_MEASURED`. A quantized
+    ``variant``: n / c(n) of the quantized verify-cost curve (a quantized
+    matmul over n rows costs about n single-row ones on this CPU, DESIGN.md
+    section 6, so batching gains about nothing)."""
+    if variant.startswith("q"):
+        sizes = tuple(sorted(BUILTIN_QUANTIZED_MEASURED))
+        return sizes, tuple(n / BUILTIN_QUANTIZED_MEASURED[n] for n in sizes)
+    sizes = tuple(sorted(BUILTIN_BATCH_MEASURED))
+    return sizes, tuple(BUILTIN_BATCH_MEASURED[n] / BUILTIN_BATCH_MEASURED[1] for n in sizes)
 
 
 def default_tree(model) -> str:
@@ -229,4 +267,7 @@ def format_curve(curve: CostCurve) -> str:
     if curve.long_costs:
         timed = [n for n in BUCKET_SIZES if n <= len(curve.long_costs)]
         text += f"\n  after {curve.long_context} tokens: " + "  ".join(f"{n}:{curve.long_costs[n - 1]:.2f}" for n in timed)
-    return text
+    where = "measured" if curve.batch_sizes else BUILTIN_BATCH_SOURCE
+    sizes = curve.batch_sizes or BATCH_SIZES
+    gains = "  ".join(f"{n}:{curve.batch_gain(n):.2f}" for n in sizes)
+    return f"{text}\nbatched decoding, tokens/s over one sequence ({where}):\n  batch {gains}"

@@ -1,5 +1,6 @@
 """Measure this device's verify-cost curve c(N) (:mod:`~mlx_redrafter.step.curve`)
-in a short calibration: ``doctor --calibrate`` and ``sweep --save-profile`` run it."""
+and its batched-decoding gains in a short calibration: ``doctor --calibrate``
+and ``sweep --save-profile`` run it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..step.curve import BUCKET_SIZES, CONTEXT_TOKENS, LONG_CONTEXT_TOKENS, MAX_SIZE, CostCurve, curve_key
+from ..step.curve import BATCH_SIZES, BUCKET_SIZES, CONTEXT_TOKENS, LONG_CONTEXT_TOKENS, MAX_SIZE, CostCurve, curve_key
 
 BASE_REPEATS = 3  # N = 1 bursts per round
 
@@ -55,13 +56,17 @@ class _Timer:
         self.rewind()
         return out
 
+    def shape(self, n: int):
+        """What a call of size ``n`` needs, built before it is timed."""
+        return _tree_for(n)
+
     def burst(self, n: int, calls: int) -> float:
         """Mean seconds per call over ``calls`` timed calls of size ``n``."""
-        tree = _tree_for(n)
+        shape = self.shape(n)
         times = []
         for i in range(calls + 1):
             tic = time.perf_counter()
-            following = self.call(n, tree)
+            following = self.call(n, shape)
             mx.async_eval(following)
             if self.pending is not None:
                 self.pending.tolist()
@@ -74,6 +79,26 @@ class _Timer:
         if self.pending is not None:
             self.pending.tolist()
         self.pending = None
+
+
+class _BatchTimer(_Timer):
+    """Pipelined plain decoding steps of ``n`` sequences at once (mlx-lm's
+    ``BatchKVCache``, as ``serve`` batches), each after the same context."""
+
+    def __init__(self, model, cache):
+        super().__init__(model, None, None, cache, None)
+        self.batches = {}
+
+    def shape(self, n: int):
+        if n not in self.batches:
+            self.batches[n] = [c.merge([c] * n) for c in self.cache]
+        return self.batches[n]
+
+    def call(self, n: int, cache) -> mx.array:
+        logits = self.model(mx.ones((n, 1), mx.int32), cache=cache)
+        for c in cache:  # rewind: every call sees the same context
+            c.trim(1)
+        return mx.argmax(logits[:, -1], axis=-1)
 
 
 def _context_cache(model, backbone, tokens: int):
@@ -127,8 +152,10 @@ def _fill(sizes, ratios: Dict[int, float]) -> Tuple[float, ...]:
 
 def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_SIZE, budget_s: float = 30.0,
                   calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0,
-                  long_context: int = LONG_CONTEXT_TOKENS, long_share: float = 1 / 3) -> CostCurve:
-    """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds.
+                  long_context: int = LONG_CONTEXT_TOKENS, long_share: float = 1 / 3,
+                  batch_s: float = 8.0) -> CostCurve:
+    """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds,
+    then the batch curve (:func:`measure_batch`) in ``batch_s`` more (0: not measured).
 
     Each round times a short pipelined burst of every size, in a new random
     order (so drift and other processes on the machine hit every size
@@ -166,11 +193,51 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
             long_costs = _fill(sizes, long_ratios)
         else:
             long_context = 0
+    gains = measure_batch(model, budget_s=batch_s, context=context, calls=calls, max_rounds=max_rounds, rng=rng)
     device, ident, variant = curve_key(model, model_spec)
     return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
                      rounds=rounds, measured=tuple(sorted(ratios)), context=context,
-                     long_costs=long_costs, long_context=long_context)
+                     long_costs=long_costs, long_context=long_context,
+                     batch_sizes=tuple(sorted(gains)) if len(gains) > 1 else (),
+                     batch_gains=tuple(gains[n] for n in sorted(gains)) if len(gains) > 1 else ())
+
+
+def measure_batch(model, sizes=BATCH_SIZES, budget_s: float = 8.0, context: int = CONTEXT_TOKENS, calls: int = 2,
+                  max_rounds: int = 15, rng=None) -> Dict[int, float]:
+    """``{batch size: gain}``: plain batched decoding's aggregate tokens/s at
+    each size over one sequence's (``size / t(size) * t(1)``), after
+    ``context`` cached tokens, in at most about ``budget_s`` seconds. As for
+    c(N): every round times a burst of each size in a new random order, and
+    a size's gain is its median over the rounds (sizes never timed are left
+    out; fewer than two sizes timed: ``{}``)."""
+    from ..llm.parts import model_parts
+
+    _, backbone, _ = model_parts(model)
+    cache, _ = _context_cache(model, backbone, context)
+    timer = _BatchTimer(model, cache)
+    rng = rng or random.Random(0)
+    deadline = time.perf_counter() + budget_s
+    guess: Dict[int, float] = {}
+    for n in sizes:  # first calls of every shape: kernels and allocations
+        tic = time.perf_counter()
+        if tic + 2 * guess.get(max(guess, default=0), 0.0) * n >= deadline:
+            break
+        timer.burst(n, 0)
+        timer.drain()
+        guess[n] = time.perf_counter() - tic
+    raw: Dict[int, list] = {n: [] for n in guess if n != 1}
+    for _ in range(max_rounds if 1 in guess else 0):
+        order = list(guess)
+        rng.shuffle(order)
+        if time.perf_counter() + sum(guess[n] * (calls + 1) for n in order) >= deadline:
+            break
+        times = {n: timer.burst(n, calls) for n in order}
+        for n in raw:
+            raw[n].append(n * times[1] / times[n])
+    timer.drain()
+    gains = {n: float(np.median(r)) for n, r in raw.items() if r}
+    return {1: 1.0, **gains} if gains else {}
 
 
 def _measure_at(model, context: int, sizes, budget_s: float, calls: int, max_rounds: int, rng):

@@ -1,0 +1,238 @@
+"""Decoding concurrent requests together (continuous batching), on mlx-lm's
+``BatchGenerator`` and ``BatchKVCache``.
+
+A request alone decodes as ``generate`` does: the runtime's step loop with
+its drafter, lookup and tree. When others are active, the server decodes
+them together with plain (batched) decoding if that serves more tokens per
+second than drafting them one at a time: :func:`batch_pays` compares the
+device's batch gain ``g(n)`` (``doctor --calibrate`` measures it beside the
+verify-cost curve; a built-in curve otherwise, step/curve.py) with drafting's
+measured gain ``d`` (:class:`DraftGain`). Where batching does not pay, the
+others wait and requests are drafted one at a time.
+
+A request that arrives joins at the next step with its own prefill (its
+cached prefix from the prompt cache reused); one that ends or whose client
+left leaves at once, and its KV cache is stored in the prompt cache. A
+request decoding alone that others join moves into the batch between two of
+its steps, its cache handed in; one left alone in the batch moves back to
+drafting the same way (not under a grammar: the constrained loop starts its
+parse at the prompt). Every row keeps its sampling, seed, stop strings and
+grammar (serve/rows.py). Greedy rows give the tokens they give alone, up to
+the rounding of batched matmuls (README: "Several clients at once").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Tuple
+
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..llm.cache import trim_cache
+from ..llm.text import wrap_tokenizer
+from ..runtime import with_curve
+from ..step.curve import curve_for
+from ..step.dispatch import drafting_pays
+from ..step.protocol import PREFILL_STEP
+from .rows import Row, row_processors, row_sampler
+from .scheduler import Finished, tell
+
+# DraftGain follows the last steps drafted alone: each older step weighs this much less.
+GAIN_DECAY = 0.98
+
+
+def batch_pays(curve, n: int, drafting_gain: float) -> bool:
+    """Whether decoding ``n`` requests together (plain decoding) serves more
+    tokens per second than drafting them one at a time: the batch gain
+    ``g(n)`` (aggregate tokens/s over one sequence's, measured on this
+    device) beats drafting's gain ``d`` over plain decoding."""
+    return n > 1 and curve.batch_gain(n) > drafting_gain
+
+
+class DraftGain:
+    """Drafting's measured gain over plain decoding: over the recent steps
+    drafted alone, tokens per step over the step's cost in plain steps, the
+    verify-cost curve's c(tree size). 1 before any step (no evidence that
+    drafting helps)."""
+
+    def __init__(self, curve):
+        self.curve = curve
+        self.tokens = self.cost = 0.0
+
+    def add(self, step) -> None:
+        self.tokens = GAIN_DECAY * self.tokens + len(step.tokens)
+        self.cost = GAIN_DECAY * self.cost + self.curve(step.stats.tree_size)
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.cost if self.cost else 1.0
+
+
+def can_batch(model) -> bool:
+    """Whether the model's caches merge into a batch (as mlx-lm's server asks)."""
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+
+class BatchDecoder:
+    """The decoder of :class:`~mlx_redrafter.serve.engine.Engine`'s
+    scheduler: the rows decoding, at most one alone (with drafts), the others
+    in one ``BatchGenerator``; ``max_batch`` rows at most (1: one request at
+    a time, alone, as before batching)."""
+
+    def __init__(self, engine, max_batch: int):
+        rt = engine.rt
+        self.engine, self.model = engine, rt.model
+        self.tokenizer = wrap_tokenizer(rt.tokenizer)
+        self.draft = with_curve(rt.model, rt.draft)  # what stream_generate resolves
+        self.curve = self.draft.curve or curve_for(rt.model)
+        self.drafts = drafting_pays(self.draft)
+        self.max_batch = max_batch if max_batch > 1 and can_batch(rt.model) else 1
+        self.gain = DraftGain(self.curve)
+        self.rows: List[Row] = []
+        self.by_uid = {}
+        self.gen = None
+        self._failed: Finished = []  # rows that failed since the last reap (already told)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def capacity(self, wanting: int) -> int:
+        """Rows to decode when ``wanting`` requests are in: all of them (up to
+        ``max_batch``) where batching pays, else one."""
+        n = min(wanting, self.max_batch)
+        return n if batch_pays(self.curve, n, self.gain.value if self.drafts else 1.0) else 1
+
+    def admit(self, jobs) -> None:
+        """New rows: alone when nothing else decodes, else into the batch (a
+        row alone already moves there at the next step)."""
+        alone = not self.rows and len(jobs) == 1
+        for job in jobs:
+            row = Row(job, self.tokenizer)
+            self.rows.append(row)
+            try:
+                cache, row.res.reused_tokens = self.engine.cache.fetch(job.ids)
+                if alone:
+                    held = row.res.reused_tokens
+                    row.start_alone(self.model, self.draft, cache, job.ids[held:], job.ids[:held], self.gain.add)
+                else:
+                    self._insert(row, cache, row.res.reused_tokens)
+            except Exception as e:
+                self._fail(row, e)
+
+    # ------------------------------------------------------------------ a step
+
+    def step(self) -> Tuple[Finished, int]:
+        """One step of every row: the one alone (one step of its loop, all its
+        accepted tokens) and the batch (one token each, after the prefill of
+        rows joining)."""
+        self._rebalance()
+        advanced = 0
+        for row in [r for r in self.rows if r.alone]:
+            self._guarded(row, row.step_alone)
+            advanced += 1
+        if self.gen is not None and self.by_uid:
+            advanced += self._batch_step()
+        return self._reap(), advanced
+
+    def _batch_step(self) -> int:
+        tic = time.perf_counter()
+        try:
+            _, responses = self.gen.next()
+        except Exception as e:  # the batch is lost: its rows fail, a new one starts with the next row
+            for row in list(self.by_uid.values()):
+                self._fail(row, e)
+            self.gen = None
+            return 0
+        seconds = time.perf_counter() - tic
+        for r in responses:
+            row = self.by_uid.get(r.uid)
+            if row is not None and not row.done and not row.job.cancelled.is_set():
+                self._guarded(row, lambda: row.push(r.token, seconds))
+        return len(responses)
+
+    def _rebalance(self) -> None:
+        """Move the row alone into the batch when others are active; move a
+        row left alone in the batch back to drafting."""
+        alone = [r for r in self.rows if r.alone]
+        if alone and len(self.rows) > 1 and alone[0].switchable:
+            row = alone[0]
+            self._guarded(row, lambda: self._insert(row, *row.leave_alone()))
+        elif len(self.rows) == 1 and self.by_uid and self.drafts:
+            row = self.rows[0]
+            if row.switchable and row.job.params.grammar is None and not row.done:
+                self._guarded(row, lambda: self._to_alone(row))
+
+    def _insert(self, row: Row, cache, held: int) -> None:
+        """Put ``row`` into the batch: ``cache`` holds its first ``held`` known tokens, the rest is prefilled."""
+        if self.gen is None:
+            self.gen = BatchGenerator(self.model, completion_batch_size=self.max_batch,
+                                      prefill_batch_size=self.max_batch, prefill_step_size=PREFILL_STEP)
+        known, p = row.known, row.job.params
+        (row.uid,) = self.gen.insert(
+            [known[held:]], max_tokens=[row.remaining() + 2],  # past the text path's own end: it ends the row
+            caches=[cache], all_tokens=[known[:held]], samplers=[row_sampler(p.sampling, p.seed)],
+            logits_processors=[row_processors(p.grammar, row.job.ids)])
+        self.by_uid[row.uid] = row
+
+    def _leave_batch(self, row: Row):
+        """Take ``row`` out of the batch; its KV cache (None: none came back)."""
+        uid, row.uid = row.uid, None
+        self.by_uid.pop(uid, None)
+        caches = self.gen.remove([uid], return_prompt_caches=True) if self.gen is not None else {}
+        return caches[uid][0] if uid in caches else None
+
+    def _to_alone(self, row: Row) -> None:
+        cache = self._leave_batch(row)
+        known = row.known
+        held = min(cache[0].offset, len(known) - 1) if cache is not None else 0
+        if cache is None or not trim_cache(cache, held):
+            cache, held = make_prompt_cache(self.model), 0
+        row.start_alone(self.model, self.draft, cache, known[held:], known[:held], self.gain.add)
+
+    def _take(self, row: Row):
+        """End ``row``'s decoding; its KV cache (None: none to keep)."""
+        cache = self._leave_batch(row) if row.uid is not None else row.cache
+        row.close()
+        return cache
+
+    # ------------------------------------------------------------------ rows that end
+
+    def _reap(self) -> Finished:
+        finished, self._failed = self._failed, []
+        for row in [r for r in self.rows if r.done or r.job.cancelled.is_set()]:
+            self.rows.remove(row)
+            try:
+                self.engine.finish(row, self._take(row))
+                finished.append((row.job, row.res))
+            except Exception as e:
+                tell(row.job, "error", e)
+                finished.append((row.job, None))
+        return finished
+
+    def _guarded(self, row: Row, fn) -> None:
+        try:
+            fn()
+        except Exception as e:
+            self._fail(row, e)
+
+    def _fail(self, row: Row, error: BaseException) -> None:
+        """``row`` failed: out of the batch, told, nothing of it cached."""
+        if row not in self.rows:
+            return
+        self.rows.remove(row)
+        try:
+            self._take(row)
+        except Exception:
+            pass  # the batch itself failed
+        tell(row.job, "error", error)
+        self._failed.append((row.job, None))
+
+    def fail(self, error: BaseException) -> Finished:
+        """Every row failed (a step raised where it should not): all are told."""
+        for row in list(self.rows):
+            self._fail(row, error)
+        self.gen, self.by_uid = None, {}
+        finished, self._failed = self._failed, []
+        return finished

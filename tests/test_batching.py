@@ -1,0 +1,266 @@
+"""The server's scheduler on a tiny in-code model (no HTTP, nothing
+downloaded): concurrent requests decoded together equal each served alone
+(greedy), join and leave mid-batch without changing the others, keep their
+own sampling streams and grammars, are admitted oldest first, and the rule
+that picks batching over drafting follows the device's curves."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from helpers import tiny_model
+from mlx_redrafter.config import DraftConfig, SamplingConfig
+from mlx_redrafter.generate import generate_tokens, stream_generate
+from mlx_redrafter.runtime import Runtime
+from mlx_redrafter.serve.batch import DraftGain, batch_pays
+from mlx_redrafter.serve.engine import Engine, GenParams
+from mlx_redrafter.serve.scheduler import JobQueue, QueueFull
+from mlx_redrafter.step.curve import CostCurve
+
+FLAT = tuple(1.0 + 0.1 * n for n in range(16))  # a verify-cost curve on which drafts pay
+BATCH_PAYS = CostCurve(FLAT, batch_sizes=(1, 2, 4, 8), batch_gains=(1.0, 10.0, 20.0, 40.0))
+BATCH_NEVER = CostCurve(FLAT, batch_sizes=(1, 2, 4, 8), batch_gains=(1.0, 0.5, 0.5, 0.5))  # together is slower
+LOOKUP = dict(lookup=1, lookup_length=3)  # drafting by lookup: no drafter to build
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """mlx-lm's tokenizer wrapper over a byte-level BPE (256 tokens + EOS)."""
+    from mlx_lm.tokenizer_utils import load
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    folder = tmp_path_factory.mktemp("bytes")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(folder)
+    return load(folder)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    model = tiny_model("llama", vocab_size=264)  # the 257 tokens, and ids past them
+    # Evaluate the arrays the model builds lazily (its RoPE frequencies) here:
+    # a graph made on this thread's stream cannot be evaluated on the worker's.
+    mx.eval(model(mx.array([[1]])))
+    return model
+
+
+PROMPTS = [[40, 41, 42, 43], [100, 7, 9, 200, 12, 13], [5, 5, 60], [70, 71, 72, 73, 74, 75, 76, 77], [90, 3]]
+
+
+class Client:
+    """A job and what it emitted; ``on_text(client, piece)`` runs on the worker at each piece."""
+
+    def __init__(self, engine, ids, params, on_text=None):
+        self.pieces, self.result, self.error, self.on_text = [], None, None, on_text
+        self.done = threading.Event()
+        self.job = engine.job(list(ids), params, self.emit)
+
+    def emit(self, kind, value):
+        if kind == "text":
+            self.pieces.append(value.text)
+            if self.on_text is not None:
+                self.on_text(self, value)
+        else:
+            self.result, self.error = (value, None) if kind == "done" else (None, value)
+            self.done.set()
+
+    def wait(self):
+        assert self.done.wait(TIMEOUT), "the job did not finish"
+        assert self.error is None, self.error
+        return self.result
+
+
+def _engine(model, tokenizer, curve=BATCH_PAYS, max_batch=4, queue=8, **draft):
+    rt = Runtime(model, tokenizer, "tiny", draft=DraftConfig(None, curve=curve, **draft))
+    return Engine(rt, max_tokens=16, max_batch=max_batch, queue_size=queue)
+
+
+def _plain(model, tokenizer, ids, n, **kw):
+    """Plain decoding alone (the reference): its tokens, EOS left out."""
+    out = [r.token for r in stream_generate(model, tokenizer, ids, drafter=None, lookup=False, max_tokens=n, **kw)]
+    return [t for t in out if t not in tokenizer.eos_token_ids]
+
+
+def _served(engine, clients, later=()):
+    """Submit ``clients`` (before the worker starts: they join together), then
+    wait for them and for ``later`` (clients that others' callbacks submit);
+    the worker is always stopped."""
+    for c in clients:
+        engine.submit(c.job)
+    engine.start()
+    try:
+        return [c.wait() for c in [*clients, *later]]
+    finally:
+        engine.stop()
+
+
+def test_concurrent_greedy_requests_equal_each_alone(model, tokenizer):
+    engine = _engine(model, tokenizer)
+    clients = [Client(engine, p, GenParams(12)) for p in PROMPTS[:4]]
+    results = _served(engine, clients)
+    for p, c, res in zip(PROMPTS, clients, results):
+        assert res.tokens == _plain(model, tokenizer, p, 12)
+        assert res.batched_tokens == len(res.tokens) > 0  # decoded in the batch
+        assert "".join(c.pieces) == res.text and res.finish_reason in ("stop", "length")
+    status = engine.queue.status()
+    assert status["active"] == status["waiting"] == 0 and status["served"] == 4
+
+
+def test_a_request_joining_and_one_hanging_up_leave_the_others_unchanged(model, tokenizer):
+    engine = _engine(model, tokenizer)
+    late, joined = Client(engine, PROMPTS[2], GenParams(10)), []
+
+    def join_late(client, piece):  # on the worker thread, mid-batch
+        if piece.tokens >= 4 and not joined:
+            joined.append(engine.submit(late.job))
+
+    def hang_up(client, piece):
+        if piece.tokens >= 3:
+            client.job.cancel()
+
+    first = Client(engine, PROMPTS[0], GenParams(16), on_text=join_late)
+    second = Client(engine, PROMPTS[1], GenParams(16))
+    leaver = Client(engine, PROMPTS[3], GenParams(16), on_text=hang_up)
+    results = _served(engine, [first, second, leaver], later=[late])
+    for p, n, res in zip([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [16, 16, 10], [results[0], results[1], results[3]]):
+        assert res.tokens == _plain(model, tokenizer, p, n) and not res.cancelled
+    assert results[2].cancelled and 3 <= len(results[2].tokens) < 16
+    assert engine.queue.status()["cancelled"] == 1 and engine.queue.status()["active"] == 0
+
+
+def test_a_request_alone_drafts_then_moves_into_the_batch_and_back(model, tokenizer):
+    """Alone, the first request runs the runtime's drafting loop; joined, it
+    moves into the batch; alone again, back to drafting: its tokens equal
+    plain decoding all along."""
+    engine = _engine(model, tokenizer, **LOOKUP)
+    other, joined_at = Client(engine, PROMPTS[1], GenParams(6)), []
+
+    def join(client, piece):
+        if not joined_at:
+            joined_at.append(piece.tokens)
+            engine.submit(other.job)
+
+    first = Client(engine, PROMPTS[0], GenParams(40), on_text=join)
+    res, res_other = _served(engine, [first], later=[other])
+    assert res_other.tokens == _plain(model, tokenizer, PROMPTS[1], 6)
+    assert res.tokens == _plain(model, tokenizer, PROMPTS[0], 40)
+    assert 0 < res.batched_tokens <= len(res.tokens) - joined_at[0]  # batched while the other decoded ...
+    assert len(res.tokens) - res.batched_tokens > joined_at[0]  # ... then alone again
+
+
+def test_batching_waits_where_it_does_not_pay(model, tokenizer):
+    """On a curve where decoding together gains nothing, requests are drafted one at a time."""
+    engine = _engine(model, tokenizer, curve=BATCH_NEVER, **LOOKUP)
+    clients = [Client(engine, p, GenParams(8)) for p in PROMPTS[:3]]
+    results = _served(engine, clients)
+    assert all(r.batched_tokens == 0 for r in results)
+    assert [r.tokens for r in results] == [_plain(model, tokenizer, p, 8) for p in PROMPTS[:3]]
+
+
+def test_each_row_keeps_its_sampling_seed_stop_and_grammar(model, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def batch(companions):
+        engine = _engine(model, tokenizer)
+        grammar = engine.grammar(schema)
+        seeded = Client(engine, PROMPTS[0], GenParams(12, SamplingConfig(temp=0.9, top_p=0.95), seed=5))
+        clients = [seeded, Client(engine, PROMPTS[1], GenParams(12, grammar=grammar))]
+        clients += [Client(engine, p, GenParams(12, SamplingConfig(temp=t, top_k=k))) for p, t, k in companions]
+        return _served(engine, clients), grammar
+
+    (seeded, structured, *_), grammar = batch([(PROMPTS[2], 0.7, 5), (PROMPTS[3], 1.2, 0)])
+    again, _ = batch([(PROMPTS[4], 0.5, 0)])
+    assert again[0].tokens == seeded.tokens  # the seeded row's samples do not depend on the others
+    assert seeded.batched_tokens == len(seeded.tokens)
+    # ... and they are plain decoding's alone with that seed.
+    assert seeded.tokens == _plain(model, tokenizer, PROMPTS[0], 12, temp=0.9, top_p=0.95, seed=5)
+    assert structured.tokens == _plain(model, tokenizer, PROMPTS[1], 12, grammar=grammar)  # greedy under the grammar
+    assert structured.structured and structured.batched_tokens > 0
+
+
+def test_a_stop_string_ends_a_batched_row_exactly(model, tokenizer):
+    def alone(**kw):
+        rs = list(stream_generate(model, tokenizer, PROMPTS[0], drafter=None, lookup=False, max_tokens=12, **kw))
+        return "".join(r.text for r in rs), rs[-1].finish_reason
+
+    text, _ = alone()
+    at = next(i for i in range(4, len(text) - 1) if "\ufffd" not in text[i : i + 2])  # whole characters
+    stop = text[at : at + 2]
+    engine = _engine(model, tokenizer)
+    clients = [Client(engine, PROMPTS[0], GenParams(12, stop=[stop])), Client(engine, PROMPTS[1], GenParams(12))]
+    res = _served(engine, clients)[0]
+    assert (res.text, res.finish_reason) == alone(stop=[stop]) == (text[: text.index(stop)], "stop")
+    assert res.stop_sequence == stop and res.batched_tokens > 0
+
+
+def test_the_oldest_waiting_request_joins_first_and_a_full_queue_says_when_to_retry(model, tokenizer):
+    engine = _engine(model, tokenizer, max_batch=2, queue=3)
+    decoder, joined = engine.queue.decoder, []
+    admit = decoder.admit
+    decoder.admit = lambda jobs: (joined.extend(jobs), admit(jobs))  # records the order rows join in
+    clients = [Client(engine, p, GenParams(3 + 2 * (i % 3))) for i, p in enumerate(PROMPTS)]
+    for c in clients:  # 2 decoding + 3 waiting: all five fit
+        engine.submit(c.job)
+    with pytest.raises(QueueFull) as full:
+        engine.submit(Client(engine, PROMPTS[0], GenParams(3)).job)
+    assert full.value.retry_after >= 1 and engine.queue.status()["shed"] == 1
+    _served(engine, [], later=clients)
+    assert joined == [c.job for c in clients]
+    status = engine.queue.status()
+    assert status["served"] == 5 and status["waiting"] == status["active"] == 0 and status["seconds_per_request"] > 0
+
+
+def test_retry_after_follows_the_measured_time_per_request():
+    import math
+
+    from mlx_redrafter.serve.jobs import Job, Result
+
+    gate = threading.Semaphore(0)
+
+    def handler(job):
+        gate.acquire(timeout=30)
+        res = Result(finish_reason="stop")
+        job.emit("done", res)
+        return res
+
+    q = JobQueue(handler, size=2)
+    jobs = [Job([i], GenParams(1), lambda kind, value: None) for i in range(5)]
+    q.start()
+    try:
+        q.submit(jobs[0])
+        gate.release()
+        while q.status()["served"] < 1:
+            threading.Event().wait(0.01)
+        for j in jobs[1:4]:  # one decoding (held at the gate) and two waiting: full
+            q.submit(j)
+        with pytest.raises(QueueFull) as full:
+            q.submit(jobs[4])
+        assert q.request_s > 0  # measured on the first job
+        assert full.value.retry_after == max(1, math.ceil(q.request_s * (q.status()["waiting"] + 1)))
+    finally:
+        for _ in range(4):
+            gate.release()
+        q.stop()
+
+
+def test_the_rule_batches_where_the_batch_gain_beats_drafting():
+    assert not batch_pays(BATCH_PAYS, 1, 1.0)  # one request: nothing to batch
+    curve = CostCurve(FLAT, batch_sizes=(1, 2, 4, 8), batch_gains=(1.0, 1.5, 2.5, 4.0))
+    assert batch_pays(curve, 2, 1.2) and not batch_pays(curve, 2, 1.8) and batch_pays(curve, 4, 1.8)
+    assert curve.batch_gain(3) == pytest.approx(2.0) and curve.batch_gain(16) == 4.0  # flat past the largest
+    gain = DraftGain(curve)
+    assert gain.value == 1.0  # nothing drafted yet
+
+    class Step:  # 3 tokens from a tree of 4 (c(4) = 1.3)
+        tokens, stats = [1, 2, 3], type("S", (), {"tree_size": 4})
+
+    gain.add(Step)
+    assert gain.value == pytest.approx(3 / 1.3)
