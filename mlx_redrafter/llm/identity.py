@@ -109,10 +109,15 @@ def files_fingerprint(folder) -> str:
 
 def model_dims(model) -> Optional[Tuple[int, int, int]]:
     """``(hidden_size, vocab_size, num_layers)`` as a drafter must fit them,
-    read from the input embedding (None for an embedding without a weight)."""
+    read from the input embedding (None for an embedding without a weight,
+    or a model ReDrafter cannot split: plain decoding still runs it)."""
+    from ..errors import RedrafterError
     from .parts import model_parts
 
-    embed, _, _ = model_parts(model)
+    try:
+        embed, _, _ = model_parts(model)
+    except RedrafterError:
+        return None
     if "weight" not in embed:  # nothing to compare with: e.g. a custom embedding module
         return None
     vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
