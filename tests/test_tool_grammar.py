@@ -199,6 +199,19 @@ def test_what_a_format_cannot_spell_falls_back_to_parsing(tokenizer, syntax, par
     assert reply_grammar(tokenizer, GENERIC_FORMAT, [tool], "required").startswith("start:")
 
 
+def test_what_llguidance_does_not_implement_is_left_unenforced(tokenizer, caplog):
+    """A tool whose schema uses a keyword llguidance lacks still gets its
+    calls constrained (the rest of the schema), with a warning, instead of a
+    400 on every request that sends it."""
+    link = {"type": "function", "function": {"name": "open_link", "parameters": {
+        "type": "object", "properties": {"url": {"type": "string", "format": "uri-reference"}}, "required": ["url"]}}}
+    with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tool_grammar"):
+        lark = tool_grammar(tokenizer, "generic", [link], "required")
+    assert "'open_link'" in caplog.text and "uri-reference" in caplog.text
+    assert accepts(tokenizer, lark, WRITE["generic"]([("open_link", {"url": "a b/c?d"})]))
+    assert not accepts(tokenizer, lark, WRITE["generic"]([("open_link", {"link": "x"})]))
+
+
 def test_bad_tool_schemas_and_choices_are_tool_errors(tokenizer):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
     with pytest.raises(ToolError, match="parameters of the tool 'f'") as e:

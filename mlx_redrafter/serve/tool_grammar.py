@@ -76,6 +76,7 @@ class Lark:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.rules: List[str] = []
+        self.tool = ""  # whose schemas are being spelled (for the warnings)
 
     def lit(self, text: str) -> str:
         """``text`` as the grammar spells it: ``<[id]>`` for a special token, else a string."""
@@ -95,7 +96,21 @@ class Lark:
         return name
 
     def json(self, schema) -> str:
-        return self.rule("%json " + json.dumps(schema if schema is not None else ANY_JSON, ensure_ascii=False))
+        """A ``%json`` rule for a tool's ``schema``. Keywords llguidance does
+        not implement (a ``format`` it lacks, ``dependentSchemas``...) are
+        left unenforced, with a warning, rather than refusing every request
+        that sends the tool; a schema that is wrong raises RedrafterError."""
+        schema = ANY_JSON if schema is None else schema
+        try:
+            check_grammar(schema)
+        except RedrafterError as strict:
+            if not isinstance(schema, dict):
+                raise
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
+            check_grammar(schema)  # still wrong: raises
+            log.warning("The tool %r's schema asks for what the grammar cannot enforce (%s); the rest is enforced.",
+                        self.tool, strict.problem)
+        return self.rule("%json " + json.dumps(schema, ensure_ascii=False))
 
     def text(self, start: str) -> str:
         return "\n".join([f"start: {start}"] + self.rules) + "\n"
@@ -312,10 +327,13 @@ def tool_grammar(tokenizer, syntax: str, tools: Sequence[dict], choice, parallel
     chosen = [t for t in tools if choice in ("auto", "required") or _name(t) == choice]
     calls = []
     for t in chosen:
+        lark.tool = _name(t)
         try:
-            calls.append(s.call(lark, _name(t), (t.get("function") or {}).get("parameters")))
+            calls.append(s.call(lark, lark.tool, (t.get("function") or {}).get("parameters")))
         except NotExpressible as e:
-            raise NotExpressible(f"The tool {_name(t)!r} cannot be constrained in the {syntax} format: {e}.") from None
+            raise NotExpressible(f"The tool {lark.tool!r} cannot be constrained in the {syntax} format: {e}.") from None
+        except RedrafterError as e:  # a schema llguidance refuses even leniently
+            raise ToolError(f"The parameters of the tool {lark.tool!r}: {e.problem}", e.fix, "tools") from None
     call = lark.rule(" | ".join(f"({c})" for c in calls))
     body = call
     if s.call_sep is not None:
@@ -338,28 +356,24 @@ def tool_grammar(tokenizer, syntax: str, tools: Sequence[dict], choice, parallel
     return lark.text(f"{text} | {trigger} {calls_rest}")
 
 
-def _checked(spec, what: Optional[str], param: str) -> None:
-    """A :class:`ToolError` at ``param`` for a schema llguidance refuses (``what``: whose it is)."""
+def _checked(spec, param: str) -> None:
+    """A :class:`ToolError` at ``param`` for a schema llguidance refuses."""
     try:
         check_grammar(spec)
     except RedrafterError as e:
-        raise ToolError(f"{what}: {e.problem}" if what else e.problem, e.fix, param) from None
+        raise ToolError(e.problem, e.fix, param) from None
 
 
 def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: bool = True,
                   content=None):
-    """The grammar spec of a reply (see :func:`render`): the content's
+    """The grammar spec of a reply (see :func:`~mlx_redrafter.serve.tools.render`): the content's
     schema alone without tools; None in a format (or for a tool) that a
     grammar cannot express, where the calls are parsed only (logged), unless
     a content schema was asked for too (a :class:`ToolError`)."""
     if content is not None:
-        _checked(content, None, "content")
+        _checked(content, "content")
     if not tools:
         return content
-    for t in tools:
-        params = t["function"].get("parameters")
-        _checked(params if params is not None else {"type": "object"}, f"The parameters of the tool "
-                 f"{t['function']['name']!r}", "tools")
     try:
         if fmt.syntax is None:
             raise NotExpressible(f"The {fmt.name} tool format cannot be constrained by a grammar.")
