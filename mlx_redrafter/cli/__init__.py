@@ -34,7 +34,7 @@ DtypeOpt = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16 (def
 DrafterOpt = typer.Option(
     None, "--drafter", "-d",
     help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
-    "drafter store's for the model, else the one shipped for it; none: lookup drafts where they pay); 'none' for no drafter.")
+    "drafter store's for the model, else the one shipped for it, else lookup drafts where they pay); 'none' for no drafter.")
 NeededDrafterOpt = typer.Option(
     None, "--drafter", "-d",
     help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
