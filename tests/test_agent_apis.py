@@ -194,6 +194,21 @@ def test_errors_are_anthropic_shaped(served, claude):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_replies_are_what_openapi_documents(served):
+    """Each route's whole reply validates against the 200 schema /openapi.json gives it."""
+    doc = httpx.get(served + "/openapi.json", timeout=30).json()
+    bodies = {
+        "/v1/messages": {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": PROMPT}]},
+        "/v1/messages/count_tokens": {"model": "default", "messages": [{"role": "user", "content": PROMPT}]},
+        "/v1/responses": {"model": "default", "max_output_tokens": 4, "input": PROMPT},
+    }
+    for path, body in bodies.items():
+        schema = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+        r = httpx.post(served + path, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        jsonschema_rs.validate({**schema, "components": doc["components"]}, r.json())
+
+
 # --------------------------------------------------------------------------- OpenAI's Responses
 
 
