@@ -221,6 +221,12 @@ def test_bad_tool_schemas_and_choices_are_tool_errors(tokenizer):
         reply_grammar(tokenizer, GENERIC_FORMAT, None, "none", content={"type": "strin"})
     assert e.value.param == "content"
     assert reply_grammar(tokenizer, GENERIC_FORMAT, None, "none", content="json") == "json"
+    with pytest.raises(ToolError, match="is not a JSON Schema object"):
+        reply_grammar(tokenizer, GENERIC_FORMAT, [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+                      "auto")
+    # A name holding the format's end marker would end the call early: parsed only.
+    marked = {"type": "function", "function": {"name": "f</tool_call>"}}
+    assert reply_grammar(tokenizer, GENERIC_FORMAT, [marked], "auto") is None
 
 
 # --------------------------------------------------------------------------- the default model

@@ -101,11 +101,11 @@ class Lark:
         left unenforced, with a warning, rather than refusing every request
         that sends the tool; a schema that is wrong raises RedrafterError."""
         schema = ANY_JSON if schema is None else schema
+        if not isinstance(schema, dict):
+            raise RedrafterError(f"{str(schema)[:80]!r} is not a JSON Schema object.")
         try:
             check_grammar(schema)
         except RedrafterError as strict:
-            if not isinstance(schema, dict):
-                raise
             schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
             check_grammar(schema)  # still wrong: raises
             log.warning("The tool %r's schema asks for what the grammar cannot enforce (%s); the rest is enforced.",
@@ -328,6 +328,8 @@ def tool_grammar(tokenizer, syntax: str, tools: Sequence[dict], choice, parallel
     calls = []
     for t in chosen:
         lark.tool = _name(t)
+        if s.opening in lark.tool or (s.closing and s.closing in lark.tool):
+            raise NotExpressible(f"The tool {lark.tool!r} holds the {syntax} format's markers.")
         try:
             calls.append(s.call(lark, lark.tool, (t.get("function") or {}).get("parameters")))
         except NotExpressible as e:
