@@ -144,6 +144,36 @@ def test_tool_choice_any_and_tool_are_schema_valid_calls(claude):
     assert streamed.stop_reason == "tool_use"
 
 
+def test_auto_calls_name_a_tool_and_fit_its_schema(claude, openai_client):
+    """With ``auto`` the text is free until the model opens a call; after a
+    history of calls the default model calls again (greedy), and the call
+    names the given tool and its arguments validate."""
+    cities = ["Paris", "Rome"]
+    history = []
+    for i, city in enumerate(cities):
+        history += [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {"city": city}}]}]
+    m = _create(claude, messages=history + [{"role": "user", "content": "Weather in London?"}], tools=[WEATHER],
+                tool_choice={"type": "auto", "disable_parallel_tool_use": True}, max_tokens=40)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and m.stop_reason == "tool_use", m
+    assert uses[0].name == "get_weather"
+    jsonschema_rs.validate(SCHEMA, uses[0].input)
+
+    items = []
+    for i, city in enumerate(cities):
+        items += [{"role": "user", "content": f"Weather in {city}?"},
+                  {"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
+                   "arguments": json.dumps({"city": city})}]
+    r = openai_client.responses.create(model="default", input=items + [{"role": "user", "content": "Weather in London?"}],
+                                       tools=[FUNCTION], tool_choice="auto", parallel_tool_calls=False, temperature=0,
+                                       max_output_tokens=40)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and r.status == "completed", r.output
+    jsonschema_rs.validate(SCHEMA, json.loads(calls[0].arguments))
+    assert calls[0].arguments == json.dumps(uses[0].input)  # one prompt, one greedy reply, through either API
+
+
 def test_tool_use_round_trip_renders_like_the_chat_route(claude, openai_client):
     history = [{"role": "user", "content": ASK},
                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
