@@ -1,4 +1,4 @@
-"""The ``serve`` command: one model over OpenAI's and Ollama's HTTP APIs.
+"""The ``serve`` command: one model over OpenAI's, Ollama's and Anthropic's HTTP APIs.
 
 * engine.py: the core, without HTTP: a fair bounded queue of jobs on one
   worker thread, and the KV cache consecutive requests share;
@@ -9,6 +9,8 @@
   events on the event loop, streamed replies, the neutral ``Failure``;
 * openai_api.py, openai_reply.py: OpenAI's API;
 * ollama_api.py, ollama_reply.py: Ollama's native API on the same engine;
+* anthropic_api.py, anthropic_reply.py: Anthropic's Messages API (Claude Code);
+* responses_api.py, responses_reply.py: OpenAI's Responses API, stateless (Codex CLI);
 * tools.py: tool calling (tools into the prompt, calls out of the reply).
 """
 
