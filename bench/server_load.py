@@ -1,7 +1,23 @@
-"""Load and disconnects on ``mlx-redrafter serve`` (loopback only, bounded).
+"""Load and disconnects on ``mlx-redrafter serve`` (loopback only, bounded),
+and its throughput under concurrent clients before and after batching.
 
     python bench/server_load.py                        # 8 clients, 200 requests, 16 tokens each
     python bench/server_load.py --requests 40 --clients 4
+    python bench/server_load.py --throughput           # 1, 2, 4, 8 clients, --max-batch 1 against batching
+    python bench/server_load.py --throughput --client-counts 1,2 --rounds 1 --max-tokens 8   # a smoke run
+
+``--throughput`` starts two servers: "before" (``--max-batch 1``: one
+request at a time, each drafted, as serve was before batching) and "after"
+(``--max-batch`` as given, default 8: concurrent requests decoded together
+where that pays). For each number of clients, each server in turn (the
+order alternating), every client sends ``--rounds`` greedy chat requests
+one after another (MT-Bench first turns, ``--max-tokens`` each). It reports
+aggregate tokens/s (completion tokens over the round's wall time) and the
+p50/p95 latency of a request (sent to answered, queueing included), checks
+that both servers gave the same text for every request, and prints a
+Markdown table for bench/RESULTS.md (JSON to ``--out``).
+
+Without ``--throughput``:
 
 Starts one server (default model and shipped drafter, 127.0.0.1, a free
 port) and, while it loads, ``mlx-redrafter generate --temp 0`` on each
@@ -33,7 +49,7 @@ from typing import Dict, List, Optional
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import start_server, stop_server  # noqa: E402  (bench/server.py: a server on a free port)
+from server import mt_bench_prompts, start_server, stop_server  # noqa: E402  (bench/server.py: a server on a free port)
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France?",
            "Give me three tips for learning to cook.", "Explain what a prime number is."]
@@ -284,16 +300,94 @@ def summary(plans, results, refs, queue, rss_warm, rss_after, wall, args) -> dic
     return out
 
 
+# --------------------------------------------------------------------------- throughput, before and after batching
+
+
+def _timed_chat(url: str, prompt: str, max_tokens: int) -> dict:
+    tic = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", timeout=3600, json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0})
+    r.raise_for_status()
+    o = r.json()
+    return {"text": o["choices"][0]["message"]["content"], "tokens": o["usage"]["completion_tokens"],
+            "seconds": time.perf_counter() - tic}
+
+
+def load_round(url: str, prompts: List[str], clients: int, rounds: int, max_tokens: int) -> dict:
+    """``clients`` concurrent clients, each sending ``rounds`` requests in turn."""
+    def client(i: int) -> List[dict]:
+        return [_timed_chat(url, prompts[(i + k * clients) % len(prompts)], max_tokens) for k in range(rounds)]
+
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        per_client = list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - tic
+    results = [r for rs in per_client for r in rs]
+    latencies = sorted(r["seconds"] for r in results)
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
+    return {"tokens": sum(r["tokens"] for r in results), "wall_s": wall,
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall, "p50_s": pick(0.5), "p95_s": pick(0.95),
+            "texts": [r["text"] for r in results]}
+
+
+def throughput(args) -> dict:
+    counts = [int(c) for c in args.client_counts.split(",")]
+    prompts = mt_bench_prompts(max(counts) * args.rounds)
+    queue = ["--queue-size", str(max(counts) + 1), "--max-tokens", str(args.max_tokens), "--no-ui"]
+    flags = {"before": queue + ["--max-batch", "1"], "after": queue + ["--max-batch", str(args.max_batch)]}
+    servers, rounds = {}, []
+    try:
+        for mode, extra in flags.items():
+            servers[mode] = start_server(extra, Path(f"{args.log}.{mode}"))
+            load_round(servers[mode][1], prompts[:1], 1, 1, 8)  # warm-up
+        for i, clients in enumerate(counts):
+            order = list(flags) if i % 2 == 0 else list(flags)[::-1]
+            res = {mode: load_round(servers[mode][1], prompts, clients, args.rounds, args.max_tokens) for mode in order}
+            rounds.append({"clients": clients, **res, "identical": res["before"]["texts"] == res["after"]["texts"]})
+            print(f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in flags),
+                  file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+    return {"command": "python " + " ".join(sys.argv), "max_tokens": args.max_tokens, "rounds_per_client": args.rounds,
+            "max_batch": args.max_batch, "rounds": rounds}
+
+
+def throughput_table(out: dict) -> str:
+    rows = [f"`{out['command']}`", "",
+            "| clients | before: tokens/s | after: tokens/s | after / before | before: p50 / p95 latency (s) "
+            "| after: p50 / p95 latency (s) | same text |", "|---|---|---|---|---|---|---|"]
+    for r in out["rounds"]:
+        b, a = r["before"], r["after"]
+        rows.append(f"| {r['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
+                    f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['p50_s']:.1f} / {b['p95_s']:.1f} | "
+                    f"{a['p50_s']:.1f} / {a['p95_s']:.1f} | {'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=None, help="Tokens per reply (default 16; --throughput: 64).")
     ap.add_argument("--disconnect", type=float, default=0.15, help="Share of requests that hang up.")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default="/tmp/mlx-redrafter-server-load.log")
+    ap.add_argument("--throughput", action="store_true", help="Aggregate tokens/s and latency, before and after batching.")
+    ap.add_argument("--client-counts", default="1,2,4,8", help="--throughput: the numbers of concurrent clients.")
+    ap.add_argument("--rounds", type=int, default=4, help="--throughput: requests each client sends in turn.")
+    ap.add_argument("--max-batch", type=int, default=8, help="--throughput: the 'after' server's --max-batch.")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "server_load" / "results.json")
     args = ap.parse_args()
+    if args.throughput:
+        args.max_tokens = args.max_tokens or 64
+        out = throughput(args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(throughput_table(out))
+        sys.exit(0 if all(r["identical"] for r in out["rounds"]) else 1)
+    args.max_tokens = args.max_tokens or 16
     out = run(args)
     print(json.dumps(out, indent=2))
     sys.exit(0 if out["ok"] else 1)

@@ -156,6 +156,43 @@ def test_a_request_alone_drafts_then_moves_into_the_batch_and_back(model, tokeni
     assert len(res.tokens) - res.batched_tokens > joined_at[0]  # ... then alone again
 
 
+def _joined_mid_reply(engine, first_params, prompt=PROMPTS[0]):
+    """``prompt`` sent alone, and another greedy request sent once its reply has begun."""
+    other, joined = Client(engine, PROMPTS[1], GenParams(6)), []
+
+    def join(client, piece):
+        if not joined:
+            joined.append(engine.submit(other.job))
+
+    first = Client(engine, prompt, first_params, on_text=join)
+    res, res_other = _served(engine, [first], later=[other])
+    assert res_other.tokens == _plain(engine.rt.model, engine.rt.tokenizer, PROMPTS[1], 6)
+    assert res_other.batched_tokens > 0  # it was decoded while the first one was
+    return res
+
+
+def test_a_structured_request_alone_moves_into_the_batch_with_its_parse(model, tokenizer):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    engine = _engine(model, tokenizer, **LOOKUP)
+    grammar = engine.grammar(schema)
+    res = _joined_mid_reply(engine, GenParams(30, grammar=grammar))
+    assert res.tokens == _plain(model, tokenizer, PROMPTS[0], 30, grammar=grammar)
+    assert 0 < res.batched_tokens < len(res.tokens)  # the grammar's state went along into the batch
+
+
+def test_a_seeded_request_alone_keeps_drafting_while_others_batch(model, tokenizer):
+    """A seeded request that started alone stays alone (its samples are
+    ``generate --seed``'s), interleaved with the batch, whose rows draw from
+    their own keys and leave the global random stream alone."""
+    draft = DraftConfig(None, curve=BATCH_PAYS, **LOOKUP)
+    sampling = SamplingConfig(temp=0.9, top_k=20)
+    engine = _engine(model, tokenizer, **LOOKUP)
+    res = _joined_mid_reply(engine, GenParams(24, sampling, seed=3))
+    ref = [r.token for r in stream_generate(model, tokenizer, PROMPTS[0], draft=draft, sampling=sampling, seed=3,
+                                            max_tokens=24)]
+    assert res.tokens == [t for t in ref if t not in tokenizer.eos_token_ids] and res.batched_tokens == 0
+
+
 def test_batching_waits_where_it_does_not_pay(model, tokenizer):
     """On a curve where decoding together gains nothing, requests are drafted one at a time."""
     engine = _engine(model, tokenizer, curve=BATCH_NEVER, **LOOKUP)
@@ -264,3 +301,26 @@ def test_the_rule_batches_where_the_batch_gain_beats_drafting():
 
     gain.add(Step)
     assert gain.value == pytest.approx(3 / 1.3)
+
+
+def test_a_request_that_fails_is_told_and_the_others_go_on(model, tokenizer):
+    engine = _engine(model, tokenizer)
+    bad = [Client(engine, PROMPTS[0], GenParams(8, grammar="not a grammar")) for _ in range(2)]
+    good = Client(engine, PROMPTS[1], GenParams(8))
+    for c in bad + [good]:
+        engine.submit(c.job)
+    engine.start()
+    try:
+        assert good.wait().tokens == _plain(model, tokenizer, PROMPTS[1], 8)
+        for c in bad:
+            assert c.done.wait(TIMEOUT) and c.error is not None and c.result is None
+        alone = Client(engine, PROMPTS[0], GenParams(8, grammar="not a grammar"))  # fails alone too
+        engine.submit(alone.job)
+        assert alone.done.wait(TIMEOUT) and alone.error is not None
+        again = Client(engine, PROMPTS[2], GenParams(8))
+        engine.submit(again.job)
+        assert again.wait().tokens == _plain(model, tokenizer, PROMPTS[2], 8)
+    finally:
+        engine.stop()
+    status = engine.queue.status()
+    assert status["served"] == 5 and status["active"] == status["waiting"] == 0

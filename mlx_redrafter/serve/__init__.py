@@ -2,6 +2,10 @@
 
 * engine.py: the core, without HTTP: a fair bounded queue of jobs on one
   worker thread, and the KV cache consecutive requests share;
+* scheduler.py, batch.py, rows.py, jobs.py: who decodes and who waits
+  (``--max-batch``, ``--queue-size``, 503 with Retry-After), concurrent
+  requests decoded together (mlx-lm's BatchGenerator) where that pays and a
+  lone one drafted, one request's row, a job's parameters and result;
 * app.py: the HTTP app (FastAPI; the ``server`` extra): every API's routes,
   ``/health``, ``/metrics``, the chat page (ui/, static files) at ``/``, and
   each API's error shape by path;

@@ -13,8 +13,9 @@ pays); the others wait.
 
 A decoder has ``active`` (rows decoding), ``capacity(wanting) -> rows``,
 ``admit(jobs)``, ``step() -> (finished, rows advanced)`` with ``finished``
-a list of ``(job, Result or None)`` (None: the job failed and was told),
-and ``fail(error) -> finished`` for when a step raised.
+a list of ``(job, Result or None)`` (None: the job failed and was told;
+jobs that failed to join are reported by the next step), and
+``fail(error) -> finished`` for when a step raised.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class Scheduler:
                     with self._cond:
                         self._started.update((job, now) for job in admit)
                     self.decoder.admit(admit)
-                if self.decoder.active:
+                if self.decoder.active or admit:  # a step also reports the rows that failed to join
                     done, advanced = self.decoder.step()
                     finished += done
             except BaseException as e:  # the worker must survive any request
@@ -205,6 +206,8 @@ class SerialDecoder:
 
     def step(self) -> Tuple[Finished, int]:
         job = self.current
+        if job is None:
+            return [], 0
         try:
             return [(job, self.handler(job))], 1
         except BaseException as e:
