@@ -292,6 +292,19 @@ def test_measured_curve_round_trip_and_fallback(tmp_path, monkeypatch):
     assert vc.curve_for(model).builtin  # an old format is not trusted
 
 
+def test_a_sliding_window_model_calibrates(tmp_path, monkeypatch):
+    """Gemma 3's sliding layers keep a RotatingKVCache, whose buffer a timed
+    call replaces: the calibration puts it back after each call, before the
+    window wraps (context 16, window 24) and after (long context 40)."""
+    from helpers import TINY_CONFIGS
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    monkeypatch.setitem(TINY_CONFIGS, "gemma_window", dict(TINY_CONFIGS["gemma3_text"], sliding_window=24))
+    c = calibrate.measure_curve(tiny_model("gemma_window"), max_size=5, budget_s=3.0, context=16, max_rounds=2,
+                                long_context=40)
+    assert c.rounds == 2 and c.measured == (1, 2, 3, 4, 5) and c.long_context == 40 and len(c.long_costs) == 5
+
+
 def test_a_device_too_slow_for_the_budget_gets_a_curve_where_drafting_never_pays(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     c = calibrate.measure_curve(tiny_model("llama"), max_size=4, budget_s=0.0)

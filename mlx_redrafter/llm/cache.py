@@ -279,15 +279,27 @@ class HoleyCache:
 # --------------------------------------------------------------------------- timing
 
 
+def rewinder(cache):
+    """A function that puts ``cache`` back as it is now, for timing the same
+    call again and again. A layer's offset alone would do for a plain
+    KVCache; a RotatingKVCache (Gemma 3's sliding layers) also has its
+    buffer, which a multi-token call replaces by a longer one, and its write
+    index: every one is put back (the rows a call wrote in place are only
+    ever attended to by the timed calls, whose timing does not depend on them)."""
+    saved = [(c.offset, getattr(c, "_idx", None), c.keys, c.values) for c in cache]
+
+    def rewind():
+        for c, (offset, idx, keys, values) in zip(cache, saved):
+            c.offset, c.keys, c.values = offset, keys, values
+            if idx is not None:
+                c._idx = idx
+
+    return rewind
+
+
 def warm_cache(model, backbone, tokens: int = 64):
     """A prompt cache holding ``tokens`` positions, and a function that rewinds
     it there, so that every timed LLM call sees the same context."""
     cache = make_prompt_cache(model)
     mx.eval(backbone(mx.arange(tokens)[None], cache=cache))
-    offsets = [c.offset for c in cache]
-
-    def rewind():
-        for c, o in zip(cache, offsets):
-            c.offset = o
-
-    return cache, rewind
+    return cache, rewinder(cache)

@@ -242,12 +242,14 @@ def commit() -> str:
         release = "mlx-redrafter " + version("mlx-redrafter")
     except PackageNotFoundError:
         release = "unknown"
+    package = Path(__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or release
+        out = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return release
+    # Only this project's checkout: an installed package may sit inside some other repository.
+    return out[1] if len(out) == 2 and Path(out[0]) / package.name == package else release
 
 
 # --------------------------------------------------------------------------- install and META

@@ -108,6 +108,8 @@ def _context_cache(model, backbone, tokens: int):
     CPU would spend most of the budget on it)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from ..llm.cache import rewinder
+
     cache = make_prompt_cache(model)
     mx.eval(backbone(mx.array([[1]]), cache=cache))
     for c in cache:
@@ -115,13 +117,7 @@ def _context_cache(model, backbone, tokens: int):
         rows = mx.random.normal((b, h, tokens - 1, d)).astype(c.keys.dtype)
         c.update_and_fetch(rows, rows)
         mx.eval(c.keys, c.values)
-    offsets = [c.offset for c in cache]
-
-    def rewind():
-        for c, o in zip(cache, offsets):
-            c.offset = o
-
-    return cache, rewind
+    return cache, rewinder(cache)
 
 
 def _sample_order(sizes) -> list:
