@@ -223,6 +223,16 @@ def test_a_larger_budget_adds_data_and_trains_on(tiny, tmp_path):
     assert larger.installed is not None and not larger.already_done
 
 
+def test_a_draining_distillation_finishes_the_replies_under_way_and_starts_no_more(tiny, tmp_path):
+    from mlx_redrafter.llm.load import load_model
+    from mlx_redrafter.train.distill import DistillConfig, distill
+
+    model, tok = load_model(str(tiny[0]))
+    cfg = DistillConfig(batch_size=8, max_new_tokens=12, max_conversations=100)
+    m = distill("tiny", tiny[1], tmp_path / "data", cfg, model=model, tokenizer=tok, drain=lambda replies: replies > 0)
+    assert m.sequences == 8 and len(m.done) == 8  # the first batch, every reply of it kept
+
+
 # --------------------------------------------------------------------------- the install rule
 
 

@@ -100,16 +100,21 @@ def more_distill_s(left_s: float, positions: int, train_spent_s: float, rates: R
 
 
 class LiveRate:
-    """Positions per second of this distillation run, from its progress calls."""
+    """Positions per second of this distillation run, and the seconds of one
+    of its decode steps, from its progress calls (one per step)."""
 
     def __init__(self, prior: float = 0.0):
         self.prior, self.start, self.base, self.now = prior, None, 0, 0.0
+        self.last, self.step_s = None, 0.0
 
     def update(self, positions: int) -> float:
         """The rate after ``positions`` (the folder's total so far, in-flight replies included)."""
         t = time.perf_counter()
         if self.start is None:
             self.start, self.base = t, positions
+        if self.last is not None:  # a moving average: prefills make some steps long
+            self.step_s = t - self.last if not self.step_s else 0.9 * self.step_s + 0.1 * (t - self.last)
+        self.last = t
         self.now = (positions - self.base) / max(t - self.start, 1e-9)
         return self.rate
 

@@ -216,11 +216,16 @@ class Distiller:
         self.next_tokens = nxt
         return done
 
-    def run(self, queue: deque, on_done, should_stop) -> None:
-        """Generate until the queue is empty or ``should_stop()``."""
+    def run(self, queue: deque, on_done, should_stop, draining=None) -> None:
+        """Generate until the queue is empty or ``should_stop()``; once
+        ``draining()``, no new prompt starts and the run ends when the replies
+        under way have finished (none of their work is thrown away)."""
         B = self.cfg.batch_size
-        while (queue or self.rows) and not should_stop():
-            if queue and len(self.rows) <= B - max(1, B // 6):
+        while not should_stop():
+            drain = draining is not None and draining()
+            if not self.rows and (drain or not queue):
+                break
+            if queue and not drain and len(self.rows) <= B - max(1, B // 6):
                 items = []
                 while queue and len(self.rows) + len(items) < B:
                     conv, turn, history = queue.popleft()
@@ -387,7 +392,7 @@ def _check_share(convs: list, cfg: DistillConfig, w: World) -> None:
 
 
 def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, tokenizer=None, progress=None,
-            stop=None) -> Manifest:
+            stop=None, drain=None) -> Manifest:
     """Answer training prompts with the LLM and write resumable shards to ``out``.
 
     Under ``mlx.launch`` each rank answers its share of the prompts into
@@ -397,7 +402,9 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     with this rank's own manifest; ``stop(replies)``, when given, is asked
     after it with the number of replies this run finished (written or about
     to be) and ends the run when true (``make-drafter`` ends distillation
-    when the rates it measures say the budget's share is spent).
+    when the rates it measures say the budget's share is spent);
+    ``drain(replies)``, likewise: once true, no new prompt starts and the run
+    ends when the replies under way finish.
     Ctrl-C (KeyboardInterrupt) writes the finished replies before re-raising.
     """
     from ..llm.load import load_model
@@ -423,15 +430,18 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     writer = _ShardWriter(folder, manifest, cfg)
     deadline = writer.deadline()
 
+    def finished() -> int:
+        return writer.run["sequences"] + len(writer.pending)
+
     def should_stop():
         if progress:
             progress(manifest, sum(len(s.tokens) for s in writer.pending) + sum(len(r.tokens) for r in distiller.rows))
-        if stop is not None and stop(writer.run["sequences"] + len(writer.pending)):
+        if stop is not None and stop(finished()):
             return True
         return deadline is not None and time.perf_counter() > deadline
 
     try:
-        distiller.run(queue, writer.on_done, should_stop)
+        distiller.run(queue, writer.on_done, should_stop, drain and (lambda: drain(finished())))
     finally:
         # Replies of conversations still open are kept; the conversation is
         # redone from its first turn on resume only if it never completed.

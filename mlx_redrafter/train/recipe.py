@@ -210,12 +210,14 @@ class _Run:
                              left - live.elapsed + self.fixed_todo_s(),
                              f"{live.now:.0f} positions/s, {len(m.done)} conversations, {_positions(m) + running:,} positions"))
 
-        def stop(replies: int) -> bool:  # at least one finished reply, whatever the budget: training needs data
-            return live.elapsed >= planned() and (replies > 0 or _positions(before) > 0)
+        def past(replies: int, slack: float) -> bool:
+            # At least one finished reply, whatever the budget: training needs data.
+            late = live.elapsed >= planned() + slack * self.distill_cfg.max_new_tokens * live.step_s
+            return late and (replies > 0 or start > 0)
 
-        with self.state.timed("distill"):
+        with self.state.timed("distill"):  # no new prompt once the last replies take the rest of the plan
             m = distill(self.cfg.model, self.source.path, self.data, self.distill_cfg, self.model, self.tokenizer,
-                        progress=progress, stop=stop)
+                        progress=progress, drain=lambda n: past(n, -1.0), stop=lambda n: past(n, 1.0))
         if live.elapsed > 0 and _positions(m) > start:
             self.rates.positions_per_s = (_positions(m) - start) / live.elapsed
             self.state["rates"] = asdict(self.rates)
