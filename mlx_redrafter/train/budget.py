@@ -77,9 +77,11 @@ def fit_sizes(budget_s: float, step_s: float, base: Optional[Sizes] = None) -> S
     if scale >= 1.0:
         return base
     root = math.sqrt(scale)
+    # A calibration round times every size from 1 to 16 in short bursts: about 100 plain steps.
+    rounds_s = min(base.calibrate_s, 2 * 100 * step_s)
     return Sizes(max(2, round(base.controller_prompts * root)), max(16, round(base.controller_tokens * root)),
                  max(2, round(base.verdict_prompts * root)), max(16, round(base.verdict_tokens * root)),
-                 max(1.0, base.calibrate_s * scale))
+                 max(1.0, rounds_s, base.calibrate_s * scale))
 
 
 def train_seconds_per_position(rates: Rates, batch_size: int, held_out: float) -> float:

@@ -111,14 +111,19 @@ def controller_stage(run) -> None:
 
 def calibrate_stage(run) -> None:
     """Measure and store this device's verify-cost curve (``doctor --calibrate``)."""
-    from ..step.curve import load_curve, save_curve
+    from ..step.curve import save_curve
     from ..tuning.calibrate import measure_curve
 
-    if run.state.finished("calibrate", True) and load_curve(run.model, run.cfg.model) is not None:
+    if run.state.finished("calibrate", True):
         return
     run.tell(_status(run, "calibrate", time.perf_counter(), 0.0, "timing verify calls", _after(run, "calibrate")))
     with run.state.timed("calibrate"):
         curve = measure_curve(run.model, run.cfg.model, budget_s=run.sizes.calibrate_s)
+    if not curve.rounds:  # c(N) = N, as if drafting never paid: never stored (a larger budget measures it)
+        run.tell(Status("calibrate", 1.0, line=f"verify-cost curve: {run.sizes.calibrate_s:.0f} s timed no full "
+                        "round on this device, so none is stored (`mlx-redrafter doctor --calibrate` measures it)"))
+        run.state.finish("calibrate", True)
+        return
     path = save_curve(curve, run.model, run.cfg.model)
     run.tell(Status("calibrate", 1.0, line=f"verify-cost curve: c(2) {curve(2):.2f}, c(4) {curve(4):.2f} "
                     f"({curve.rounds} rounds), saved {path}"))
