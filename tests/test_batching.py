@@ -11,7 +11,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from helpers import tiny_model
+from helpers import OracleDrafter, tiny_model
 from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.generate import generate_tokens, stream_generate
 from mlx_redrafter.runtime import Runtime
@@ -78,8 +78,8 @@ class Client:
         return self.result
 
 
-def _engine(model, tokenizer, curve=BATCH_PAYS, max_batch=4, queue=8, **draft):
-    rt = Runtime(model, tokenizer, "tiny", draft=DraftConfig(None, curve=curve, **draft))
+def _engine(model, tokenizer, curve=BATCH_PAYS, max_batch=4, queue=8, drafter=None, **draft):
+    rt = Runtime(model, tokenizer, "tiny", draft=DraftConfig(drafter, curve=curve, **draft))
     return Engine(rt, max_tokens=16, max_batch=max_batch, queue_size=queue)
 
 
@@ -140,7 +140,8 @@ def test_a_request_alone_drafts_then_moves_into_the_batch_and_back(model, tokeni
     """Alone, the first request runs the runtime's drafting loop; joined, it
     moves into the batch; alone again, back to drafting: its tokens equal
     plain decoding all along."""
-    engine = _engine(model, tokenizer, **LOOKUP)
+    # A drafter that knows the reply: drafting pays, so the row goes back to it.
+    engine = _engine(model, tokenizer, drafter=OracleDrafter(model, PROMPTS[0], 40, 2), beam_width=2, beam_length=2)
     other, joined_at = Client(engine, PROMPTS[1], GenParams(6)), []
 
     def join(client, piece):

@@ -40,6 +40,10 @@ from .scheduler import Finished, tell
 
 # DraftGain follows the last steps drafted alone: each older step weighs this much less.
 GAIN_DECAY = 0.98
+# What moving a row from the batch to drafting costs, in plain steps: the
+# batch's step already queued for it is dropped, and the step loop starts
+# again with a one-token prefill.
+SWITCH_STEPS = 2.0
 
 
 def batch_pays(curve, n: int, drafting_gain: float) -> bool:
@@ -112,12 +116,12 @@ class BatchDecoder:
             row = Row(job, self.tokenizer)
             self.rows.append(row)
             try:
-                cache, row.res.reused_tokens = self.engine.cache.fetch(job.ids)
+                cache, held = self.engine.cache.fetch(job.ids)
+                row.begin(held)
                 if alone:
-                    held = row.res.reused_tokens
                     row.start_alone(self.model, self.draft, cache, job.ids[held:], job.ids[:held], self.gain.add)
                 else:
-                    self._insert(row, cache, row.res.reused_tokens)
+                    self._insert(row, cache, held)
             except Exception as e:
                 self._fail(row, e)
 
@@ -154,14 +158,17 @@ class BatchDecoder:
 
     def _rebalance(self) -> None:
         """Move the row alone into the batch when others are active; move a
-        row left alone in the batch back to drafting."""
+        row left alone in the batch back to drafting where what drafting
+        saves on its remaining tokens (``1 - 1/d`` plain steps a token)
+        outweighs the switch (``SWITCH_STEPS``)."""
         alone = [r for r in self.rows if r.alone]
         if alone and len(self.rows) > 1 and alone[0].switchable:
             row = alone[0]
             self._guarded(row, lambda: self._insert(row, *row.leave_alone()))
         elif len(self.rows) == 1 and self.by_uid and self.drafts:
-            row = self.rows[0]
-            if row.switchable and row.job.params.grammar is None and not row.done:
+            row, d = self.rows[0], self.gain.value
+            pays = row.remaining() * (1 - 1 / d) > SWITCH_STEPS
+            if pays and row.switchable and row.job.params.grammar is None and not row.done:
                 self._guarded(row, lambda: self._to_alone(row))
 
     def _insert(self, row: Row, cache, held: int) -> None:

@@ -93,7 +93,16 @@ class Row:
         self.on_step: Optional[Callable[[StepTokens], None]] = None
         self.done = False
         self.started = time.perf_counter()
-        self.text = stream_text(tokenizer, self._steps(), len(job.ids), p.max_tokens, p.stop, p.grammar is not None)
+        self.prompt_tps: Optional[float] = None  # measured here when the batch prefilled the prompt
+        self.tokenizer, self.text = tokenizer, None
+
+    def begin(self, reused: int) -> None:
+        """Start the text path: ``reused`` prompt tokens came from the prompt
+        cache, the rest is prefilled (what ``stream_generate`` would be given)."""
+        p = self.job.params
+        self.res.reused_tokens = reused
+        self.text = stream_text(self.tokenizer, self._steps(), len(self.job.ids) - reused, p.max_tokens, p.stop,
+                                p.grammar is not None)
 
     @property
     def known(self) -> List[int]:
@@ -126,6 +135,10 @@ class Row:
         r = next(self.text)
         self.left -= 1
         res = self.res
+        if r.stats.step == 0 and self.uid is not None:  # its prefill ran in the batch, before the text path began
+            self.prompt_tps = r.prompt_tokens / max(time.perf_counter() - self.started, 1e-9)
+        if self.prompt_tps is not None:
+            r.prompt_tps = self.prompt_tps
         if count_response(res, r):
             self.generated.append(r.token)
             self.sources.append(token_source(r))
@@ -179,7 +192,8 @@ class Row:
 
     def close(self) -> None:
         """End the text path and the step loop; the cache stays as they left it."""
-        self.text.close()
+        if self.text is not None:
+            self.text.close()
         if self.loop is not None:
             self.loop.close()
             self.loop = None
