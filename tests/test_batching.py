@@ -325,3 +325,20 @@ def test_a_request_that_fails_is_told_and_the_others_go_on(model, tokenizer):
         engine.stop()
     status = engine.queue.status()
     assert status["served"] == 5 and status["active"] == status["waiting"] == 0
+
+
+def test_calibration_measures_the_batch_curve_and_stores_it(tmp_path, monkeypatch):
+    from mlx_redrafter.step import curve as vc
+    from mlx_redrafter.tuning.calibrate import measure_curve
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    c = measure_curve(model, max_size=2, budget_s=2.0, context=16, max_rounds=2, long_context=0)
+    assert c.batch_sizes == (1, 2, 4, 8) and c.batch_gains[0] == 1.0 and all(g > 0 for g in c.batch_gains)
+    assert c.batch_gain(4) == c.batch_gains[2] and "batched decoding" in vc.format_curve(c)
+    vc.save_curve(c, model)
+    assert vc.curve_for(model).batch_gains == c.batch_gains  # stored with the verify-cost curve
+    assert measure_curve(model, max_size=2, budget_s=0.0).batch_sizes == ()  # none timed: the built-in gains
+    builtin = vc.builtin_curve()
+    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # DESIGN.md section 6
+    assert vc.builtin_curve("q4g64-float32").batch_gain(4) < 1.1  # quantized on this CPU: batching gains nothing

@@ -149,9 +149,10 @@ def _fill(sizes, ratios: Dict[int, float]) -> Tuple[float, ...]:
 def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_SIZE, budget_s: float = 30.0,
                   calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0,
                   long_context: int = LONG_CONTEXT_TOKENS, long_share: float = 1 / 3,
-                  batch_s: float = 8.0) -> CostCurve:
+                  batch_s: Optional[float] = None) -> CostCurve:
     """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds,
-    then the batch curve (:func:`measure_batch`) in ``batch_s`` more (0: not measured).
+    then the batch curve (:func:`measure_batch`) in ``batch_s`` more (None: a
+    quarter of ``budget_s``; 0: not measured, the built-in gains serve).
 
     Each round times a short pipelined burst of every size, in a new random
     order (so drift and other processes on the machine hit every size
@@ -189,6 +190,7 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
             long_costs = _fill(sizes, long_ratios)
         else:
             long_context = 0
+    batch_s = budget_s / 4 if batch_s is None else batch_s
     gains = measure_batch(model, budget_s=batch_s, context=context, calls=calls, max_rounds=max_rounds, rng=rng)
     device, ident, variant = curve_key(model, model_spec)
     return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
