@@ -32,6 +32,7 @@ from .sources import HISTORY, held_out_conversations, open_source, source_label
 
 DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
 LARGE_VOCAB = 65536  # past this many tokens the draft vocabulary doubles (see head_settings)
+TRAIN_FLOOR = 0.1  # the least share of the budget that training gets
 
 
 @dataclass
@@ -235,10 +236,13 @@ class _Run:
         if self.state.finished("train", self.budget):
             return
         ck = _checkpoint(self.drafter_dir)
-        left = max(self.left_s(), 0.0)
+        # Training gets at least TRAIN_FLOOR of the budget in all, also when
+        # distillation ran past its share (its first replies take what they take).
+        done = ck.get("seconds", 0.0)
+        left = max(self.left_s(), TRAIN_FLOOR * self.budget - done, 0.0)
         steps = max(int(left * self.rates.train_steps_per_s), 1)
         every = self.train_cfg.eval_every if "eval_every" in self.cfg.train else max(10, steps // 8)
-        cfg = replace(self.train_cfg, minutes=(ck.get("seconds", 0.0) + left) / 60, eval_every=every,
+        cfg = replace(self.train_cfg, minutes=(done + left) / 60, eval_every=every,
                       checkpoint_every=every)
         tic = time.perf_counter()
 
