@@ -67,6 +67,25 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
+def compare(flags: Dict[str, List[str]], counts: List[int], measure, warm, logs: Path):
+    """Start a server for each entry of ``flags`` (``warm(url)`` once each),
+    then yield ``(clients, {mode: measure(url, clients)})`` for each number
+    of clients, the servers measured one after the other in an order that
+    alternates, so that machine drift hits all alike. The servers are
+    always stopped."""
+    servers: Dict[str, tuple] = {}
+    try:
+        for mode, extra in flags.items():
+            servers[mode] = start_server(extra, logs / f"{mode}.log")
+            warm(servers[mode][1])
+        for i, clients in enumerate(counts):
+            order = list(flags) if i % 2 == 0 else list(flags)[::-1]
+            yield clients, {mode: measure(servers[mode][1], clients) for mode in order}
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+
+
 def one_request(client, prompt: str, max_tokens: int) -> dict:
     """Stream one chat completion; its text, TTFT and total time."""
     tic = time.perf_counter()
@@ -128,22 +147,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     common = shlex.split(args.server_args) + ["--queue-size", str(max(counts) + 1)]
     flags = {"redrafter": common + shlex.split(args.draft_args), "no-draft": common + ["--no-draft"]}
-    servers: Dict[str, tuple] = {}
-    try:
-        for mode in MODES:
-            servers[mode] = start_server(flags[mode], args.out.parent / f"{mode}.log")
-            run_round(servers[mode][1], prompts[:1], 1, 8)  # warm-up
-        rounds = []
-        for i, clients in enumerate(counts):
-            order = MODES if i % 2 == 0 else MODES[::-1]
-            res = {mode: run_round(servers[mode][1], prompts, clients, args.max_tokens) for mode in order}
-            rounds.append({"clients": clients, **res, "identical": res["redrafter"]["texts"] == res["no-draft"]["texts"]})
-            print(f"{clients} clients: " + ", ".join(
-                f"{m} {res[m]['requests_per_minute']:.2f} req/min, TTFT {res[m]['ttft_median_s']:.2f} s" for m in MODES),
-                file=sys.stderr, flush=True)
-    finally:
-        for proc, _ in servers.values():
-            stop_server(proc)
+    rounds = []
+    for clients, res in compare(flags, counts, lambda url, c: run_round(url, prompts, c, args.max_tokens),
+                                lambda url: run_round(url, prompts[:1], 1, 8), args.out.parent):
+        rounds.append({"clients": clients, **res, "identical": res["redrafter"]["texts"] == res["no-draft"]["texts"]})
+        print(f"{clients} clients: " + ", ".join(
+            f"{m} {res[m]['requests_per_minute']:.2f} req/min, TTFT {res[m]['ttft_median_s']:.2f} s" for m in MODES),
+            file=sys.stderr, flush=True)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     args.out.write_text(json.dumps({"command": command, "max_tokens": args.max_tokens, "rounds": rounds}, indent=2) + "\n")
     print(f"`{command}`\n")

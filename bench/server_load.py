@@ -49,7 +49,7 @@ from typing import Dict, List, Optional
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import mt_bench_prompts, start_server, stop_server  # noqa: E402  (bench/server.py: a server on a free port)
+from server import compare, mt_bench_prompts, start_server, stop_server  # noqa: E402  (bench/server.py: servers on free ports)
 
 PROMPTS = ["Write a short poem about the sea.", "What is the capital of France?",
            "Give me three tips for learning to cook.", "Explain what a prime number is."]
@@ -335,20 +335,12 @@ def throughput(args) -> dict:
     prompts = mt_bench_prompts(max(counts) * args.rounds)
     queue = ["--queue-size", str(max(counts) + 1), "--max-tokens", str(args.max_tokens), "--no-ui"]
     flags = {"before": queue + ["--max-batch", "1"], "after": queue + ["--max-batch", str(args.max_batch)]}
-    servers, rounds = {}, []
-    try:
-        for mode, extra in flags.items():
-            servers[mode] = start_server(extra, Path(f"{args.log}.{mode}"))
-            load_round(servers[mode][1], prompts[:1], 1, 1, 8)  # warm-up
-        for i, clients in enumerate(counts):
-            order = list(flags) if i % 2 == 0 else list(flags)[::-1]
-            res = {mode: load_round(servers[mode][1], prompts, clients, args.rounds, args.max_tokens) for mode in order}
-            rounds.append({"clients": clients, **res, "identical": res["before"]["texts"] == res["after"]["texts"]})
-            print(f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in flags),
-                  file=sys.stderr, flush=True)
-    finally:
-        for proc, _ in servers.values():
-            stop_server(proc)
+    rounds = []
+    for clients, res in compare(flags, counts, lambda url, c: load_round(url, prompts, c, args.rounds, args.max_tokens),
+                                lambda url: load_round(url, prompts[:1], 1, 1, 8), args.out.parent):
+        rounds.append({"clients": clients, **res, "identical": res["before"]["texts"] == res["after"]["texts"]})
+        print(f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in flags),
+              file=sys.stderr, flush=True)
     return {"command": "python " + " ".join(sys.argv), "max_tokens": args.max_tokens, "rounds_per_client": args.rounds,
             "max_batch": args.max_batch, "rounds": rounds}
 
@@ -382,8 +374,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.throughput:
         args.max_tokens = args.max_tokens or 64
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # the servers' logs go there too
         out = throughput(args)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=2) + "\n")
         print(throughput_table(out))
         sys.exit(0 if all(r["identical"] for r in out["rounds"]) else 1)

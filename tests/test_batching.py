@@ -11,7 +11,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from helpers import OracleDrafter, tiny_model
+from helpers import OracleDrafter, byte_tokenizer, tiny_model
 from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.generate import generate_tokens, stream_generate
 from mlx_redrafter.runtime import Runtime
@@ -30,17 +30,7 @@ TIMEOUT = 120
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """mlx-lm's tokenizer wrapper over a byte-level BPE (256 tokens + EOS)."""
-    from mlx_lm.tokenizer_utils import load
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    folder = tmp_path_factory.mktemp("bytes")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(folder)
-    return load(folder)
+    return byte_tokenizer(tmp_path_factory.mktemp("bytes"))
 
 
 @pytest.fixture(scope="module")
