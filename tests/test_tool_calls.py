@@ -201,6 +201,20 @@ def test_default_model_forced_calls_are_constrained_from_the_first_token(default
     assert render(tok, ASK, [WEATHER], "none").grammar is None
 
 
+def test_parallel_calls_left_unsaid_follow_the_format(default_model, tmp_path):
+    """A client that does not say parallel_tool_calls gets several calls in a
+    model's own tool format and one in the generic one (whose models repeat a
+    call until max_tokens); a client that says so gets what it asked for."""
+    _, tok = default_model
+    assert render(tok, ASK, [WEATHER], "required").parallel is False
+    assert render(tok, ASK, [WEATHER], "required", parallel_tool_calls=True).parallel is True
+    assert render(tok, ASK, [WEATHER], "required").grammar == \
+        render(tok, ASK, [WEATHER], "required", parallel_tool_calls=False).grammar
+    hermes = _template_tokenizer(tmp_path, HERMES_TEMPLATE)
+    assert render(hermes, ASK, [WEATHER]).parallel is True
+    assert render(hermes, ASK, [WEATHER], parallel_tool_calls=False).parallel is False
+
+
 # MiniMax's layout, cut down: a format whose calls no grammar here constrains.
 MINIMAX_TEMPLATE = """{%- for message in messages %}<{{ message.role }}>{{ message.content }}
 {%- endfor %}{% if tools %}<minimax:tool_call>{% endif %}<assistant>"""

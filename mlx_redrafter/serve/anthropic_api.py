@@ -224,10 +224,10 @@ def openai_tools(tools: Optional[List[ToolIn]]) -> Optional[list]:
 
 def tool_choice(choice: Optional[ToolChoice]):
     """Anthropic's tool_choice in the neutral form :func:`~mlx_redrafter.serve.tools.render` takes,
-    and whether several calls may come (``disable_parallel_tool_use`` says no)."""
+    and whether several calls may come (``disable_parallel_tool_use`` says no; None: the format's default)."""
     if choice is None:
-        return None, True
-    parallel = not choice.disable_parallel_tool_use
+        return None, None
+    parallel = None if choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use
     if choice.type == "tool":
         if not choice.name:
             raise Failure(400, "tool_choice of type 'tool' needs the tool's 'name'.", param="tool_choice.name")

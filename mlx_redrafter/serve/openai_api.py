@@ -194,7 +194,7 @@ def openai_router(engine: Engine) -> APIRouter:
         check_supported(req)
         spec = req.response_format.grammar() if req.response_format is not None else None
         rendered = render(engine, [m.plain() for m in req.messages], req.tools, req.tool_choice, "response_format",
-                          parallel_tool_calls=req.parallel_tool_calls is not False, content=spec)
+                          parallel_tool_calls=req.parallel_tool_calls, content=spec)
         # The reply's grammar: the tool calls' (the content's schema within), or the schema alone.
         compiled = await grammar(engine, rendered.grammar, "tools" if rendered.tools else "response_format")
         max_tokens = req.max_completion_tokens or req.max_tokens

@@ -228,18 +228,17 @@ def responses_router(engine: Engine) -> APIRouter:
     async def responses(req: ResponsesRequest, request: Request):
         check_supported(req)
         check_model(engine, req.model)
-        parallel = req.parallel_tool_calls is not False
         spec = content_spec(req)
         choice = req.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function":
             choice = {"name": choice.get("name")}
         rendered = render(engine, chat_messages(req), chat_tools(req.tools), choice, content_param="text.format",
-                          parallel_tool_calls=parallel, content=spec)
+                          parallel_tool_calls=req.parallel_tool_calls, content=spec)
         compiled = await grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
         params = GenParams(req.max_output_tokens or engine.max_tokens,
                            sampling(engine, temp=req.temperature, top_p=req.top_p), None, [], compiled)
         queued = submit(engine, rendered.ids, params, "input")
-        reply = ResponsesReply(engine, rendered, _echo(req, parallel), error_body)
+        reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel), error_body)
         if req.stream:
             return queued.stream(reply.sse(queued.events(request)))
         result = await queued.result(request)

@@ -149,6 +149,7 @@ class Rendered:
     format: ToolFormat
     tools: Optional[list]  # the tools rendered; None when none
     grammar: Any = None
+    parallel: bool = True  # several calls may come (render's parallel_tool_calls, resolved)
 
     def stream(self) -> "ToolCallStream":
         """A parser for the reply that follows ``ids`` (it has read the prefill)."""
@@ -195,11 +196,13 @@ def check_tool_choice(tools: Optional[list], tool_choice) -> Optional[str]:
 
 
 def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None, tool_choice=None,
-           parallel_tool_calls: bool = True, content=None) -> Rendered:
+           parallel_tool_calls: Optional[bool] = None, content=None) -> Rendered:
     """The prompt for ``messages`` and ``tools`` under ``tool_choice``
     (``"auto"``, ``"none"``, ``"required"`` or a named function, see
-    :func:`check_tool_choice`), with the grammar of the reply: at most one
-    call unless ``parallel_tool_calls``; ``content`` (a JSON Schema or
+    :func:`check_tool_choice`), with the grammar of the reply: one call
+    unless ``parallel_tool_calls`` (None: several in a model's own format,
+    one in the generic format, whose models repeat a call until
+    ``max_tokens``); ``content`` (a JSON Schema or
     ``"json"``, e.g. OpenAI's ``response_format``): what the reply is when
     it is not a call.
 
@@ -217,11 +220,12 @@ def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None,
             text = render_messages(tokenizer, msgs)
     else:
         text = render_messages(tokenizer, generic_messages(messages, shown))
-    grammar = reply_grammar(tokenizer, fmt, shown, choice, parallel_tool_calls, content)
+    parallel = fmt.native if parallel_tool_calls is None else parallel_tool_calls
+    grammar = reply_grammar(tokenizer, fmt, shown, choice, parallel, content)
     forced = choice not in ("auto", "none") and grammar is None  # unconstrained: prefill the opening
     prefill = fmt.prefill(None if choice == "required" else choice) if forced else ""
     text += prefill
-    return Rendered(list(encode_prompt(tokenizer, text)), text, prefill, fmt, shown, grammar)
+    return Rendered(list(encode_prompt(tokenizer, text)), text, prefill, fmt, shown, grammar, parallel)
 
 
 def _arguments(args) -> Any:
