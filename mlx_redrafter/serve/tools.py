@@ -138,9 +138,8 @@ class Rendered:
 
     Parse the reply only when ``tools`` is not None (tools were rendered):
     without tools it is plain text, exactly as ``generate`` returns it.
-    ``grammar`` is the spec to compile (``Engine.grammar``) and generate
-    under: the tool calls' grammar, the content's schema alone, or None (free
-    text).
+    ``grammar``: the spec to compile (``Engine.grammar``) and generate under
+    (the calls' grammar, the content's schema alone, or None: free text).
     """
 
     ids: List[int]
