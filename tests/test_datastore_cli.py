@@ -70,8 +70,8 @@ def test_serve_appends_each_reply(default_model, cleared, record):
     from mlx_redrafter.serve.app import create_app
 
     rt = load_runtime("default", history=record)
-    with TestClient(create_app(Engine(rt, max_tokens=8))) as http:
-        client = OpenAI(base_url="http://testserver/v1", api_key="-", http_client=http, max_retries=0)
+    with TestClient(create_app(Engine(rt, max_tokens=8)), base_url="http://127.0.0.1") as http:
+        client = OpenAI(base_url="http://127.0.0.1/v1", api_key="-", http_client=http, max_retries=0)
         texts = [client.chat.completions.create(model="default", temperature=0, messages=[
             {"role": "user", "content": q}]).choices[0].message.content for q in ("Hi!", "Name a colour.")]
         stats = http.post("/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 8}).json()

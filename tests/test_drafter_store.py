@@ -212,7 +212,7 @@ def test_serve_uses_the_stored_drafter(folders, store):
     texts = {}
     for no_draft in (False, True):
         rt = load_runtime(str(tiny), no_draft=no_draft)  # what `mlx-redrafter serve --model` loads
-        with TestClient(create_app(Engine(rt, max_tokens=10))) as http:
+        with TestClient(create_app(Engine(rt, max_tokens=10)), base_url="http://127.0.0.1") as http:
             health = http.get("/health").json()
             texts[no_draft] = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0}).json()
         assert health["drafter"] == (None if no_draft else str(path))

@@ -78,9 +78,9 @@ class ScriptedEngine(Engine):
 
 def _client(fmt, text, size=3):
     chunks = [text[i:i + size] for i in range(0, len(text), size)]  # markers split across chunks
-    http = TestClient(create_app(ScriptedEngine(fmt, chunks)))
+    http = TestClient(create_app(ScriptedEngine(fmt, chunks)), base_url="http://127.0.0.1")
     http.__enter__()  # runs the lifespan: the engine's worker
-    return http, OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    return http, OpenAI(base_url="http://127.0.0.1/v1", api_key="x", http_client=http, max_retries=0)
 
 
 @pytest.fixture

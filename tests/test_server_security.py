@@ -98,6 +98,16 @@ def _request(url, method, path, **kw):
 # --------------------------------------------------------------------------- Host names
 
 
+def test_an_app_made_without_a_config_trusts_loopback_names_only(runtime):
+    """create_app's default is the safe one: a rebinding Host is refused even
+    when its maker passed no SecurityConfig."""
+    app = create_app(Engine(runtime, max_tokens=2))
+    with TestClient(app, base_url="http://attacker.example") as http:
+        assert http.get("/api/tags").status_code == 403
+    with TestClient(app, base_url="http://127.0.0.1:8080") as http:
+        assert http.get("/api/tags").status_code == 200
+
+
 @pytest.mark.parametrize("method, path, shape", ROUTES)
 def test_a_rebinding_host_gets_a_403_naming_the_flag(open_server, method, path, shape):
     r = _request(open_server, method, path, headers={"Host": "attacker.example"})

@@ -66,11 +66,17 @@ def shaped_error(path: str, failure: Failure) -> Response:
     return response
 
 
-def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfig] = None) -> FastAPI:
+# What an app trusts when its maker does not say: this machine's loopback names, no other origin, no key.
+LOCAL_ONLY = SecurityConfig()
+
+
+def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfig] = LOCAL_ONLY) -> FastAPI:
     """The FastAPI app serving ``engine`` (its worker runs with the app),
     with the chat page at ``/`` unless ``ui`` is False, guarded as
-    ``security`` says (``serve`` resolves it from its flags; None: no Host,
-    Origin or key checks, for tests and apps that guard it themselves)."""
+    ``security`` says (``serve`` resolves it from its flags; by default
+    loopback names only, so that no web page can drive it by DNS
+    rebinding; None: no Host, Origin or key checks, for an app that
+    guards itself)."""
 
     @asynccontextmanager
     async def lifespan(app):
