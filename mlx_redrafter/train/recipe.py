@@ -209,7 +209,7 @@ class _Run:
             plan = planned()
             self.tell(Status("distill", min(live.elapsed / max(plan, 1e-9), 1.0), plan - live.elapsed,
                              left - live.elapsed + self.fixed_todo_s(),
-                             f"{live.now:.0f} positions/s, {len(m.done)} conversations, {_positions(m) + running:,} positions"))
+                             f"{live.now:.0f} positions/s, {_positions(m) + running:,} positions, {len(m.done)} conversations saved"))
 
         def past(replies: int, slack: float) -> bool:
             # At least one finished reply, whatever the budget: training needs data.
