@@ -261,7 +261,7 @@ def test_a_refused_drafter_says_what_its_learning_curve_needs(tiny, tmp_path):
     from mlx_redrafter.llm.load import load_model
 
     out = tmp_path / "work"
-    report = make_drafter(recipe(tiny, out, train={"batch_size": 32, "max_steps": 40, "eval_every": 5}),
+    report = make_drafter(recipe(tiny, out, train={"batch_size": 32, "max_steps": 40, "eval_every": 5, "warmup_steps": 4}),
                           measure=Passes(drafter=102.0, lookup=104.0))
     assert report.installed is None and report.verdict["reason"] == "1.02x is not faster than lookup alone (1.04x)"
     need = report.verdict["needs"]
@@ -286,6 +286,7 @@ def test_learning_curve_fit_has_the_known_answer():
     assert abs(need.accuracy - 0.68) < 1e-9 and abs(need.positions - 20000 * want / 16000) < 1e-3
     assert abs(need.more_minutes - (need.positions - 20000) * 0.01 / 60) < 1e-6
     assert "too few" in data_needed(points[:2], 0.4, 1.4, 1.0, 1.2, 20000, 0.01).message
+    assert "too few" in data_needed(points, 0.4, 1.4, 1.0, 1.2, 20000, 0.01, warmup=5000).message  # the warm-up's
     flat = [(p, 0.3) for p, _ in points]
     assert "flat" in data_needed(flat, 0.3, 1.3, 1.0, 1.2, 20000, 0.01).message
 

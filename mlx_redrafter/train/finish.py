@@ -215,8 +215,9 @@ def learning_need(run, summary):
     per_position = 1 / max(run.rates.positions_per_s, 1e-9) + train_seconds_per_position(
         run.rates, run.train_cfg.batch_size, run.source.held_out)
     d = summary[DRAFTER]
+    warmup = run.train_cfg.warmup_steps * run.train_cfg.batch_size
     return data_needed(points, accuracy, d["tokens_per_step"], d["speedup"], target_speedup(summary),
-                       _positions(Manifest.load(run.data)), per_position)
+                       _positions(Manifest.load(run.data)), per_position, warmup)
 
 
 def training_record(drafter_dir: Path) -> dict:

@@ -6,8 +6,10 @@ the positions seen by then (steps x batch). Within the first pass nearly
 every position seen is new, so positions seen stand for positions of data.
 The fit is ``accuracy = a + b * ln(positions)``: the shape of the
 data-scaling curve in bench/RESULTS.md section 12, straight on a log scale
-over four doublings. Least squares over the points past the first 20% of
-training (the warm-up's steep start would tilt the line).
+over four doublings. Least squares over the points past the learning
+rate's warm-up and past the first 20% of training: the steep start of
+optimisation says nothing about data (a run too short to have such points
+says so instead of extrapolating).
 
 To turn a speed-up into an accuracy, a step's cost is held fixed and the
 tokens it adds beyond one are taken to grow with the first-draft accuracy:
@@ -41,12 +43,16 @@ def learning_points(log_path, batch_size: int) -> List[Tuple[int, float]]:
     return sorted(dict(points).items())
 
 
-def fit_log(points: List[Tuple[int, float]]) -> Optional[Tuple[float, float]]:
-    """``(a, b)`` of ``accuracy = a + b ln(positions)``, or None with fewer than :data:`MIN_POINTS`."""
-    if not points:
-        return None
-    cut = points[-1][0] * 0.2
-    used = [(p, a) for p, a in points if p > cut] or points
+def fit_points(points: List[Tuple[int, float]], warmup: int = 0) -> List[Tuple[int, float]]:
+    """The points the fit uses: past ``warmup`` positions and the first 20% of training."""
+    cut = max(warmup, points[-1][0] * 0.2) if points else 0
+    return [(p, a) for p, a in points if p > cut]
+
+
+def fit_log(points: List[Tuple[int, float]], warmup: int = 0) -> Optional[Tuple[float, float]]:
+    """``(a, b)`` of ``accuracy = a + b ln(positions)`` over :func:`fit_points`,
+    or None with fewer than :data:`MIN_POINTS` of them."""
+    used = fit_points(points, warmup)
     if len(used) < MIN_POINTS:
         return None
     xs = [math.log(p) for p, _ in used]
@@ -73,16 +79,19 @@ class Need:
 
 
 def data_needed(points, accuracy: float, tokens_per_step: float, speedup: float, target: float,
-                data_positions: int, seconds_per_position: float) -> Need:
+                data_positions: int, seconds_per_position: float, warmup: int = 0) -> Need:
     """How many distilled positions the drafter would need to beat ``target``
-    (a speed-up), from its learning curve (:func:`fit_log`), and the budget
-    that takes at ``seconds_per_position`` (distilling and training one)."""
-    fit = fit_log(points)
+    (a speed-up), from its learning curve (:func:`fit_log`; ``warmup``: the
+    positions seen in the learning rate's warm-up), and the budget that takes
+    at ``seconds_per_position`` (distilling and training one)."""
+    fit = fit_log(points, warmup)
     if fit is None:
-        return Need(f"its learning curve has {len(points)} held-out point(s), too few to extrapolate "
-                    f"(it takes {MIN_POINTS}); a larger budget gives more")
+        used = len(fit_points(points, warmup))
+        return Need(f"its learning curve has {used} held-out evaluation(s) past the warm-up, too few to "
+                    f"extrapolate (it takes {MIN_POINTS}): a larger budget trains longer and tells more")
     a, b = fit
-    shape = f"held-out first-draft accuracy = {a:.3f} + {b:.4f} ln(positions), over {len(points)} evaluations"
+    shape = (f"held-out first-draft accuracy = {a:.3f} + {b:.4f} ln(positions), over "
+             f"{len(fit_points(points, warmup))} evaluations")
     if b <= 0 or tokens_per_step <= 1 or accuracy <= 0 or speedup <= 0:
         return Need(f"its learning curve is flat ({shape}): more data alone is not predicted to make it pay")
     cost = tokens_per_step / speedup  # one step in plain steps
