@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import save_tiny_folder
+from helpers import cli, save_tiny_folder
 from mlx_redrafter.train.budget import Sizes
 from mlx_redrafter.train.recipe import RecipeConfig, make_drafter
 from mlx_redrafter.train.recipe_state import STATE
@@ -312,23 +312,14 @@ def test_the_budget_split_and_the_head():
 # --------------------------------------------------------------------------- prompts: history, base models
 
 
-def _cli(argv) -> int:
-    from mlx_redrafter.cli import main
-
-    try:
-        return main(argv)
-    except SystemExit as e:
-        return e.code or 0
-
-
 def test_prompts_history_distils_what_chat_kept_and_is_private(tiny, tmp_path, monkeypatch):
     from mlx_redrafter.draft.stores import history_prompts, prompts_path
 
     folder = str(tiny[0])
-    assert _cli(["make-drafter", "--model", folder, "--minutes", "1", "--prompts", "history"]) == 1  # none yet
+    assert cli(["make-drafter", "--model", folder, "--minutes", "1", "--prompts", "history"]) == 1  # none yet
     lines = [" ".join(random.Random(i).choice(WORDS) for _ in range(4)) + "\n/reset\n" for i in range(48)]
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(lines)))
-    assert _cli(["chat", "--model", folder, "--max-tokens", "6", "--drafter", "none"]) == 0
+    assert cli(["chat", "--model", folder, "--max-tokens", "6", "--drafter", "none"]) == 0
     kept = history_prompts(folder)
     assert len(kept) == 48
     out = tmp_path / "work"
@@ -338,7 +329,7 @@ def test_prompts_history_distils_what_chat_kept_and_is_private(tiny, tmp_path, m
     # The exact ids chat fed the model: the distilled prompt positions are each prompt from its second token.
     starts = {tuple(corpus.tokens[a:b][~corpus.reply[a:b]]) for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])}
     assert starts and starts <= {tuple(p[1:]) for p in kept}
-    assert _cli(["datastore", "clear", "--model", folder]) == 0
+    assert cli(["datastore", "clear", "--model", folder]) == 0
     assert not prompts_path(folder).exists()
 
 
@@ -371,16 +362,16 @@ def test_a_base_model_without_a_chat_template_is_prompted_with_raw_text(tiny, tm
 
 def test_cli_make_drafter(tiny, tmp_path, capsys):
     folder, prompts = tiny
-    assert _cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--hours", "1"]) == 1
+    assert cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--hours", "1"]) == 1
     assert "--minutes N or --hours H" in capsys.readouterr().err
     out = tmp_path / "work"
     argv = ["make-drafter", "--model", str(folder), "--minutes", "0.05", "--prompts", str(prompts),
             "--max-conversations", "16", "--out", str(out)]
-    assert _cli(argv) == 0
+    assert cli(argv) == 0
     text = capsys.readouterr().err
     assert "verdict on" in text and "plain decoding" in text and ("Installed" in text or "Not installed" in text)
     assert state(out)["runs"][0]["command"] == " ".join(["mlx-redrafter"] + argv[:3] + ["--minutes", "0.05", "--out", str(out),
                                                                                        "--prompts", str(prompts), "--max-conversations", "16"])
-    assert _cli(argv) == 0 and "Already done" in capsys.readouterr().err
-    assert _cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--out", str(out)]) == 1  # other prompts
+    assert cli(argv) == 0 and "Already done" in capsys.readouterr().err
+    assert cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--out", str(out)]) == 1  # other prompts
     assert "holds a make-drafter run" in capsys.readouterr().err
