@@ -32,12 +32,13 @@ UPPER = TOOLS[:2] + APPS + CLI  # what nothing below may import (the converters 
 # Modules the layout promises (more may join a folder).
 NAMED = [
     "errors", "files", "config", "profiles", "generate", "responses", "runtime", "prompts", "doctor",
-    "cli/__init__", "cli/run", "cli/tools", "cli/training", "cli/drafters",
+    "cli/__init__", "cli/run", "cli/tools", "cli/training", "cli/make", "cli/drafters",
     "llm/load", "llm/parts", "llm/text", "llm/cache", "llm/identity",
     "draft/drafter", "draft/beam", "draft/lookup", "draft/controller", "draft/store", "draft/hub", "draft/publish",
     "step/tree", "step/verify", "step/accept", "step/protocol", "step/synchronous", "step/pipelined", "step/dispatch",
-    "tuning/measure", "tuning/cost", "tuning/sweep", "tuning/report",
+    "tuning/measure", "tuning/cost", "tuning/sweep", "tuning/report", "tuning/verdict",
     "train/distill", "train/shards", "train/trainer", "train/world", "train/controller",
+    "train/recipe", "train/recipe_state", "train/budget", "train/sources", "train/finish", "train/learning",
     "chat/terminal", "chat/conversation", "chat/commands", "chat/settings",
     "serve/engine", "serve/app", "serve/streaming", "serve/openai_api", "serve/ollama_api",
     "serve/anthropic_api", "serve/anthropic_reply", "serve/responses_api", "serve/responses_reply",
