@@ -198,10 +198,10 @@ def save_random_drafter(path, seed: int = 1, **kw):
     return save_drafter(random_drafter(seed=seed, **kw), path)
 
 
-def byte_tokenizer(folder, chat_template=None):
+def byte_tokenizer(folder, chat_template=None, special_tokens=()):
     """mlx-lm's tokenizer wrapper, loaded as mlx-lm loads a model's, over a
-    byte-level BPE built here (256 byte tokens, then ``</s>`` as EOS) and
-    saved to ``folder``, with ``chat_template`` if given."""
+    byte-level BPE built here (256 byte tokens, then ``</s>`` as EOS and the
+    ``special_tokens``) and saved to ``folder``, with ``chat_template`` if given."""
     from mlx_lm.tokenizer_utils import load
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -210,5 +210,6 @@ def byte_tokenizer(folder, chat_template=None):
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=chat_template).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=chat_template,
+                            additional_special_tokens=list(special_tokens)).save_pretrained(folder)
     return load(folder)

@@ -316,18 +316,10 @@ MISTRAL_TEMPLATE = """
 
 
 def _template_tokenizer(tmp_path, template: str):
-    """mlx-lm's tokenizer wrapper, loaded as mlx-lm loads a model's, over a
-    byte-level tokenizer built here with ``template`` as its chat template."""
-    from mlx_lm.tokenizer_utils import load
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level tokenizer (tests/helpers.py) with ``template`` as its chat template."""
+    from helpers import byte_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=template).save_pretrained(tmp_path)
-    return load(tmp_path)
+    return byte_tokenizer(tmp_path, template)
 
 
 def test_hermes_template_renders_tools_and_history_itself(tmp_path):

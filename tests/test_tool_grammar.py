@@ -102,18 +102,9 @@ INVALID = {
 def tokenizer(request, tmp_path_factory):
     """A byte-level tokenizer (mlx-lm's wrapper), with the formats' markers
     as special tokens or as plain text."""
-    from mlx_lm.tokenizer_utils import load
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from helpers import byte_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    path = tmp_path_factory.mktemp("tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
-                            additional_special_tokens=MARKERS if request.param else []).save_pretrained(path)
-    return load(path)
+    return byte_tokenizer(tmp_path_factory.mktemp("tokenizer"), special_tokens=MARKERS if request.param else ())
 
 
 def _format(syntax):
