@@ -80,3 +80,36 @@ def test_discard_keeps_the_stored_caches_and_reset_drops_them(model):
     assert cache.entries == 0 and cache.reuse(p) == 0
     with pytest.raises(RedrafterError, match="prompt-cache-size"):
         PromptCache(model, max_size=0)
+
+
+def test_a_cache_taken_from_a_batch_does_not_keep_the_batch_alive(model):
+    """A row leaving the server's batch hands back a lazy slice of the whole
+    batch's KV; stored as it is, it would pin that buffer for as long as the
+    entry lives (the bytes bound counts only the slice)."""
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    rows = []
+    for p in prompts(8, length=400, seed=19):
+        c = make_prompt_cache(model)
+        mx.eval(model(mx.array([p]), cache=c))
+        rows.append(c)
+    batch = [BatchKVCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    mx.eval([c.state for c in batch])
+    del rows
+    gc.collect()
+    before = mx.get_active_memory()  # the batch's KV and the model
+    row = [c.extract(0) for c in batch]
+    cache = PromptCache(model)
+    assert cache.store(row, prompts(8, length=400, seed=19)[0])
+    del batch, row
+    gc.collect()
+    kept = before - mx.get_active_memory()
+    assert kept > 0.8 * (before - cache.nbytes - _weights(model)), (kept, before, cache.nbytes)
+
+
+def _weights(model) -> int:
+    from mlx.utils import tree_flatten
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence
 
+import mlx.core as mx
+
 from ..config import SamplingConfig
 from ..errors import RedrafterError
 from ..llm.cache import PromptCache
@@ -166,12 +168,20 @@ class Engine:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
-                "queue": self.queue.status(), "prompt_cache": self.cache_status()}
+                "queue": self.queue.status(), "prompt_cache": self.cache_status(), "memory": memory_status()}
 
     def cache_status(self) -> dict:
         c = self.cache
         return {"entries": c.entries, "bytes": c.nbytes, "hits": c.hits, "reused_tokens": c.reused_tokens,
                 "bound": c.lru.max_size, "bound_bytes": c.lru.max_bytes}
+
+
+def memory_status() -> dict:
+    """MLX's memory in MB: arrays alive, freed buffers it keeps for reuse
+    (its cache), and the peak since start."""
+    mb = lambda n: round(n / 2**20, 1)
+    return {"active_mb": mb(mx.get_active_memory()), "cache_mb": mb(mx.get_cache_memory()),
+            "peak_mb": mb(mx.get_peak_memory())}
 
 
 def first_stop(text: str, stop: Sequence[str]) -> Optional[str]:
