@@ -117,6 +117,8 @@ def test_models_and_health(server, client):
     assert h["status"] == "ok" and h["model"] == "default"
     assert h["drafter"] is not None  # the shipped drafter is used
     assert h["queue"]["bound"] == QUEUE and h["queue"]["max_batch"] == MAX_BATCH
+    m = h["memory"]  # MLX's: the model's weights at least are alive
+    assert 0 < m["active_mb"] <= m["peak_mb"] and m["cache_mb"] >= 0
 
 
 def test_chat_equals_generate_and_stream_equals_whole(client, reference, generate_cli):
