@@ -390,6 +390,8 @@ def main() -> None:
         sys.exit(0 if all(r["identical"] for r in out["rounds"]) else 1)
     args.max_tokens = args.max_tokens or 16
     out = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
     sys.exit(0 if out["ok"] else 1)
 

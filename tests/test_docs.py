@@ -145,16 +145,33 @@ def check_make(words: List[str], targets: set) -> Optional[str]:
     return f"make target(s) {', '.join(missing)} not in the Makefile" if missing else None
 
 
+def anchors(text: str) -> set:
+    """The anchors GitHub gives a Markdown page's headings (lower case, punctuation
+    dropped, spaces as hyphens; a repeated heading gets -1, -2, ...)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    seen, out = {}, set()
+    for title in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower().replace("`", "")).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 def broken_links(path: Path, text: Optional[str] = None) -> List[str]:
-    """The relative links of a Markdown file whose target does not exist."""
+    """The relative links of a Markdown file whose target does not exist, or
+    whose ``#anchor`` names no heading of the Markdown page it points at."""
     text = path.read_text() if text is None else text
-    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code is not prose: no links inside
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # code is not prose: no links inside
     bad = []
-    for target in LINK.findall(text):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
-            continue  # a URL (https:, mailto:) or an anchor on the same page
-        file = target.split("#", 1)[0]
-        if file and not (path.parent / file).exists():
+    for target in LINK.findall(prose):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+            continue  # a URL (https:, mailto:)
+        file, _, anchor = target.partition("#")
+        dest = path.parent / file if file else path
+        if file and not dest.exists():
+            bad.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(text if dest == path else dest.read_text()):
             bad.append(target)
     return bad
 
@@ -240,11 +257,12 @@ def test_a_missing_make_target_is_found():
 
 
 def test_a_broken_link_is_found(tmp_path):
-    (tmp_path / "there.md").write_text("x")
     page = tmp_path / "page.md"
-    text = "[ok](there.md) [anchor](there.md#x) [web](https://x.org) [self](#top) [gone](missing.md)\n" \
+    (tmp_path / "there.md").write_text("# A title: with `code`\n## 21. Several clients (issue 38)\n")
+    text = "# Top\n[ok](there.md) [anchor](there.md#a-title-with-code) [web](https://x.org) [self](#top) " \
+           "[deep](there.md#21-several-clients-issue-38) [gone](missing.md) [stale](there.md#22-gone) [nope](#none)\n" \
            "```\n[not a link](nowhere.md)\n```\n"
-    assert broken_links(page, text) == ["missing.md"]
+    assert broken_links(page, text) == ["missing.md", "there.md#22-gone", "#none"]
 
 
 def test_a_block_marked_not_run_carries_its_reason(tmp_path):
