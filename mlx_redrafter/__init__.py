@@ -1,7 +1,8 @@
 """mlx-redrafter: ReDrafter speculative decoding for mlx-lm models."""
 
 from .config import DraftConfig, SamplingConfig
-from .draft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from .draft.drafter import Drafter, DrafterConfig, save_drafter
+from .draft.load import load_drafter
 from .errors import RedrafterError
 from .generate import generate, stream_generate
 from .llm.cache import trim_cache

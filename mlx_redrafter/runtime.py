@@ -187,7 +187,8 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
 
 
 def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree) -> Runtime:
-    from .draft.drafter import check_fits, load_drafter
+    from .draft.drafter import check_fits
+    from .draft.load import load_drafter
     from .llm.load import load_model
 
     _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)

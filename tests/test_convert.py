@@ -17,7 +17,8 @@ from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.beam import beam_search, warp_logits
 from mlx_redrafter.converters.drafter import convert_drafter, inspect_drafter
 from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, load_drafter
+from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.load import load_drafter
 
 FIXTURES = ["drafter_rnn", "drafter_norn", "drafter_rnn_bin", "drafter_rnn_bf16", "drafter_rnn_distilled"]
 # The official file each fixture's conversion must reproduce (key names, shapes).

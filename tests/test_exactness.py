@@ -133,7 +133,7 @@ def fixture_llm(fixtures_dir):
 @pytest.mark.parametrize("p", [0, 1])
 def test_fixture_generation_matches_official(fixture_llm, fixtures_dir, tag, folder, p):
     """Official BeamShape(width=2, length=4) counts g0: our beam_length=3."""
-    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.draft.load import load_drafter
 
     model, ref = fixture_llm
     drafter = load_drafter(fixtures_dir / folder)

@@ -153,7 +153,7 @@ def test_chat_sweep_bench_and_distill_feed_the_same_ids(tiny_folder, templated):
     from transformers import AutoTokenizer
 
     from mlx_redrafter.chat import ChatSession
-    from mlx_redrafter.cli import format_prompt
+    from mlx_redrafter.cli.options import format_prompt
     from mlx_redrafter.llm.text import encode_prompt
     from mlx_redrafter.prompts import chat_prompt_ids, first_turn_ids
     from mlx_redrafter.train.distill import DistillConfig, Distiller
@@ -521,7 +521,7 @@ def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatc
 
 
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
-    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft
     from mlx_redrafter.generate import stream_generate
     from mlx_redrafter.llm.load import load_model
@@ -544,7 +544,7 @@ def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_
 def test_a_profile_from_an_auto_cell_sets_the_tree(tmp_path, tiny_folder):
     """A sweep's best cell may be an auto one: its profile says so, and the
     tree is then the profile's unless one is given."""
-    from mlx_redrafter.draft.drafter import load_drafter
+    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.config import library_draft
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile

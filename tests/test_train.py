@@ -15,7 +15,7 @@ import pytest
 import mlx_redrafter
 from helpers import TINY_CONFIGS, tiny_model
 from mlx_redrafter import RedrafterError
-from mlx_redrafter.draft.drafter import load_drafter
+from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.generate import DraftConfig, generate_tokens
 from mlx_redrafter.prompts import FINGERPRINTS, PROMPT_SETS, build_fingerprints, refuse_eval_set
 from mlx_redrafter.train.distill import DistillConfig, distill

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import RedrafterError
-from . import ModelOpt, app, err
+from .options import ModelOpt, app, err
 
 store_app = typer.Typer(no_args_is_help=True, help="The model's datastores: drafts from its own past outputs.")
 app.add_typer(store_app, name="datastore")

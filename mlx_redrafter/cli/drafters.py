@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import RedrafterError
-from . import app, err
+from .options import app, err
 
 drafters_app = typer.Typer(no_args_is_help=True, help="The drafter store: the drafters the tools pick for each model.")
 app.add_typer(drafters_app, name="drafters")

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import RedrafterError
-from . import ModelOpt, app, err
+from .options import ModelOpt, app, err
 
 
 def _clock(seconds: Optional[float]) -> str:

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import RedrafterError
-from . import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DatastoreOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt,
+from .options import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DatastoreOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt,
                NoHistoryOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt, _runtime, _sampling, app, err, format_prompt, read_prompt)
 
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import RedrafterError
-from . import DtypeOpt, ModelOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err
+from .options import DtypeOpt, ModelOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err
 
 
 @app.command()

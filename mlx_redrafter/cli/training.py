@@ -10,7 +10,7 @@ import typer
 
 from ..errors import RedrafterError
 from ..train.trainer import PRESETS
-from . import BeamWidthOpt, ModelOpt, NeededDrafterOpt, SystemOpt, _runtime, app, err
+from .options import BeamWidthOpt, ModelOpt, NeededDrafterOpt, SystemOpt, _runtime, app, err
 
 
 def _feature_layers(spec: str, model: str) -> list:

@@ -244,25 +244,14 @@ def shipped_drafter_path(model_spec: str) -> Optional[Path]:
     return path if (path / "config.json").exists() else None
 
 
-def load_drafter(path, dtype=None) -> Drafter:
-    """Load a drafter: a folder (``config.json`` + ``model.safetensors``); the
-    id of a model the drafter store holds a drafter for (``mlx-redrafter
-    drafters list``; e.g. one ``make-drafter`` installed) or that a drafter
-    ships for (``"default"``, ``"HuggingFaceTB/SmolLM2-135M-Instruct"``); a
-    stored drafter's name; or a Hugging Face Hub repo id (``"org/name"``),
-    fetched as mlx-lm fetches models (cached; ``HF_HUB_OFFLINE`` respected)
-    and kept in the store, a PyTorch-layout repo converted once (see
-    :mod:`~mlx_redrafter.draft.hub`).
-
-    ``dtype`` defaults to the LLM policy (float16 on a GPU, float32 on the
-    CPU). Parameters are evaluated before returning.
-    """
+def read_drafter(path, dtype=None) -> Drafter:
+    """Read the drafter in folder ``path`` (``config.json`` +
+    ``model.safetensors``; a file in it also names it). ``dtype`` defaults to
+    the LLM policy (float16 on a GPU, float32 on the CPU). Parameters are
+    evaluated before returning. :func:`~mlx_redrafter.draft.load.load_drafter`
+    also takes names (a model's, the store's, a Hub repo's)."""
     from ..llm.load import parse_dtype, default_dtype
 
-    if isinstance(path, str) and not Path(path).expanduser().exists():
-        from .hub import locate
-
-        path = locate(path).path
     path = Path(path).expanduser()
     if not path.exists():
         raise RedrafterError(

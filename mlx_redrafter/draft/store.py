@@ -265,7 +265,7 @@ def drafter_for(model, model_spec: Optional[str] = None):
     model's float dtype, or ``(None, None)``. Cached on the model: a later
     call costs one ``stat`` of the model's family folder, and sees a drafter
     installed or removed since."""
-    from .drafter import load_drafter
+    from .drafter import read_drafter
 
     identity = model_identity(model, model_spec)
     family = store_root() / identity.family
@@ -274,7 +274,7 @@ def drafter_for(model, model_spec: Optional[str] = None):
     if isinstance(cached, _Cached) and cached.key == key:
         return cached.drafter, cached.found
     found = find(identity)
-    drafter = None if found is None else load_drafter(found.path, dtype=_float_dtype(model))
+    drafter = None if found is None else read_drafter(found.path, dtype=_float_dtype(model))
     model.redrafter_store_drafter = _Cached(key, drafter, found)
     return drafter, found
 

@@ -20,7 +20,7 @@ from typing import List, Tuple
 
 from ..errors import RedrafterError
 from ..files import write_json_atomic
-from .recipe_state import Status
+from .recipe_state import Status, checkpoint_state, positions
 
 CONTROLLER_DEPTH = 4  # `make train-default`'s train-controller -L
 MAX_PROMPT_TOKENS = 512  # as train-controller: longer held-out prompts are left out
@@ -82,7 +82,7 @@ def _after(run, stage: str) -> float:
 def controller_stage(run) -> None:
     """Train the depth controller next to the drafter (``train-controller``'s fit)."""
     from ..config import DEFAULT_WIDTH
-    from ..draft.drafter import load_drafter
+    from ..draft.load import load_drafter
     from ..step.curve import load_curve
     from .controller import fit_and_save
 
@@ -138,7 +138,7 @@ def verdict_settings(run) -> dict:
     drafter and the drafter the model already uses (if any), in the shape the
     tools give a drafter by default."""
     from ..config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
-    from ..draft.drafter import load_drafter
+    from ..draft.load import load_drafter
     from ..draft.store import find
     from ..step.curve import curve_for, default_tree
     from ..tuning.verdict import DRAFTER, EXISTING, LOOKUP
@@ -206,7 +206,6 @@ def learning_need(run, summary):
     from ..tuning.verdict import DRAFTER, target_speedup
     from .budget import train_seconds_per_position
     from .learning import data_needed, learning_points
-    from .recipe import _positions
     from .shards import Manifest
 
     points = learning_points(run.drafter_dir / "train_log.jsonl", run.train_cfg.batch_size)
@@ -217,7 +216,7 @@ def learning_need(run, summary):
     d = summary[DRAFTER]
     warmup = run.train_cfg.warmup_steps * run.train_cfg.batch_size
     return data_needed(points, accuracy, d["tokens_per_step"], d["speedup"], target_speedup(summary),
-                       _positions(Manifest.load(run.data)), per_position, warmup)
+                       positions(Manifest.load(run.data)), per_position, warmup)
 
 
 def training_record(drafter_dir: Path) -> dict:
@@ -282,19 +281,18 @@ def build_meta(run) -> dict:
     """What the drafter's model card says: the base model, the data, the
     recipe (the command and each stage's minutes), held-out acceptance and
     the verdict with the device it was measured on."""
-    from .recipe import _checkpoint, _positions
     from .shards import Manifest
 
     m, record, seconds = Manifest.load(run.data), training_record(run.drafter_dir), run.state["seconds"]
     stages = {s: {"minutes": round(v / 60, 2)} for s, v in seconds.items()}
-    stages.setdefault("train", {})["steps"] = _checkpoint(run.drafter_dir).get("step", 0)
+    stages.setdefault("train", {})["steps"] = checkpoint_state(run.drafter_dir).get("step", 0)
     train, distill = run.train_cfg, run.distill_cfg
     accepted = record.get("eval_accepted_w1")
     return {
         "source": "make-drafter",
         "base_model": run.identity.to_dict(),
         "data": {"prompts": run.source.label, "private": run.source.private, "conversations": len(m.done),
-                 "positions": _positions(m), "tokens": m.tokens, "prompt_positions": m.prompt_tokens,
+                 "positions": positions(m), "tokens": m.tokens, "prompt_positions": m.prompt_tokens,
                  "held_out": run.source.held_out},
         "recipe": {"command": run.cfg.command, "minutes": run.cfg.minutes, "runs": len(run.state["runs"]),
                    "stages": stages, "rates": run.state["rates"],

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, more_distill_s, measure_step_s, measure_train_rate
-from .recipe_state import STAGES, State, Status, default_out
+from .recipe_state import STAGES, State, Status, checkpoint_state, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
 DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
@@ -196,7 +196,7 @@ class _Run:
         if self.state.finished("distill", self.budget):
             return
         before = Manifest.load(self.data)
-        start = _positions(before)
+        start = positions(before)
         left, train_spent = self.left_s(), self.state["seconds"].get("train", 0.0)
         live = LiveRate(self.rates.positions_per_s)
 
@@ -205,11 +205,11 @@ class _Run:
             return more_distill_s(left, start, train_spent, rates, self.train_cfg.batch_size, self.source.held_out)
 
         def progress(m, running):
-            live.update(_positions(m) + running)
+            live.update(positions(m) + running)
             plan = planned()
             self.tell(Status("distill", min(live.elapsed / max(plan, 1e-9), 1.0), plan - live.elapsed,
                              left - live.elapsed + self.fixed_todo_s(),
-                             f"{live.now:.0f} positions/s, {_positions(m) + running:,} positions, {len(m.done)} conversations saved"))
+                             f"{live.now:.0f} positions/s, {positions(m) + running:,} positions, {len(m.done)} conversations saved"))
 
         def past(replies: int, slack: float) -> bool:
             # At least one finished reply, whatever the budget: training needs data.
@@ -219,11 +219,11 @@ class _Run:
         with self.state.timed("distill"):  # no new prompt once the last replies take the rest of the plan
             m = distill(self.cfg.model, self.source.path, self.data, self.distill_cfg, self.model, self.tokenizer,
                         progress=progress, drain=lambda n: past(n, -1.0), stop=lambda n: past(n, 1.0))
-        if live.elapsed > 0 and _positions(m) > start:
-            self.rates.positions_per_s = (_positions(m) - start) / live.elapsed
+        if live.elapsed > 0 and positions(m) > start:
+            self.rates.positions_per_s = (positions(m) - start) / live.elapsed
             self.state["rates"] = asdict(self.rates)
-        self.tell(Status("distill", 1.0, line=f"distilled {_positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
-                         f"({len(m.done)} conversations, {_positions(m):,} positions in all)"))
+        self.tell(Status("distill", 1.0, line=f"distilled {positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
+                         f"({len(m.done)} conversations, {positions(m):,} positions in all)"))
         self.state.finish("distill", self.budget)
 
     # -- training ------------------------------------------------------------
@@ -235,7 +235,7 @@ class _Run:
 
         if self.state.finished("train", self.budget):
             return
-        ck = _checkpoint(self.drafter_dir)
+        ck = checkpoint_state(self.drafter_dir)
         # Training gets at least TRAIN_FLOOR of the budget in all, also when
         # distillation ran past its share (its first replies take what they take).
         done = ck.get("seconds", 0.0)
@@ -260,7 +260,7 @@ class _Run:
         with self.state.timed("train"):
             train(self.model, self.data, self.drafter_dir, cfg, resume=bool(ck), extend=True,
                   eos_ids=sorted(self.tokenizer.eos_token_ids), progress=progress, log_console=log_console)
-        after = _checkpoint(self.drafter_dir)
+        after = checkpoint_state(self.drafter_dir)
         added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
         if added > 1 and secs > 0:
             self.rates.train_steps_per_s = added / secs
@@ -293,14 +293,3 @@ class _Run:
     def report(self, already_done: bool) -> Report:
         return Report(self.out, self.drafter_dir, self.state["installed"] and Path(self.state["installed"]),
                       self.state["verdict"] or {}, self.state["meta"] or {}, already_done)
-
-
-def _positions(m) -> int:
-    """Training positions a data folder holds: reply tokens and prompt positions."""
-    return 0 if m is None else m.tokens + m.prompt_tokens
-
-
-def _checkpoint(drafter_dir: Path) -> dict:
-    """The training checkpoint's state (step, seconds), ``{}`` without one."""
-    path = drafter_dir / "checkpoint" / "state.json"
-    return json.loads(path.read_text()) if path.is_file() else {}

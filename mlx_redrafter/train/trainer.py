@@ -28,7 +28,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..draft.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
+from ..draft.drafter import Drafter, DrafterConfig, save_drafter
+
+from ..draft.load import load_drafter
 from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
 from ..llm.parts import model_parts

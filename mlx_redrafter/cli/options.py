@@ -1,0 +1,125 @@
+"""What every command of the ``mlx-redrafter`` command line shares: the
+typer ``app`` the commands register on, the error console, the flags that
+several commands take (each defined once, ``...Opt``; a command lists the
+ones it takes), and the helpers that turn the drafting flags into one
+:class:`~mlx_redrafter.runtime.Runtime` (:func:`_runtime`) and the sampling
+flags into one :class:`~mlx_redrafter.config.SamplingConfig` (:func:`_sampling`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..config import DEFAULT_LENGTH, DEFAULT_TREE, DEFAULT_WIDTH
+from ..errors import RedrafterError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="ReDrafter speculative decoding for mlx-lm models: same tokens, fewer LLM calls.",
+)
+err = Console(stderr=True)
+
+# --------------------------------------------------------------------------- shared flags
+
+ModelOpt = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a Hub id or a .gguf file.")
+DtypeOpt = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16 (default: float16 on a GPU, float32 on the CPU).")
+DrafterOpt = typer.Option(
+    None, "--drafter", "-d",
+    help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
+    "drafter store's for the model, else the one shipped for it, else lookup drafts where they pay); 'none' for no drafter.")
+NeededDrafterOpt = typer.Option(
+    None, "--drafter", "-d",
+    help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
+    "drafter store's for the model, else the one shipped for it).")
+NoDraftOpt = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available.")
+LookupOpt = typer.Option(
+    None, "--lookup/--no-lookup",
+    help="Add drafts copied from the prompt and reply (n-gram lookup) to the drafter's (default: tuned profile, "
+    "else on with a drafter). With --drafter none: lookup drafts only.",
+)
+BeamWidthOpt = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH}).")
+BeamLengthOpt = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH}).")
+TreeOpt = typer.Option(
+    None, "--tree", help="auto: verify only the draft nodes expected to pay on this device's measured verify cost "
+    "(width and length become caps); fixed: every drafted node (default: auto for a model kept quantized, "
+    + DEFAULT_TREE + " otherwise)."
+)
+AdaptiveOpt = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth.")
+TempOpt = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy; serve: when a request does not say).")
+TopPOpt = typer.Option(0.0, "--top-p", help="Nucleus sampling (0 = off).")
+TopKOpt = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off).")
+MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
+SeedOpt = typer.Option(None, "--seed")
+SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
+DatastoreOpt = typer.Option(
+    None, "--datastore",
+    help="Draft from a datastore of past outputs where context lookup finds nothing: a store file, 'default' "
+    "(the model's own stores: history, built, corpus; see `mlx-redrafter datastore info`) or 'none' (the default).",
+)
+NoHistoryOpt = typer.Option(False, "--no-history", help="Do not append the replies to the model's history datastore (kept locally under the cache folder).")
+
+
+def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool = False):
+    """The sampling flags as one :class:`~mlx_redrafter.config.SamplingConfig`,
+    checked before the slow model load (``as_set``: with ``/set``'s messages,
+    for the commands whose defaults ``/set`` or a request may change)."""
+    from ..config import SamplingConfig
+
+    if as_set:
+        from ..chat.settings import check_setting
+
+        for k, v in dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).items():
+            check_setting(k, v, name="--" + k.replace("_", "-"))
+    return SamplingConfig(temp, top_p, min_p, top_k)
+
+
+def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
+             lookup=None, announce=True, tree=None, datastore=None, history=False):
+    """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
+    from ..doctor import slow_blas_warning
+    from ..runtime import load_runtime
+
+    warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
+    if warning:
+        err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
+    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree,
+                      datastore=datastore, history=history)
+    if announce:
+        rt.announce(err)
+    return rt
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
+    """The prompt from --prompt, --file, or standard input."""
+    if prompt is not None and file is not None:
+        raise RedrafterError("Give either --prompt or --file, not both.")
+    if file is not None:
+        if not file.is_file():
+            raise RedrafterError(f"Prompt file does not exist: {file}", "Check the --file path.")
+        return file.read_text()
+    if prompt is not None:
+        return prompt
+    if sys.stdin.isatty():
+        raise RedrafterError("No prompt given.", "Use --prompt TEXT, --file PATH, or pipe text on stdin.")
+    return sys.stdin.read()
+
+
+def format_prompt(tokenizer, text: str, system: Optional[str], raw: bool):
+    """Apply the chat template (unless ``raw`` or the model has none)."""
+    from ..prompts import build_messages, has_chat_template, render_messages
+
+    if raw or not has_chat_template(tokenizer):  # a model without a template continues the text as given
+        return text
+
+    return render_messages(tokenizer, build_messages(system, [], text))
