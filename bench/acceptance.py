@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.draft.drafter import load_drafter
+from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.llm.parts import default_feature_layers
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.prompts import load_prompt_set

@@ -26,7 +26,7 @@ from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 from mlx_redrafter import load_model
 from mlx_redrafter.llm.cache import warm_cache
 from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost, median_ms
-from mlx_redrafter.draft.drafter import load_drafter
+from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train
 

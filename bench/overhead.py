@@ -42,7 +42,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_redrafter import load_model
 from mlx_redrafter.doctor import report
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, load_drafter
+from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.draft.lookup import Lookup
 from mlx_redrafter.tuning.measure import measure
