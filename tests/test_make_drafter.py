@@ -143,7 +143,7 @@ def test_make_drafter_end_to_end_measures_on_held_out_prompts(tiny, tmp_path):
 # --------------------------------------------------------------------------- Ctrl-C in every stage
 
 
-def test_an_interrupt_in_each_stage_keeps_what_is_done_and_the_rerun_continues(tiny, tmp_path, monkeypatch):
+def test_an_interrupt_in_each_stage_keeps_what_is_done_and_the_rerun_continues(tiny, tmp_path, monkeypatch, cache):
     import mlx_redrafter.draft.store as store
     import mlx_redrafter.tuning.calibrate as calibrate
 
@@ -170,11 +170,13 @@ def test_an_interrupt_in_each_stage_keeps_what_is_done_and_the_rerun_continues(t
     def no_curve(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(calibrate, "measure_curve", no_curve)
-    with pytest.raises(KeyboardInterrupt):  # calibration
+    # monkeypatch.context(), not monkeypatch.undo(): undo() would also drop the
+    # autouse fixture's MLX_REDRAFTER_CACHE, and the install below would land
+    # in the session's store, where later tests of the same model find it.
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):  # calibration
+        m.setattr(calibrate, "measure_curve", no_curve)
         make_drafter(cfg, measure=Passes())
     assert "controller" in state(out)["done"] and "calibrate" not in state(out)["done"]
-    monkeypatch.undo()
 
     passes = Passes(stop_at=2)
     with pytest.raises(KeyboardInterrupt):  # the verdict, after two passes
@@ -184,16 +186,16 @@ def test_an_interrupt_in_each_stage_keeps_what_is_done_and_the_rerun_continues(t
     def no_install(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store, "install", no_install)
     passes = Passes()
-    with pytest.raises(KeyboardInterrupt):  # the install
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):  # the install
+        m.setattr(store, "install", no_install)
         make_drafter(cfg, measure=passes)
     assert passes.calls == ["drafter", "plain again"]  # the finished passes are not measured again
-    monkeypatch.undo()
 
     passes = Passes()
     report = make_drafter(cfg, measure=passes)
     assert passes.calls == [] and report.installed is not None and (report.installed / "model.safetensors").is_file()
+    assert report.installed.is_relative_to(cache)  # this test's own store
     s = state(out)
     assert len(Manifest.load(out / "data").runs) == 2 and checkpoint_step(out) == 20 and len(s["runs"]) == 7
     assert json.loads((report.installed / "redrafter.json").read_text())["verdict"]["reason"].startswith("1.30x")
