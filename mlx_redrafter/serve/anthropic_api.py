@@ -258,7 +258,7 @@ def anthropic_router(engine: Engine) -> APIRouter:
         sampled = sampling(engine, temp=req.temperature, top_p=req.top_p, top_k=req.top_k)
         params = GenParams(req.max_tokens, sampled, None, list(req.stop_sequences or []), compiled)
         queued = submit(engine, rendered.ids, params)
-        reply = MessageReply(engine, rendered, len(rendered.ids), error_body)
+        reply = MessageReply(engine, rendered, error_body)
         if req.stream:
             return queued.stream(reply.sse(queued.events(request)))
         result = await queued.result(request)

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from .engine import Engine, Result
 from .streaming import generation_failure
-from .tools import Rendered, ToolCall
+from .tools import Rendered, ToolCall, reply_events
 
 # --------------------------------------------------------------------------- response models (the docs)
 
@@ -87,16 +87,14 @@ def tool_use(call: ToolCall) -> dict:
 class MessageReply:
     """Builds the response objects of one request. ``error(failure) -> dict``: Anthropic's error object."""
 
-    def __init__(self, engine: Engine, rendered: Rendered, prompt_tokens: int, error: Callable):
-        self.engine, self.prompt_tokens, self.error = engine, prompt_tokens, error
+    def __init__(self, engine: Engine, rendered: Rendered, error: Callable):
+        self.engine, self.prompt_tokens, self.error = engine, len(rendered.ids), error
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.tools = rendered.stream() if rendered.tools is not None else None
 
     def _events(self, text: str, last: bool = False) -> List[Union[str, ToolCall]]:
         """Content strings and calls of the next text (``last``: the reply ended after it)."""
-        if self.tools is None:
-            return [text] if text else []
-        return [e for e in self.tools.feed(text) + (self.tools.finish() if last else []) if e != ""]
+        return reply_events(self.tools, text, last)
 
     def _calls(self) -> List[ToolCall]:
         return self.tools.calls if self.tools is not None else []

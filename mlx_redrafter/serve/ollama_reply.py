@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..llm.parts import context_limit
 from .engine import Engine, Result
-from .tools import Rendered, ToolCall, ToolCallStream, ollama_message, ollama_tool_call, tool_format
+from .tools import Rendered, ToolCall, ToolCallStream, ollama_message, ollama_tool_call, reply_events, tool_format
 
 
 # Ollama's names for unquantized weights.
@@ -141,16 +141,12 @@ class OllamaReply:
     def pieces(self, text: str, end: bool = False) -> List[dict]:
         """The streamed objects for the next ``text`` (``end``: the reply is
         over, flush what the tool parser held back)."""
-        if self.tools is None:
-            events = [text] if text else []
-        else:
-            events = self.tools.feed(text) + (self.tools.finish() if end else [])
         out = []
-        for e in events:
+        for e in reply_events(self.tools, text, end):
             if isinstance(e, ToolCall):
                 self.calls.append(e)
                 out.append({**self._head(), **self._body("", [e]), "done": False})
-            elif e:
+            else:
                 self.content.append(e)
                 out.append({**self._head(), **self._body(e), "done": False})
         return out

@@ -20,7 +20,7 @@ import uuid
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from .engine import Engine, Job, Piece, Result
-from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message
+from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message, reply_events
 
 
 class Reply:
@@ -52,8 +52,7 @@ class Reply:
         if self.chat:
             message, reason = {"role": "assistant", "content": res.text}, res.finish_reason
             if self.tools is not None:
-                events = self.tools.feed(res.text) + self.tools.finish()
-                content = "".join(e for e in events if isinstance(e, str))
+                content = "".join(e for e in reply_events(self.tools, res.text, last=True) if isinstance(e, str))
                 message = openai_message(content, self.tools.calls)
                 reason = finish_reason(res.finish_reason, self.tools.calls)
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
@@ -74,10 +73,7 @@ class Reply:
 
     def _deltas(self, text: str, last: bool = False) -> List[dict]:
         """The deltas of the next text (``last``: the reply ended after it)."""
-        if self.tools is None:
-            return [{"content": text}] if text else []
-        events = self.tools.feed(text) + (self.tools.finish() if last else [])
-        return [openai_delta(e) for e in events if not isinstance(e, str) or e]
+        return [openai_delta(e) for e in reply_events(self.tools, text, last)]
 
     def _text_chunks(self, piece: Piece) -> List[dict]:
         """The chunks of a piece of text; the first carries ``x_redrafter``

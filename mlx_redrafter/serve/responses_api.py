@@ -28,7 +28,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GenParams
-from .openai_api import error_body
 from .responses_reply import ResponseOut, ResponsesReply
 from .streaming import UNSUPPORTED, Failure, check_model, client_left, grammar, render, sampling, submit, unsupported
 
@@ -229,16 +228,13 @@ def responses_router(engine: Engine) -> APIRouter:
         check_supported(req)
         check_model(engine, req.model)
         spec = content_spec(req)
-        choice = req.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            choice = {"name": choice.get("name")}
-        rendered = render(engine, chat_messages(req), chat_tools(req.tools), choice, content_param="text.format",
+        rendered = render(engine, chat_messages(req), chat_tools(req.tools), req.tool_choice, content_param="text.format",
                           parallel_tool_calls=req.parallel_tool_calls, content=spec)
         compiled = await grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
         params = GenParams(req.max_output_tokens or engine.max_tokens,
                            sampling(engine, temp=req.temperature, top_p=req.top_p), None, [], compiled)
         queued = submit(engine, rendered.ids, params, "input")
-        reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel), error_body)
+        reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel))
         if req.stream:
             return queued.stream(reply.sse(queued.events(request)))
         result = await queued.result(request)

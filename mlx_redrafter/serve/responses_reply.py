@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from .engine import Engine, Result
-from .streaming import CRASH, generation_failure
-from .tools import Rendered, ToolCall
+from .streaming import generation_failure
+from .tools import Rendered, ToolCall, reply_events
 
 # --------------------------------------------------------------------------- response models (the docs)
 
@@ -105,17 +105,15 @@ class ResponsesReply:
     request's fields a response repeats (instructions, tools, tool_choice,
     text, temperature, ...)."""
 
-    def __init__(self, engine: Engine, rendered: Rendered, echo: dict, error):
-        self.engine, self.echo, self.error = engine, echo, error
+    def __init__(self, engine: Engine, rendered: Rendered, echo: dict):
+        self.engine, self.echo = engine, echo
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.tools = rendered.stream() if rendered.tools is not None else None
         self.items = _Items()
 
     def _events(self, text: str, last: bool = False) -> List[Union[str, ToolCall]]:
-        if self.tools is None:
-            return [text] if text else []
-        return [e for e in self.tools.feed(text) + (self.tools.finish() if last else []) if e != ""]
+        return reply_events(self.tools, text, last)
 
     def response(self, status: str, res: Optional[Result] = None, error: Optional[dict] = None) -> dict:
         """The response object in ``status`` (with ``res``: its output, usage and stats)."""
@@ -153,8 +151,7 @@ class ResponsesReply:
                         yield seq.event(name, data)
             elif kind == "error":
                 failure = generation_failure(value)
-                body = self.error(failure)["error"]
-                yield seq.event("error", {"code": body["code"] or CRASH, "message": failure.message, "param": None})
+                yield seq.event("error", {"code": failure.kind, "message": failure.message, "param": None})
                 error = {"code": "server_error", "message": failure.message}
                 yield seq.event("response.failed", {"response": self.response("failed", error=error)})
                 return
