@@ -56,6 +56,17 @@ def trim_cache(cache, length: int) -> bool:
     return True
 
 
+def trim_to_known(cache, known: Sequence[int]):
+    """``(cache, held)``: ``cache`` (which holds a prefix of ``known``) trimmed
+    to its first ``held`` tokens, at most all of ``known`` but the last (the
+    next step's input); ``(None, 0)`` without a cache or when it cannot be
+    trimmed. For a generation that moves to another loop mid-reply."""
+    if cache is None:
+        return None, 0
+    held = min(cache[0].offset, len(known) - 1)
+    return (cache, held) if trim_cache(cache, held) else (None, 0)
+
+
 class PromptCache:
     """KV caches kept across turns and requests, found by the token ids they
     hold: mlx-lm's :class:`~mlx_lm.models.cache.LRUPromptCache` (a prefix

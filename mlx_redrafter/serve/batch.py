@@ -29,7 +29,7 @@ from typing import List, Tuple
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..llm.cache import trim_cache
+from ..llm.cache import trim_to_known
 from ..llm.text import wrap_tokenizer
 from ..runtime import with_curve
 from ..step.curve import curve_for
@@ -191,11 +191,10 @@ class BatchDecoder:
         return caches[uid][0] if uid in caches else None
 
     def _to_alone(self, row: Row) -> None:
-        cache = self._leave_batch(row)
         known = row.known
-        held = min(cache[0].offset, len(known) - 1) if cache is not None else 0
-        if cache is None or not trim_cache(cache, held):
-            cache, held = make_prompt_cache(self.model), 0
+        cache, held = trim_to_known(self._leave_batch(row), known)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
         row.start_alone(self.model, self.draft, cache, known[held:], known[:held], self.gain.add)
 
     def _take(self, row: Row):

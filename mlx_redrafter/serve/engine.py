@@ -57,7 +57,7 @@ class Engine:
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
         decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
-        self.queue = Scheduler(decoder, queue_size, decoder.max_batch)
+        self.queue = Scheduler(decoder, queue_size)
         self.listeners: List[Callable[[Result], None]] = []
 
     # ------------------------------------------------------------------ prompts

@@ -33,7 +33,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..config import SamplingConfig
 from ..generate import stream_text
-from ..llm.cache import trim_cache
+from ..llm.cache import trim_to_known
 from ..step.accept import filtered_logprobs
 from ..step.dispatch import token_steps
 from ..step.grammar import grammar_logits_processor
@@ -65,11 +65,7 @@ def row_processors(grammar, prompt: List[int]) -> list:
     """A batch row's logits processors: its grammar's mask, started after
     ``prompt`` (its first call in the batch then takes in every reply token
     decoded so far, alone or batched)."""
-    if grammar is None:
-        return []
-    process = grammar_logits_processor(grammar)
-    process(mx.array(prompt), mx.zeros((1,)))  # lazy: only its bookkeeping runs
-    return [process]
+    return [] if grammar is None else [grammar_logits_processor(grammar, start=len(prompt))]
 
 
 class Row:
@@ -177,8 +173,7 @@ class Row:
         self.loop.close()
         self.loop = None
         cache, self.cache = self.cache, None
-        held = min(cache[0].offset, len(self.known) - 1)
-        return (cache, held) if trim_cache(cache, held) else (None, 0)
+        return trim_to_known(cache, self.known)
 
     # ------------------------------------------------------------------ batched
 

@@ -59,12 +59,10 @@ class Scheduler:
     decoding and ``size`` waiting. ``step_listeners`` get the rows each step
     advanced, ``shed_listeners`` are called for each refused job (metrics)."""
 
-    def __init__(self, decoder, size: int, max_batch: int = 1):
+    def __init__(self, decoder, size: int):
         if size < 1:
             raise RedrafterError(f"The queue size must be at least 1 (got {size}).")
-        if max_batch < 1:
-            raise RedrafterError(f"The batch size must be at least 1 (got {max_batch}).")
-        self.decoder, self.size, self.max_batch = decoder, size, max_batch
+        self.decoder, self.size, self.max_batch = decoder, size, decoder.max_batch
         self._cond = threading.Condition()
         self._waiting: "deque[Job]" = deque()
         self._live: set = set()  # submitted and not finished
@@ -190,6 +188,8 @@ class SerialDecoder:
     """One job at a time, run whole by ``handler(job) -> Result`` (which
     emits its own events): the decoder of :class:`JobQueue`."""
 
+    max_batch = 1
+
     def __init__(self, handler: Callable[[Job], Result]):
         self.handler = handler
         self.current: Optional[Job] = None
@@ -229,4 +229,4 @@ class JobQueue(Scheduler):
     at most ``size`` jobs waiting behind the running one."""
 
     def __init__(self, handler: Callable[[Job], Result], size: int):
-        super().__init__(SerialDecoder(handler), size, max_batch=1)
+        super().__init__(SerialDecoder(handler), size)

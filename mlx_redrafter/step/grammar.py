@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -238,13 +238,15 @@ def apply_mask(logits: mx.array, mask: mx.array) -> mx.array:
     return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))
 
 
-def grammar_logits_processor(grammar: Grammar):
+def grammar_logits_processor(grammar: Grammar, start: Optional[int] = None):
     """An mlx-lm logits processor ``(tokens, logits) -> logits`` that masks
     every step with ``grammar``: plain constrained decoding, the reference
     of the speculative loop. One processor serves one generation: its first
-    call sees the prompt; later calls consume the tokens generated since."""
+    call sees the prompt; later calls consume the tokens generated since
+    (``start``: the prompt's length, when the first call already holds
+    generated tokens after it)."""
     matcher = grammar.matcher()
-    seen = None
+    seen = start
 
     def process(tokens: mx.array, logits: mx.array) -> mx.array:
         nonlocal seen

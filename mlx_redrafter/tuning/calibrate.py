@@ -197,8 +197,7 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
                      source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
                      rounds=rounds, measured=tuple(sorted(ratios)), context=context,
                      long_costs=long_costs, long_context=long_context,
-                     batch_sizes=tuple(sorted(gains)) if len(gains) > 1 else (),
-                     batch_gains=tuple(gains[n] for n in sorted(gains)) if len(gains) > 1 else ())
+                     batch_sizes=tuple(sorted(gains)), batch_gains=tuple(gains[n] for n in sorted(gains)))
 
 
 def measure_batch(model, sizes=BATCH_SIZES, budget_s: float = 8.0, context: int = CONTEXT_TOKENS, calls: int = 2,
