@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from .engine import Engine, Result
-from .streaming import generation_failure
-from .tools import Rendered, ToolCall, reply_events
+from .streaming import generation_failure, reply_events
+from .tools import Rendered, ToolCall
 
 # --------------------------------------------------------------------------- response models (the docs)
 

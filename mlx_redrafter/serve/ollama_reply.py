@@ -26,7 +26,8 @@ from mlx.utils import tree_flatten
 
 from ..llm.parts import context_limit
 from .engine import Engine, Result
-from .tools import Rendered, ToolCall, ToolCallStream, ollama_message, ollama_tool_call, reply_events, tool_format
+from .streaming import reply_events
+from .tools import Rendered, ToolCall, ToolCallStream, ollama_message, ollama_tool_call, tool_format
 
 
 # Ollama's names for unquantized weights.

@@ -20,7 +20,8 @@ import uuid
 from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from .engine import Engine, Job, Piece, Result
-from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message, reply_events
+from .streaming import reply_events
+from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message
 
 
 class Reply:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..config import SamplingConfig
 from ..errors import RedrafterError
 from .engine import Engine, GenParams, Job, QueueFull, Result
-from .tools import Rendered
+from .tools import Event, Rendered, ToolCallStream
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -193,3 +193,12 @@ class CancellingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
+
+
+def reply_events(parser: Optional[ToolCallStream], text: str, last: bool = False) -> List[Event]:
+    """The content strings and calls of a reply's next ``text`` (``last``: the
+    reply ended after it: what the parser held back comes out too); with no
+    parser (no tools) the text itself. Empty strings are dropped."""
+    if parser is None:
+        return [text] if text else []
+    return [e for e in parser.feed(text) + (parser.finish() if last else []) if e != ""]

@@ -390,15 +390,6 @@ class ToolCallStream:
         return calls
 
 
-def reply_events(parser: Optional[ToolCallStream], text: str, last: bool = False) -> List[Event]:
-    """The content strings and calls of a reply's next ``text`` (``last``: the
-    reply ended after it: what the parser held back comes out too); with no
-    parser (no tools) the text itself. Empty strings are dropped."""
-    if parser is None:
-        return [text] if text else []
-    return [e for e in parser.feed(text) + (parser.finish() if last else []) if e != ""]
-
-
 def _merged(events: List[Event]) -> List[Event]:
     out: List[Event] = []
     for e in events:
