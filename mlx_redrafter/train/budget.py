@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -50,9 +50,6 @@ class Sizes:
     verdict_prompts: int = 8
     verdict_tokens: int = 96
     calibrate_s: float = 30.0  # `doctor --calibrate`'s budget
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def estimate_fixed_s(sizes: Sizes, step_s: float, verdict_passes: int = 4) -> dict:

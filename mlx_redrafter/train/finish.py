@@ -20,7 +20,7 @@ from typing import List, Tuple
 
 from ..errors import RedrafterError
 from ..files import write_json_atomic
-from .recipe_state import Status, checkpoint_state, positions
+from .recipe_state import Status, positions
 
 CONTROLLER_DEPTH = 4  # `make train-default`'s train-controller -L
 MAX_PROMPT_TOKENS = 512  # as train-controller: longer held-out prompts are left out
@@ -58,22 +58,17 @@ def controller_prompts(run):
 
 
 def _status(run, stage: str, tic: float, fraction: float, info: str, after: float = 0.0) -> Status:
-    """A fixed stage's status: its ETA from how far it got (else its estimate)."""
-    from .budget import estimate_fixed_s
-
+    """A fixed stage's status: its ETA from how far it got (else its expected time)."""
     spent = time.perf_counter() - tic
-    est = run.state["last"].get(stage) or estimate_fixed_s(run.sizes, run.rates.step_s).get(stage, 0.0)
-    eta = spent / fraction - spent if fraction > 0 else est - spent
+    eta = spent / fraction - spent if fraction > 0 else run.expected_s()[stage] - spent
     return Status(stage, fraction, max(eta, 0.0), max(eta, 0.0) + after, info)
 
 
 def _after(run, stage: str) -> float:
-    """Estimated seconds of the fixed stages after ``stage``."""
-    from .budget import estimate_fixed_s
-
-    est = estimate_fixed_s(run.sizes, run.rates.step_s)
-    order = list(est)
-    return sum(run.state["last"].get(s, est[s]) for s in order[order.index(stage) + 1 :])
+    """Expected seconds of the fixed stages after ``stage``."""
+    expected = run.expected_s()
+    order = list(expected)
+    return sum(expected[s] for s in order[order.index(stage) + 1 :])
 
 
 # --------------------------------------------------------------------------- controller and curve
@@ -207,8 +202,9 @@ def learning_need(run, summary):
     from .budget import train_seconds_per_position
     from .learning import data_needed, learning_points
     from .shards import Manifest
+    from .trainer import LOG
 
-    points = learning_points(run.drafter_dir / "train_log.jsonl", run.train_cfg.batch_size)
+    points = learning_points(run.drafter_dir / LOG, run.train_cfg.batch_size)
     record = training_record(run.drafter_dir)
     accuracy = (record.get("eval_acc") or [points[-1][1] if points else 0.0])[0]
     per_position = 1 / max(run.rates.positions_per_s, 1e-9) + train_seconds_per_position(
@@ -282,6 +278,7 @@ def build_meta(run) -> dict:
     recipe (the command and each stage's minutes), held-out acceptance and
     the verdict with the device it was measured on."""
     from .shards import Manifest
+    from .trainer import checkpoint_state
 
     m, record, seconds = Manifest.load(run.data), training_record(run.drafter_dir), run.state["seconds"]
     stages = {s: {"minutes": round(v / 60, 2)} for s, v in seconds.items()}

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, more_distill_s, measure_step_s, measure_train_rate
-from .recipe_state import STAGES, State, Status, checkpoint_state, default_out, positions
+from .recipe_state import STAGES, State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
 DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
@@ -168,15 +168,19 @@ class _Run:
     def data_final(self) -> bool:
         return self.state.finished("distill", self.budget) and self.state.finished("train", self.budget)
 
-    def fixed_todo_s(self) -> float:
-        """Seconds the controller, calibration and verdict still need (the last
-        run's where they ran, else estimated from the decode step)."""
+    def expected_s(self) -> dict:
+        """Seconds each fixed stage (controller, calibration, verdict) takes, in
+        order: the last run's where it ran, else estimated from the decode step."""
         from .budget import estimate_fixed_s
 
+        est = estimate_fixed_s(self.sizes, self.rates.step_s)
+        return {k: self.state["last"].get(k, v) for k, v in est.items()}
+
+    def fixed_todo_s(self) -> float:
+        """Seconds the fixed stages still need."""
         stamp = self.stamp() if self.data_final() else None
         keys = {"controller": stamp, "calibrate": True, "verdict": stamp}
-        est = estimate_fixed_s(self.sizes, self.rates.step_s)
-        return sum(self.state["last"].get(k, est[k]) for k in est if not self.state.finished(k, keys[k]))
+        return sum(s for k, s in self.expected_s().items() if not self.state.finished(k, keys[k]))
 
     def left_s(self) -> float:
         """Seconds of the budget left for distilling and training."""
@@ -231,7 +235,7 @@ class _Run:
     def train(self) -> None:
         from dataclasses import replace
 
-        from .trainer import train
+        from .trainer import checkpoint_state, train
 
         if self.state.finished("train", self.budget):
             return

@@ -133,9 +133,3 @@ class State:
 def positions(m) -> int:
     """Training positions a data folder holds: reply tokens and prompt positions."""
     return 0 if m is None else m.tokens + m.prompt_tokens
-
-
-def checkpoint_state(drafter_dir: Path) -> dict:
-    """The training checkpoint's state (step, seconds), ``{}`` without one."""
-    path = drafter_dir / "checkpoint" / "state.json"
-    return json.loads(path.read_text()) if path.is_file() else {}

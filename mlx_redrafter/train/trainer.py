@@ -28,9 +28,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..draft.drafter import Drafter, DrafterConfig, save_drafter
+from ..draft.drafter import Drafter, DrafterConfig, read_drafter, save_drafter
 
-from ..draft.load import load_drafter
 from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
 from ..llm.parts import model_parts
@@ -237,14 +236,18 @@ def _check_inputs(model, corpus: Corpus, data_dir, cfg: TrainConfig, w: World) -
 BUDGET_FIELDS = ("minutes", "max_steps", "epochs")
 
 
+def checkpoint_state(out: Path) -> dict:
+    """The state of the training checkpoint in ``out`` (step, seconds, config), ``{}`` without one."""
+    path = out / CHECKPOINT / "state.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos_ids, w: World, extend: bool = False):
     """The drafter, optimizer, config and :class:`Start` of a new or resumed
     run, identical on every rank: rank 0 reads the checkpoint (it alone wrote
     it) and its weights and optimizer state are sent to the others."""
     ck = out / CHECKPOINT
-    state = None
-    if resume and w.rank == 0 and (ck / "state.json").exists():
-        state = json.loads((ck / "state.json").read_text())
+    state = (checkpoint_state(out) or None) if resume and w.rank == 0 else None
     state = w.share_json(state)
     if resume and state is None:
         raise RedrafterError(f"No checkpoint to resume in {ck}.", "Drop --resume to start a new run.")
@@ -254,7 +257,7 @@ def _begin(model, corpus: Corpus, out: Path, cfg: TrainConfig, resume: bool, eos
         cfg = TrainConfig(**{**state["config"], **budget})
         start = Start(state["step"], state.get("seconds", 0.0), state.get("best_accepted", -1.0))
     if state is not None and w.rank == 0:
-        drafter = load_drafter(ck / "drafter", dtype="float32")
+        drafter = read_drafter(ck / "drafter", dtype="float32")
     else:  # also the skeleton that receives rank 0's weights
         drafter = new_drafter(model, corpus, cfg, eos_ids)
     optimizer = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
