@@ -535,12 +535,9 @@ def test_inspect_with_a_model_it_does_not_fit(fixtures_dir, tmp_path):
 
 def run_cli(*args) -> int:
     """``mlx-redrafter ARGS`` in this process; the exit status."""
-    from mlx_redrafter.cli import main
+    from helpers import cli
 
-    try:
-        return main(list(args))
-    except SystemExit as e:  # typer exits on success
-        return e.code
+    return cli(list(args))
 
 
 def test_cli_convert_and_inspect(fixtures_dir, tmp_path, capsys):

@@ -11,20 +11,13 @@ import sys
 
 import pytest
 
+from helpers import cli
 from mlx_redrafter.draft.datastore import Datastore, default_path, model_key
 from mlx_redrafter.draft.stores import read_session
 
 SHAREGPT = "mlx_redrafter/data/sharegpt_train_prompts.jsonl.gz"
 
 
-def main(argv) -> int:
-    """``mlx-redrafter ARGV`` in this process; the exit status."""
-    from mlx_redrafter.cli import main as cli
-
-    try:
-        return cli(argv)
-    except SystemExit as e:  # typer exits on success
-        return e.code or 0
 
 
 def history():
@@ -33,14 +26,14 @@ def history():
 
 @pytest.fixture
 def cleared():
-    assert main(["datastore", "clear", "--kind", "all"]) == 0
+    assert cli(["datastore", "clear", "--kind", "all"]) == 0
     yield
-    main(["datastore", "clear", "--kind", "all"])
+    cli(["datastore", "clear", "--kind", "all"])
 
 
 def _chat(monkeypatch, *flags):
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\nAnd 3+3?\n"))
-    assert main(["chat", "--max-tokens", "8", *flags]) == 0
+    assert cli(["chat", "--max-tokens", "8", *flags]) == 0
 
 
 def test_chat_appends_each_reply_and_no_history_leaves_it(default_model, cleared, monkeypatch, capsys):
@@ -55,7 +48,7 @@ def test_chat_appends_each_reply_and_no_history_leaves_it(default_model, cleared
     before = default_path("default", "history").read_bytes()
     _chat(monkeypatch, "--no-history")
     assert default_path("default", "history").read_bytes() == before
-    assert main(["datastore", "info"]) == 0
+    assert cli(["datastore", "info"]) == 0
     out = capsys.readouterr().out
     assert "history: 2 sequences" in out and "session:" in out
 
@@ -94,24 +87,24 @@ def test_add_info_and_clear(cleared, tmp_path, capsys):
     text.write_text("def mean(values):\n    return sum(values) / len(values)\n")
     lines = tmp_path / "docs.jsonl"
     lines.write_text(json.dumps({"text": "first document"}) + "\n" + json.dumps({"text": "second one"}) + "\n")
-    assert main(["datastore", "add", str(text)]) == 0
-    assert main(["datastore", "add", str(lines)]) == 0
+    assert cli(["datastore", "add", str(text)]) == 0
+    assert cli(["datastore", "add", str(lines)]) == 0
     corpus = Datastore.open(default_path("default", "corpus"), model_key("default"))
     assert len(corpus) == 3
     capsys.readouterr()
-    assert main(["datastore", "info"]) == 0
+    assert cli(["datastore", "info"]) == 0
     assert f"corpus: 3 sequences, {corpus.tokens} tokens" in capsys.readouterr().out
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"title": "no text"}\n')
-    assert main(["datastore", "add", str(bad)]) == 1
+    assert cli(["datastore", "add", str(bad)]) == 1
     assert "has no text field" in capsys.readouterr().err
-    assert main(["datastore", "clear", "--kind", "corpus"]) == 0
+    assert cli(["datastore", "clear", "--kind", "corpus"]) == 0
     assert not default_path("default", "corpus").exists()
-    assert main(["datastore", "clear", "--kind", "nope"]) == 1
+    assert cli(["datastore", "clear", "--kind", "nope"]) == 1
 
 
 def test_build_refuses_evaluation_sets(capsys):
-    assert main(["datastore", "build", "--prompts", "mlx_redrafter/data/mt_bench.jsonl"]) == 1
+    assert cli(["datastore", "build", "--prompts", "mlx_redrafter/data/mt_bench.jsonl"]) == 1
     assert "evaluation set" in capsys.readouterr().err
 
 

@@ -294,15 +294,16 @@ def test_serve_resolves_the_flags_before_the_load_and_warns(monkeypatch, capsys)
     stood in for: a test never listens on 0.0.0.0)."""
     import uvicorn
 
-    from mlx_redrafter.cli import main, run
+    from helpers import cli
+    from mlx_redrafter.cli import run
 
     def serve(*args) -> int:
-        try:
-            return main(["serve", *args])
-        except SystemExit as e:  # typer exits after a command that succeeded
-            return e.code
+        return cli(["serve", *args])
+
+    import mlx_redrafter.doctor as doctor
 
     served = {}
+    monkeypatch.setattr(doctor, "slow_blas_warning", lambda: None)  # its warning is not this test's (no BLIS: tests pass too)
     monkeypatch.setattr(run, "_check_port", lambda host, port: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
     monkeypatch.delenv("MLX_REDRAFTER_API_KEY", raising=False)

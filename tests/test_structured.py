@@ -76,12 +76,9 @@ def test_free_text_is_never_incomplete(runtime):
 
 
 def _cli(capsys, *args):
-    from mlx_redrafter.cli import main
+    from helpers import cli
 
-    try:
-        code = main(["generate", "--temp", "0", *args])
-    except SystemExit as e:  # typer exits after a command that succeeded
-        code = e.code
+    code = cli(["generate", "--temp", "0", *args])
     out = capsys.readouterr()
     return code, out.out, " ".join(out.err.split())  # rich wraps long lines
 
