@@ -204,6 +204,11 @@ def test_count_tokens(claude, reference):
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]}, "mcp_servers"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+    # Unknown fields inside the request's parts are named too, never ignored.
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "strict": True}]}, "tools.0.strict"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "shout": True}]}]},
+     "messages.0.content.0.shout"),
+    ({"tool_choice": {"type": "auto", "hurry": True}}, "tool_choice.hurry"),
 ])
 def test_unsupported_fields_are_a_400_naming_them(claude, extra, named):
     body = {"messages": [{"role": "user", "content": PROMPT}], **extra}
@@ -327,3 +332,11 @@ def test_responses_unsupported_items_are_named(openai_client):
     with pytest.raises(BadRequestError) as e:
         _respond(openai_client, tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools.0" and "web_search" in e.value.body["message"]
+    # Unknown fields inside the request's parts are named too, never ignored.
+    with pytest.raises(BadRequestError) as e:
+        _respond(openai_client, tools=[{"type": "function", "name": "f", "parameters": {"type": "object"},
+                                        "defer_loading": True}])
+    assert e.value.body["param"] == "tools.0.defer_loading"
+    with pytest.raises(BadRequestError) as e:
+        _respond(openai_client, text={"format": {"type": "text", "shout": True}})
+    assert e.value.body["param"] == "text.format.shout"

@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .anthropic_reply import CountOut, MessageOut, MessageReply
 from .engine import Engine, GenParams
-from .streaming import MISSING, UNSUPPORTED, Failure, check_model, client_left, grammar, render, sampling, submit, unsupported
+from .streaming import (MISSING, UNSUPPORTED, Failure, check_model, client_left, grammar, render, sampling,
+                        refuse_nested_extras, submit, unsupported)
 
 # Anthropic's error types by HTTP status (its API answers 529 where this server answers 503).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -238,8 +239,10 @@ def tool_choice(choice: Optional[ToolChoice]):
 def _render(engine: Engine, req: CountRequest, content=None):
     check_supported(req)
     choice, parallel = tool_choice(req.tool_choice)
-    return render(engine, chat_messages(req), openai_tools(req.tools), choice, content_param="output_config.format",
-                  parallel_tool_calls=parallel, content=content)
+    rendered = render(engine, chat_messages(req), openai_tools(req.tools), choice, content_param="output_config.format",
+                      parallel_tool_calls=parallel, content=content)
+    refuse_nested_extras(req)
+    return rendered
 
 
 # --------------------------------------------------------------------------- the routes

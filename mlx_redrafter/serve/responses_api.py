@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GenParams
 from .responses_reply import ResponseOut, ResponsesReply
-from .streaming import UNSUPPORTED, Failure, check_model, client_left, grammar, render, sampling, submit, unsupported
+from .streaming import (UNSUPPORTED, Failure, check_model, client_left, grammar, refuse_nested_extras, render, sampling,
+                        submit, unsupported)
 
 # Fields accepted although they do not change the reply (the prompt cache needs no key).
 ACCEPTED = {"metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
@@ -230,6 +231,7 @@ def responses_router(engine: Engine) -> APIRouter:
         spec = content_spec(req)
         rendered = render(engine, chat_messages(req), chat_tools(req.tools), req.tool_choice, content_param="text.format",
                           parallel_tool_calls=req.parallel_tool_calls, content=spec)
+        refuse_nested_extras(req)
         compiled = await grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
         params = GenParams(req.max_output_tokens or engine.max_tokens,
                            sampling(engine, temp=req.temperature, top_p=req.top_p), None, [], compiled)

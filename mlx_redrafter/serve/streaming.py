@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import AsyncIterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
@@ -63,6 +64,34 @@ def generation_failure(e: BaseException) -> Failure:
         return Failure(400, e.problem)
     log.error("Generation failed", exc_info=e)  # the server's own failure keeps its traceback
     return Failure(500, f"Generation failed: {type(e).__name__}: {e}", CRASH)
+
+
+def extra_fields(model: BaseModel, path: str = "") -> Iterator[Tuple[str, object]]:
+    """``(dotted path, value)`` of every field a request sent that its models
+    do not declare, nested ones included (``tools.0.strict``): the request
+    models keep them (``extra="allow"``) so that a check can name them."""
+    for name, value in (model.model_extra or {}).items():
+        yield path + name, value
+    for name in type(model).model_fields:
+        yield from _extras_in(getattr(model, name), f"{path}{name}.")
+
+
+def refuse_nested_extras(req: BaseModel) -> None:
+    """A 400 naming the first field sent inside the request's parts (a tool,
+    a block, an item) that their models do not declare. Run after the parts'
+    own checks, so that a part of a type this server refuses is named as
+    such; the top level's fields are each API's ``check_supported``'s."""
+    for name, _ in extra_fields(req):
+        if "." in name:
+            raise unsupported(name)
+
+
+def _extras_in(value, path: str) -> Iterator[Tuple[str, object]]:
+    if isinstance(value, BaseModel):
+        yield from extra_fields(value, path)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _extras_in(v, f"{path}{i}.")
 
 
 def unsupported(field: str, why: str = "drop it from the request") -> Failure:
