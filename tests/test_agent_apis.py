@@ -205,7 +205,7 @@ def test_count_tokens(claude, reference):
     ({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]}, "mcp_servers"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
     # Unknown fields inside the request's parts are named too, never ignored.
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "strict": True}]}, "tools.0.strict"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]}, "tools.0.input_examples"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "shout": True}]}]},
      "messages.0.content.0.shout"),
     ({"tool_choice": {"type": "auto", "hurry": True}}, "tool_choice.hurry"),

@@ -68,7 +68,7 @@ def generation_failure(e: BaseException) -> Failure:
 
 def extra_fields(model: BaseModel, path: str = "") -> Iterator[Tuple[str, object]]:
     """``(dotted path, value)`` of every field a request sent that its models
-    do not declare, nested ones included (``tools.0.strict``): the request
+    do not declare, nested ones included (``tools.0.input_examples``): the request
     models keep them (``extra="allow"``) so that a check can name them."""
     for name, value in (model.model_extra or {}).items():
         yield path + name, value
