@@ -195,11 +195,12 @@ def openai_router(engine: Engine) -> APIRouter:
         spec = req.response_format.grammar() if req.response_format is not None else None
         rendered = render(engine, [m.plain() for m in req.messages], req.tools, req.tool_choice, "response_format",
                           parallel_tool_calls=req.parallel_tool_calls, content=spec)
+        check_model(engine, req.model)  # before the grammar's compilation, which may take a second
         # The reply's grammar: the tool calls' (the content's schema within), or the schema alone.
         compiled = await grammar(engine, rendered.grammar, "tools" if rendered.tools else "response_format")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _serve(engine, req, request, rendered.ids, max_tokens, chat=True, rendered=rendered,
-                            compiled=compiled)
+        return await _serve(engine, req, request, rendered.ids, max_tokens, chat=True, compiled=compiled,
+                            rendered=rendered)
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -209,7 +210,11 @@ def openai_router(engine: Engine) -> APIRouter:
             if len(prompt) != 1:
                 raise Failure(400, "Only one prompt per request is supported.", INVALID, "prompt")
             prompt = prompt[0]
-        return await _serve(engine, req, request, engine.text_ids(prompt), req.max_tokens, chat=False)
+        ids = engine.text_ids(prompt)
+        check_model(engine, req.model)
+        spec = req.response_format.grammar() if req.response_format is not None else None
+        compiled = await grammar(engine, spec, "response_format")
+        return await _serve(engine, req, request, ids, req.max_tokens, chat=False, compiled=compiled)
 
     return router
 
@@ -225,13 +230,8 @@ def _params(engine: Engine, req: _Generation, max_tokens: Optional[int], grammar
 
 
 async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool,
-                 rendered: Optional[Rendered] = None, compiled=None):
-    """Queue the request and answer it, streamed or whole (a chat's grammar
-    is ``compiled`` with its prompt; a completion's is its response_format)."""
-    check_model(engine, req.model)
-    if rendered is None:
-        spec = req.response_format.grammar() if req.response_format is not None else None
-        compiled = await grammar(engine, spec, "response_format")
+                 compiled, rendered: Optional[Rendered] = None):
+    """Queue the request (its model checked, its grammar ``compiled``) and answer it, streamed or whole."""
     queued = submit(engine, ids, _params(engine, req, max_tokens, compiled), "messages" if chat else "prompt")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     reply = Reply(engine, queued.job, chat, include_usage, rendered, lambda e: error_body(generation_failure(e)))
