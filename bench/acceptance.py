@@ -13,7 +13,8 @@ loop runs, so every drafter is measured on the same replies in seconds; the
 live check is ``mlx-redrafter sweep`` (see bench/RESULTS.md).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 .venv/bin/python bench/acceptance.py \\
-        --drafters shipped=mlx_redrafter/drafters/smollm2-135m-instruct,new=runs/drafter-v2 --out bench/results/acceptance
+        --drafters shipped=mlx_redrafter/drafters/smollm2-135m-instruct,new=runs/drafter-v2 \\
+        --out bench/results/acceptance
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ import numpy as np
 
 from mlx_redrafter import load_model
 from mlx_redrafter.draft.load import load_drafter
-from mlx_redrafter.llm.parts import default_feature_layers
-from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.llm.parts import default_feature_layers, model_parts
 from mlx_redrafter.prompts import load_prompt_set
 from mlx_redrafter.train.distill import DistillConfig, Distiller
 
@@ -69,16 +69,33 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
     position, the hidden state that produced the token there (features
     first when ``layers``), as :class:`Replies` (with each reply's prompt
     ids). Cached in ``cache`` (keyed by the settings)."""
-    digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]  # which prompts, not only how many
-    key = {"prompts": len(prompts), "digest": digest, "max_tokens": max_tokens, "layers": list(layers), "with_prompts": 1}
+    digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[
+        :16
+    ]  # which prompts, not only how many
+    key = {
+        "prompts": len(prompts),
+        "digest": digest,
+        "max_tokens": max_tokens,
+        "layers": list(layers),
+        "with_prompts": 1,
+    }
     if cache.exists():
         arrays, meta = mx.load(str(cache), return_metadata=True)
         if json.loads(meta["key"]) == key:
             offsets, p_off = np.array(arrays["offsets"]), np.array(arrays["prompt_offsets"])
             t, c, pt = np.array(arrays["tokens"]), np.array(arrays["context"]), np.array(arrays["prompt_tokens"])
-            return Replies([(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])],
-                           [pt[a:b] for a, b in zip(p_off[:-1], p_off[1:])])
-    cfg = DistillConfig(batch_size=40, max_new_tokens=max_tokens, prompt_positions=False, top_k=0, feature_layers=list(layers), stop_loops=0)
+            return Replies(
+                [(t[a:b], c[a:b]) for a, b in zip(offsets[:-1], offsets[1:])],
+                [pt[a:b] for a, b in zip(p_off[:-1], p_off[1:])],
+            )
+    cfg = DistillConfig(
+        batch_size=40,
+        max_new_tokens=max_tokens,
+        prompt_positions=False,
+        top_k=0,
+        feature_layers=list(layers),
+        stop_loops=0,
+    )
     d = Distiller(model, tok, cfg)
     queue = deque((c, 0, []) for c in prompts)
     out = []
@@ -95,15 +112,23 @@ def replies(model, tok, prompts, max_tokens: int, layers, cache: Path):
 
     tic = time.perf_counter()
     d.run(queue, done, lambda: False)
-    print(f"{len(out)} replies, {sum(len(t) for t, _ in out)} tokens in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
+    print(
+        f"{len(out)} replies, {sum(len(t) for t, _ in out)} tokens in {time.perf_counter() - tic:.0f} s",
+        file=sys.stderr,
+    )
     offsets = np.cumsum([0] + [len(t) for t, _ in out])
     cache.parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(cache), {"tokens": mx.array(np.concatenate([t for t, _ in out])),
-                                     "context": mx.array(np.concatenate([c for _, c in out])),
-                                     "offsets": mx.array(offsets),
-                                     "prompt_tokens": mx.array(np.concatenate(asked)),
-                                     "prompt_offsets": mx.array(np.cumsum([0] + [len(a) for a in asked]))},
-                        {"key": json.dumps(key)})
+    mx.save_safetensors(
+        str(cache),
+        {
+            "tokens": mx.array(np.concatenate([t for t, _ in out])),
+            "context": mx.array(np.concatenate([c for _, c in out])),
+            "offsets": mx.array(offsets),
+            "prompt_tokens": mx.array(np.concatenate(asked)),
+            "prompt_offsets": mx.array(np.cumsum([0] + [len(a) for a in asked])),
+        },
+        {"key": json.dumps(key)},
+    )
     return Replies(out, asked)
 
 
@@ -211,7 +236,12 @@ def evaluate(drafter, embed, data, layers=()) -> dict:
     by_depth = [round(float((allr >= d).mean()), 4) for d in range(1, MAX_L + 1)]
     tokens = sum(len(r) - 1 for r in runs)
     tps = {f"W1L{L}": round(tokens / max(1, sum(walk(r, L) for r in runs)), 3) for L in range(1, MAX_L + 1)}
-    return {"first_draft_accepted": by_depth[0], "acceptance_by_depth": by_depth, "tokens_per_step": tps, "positions": int(len(allr))}
+    return {
+        "first_draft_accepted": by_depth[0],
+        "acceptance_by_depth": by_depth,
+        "tokens_per_step": tps,
+        "positions": int(len(allr)),
+    }
 
 
 def load_prompts(spec: str) -> list:
@@ -227,14 +257,18 @@ def load_prompts(spec: str) -> list:
         return load_prompt_set(spec)
     convs = read_conversations(default_training_prompts())
     random.Random(DistillConfig().seed).shuffle(convs)
-    return convs[-int(spec.split(":", 1)[1]):]
+    return convs[-int(spec.split(":", 1)[1]) :]
 
 
 def calibration_table(name: str, cal: dict, heads=("p < 0.1", "0.1-0.25", "0.25-0.5", "0.5-0.75", ">= 0.75")) -> str:
     """Markdown: q (drafts counted) by depth and score bucket (the drafter's
     draft probability; lookup's matched suffix length)."""
-    lines = [f"tree=auto calibration of {name}: accepted share (drafts counted) given the parent accepted", "",
-             "| depth | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    lines = [
+        f"tree=auto calibration of {name}: accepted share (drafts counted) given the parent accepted",
+        "",
+        "| depth | " + " | ".join(heads) + " |",
+        "|---|" + "---|" * len(heads),
+    ]
     for d, (qs, ns) in enumerate(zip(cal["q"], cal["n"]), 1):
         lines.append(f"| {d} | " + " | ".join("-" if q is None else f"{q:.3f} ({n})" for q, n in zip(qs, ns)) + " |")
     return "\n".join(lines)
@@ -243,11 +277,16 @@ def calibration_table(name: str, cal: dict, heads=("p < 0.1", "0.1-0.25", "0.25-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafters", required=True, help="name=folder,name=folder,...")
-    ap.add_argument("--prompts", default="mt_bench", help="A prompt set, a file, or sharegpt-heldout:N (for --calibration).")
+    ap.add_argument(
+        "--prompts", default="mt_bench", help="A prompt set, a file, or sharegpt-heldout:N (for --calibration)."
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("bench/out/acceptance"))
-    ap.add_argument("--calibration", action="store_true",
-                    help="Also the tree=auto calibration table (acceptance by depth and score bucket) of each drafter.")
+    ap.add_argument(
+        "--calibration",
+        action="store_true",
+        help="Also the tree=auto calibration table (acceptance by depth and score bucket) of each drafter.",
+    )
     args = ap.parse_args()
     model, tok = load_model("default")
     embed, _, _ = model_parts(model)
@@ -268,19 +307,34 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     command = "LD_PRELOAD=... .venv/bin/python " + " ".join(sys.argv)
     extra = {"lookup_calibration": results_lookup} if args.calibration else {}
-    (args.out / "results.json").write_text(json.dumps({"command": command, "prompts": args.prompts,
-                                                       "max_tokens": args.max_tokens, "drafters": results, **extra},
-                                                      indent=1) + "\n")
-    lines = [f"`{command}`", "", "| drafter | first drafts accepted | acceptance by depth 1-5 | tokens/step W=1 L=1 / 2 / 3 / 4 / 5 |", "|---|---|---|---|"]
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {"command": command, "prompts": args.prompts, "max_tokens": args.max_tokens, "drafters": results, **extra},
+            indent=1,
+        )
+        + "\n"
+    )
+    lines = [
+        f"`{command}`",
+        "",
+        "| drafter | first drafts accepted | acceptance by depth 1-5 | tokens/step W=1 L=1 / 2 / 3 / 4 / 5 |",
+        "|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['first_draft_accepted']:.3f} | {' / '.join(f'{x:.3f}' for x in r['acceptance_by_depth'])} | "
-                     + " / ".join(f"{v:.2f}" for v in r["tokens_per_step"].values()) + " |")
+        lines.append(
+            f"| {name} | {r['first_draft_accepted']:.3f} | "
+            f"{' / '.join(f'{x:.3f}' for x in r['acceptance_by_depth'])} | "
+            + " / ".join(f"{v:.2f}" for v in r["tokens_per_step"].values())
+            + " |"
+        )
     for name, r in results.items():
         if "calibration" in r:
             lines += ["", calibration_table(name, r["calibration"])]
     if args.calibration:
-        lines += ["", calibration_table("context lookup (4-token drafts)", results_lookup,
-                                        ["match 1", "2", "3", "4", "5+"])]
+        lines += [
+            "",
+            calibration_table("context lookup (4-token drafts)", results_lookup, ["match 1", "2", "3", "4", "5+"]),
+        ]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -75,7 +75,7 @@ def run_model(label, model, drafter, sets, modes, max_tokens, eos, controller=No
     totals, k = {g: {m: Tally() for m in modes} for g in sets}, 0
     for g, prompts in sets.items():
         for p in prompts:
-            order = modes[k % len(modes):] + modes[: k % len(modes)]
+            order = modes[k % len(modes) :] + modes[: k % len(modes)]
             k += 1
             runs = {m: measure(model, p, draft=configs[m], max_tokens=max_tokens, eos_ids=eos) for m in order}
             sizes = {m: sum(s.tree_size for s in r.steps[1:]) / max(len(r.steps) - 1, 1) for m, r in runs.items()}
@@ -83,8 +83,10 @@ def run_model(label, model, drafter, sets, modes, max_tokens, eos, controller=No
                 totals[g][m].add(runs[m], runs[m].tokens == runs["plain"].tokens)
                 totals[g][m].tree = getattr(totals[g][m], "tree", []) + [sizes[m]]
             print(f"[{label}] {g}: {k} prompts done", file=sys.stderr, flush=True)
-    rows = {g: {m: {**t.row(ts["plain"]), "mean_tree": round(sum(t.tree) / len(t.tree), 2)} for m, t in ts.items()}
-            for g, ts in totals.items()}
+    rows = {
+        g: {m: {**t.row(ts["plain"]), "mean_tree": round(sum(t.tree) / len(t.tree), 2)} for m, t in ts.items()}
+        for g, ts in totals.items()
+    }
     every = {m: Tally() for m in modes}
     for ts in totals.values():
         for m, t in ts.items():
@@ -96,12 +98,18 @@ def run_model(label, model, drafter, sets, modes, max_tokens, eos, controller=No
 
 def markdown(label, res, modes) -> str:
     drafted = [m for m in modes if m != "plain"]
-    lines = [f"**{label}** c(N) N=1..8: " + " ".join(f"{c:.2f}" for c in res["curve"][:8]), "",
-             "| group | plain tok/s | " + " | ".join(f"{m}" for m in drafted) + " |",
-             "|" + "---|" * (2 + len(drafted))]
+    lines = [
+        f"**{label}** c(N) N=1..8: " + " ".join(f"{c:.2f}" for c in res["curve"][:8]),
+        "",
+        "| group | plain tok/s | " + " | ".join(f"{m}" for m in drafted) + " |",
+        "|" + "---|" * (2 + len(drafted)),
+    ]
     for g, row in res["groups"].items():
-        cells = " | ".join(f"{row[m]['speedup']:.2f}x ({row[m]['tokens_per_step']:.2f} t/s"
-                           + (f", tree {row[m]['mean_tree']:.1f})" if "mean_tree" in row[m] else ")") for m in drafted)
+        cells = " | ".join(
+            f"{row[m]['speedup']:.2f}x ({row[m]['tokens_per_step']:.2f} t/s"
+            + (f", tree {row[m]['mean_tree']:.1f})" if "mean_tree" in row[m] else ")")
+            for m in drafted
+        )
         lines.append(f"| {g} | {row['plain']['tokens_per_s']:.1f} | {cells} |")
     return "\n".join(lines) + "\n"
 
@@ -113,7 +121,11 @@ def main(argv=None) -> int:
     ap.add_argument("--copy", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--q4", action="store_true", help="Also the 4-bit quantized default model (plain, fixed, auto).")
-    ap.add_argument("--adaptive", action="store_true", help="float32 modes: " + ",".join(ADAPTIVE_MODES) + " (RADAR alone, auto alone, both).")
+    ap.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="float32 modes: " + ",".join(ADAPTIVE_MODES) + " (RADAR alone, auto alone, both).",
+    )
     ap.add_argument("--modes", help="float32 modes, comma-separated (plain first); default " + ",".join(MODES) + ".")
     ap.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "auto_tree")
     a = ap.parse_args(argv)
@@ -142,8 +154,7 @@ def main(argv=None) -> int:
     if a.q4:
         nn.quantize(model, group_size=64, bits=4)
         q_sets = {g: p for g, p in sets.items() if g in ("mt_bench", "copy")}
-        out["q4"] = run_model("q4g64", model, drafter, q_sets, ["plain", "fixed", "auto", "default"], a.max_tokens,
-                             eos)
+        out["q4"] = run_model("q4g64", model, drafter, q_sets, ["plain", "fixed", "auto", "default"], a.max_tokens, eos)
         report += "\n" + markdown("4-bit (q4g64)", out["q4"], ["plain", "fixed", "auto", "default"])
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")

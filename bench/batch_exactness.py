@@ -80,8 +80,9 @@ def batched(model, batch: List[List[int]], refs: List[Reply], max_tokens: int, e
 
     from mlx_redrafter.step.protocol import PREFILL_STEP
 
-    gen = BatchGenerator(model, completion_batch_size=len(batch), prefill_batch_size=len(batch),
-                         prefill_step_size=PREFILL_STEP)
+    gen = BatchGenerator(
+        model, completion_batch_size=len(batch), prefill_batch_size=len(batch), prefill_step_size=PREFILL_STEP
+    )
     uids = gen.insert(batch, max_tokens=[max_tokens + 1] * len(batch))
     row = {u: i for i, u in enumerate(uids)}
     out: List[List[int]] = [[] for _ in uids]
@@ -119,27 +120,47 @@ def main(argv=None) -> int:
     ids = prompts(tokenizer, args.prompts)
     refs = [alone(model, p, args.max_tokens, eos) for p in ids]
     gaps = sorted(g for r in refs for g in r.gaps())
-    report = {"command": "python " + " ".join(sys.argv), "model": args.model, "prompts": len(ids),
-              "max_tokens": args.max_tokens, "positions": len(gaps),
-              "smallest_top2_gaps_alone": gaps[:10], "batches": {}}
-    print(f"alone: {len(gaps)} positions; the smallest top-2 log-probability gaps: "
-          + ", ".join(f"{g:.2g}" for g in gaps[:5]), flush=True)
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "model": args.model,
+        "prompts": len(ids),
+        "max_tokens": args.max_tokens,
+        "positions": len(gaps),
+        "smallest_top2_gaps_alone": gaps[:10],
+        "batches": {},
+    }
+    print(
+        f"alone: {len(gaps)} positions; the smallest top-2 log-probability gaps: "
+        + ", ".join(f"{g:.2g}" for g in gaps[:5]),
+        flush=True,
+    )
     for size in args.batch:
         diffs, largest = [], 0.0
         for start in range(0, len(ids), size):
-            got, err = batched(model, ids[start:start + size], refs[start:start + size], args.max_tokens, eos)
+            got, err = batched(model, ids[start : start + size], refs[start : start + size], args.max_tokens, eos)
             largest = max(largest, err)
             for k, tokens in enumerate(got):
                 ref = refs[start + k]
                 if tokens != ref.tokens:
-                    at = next((j for j, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b),
-                              min(len(tokens), len(ref.tokens)))
-                    diffs.append({"prompt": start + k, "at": at, "gap": ref.gaps()[at] if at < len(ref.gaps()) else None})
-        report["batches"][size] = {"differ": len(diffs), "of": len(ids), "largest_logprob_difference": largest,
-                                   "replies": diffs}
+                    at = next(
+                        (j for j, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b),
+                        min(len(tokens), len(ref.tokens)),
+                    )
+                    diffs.append(
+                        {"prompt": start + k, "at": at, "gap": ref.gaps()[at] if at < len(ref.gaps()) else None}
+                    )
+        report["batches"][size] = {
+            "differ": len(diffs),
+            "of": len(ids),
+            "largest_logprob_difference": largest,
+            "replies": diffs,
+        }
         where = ", ".join(f"prompt {d['prompt']} at token {d['at']} (gap {d['gap']:.2g})" for d in diffs) or "none"
-        print(f"batch {size}: {len(diffs)}/{len(ids)} greedy replies differ from alone ({args.max_tokens} tokens each): "
-              f"{where}; largest log-probability difference {largest:.2g}", flush=True)
+        print(
+            f"batch {size}: {len(diffs)}/{len(ids)} greedy replies differ from alone ({args.max_tokens} tokens each): "
+            f"{where}; largest log-probability difference {largest:.2g}",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0

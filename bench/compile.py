@@ -13,10 +13,10 @@ import time
 import mlx.core as mx
 
 from mlx_redrafter import load_model
-from mlx_redrafter.step.accept import accept_greedy
 from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.runtime import shipped_drafter_path
+from mlx_redrafter.step.accept import accept_greedy
 from mlx_redrafter.step.tree import layout
 
 
@@ -40,6 +40,7 @@ def main():
     print("| piece | eager ms | compiled ms |")
     print("|---|---|---|")
     for w, l in ((1, 1), (2, 1), (2, 3)):
+
         def eager(w=w, l=l):
             return drafter.draft(embed, context, g0, w, l).tokens
 
@@ -54,11 +55,15 @@ def main():
         return mx.concatenate([mx.stack([a.n, a.beam, a.next_token]), a.path, b[a.beam]])
 
     c_accept = mx.compile(accept)
-    print(f"| greedy acceptance, tree of 7 | {median_ms(lambda: accept(beams, logits)):.2f} | "
-          f"{median_ms(lambda: c_accept(beams, logits)):.2f} |")
+    print(
+        f"| greedy acceptance, tree of 7 | {median_ms(lambda: accept(beams, logits)):.2f} | "
+        f"{median_ms(lambda: c_accept(beams, logits)):.2f} |"
+    )
     c_tree = mx.compile(lambda b, g: lay.tree(b, g).tokens)
-    print(f"| unpacked tree tokens | {median_ms(lambda: lay.tree(beams, g0).tokens):.2f} | "
-          f"{median_ms(lambda: c_tree(beams, g0)):.2f} |")
+    print(
+        f"| unpacked tree tokens | {median_ms(lambda: lay.tree(beams, g0).tokens):.2f} | "
+        f"{median_ms(lambda: c_tree(beams, g0)):.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Dict, List
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 from lookup import save  # noqa: E402  (bench/lookup.py: results.json, report.md, the exactness check)
+
 MODES = ("plain", "lookup", "datastore", "both", "defaults", "all")
 SPEC_TASKS = ("summarization", "rag", "translation", "qa", "math_reasoning")
 REVISE = [
@@ -43,15 +44,23 @@ AGENT_SYSTEM = (
     "You are an assistant that answers by calling tools. Available tools, as JSON:\n"
     '[{"name": "get_weather", "description": "Current weather for a city", "parameters": {"city": "string"}},\n'
     ' {"name": "search_web", "description": "Search the web", "parameters": {"query": "string"}},\n'
-    ' {"name": "send_email", "description": "Send an email", "parameters": {"to": "string", "subject": "string", "body": "string"}},\n'
-    ' {"name": "create_event", "description": "Add a calendar event", "parameters": {"title": "string", "date": "YYYY-MM-DD"}}]\n'
+    ' {"name": "send_email", "description": "Send an email", '
+    '"parameters": {"to": "string", "subject": "string", "body": "string"}},\n'
+    ' {"name": "create_event", "description": "Add a calendar event", '
+    '"parameters": {"title": "string", "date": "YYYY-MM-DD"}}]\n'
     'Reply with one JSON object {"tool": NAME, "arguments": {...}} and nothing else.'
 )
 AGENT_QUESTIONS = [
-    "What is the weather in Paris?", "Find recent news about electric cars.",
-    "Email Anna that the meeting moved to 3pm.", "Put the dentist appointment on 2025-03-14 in my calendar.",
-    "Is it raining in Tokyo?", "Search for a pancake recipe.", "Tell Bob by email that the report is ready.",
-    "Schedule a team lunch on 2025-04-02.", "How warm is it in Cairo today?", "Look up the population of Canada.",
+    "What is the weather in Paris?",
+    "Find recent news about electric cars.",
+    "Email Anna that the meeting moved to 3pm.",
+    "Put the dentist appointment on 2025-03-14 in my calendar.",
+    "Is it raining in Tokyo?",
+    "Search for a pancake recipe.",
+    "Tell Bob by email that the report is ready.",
+    "Schedule a team lunch on 2025-04-02.",
+    "How warm is it in Cairo today?",
+    "Look up the population of Canada.",
 ]
 
 
@@ -64,7 +73,9 @@ def groups(tok, a) -> Dict[str, List[List[int]]]:
     out = {"mt_bench": first_turn_ids(tok, mt[: a.mt_bench])}
     for task in SPEC_TASKS:
         out[task] = first_turn_ids(tok, [c for c in spec if c["category"] == task][: a.per_task])
-    out["revise"] = [(c["turns"][0], REVISE[i % len(REVISE)]) for i, c in enumerate(mt[a.mt_bench: a.mt_bench + a.revise])]
+    out["revise"] = [
+        (c["turns"][0], REVISE[i % len(REVISE)]) for i, c in enumerate(mt[a.mt_bench : a.mt_bench + a.revise])
+    ]
     out["agent"] = [chat_prompt_ids(tok, build_messages(AGENT_SYSTEM, [], q)) for q in AGENT_QUESTIONS[: a.agent]]
     return out
 
@@ -103,10 +114,14 @@ class Tally:
     def row(self, plain: "Tally") -> dict:
         tps = self.tokens / self.time if self.time else 0.0
         base = plain.tokens / plain.time if plain.time else 0.0
-        return {"tokens": self.tokens, "tokens_per_s": round(tps, 2),
-                "tokens_per_step": round(self.tokens / max(self.steps, 1), 3),
-                "speedup": round(tps / base, 3) if base else None, "mismatches": self.mismatches,
-                "share": {k: round(v / max(self.tokens, 1), 3) for k, v in self.by_source.items()}}
+        return {
+            "tokens": self.tokens,
+            "tokens_per_s": round(tps, 2),
+            "tokens_per_step": round(self.tokens / max(self.steps, 1), 3),
+            "speedup": round(tps / base, 3) if base else None,
+            "mismatches": self.mismatches,
+            "share": {k: round(v / max(self.tokens, 1), 3) for k, v in self.by_source.items()},
+        }
 
 
 def parse_args(argv=None):
@@ -120,8 +135,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--first-answer", type=int, default=96, help="Tokens of the first answer a revise turn works on.")
     ap.add_argument("--no-history", action="store_true", help="The built store alone (replies are not appended).")
-    ap.add_argument("--auto", action="store_true",
-                    help="Also both_auto and all_auto: both and all with tree='auto' on this device's curve.")
+    ap.add_argument(
+        "--auto",
+        action="store_true",
+        help="Also both_auto and all_auto: both and all with tree='auto' on this device's curve.",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "datastore")
     a = ap.parse_args(argv)
@@ -146,8 +164,11 @@ def main(argv=None) -> int:
     store = Stores([built, history])
     W, L, eos = DEFAULT_WIDTH, DEFAULT_LENGTH, sorted(tok.eos_token_ids)
     drafts = {
-        "plain": DraftConfig(), "lookup": DraftConfig(lookup=1), "datastore": DraftConfig(datastore=store),
-        "both": DraftConfig(lookup=1, datastore=store), "defaults": DraftConfig(drafter, W, L, lookup=1),
+        "plain": DraftConfig(),
+        "lookup": DraftConfig(lookup=1),
+        "datastore": DraftConfig(datastore=store),
+        "both": DraftConfig(lookup=1, datastore=store),
+        "defaults": DraftConfig(drafter, W, L, lookup=1),
         "all": DraftConfig(drafter, W, L, lookup=1, datastore=store),
     }
     modes = MODES
@@ -166,7 +187,7 @@ def main(argv=None) -> int:
     totals, k = {g: {m: Tally() for m in modes} for g in sets}, 0
     for g, prompts in sets.items():
         for p in prompts:
-            order = modes[k % len(modes):] + modes[: k % len(modes)]
+            order = modes[k % len(modes) :] + modes[: k % len(modes)]
             k += 1
             runs = {m: measure(model, p, draft=drafts[m], max_tokens=a.max_tokens, eos_ids=eos) for m in order}
             for m in modes:
@@ -180,9 +201,19 @@ def main(argv=None) -> int:
             every[m].merge(t)
     results = {
         "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "modes": list(modes), "model": a.model, "beam_width": W, "beam_length": L, "max_tokens": a.max_tokens,
-        "store": {"path": str(a.store), "sequences": len(built), "tokens": built.tokens,
-                  "bytes": a.store.stat().st_size, "history_sequences": len(history), "history_tokens": history.tokens},
+        "modes": list(modes),
+        "model": a.model,
+        "beam_width": W,
+        "beam_length": L,
+        "max_tokens": a.max_tokens,
+        "store": {
+            "path": str(a.store),
+            "sequences": len(built),
+            "tokens": built.tokens,
+            "bytes": a.store.stat().st_size,
+            "history_sequences": len(history),
+            "history_tokens": history.tokens,
+        },
         "prompts": {g: len(p) for g, p in sets.items()},
         "groups": {g: {m: t.row(ts["plain"]) for m, t in ts.items()} for g, ts in totals.items()},
     }
@@ -196,8 +227,10 @@ def markdown(results: dict) -> str:
     lines = [
         f"Command: `{results['command']}`",
         f"Model {results['model']}, {results['max_tokens']} tokens, greedy; store {s['sequences']} replies, "
-        f"{s['tokens']} tokens, {s['bytes'] / 2**20:.2f} MiB (+ a session history of {s['history_sequences']} replies).",
-        "", "| group | prompts | plain tok/s | " + " | ".join(f"{m} tok/step, speedup" for m in drafted) + " |",
+        f"{s['tokens']} tokens, {s['bytes'] / 2**20:.2f} MiB "
+        f"(+ a session history of {s['history_sequences']} replies).",
+        "",
+        "| group | prompts | plain tok/s | " + " | ".join(f"{m} tok/step, speedup" for m in drafted) + " |",
         "|" + "---|" * (3 + len(drafted)),
     ]
     for g, row in results["groups"].items():
@@ -205,8 +238,11 @@ def markdown(results: dict) -> str:
         cells = " | ".join(f"{row[m]['tokens_per_step']:.2f}, {row[m]['speedup']:.2f}x" for m in drafted)
         lines.append(f"| {g} | {n} | {row['plain']['tokens_per_s']:.1f} | {cells} |")
     shares = results["groups"]["all"]
-    lines += ["", "Share of tokens from datastore rows (all groups): " + ", ".join(
-        f"{m} {shares[m]['share']['datastore']:.1%}" for m in drafted)]
+    lines += [
+        "",
+        "Share of tokens from datastore rows (all groups): "
+        + ", ".join(f"{m} {shares[m]['share']['datastore']:.1%}" for m in drafted),
+    ]
     return "\n".join(lines) + "\n"
 
 

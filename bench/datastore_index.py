@@ -49,11 +49,17 @@ def main():
         inside.append(s[end - 20 : end])
     fresh = [np.minimum(rng.zipf(1.3, 20), args.vocab - 1).tolist() for _ in range(500)]
     worst = [[1]] * 100  # a 1-token match of the most frequent token
-    for name, hs in [("inside stored sequences", inside), ("fresh Zipf histories", fresh), ("the top token alone", worst)]:
+    for name, hs in [
+        ("inside stored sequences", inside),
+        ("fresh Zipf histories", fresh),
+        ("the top token alone", worst),
+    ]:
         found = [store.match(h) for h in hs]
         t = best_time(lambda: [store.match(h, max_continuations=4, length=4) for h in hs]) / len(hs)
-        print(f"{name}: {t * 1e6:.0f} us/match, mean match {np.mean([m.length for m in found]):.1f} tokens, "
-              f"median occurrences {np.median([m.occurrences for m in found]):.0f}")
+        print(
+            f"{name}: {t * 1e6:.0f} us/match, mean match {np.mean([m.length for m in found]):.1f} tokens, "
+            f"median occurrences {np.median([m.occurrences for m in found]):.0f}"
+        )
 
 
 if __name__ == "__main__":

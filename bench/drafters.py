@@ -1,7 +1,8 @@
 """Benchmark: drafters against each other and against plain decoding, live, in one run.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 .venv/bin/python bench/drafters.py \\
-        --drafters previous=DIR,new=mlx_redrafter/drafters/smollm2-135m-instruct --num-prompts 20 --out bench/results/drafters
+        --drafters previous=DIR,new=mlx_redrafter/drafters/smollm2-135m-instruct --num-prompts 20 \\
+        --out bench/results/drafters
 
 For every drafter, two settings on MT-Bench first turns: ``W=1 L=3`` with the
 drafter alone (lookup off: what the drafter is worth) and the default
@@ -38,8 +39,8 @@ def main(argv=None) -> int:
 
     from mlx_redrafter import load_drafter, load_model
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
-    from mlx_redrafter.tuning.measure import measure
     from mlx_redrafter.prompts import first_turn_ids, load_prompt_set, select_conversations
+    from mlx_redrafter.tuning.measure import measure
 
     model, tok = load_model("default")
     eos = sorted(tok.eos_token_ids)
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     totals = {n: Tally() for n in names}
     depth = {n: [] for n in names}
     for k, p in enumerate(prompts):
-        order = names[k % len(names):] + names[: k % len(names)]
+        order = names[k % len(names) :] + names[: k % len(names)]
         runs = {n: measure(model, p, draft=configs[n], max_tokens=a.max_tokens, eos_ids=eos) for n in order}
         for n in names:
             totals[n].add(runs[n], runs[n].tokens == runs["plain"].tokens)
@@ -68,14 +69,31 @@ def main(argv=None) -> int:
         if n.endswith("W1L3"):
             acc = np.array(depth[n])
             rows[n]["acceptance_by_depth"] = [round(float((acc >= d).mean()), 3) for d in (1, 2, 3)]
-    command = "LD_PRELOAD=... .venv/bin/python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])])
-    results = {"command": command, "drafters": folders, "prompts": len(prompts), "max_tokens": a.max_tokens,
-               "default_shape": {"beam_width": DEFAULT_WIDTH, "beam_length": DEFAULT_LENGTH, "lookup": DEFAULT_LOOKUP}, "rows": rows}
-    lines = [f"`{command}`", "", f"MT-Bench first turns: {len(prompts)} prompts, {a.max_tokens} new tokens, greedy.", "",
-             "| configuration | speedup | tokens/step | acceptance by depth 1 / 2 / 3 | identical to plain |", "|---|---|---|---|---|"]
+    command = "LD_PRELOAD=... .venv/bin/python " + " ".join(
+        shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]
+    )
+    results = {
+        "command": command,
+        "drafters": folders,
+        "prompts": len(prompts),
+        "max_tokens": a.max_tokens,
+        "default_shape": {"beam_width": DEFAULT_WIDTH, "beam_length": DEFAULT_LENGTH, "lookup": DEFAULT_LOOKUP},
+        "rows": rows,
+    }
+    lines = [
+        f"`{command}`",
+        "",
+        f"MT-Bench first turns: {len(prompts)} prompts, {a.max_tokens} new tokens, greedy.",
+        "",
+        "| configuration | speedup | tokens/step | acceptance by depth 1 / 2 / 3 | identical to plain |",
+        "|---|---|---|---|---|",
+    ]
     for n, r in rows.items():
         acc = " / ".join(f"{x:.3f}" for x in r.get("acceptance_by_depth", [])) or "-"
-        lines.append(f"| {n} | {r['speedup']:.3f} | {r['tokens_per_step']:.2f} | {acc} | {len(prompts) - r['mismatches']}/{len(prompts)} |")
+        lines.append(
+            f"| {n} | {r['speedup']:.3f} | {r['tokens_per_step']:.2f} | {acc} | "
+            f"{len(prompts) - r['mismatches']}/{len(prompts)} |"
+        )
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (a.out / "report.md").write_text("\n".join(lines) + "\n")

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model
-from mlx_redrafter.llm.cache import warm_cache
-from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost, median_ms
 from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.llm.cache import warm_cache
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train
+from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost, median_ms
 
 HEADS = {
     "E576-v4k": dict(exit_dim=576, num_draft_layers=1, draft_vocab_size=4096),
@@ -68,7 +68,9 @@ def main():
     for name in args.heads.split(","):
         folder = out / name
         if not (folder / "model.safetensors").exists():
-            cfg = TrainConfig(**HEADS[name], minutes=args.minutes, max_steps=100_000, eval_every=250, checkpoint_every=10_000)
+            cfg = TrainConfig(
+                **HEADS[name], minutes=args.minutes, max_steps=100_000, eval_every=250, checkpoint_every=10_000
+            )
             train(model, args.data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
         log = [json.loads(line) for line in open(folder / "train_log.jsonl")]
         last = max((r for r in log if "eval_acc" in r), key=lambda r: r["eval_accepted_w1"])  # the saved drafter
@@ -76,25 +78,39 @@ def main():
         mt = evaluate(load_drafter(folder, dtype="float32"), embed, replies_mt, layers)
         ctx = mx.random.normal((d.context_size,))
         cost = draft_step_cost(d.config).macs / decode_step_cost(model).macs
-        rows.append({
-            "head": name, "params_M": d.num_params() / 1e6, "steps": last["step"],
-            "eval_acc": last["eval_acc"], "accepted_w1": last["eval_accepted_w1"],
-            "draft_ms_w1_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 1, 5).tokens)),
-            "draft_ms_w2_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 2, 5).tokens)),
-            "macs_vs_decode": cost,
-            "coverage": log[0]["draft_vocab_coverage"],
-            "mt_bench_first_draft": mt["first_draft_accepted"], "mt_bench_w1l3": mt["tokens_per_step"]["W1L3"],
-        })
+        rows.append(
+            {
+                "head": name,
+                "params_M": d.num_params() / 1e6,
+                "steps": last["step"],
+                "eval_acc": last["eval_acc"],
+                "accepted_w1": last["eval_accepted_w1"],
+                "draft_ms_w1_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 1, 5).tokens)),
+                "draft_ms_w2_l5": median_ms(lambda: mx.eval(d.draft(embed, ctx, mx.array(5), 2, 5).tokens)),
+                "macs_vs_decode": cost,
+                "coverage": log[0]["draft_vocab_coverage"],
+                "mt_bench_first_draft": mt["first_draft_accepted"],
+                "mt_bench_w1l3": mt["tokens_per_step"]["W1L3"],
+            }
+        )
     cache, rewind = warm_cache(model, backbone)
     plain = median_ms(lambda: mx.eval(mx.argmax(head(backbone(mx.array([[5]]), cache=cache)), -1)), after=rewind)
     print(f"plain decode step: {plain:.1f} ms")
-    print("| head | params | vocab coverage | train steps | top-1 acc by depth (held out) | expected accepted, 1 greedy beam | MT-Bench first drafts accepted | MT-Bench W=1 L=3 tokens/step | draft ms W=1 L=5 | draft ms W=2 L=5 | W=1 L=5 draft / decode step | MACs per draft step / decode step |")
+    print(
+        "| head | params | vocab coverage | train steps | top-1 acc by depth (held out) | "
+        "expected accepted, 1 greedy beam | MT-Bench first drafts accepted | MT-Bench W=1 L=3 tokens/step | "
+        "draft ms W=1 L=5 | draft ms W=2 L=5 | W=1 L=5 draft / decode step | MACs per draft step / decode step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["eval_acc"])
-        print(f"| {r['head']} | {r['params_M']:.1f}M | {r['coverage']:.3f} | {r['steps']} | {acc} | {r['accepted_w1']:.2f} | "
-              f"{r['mt_bench_first_draft']:.3f} | {r['mt_bench_w1l3']:.2f} | "
-              f"{r['draft_ms_w1_l5']:.1f} | {r['draft_ms_w2_l5']:.1f} | {r['draft_ms_w1_l5'] / plain:.3f} | {r['macs_vs_decode']:.3f} |")
+        print(
+            f"| {r['head']} | {r['params_M']:.1f}M | {r['coverage']:.3f} | {r['steps']} | "
+            f"{acc} | {r['accepted_w1']:.2f} | "
+            f"{r['mt_bench_first_draft']:.3f} | {r['mt_bench_w1l3']:.2f} | "
+            f"{r['draft_ms_w1_l5']:.1f} | {r['draft_ms_w2_l5']:.1f} | "
+            f"{r['draft_ms_w1_l5'] / plain:.3f} | {r['macs_vs_decode']:.3f} |"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "heads.json").write_text(json.dumps({"plain_ms": plain, "rows": rows}, indent=1))
 

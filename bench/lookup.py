@@ -7,7 +7,8 @@ Four modes on the same prompts, in one run: ``plain`` (mlx-lm decoding),
 ``drafter`` (the shipped drafter, lookup off), ``lookup`` (no drafter,
 lookup drafts only), ``merged`` (the drafter's beams and lookup beams in
 one tree: the default) and ``merged_sync`` (the same in the synchronous step
-loop, ``DraftConfig(pipelined=False)``, the loop before step/pipelined.py). Groups: MT-Bench first turns, the Spec-Bench tasks
+loop, ``DraftConfig(pipelined=False)``, the loop before step/pipelined.py).
+Groups: MT-Bench first turns, the Spec-Bench tasks
 (summarization, rag, translation, qa, math_reasoning) and a copy-heavy task
 (rewrite a given paragraph with one change, prompts below). Greedy; every
 mode's tokens are checked against plain decoding. The modes rotate their
@@ -23,8 +24,7 @@ import argparse
 import json
 import shlex
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List
 
@@ -84,7 +84,9 @@ class Tally:
         tps = self.tokens / self.time if self.time else 0.0
         base = plain.tokens / plain.time if plain.time else 0.0
         return {
-            "tokens": self.tokens, "decode_s": round(self.time, 3), "tokens_per_s": round(tps, 2),
+            "tokens": self.tokens,
+            "decode_s": round(self.time, 3),
+            "tokens_per_s": round(tps, 2),
             "tokens_per_step": round(self.tokens / max(self.steps, 1), 3),
             "speedup": round(tps / base, 3) if base else None,
             "lookup_share": round(self.lookup_tokens / max(self.tokens, 1), 3),
@@ -114,7 +116,9 @@ def parse_args(argv=None):
     ap.add_argument("--copy", type=int, default=len(COPY_PROMPTS), help="Copy-heavy prompts (at most 4).")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=1, help="Lookup beams in the lookup and merged modes.")
-    ap.add_argument("--lookup-length", type=int, default=None, help="Tokens per lookup draft (default: lookup.LOOKUP_LENGTH).")
+    ap.add_argument(
+        "--lookup-length", type=int, default=None, help="Tokens per lookup draft (default: lookup.LOOKUP_LENGTH)."
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="Comma-separated subset of " + ",".join(MODES) + ".")
     ap.add_argument("--quick", action="store_true", help="Smoke run: 1 prompt per group, 32 tokens.")
     ap.add_argument("--out", type=Path, default=None, help="Output folder (default bench/out/lookup[-quick]).")
@@ -130,14 +134,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    import mlx.core as mx
 
     from mlx_redrafter import load_drafter, load_model
-    from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig
+    from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, LOOKUP_LENGTH, DraftConfig
     from mlx_redrafter.llm.parts import context_limit
-    from mlx_redrafter.config import LOOKUP_LENGTH
-    from mlx_redrafter.tuning.measure import measure
     from mlx_redrafter.runtime import resolve_drafter_path
+    from mlx_redrafter.tuning.measure import measure
 
     model, tok = load_model(a.model)
     drafter = load_drafter(resolve_drafter_path(a.model, a.drafter))
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
     k = 0
     for g, prompts in sets.items():
         for p in prompts:
-            order = a.modes[k % len(a.modes):] + a.modes[: k % len(a.modes)]
+            order = a.modes[k % len(a.modes) :] + a.modes[: k % len(a.modes)]
             k += 1
             runs = {m: run(m, p, a.max_tokens) for m in order}
             for m in a.modes:
@@ -182,8 +184,14 @@ def main(argv=None) -> int:
             print(f"{g}: {k} prompts done", file=sys.stderr, flush=True)
     results = {
         "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "model": a.model, "beam_width": W, "beam_length": L, "lookup_beams": a.lookup, "lookup_length": K,
-        "max_tokens": a.max_tokens, "prompts": {g: len(p) for g, p in sets.items()}, "dropped_prompts": dropped,
+        "model": a.model,
+        "beam_width": W,
+        "beam_length": L,
+        "lookup_beams": a.lookup,
+        "lookup_length": K,
+        "max_tokens": a.max_tokens,
+        "prompts": {g: len(p) for g, p in sets.items()},
+        "dropped_prompts": dropped,
         "groups": {g: {m: t.row(totals[g]["plain"]) for m, t in ts.items()} for g, ts in totals.items()},
     }
     all_modes = {m: Tally() for m in a.modes}
@@ -215,7 +223,8 @@ def markdown(results: dict, modes: List[str]) -> str:
     lines = [
         f"Command: `{results['command']}`",
         f"Model {results['model']}, drafter W={results['beam_width']} L={results['beam_length']}, "
-        f"{results['lookup_beams']} lookup beam(s) of {results['lookup_length']} tokens, {results['max_tokens']} tokens, greedy.",
+        f"{results['lookup_beams']} lookup beam(s) of {results['lookup_length']} tokens, "
+        f"{results['max_tokens']} tokens, greedy.",
         "",
         head,
         "|" + "---|" * (3 + 2 * len(drafted)),

@@ -41,15 +41,15 @@ from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_redrafter import load_model
+from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.doctor import report
 from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
 from mlx_redrafter.draft.load import load_drafter
-from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.draft.lookup import Lookup
-from mlx_redrafter.tuning.measure import measure
 from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
 from mlx_redrafter.runtime import shipped_drafter_path
 from mlx_redrafter.step import dispatch
+from mlx_redrafter.tuning.measure import measure
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -179,20 +179,47 @@ def main():
     base = [plain_ms_per_token(model, tok, prompt, args.tokens)]
     rows = []
     with no_proposals():
-        rows.append({"drafter": "none", "W": 0, "L": 0, "shape": "g0 only",
-                     **row(model, ids, DraftConfig(None, lookup=1), args.tokens)})
+        rows.append(
+            {
+                "drafter": "none",
+                "W": 0,
+                "L": 0,
+                "shape": "g0 only",
+                **row(model, ids, DraftConfig(None, lookup=1), args.tokens),
+            }
+        )
     for name, d in (("random", rand), ("shipped", shipped)):
         for w, l in grid:
-            rows.append({"drafter": name, "W": w, "L": l, "shape": f"W={w} L={l}",
-                         **row(model, ids, DraftConfig(d, w, l), args.tokens)})
-    rows.append({"drafter": "shipped", "W": 2, "L": 1, "shape": "default: W=2 L=1 + lookup",
-                 **row(model, ids, DraftConfig(shipped, 2, 1, lookup=1), args.tokens)})
+            rows.append(
+                {
+                    "drafter": name,
+                    "W": w,
+                    "L": l,
+                    "shape": f"W={w} L={l}",
+                    **row(model, ids, DraftConfig(d, w, l), args.tokens),
+                }
+            )
+    rows.append(
+        {
+            "drafter": "shipped",
+            "W": 2,
+            "L": 1,
+            "shape": "default: W=2 L=1 + lookup",
+            **row(model, ids, DraftConfig(shipped, 2, 1, lookup=1), args.tokens),
+        }
+    )
     floors = {n: forward_ms(model, ids, n, args.tokens) for n in (1, 2, 3, 7, 15)}
-    e2e_plain, e2e = end_to_end(model, tok, prompt, args.tokens, {
-        "random W=1 L=1 (never accepted)": DraftConfig(rand, 1, 1),
-        "default: shipped W=2 L=1 + lookup": DraftConfig(shipped, 2, 1, lookup=1),
-        "default, tree=auto": DraftConfig(shipped, 2, 1, lookup=1, tree="auto"),
-    })
+    e2e_plain, e2e = end_to_end(
+        model,
+        tok,
+        prompt,
+        args.tokens,
+        {
+            "random W=1 L=1 (never accepted)": DraftConfig(rand, 1, 1),
+            "default: shipped W=2 L=1 + lookup": DraftConfig(shipped, 2, 1, lookup=1),
+            "default, tree=auto": DraftConfig(shipped, 2, 1, lookup=1, tree="auto"),
+        },
+    )
     base.append(plain_ms_per_token(model, tok, prompt, args.tokens))
     plain = float(np.mean(base))
     print("The LLM's forward alone, pipelined, per tree size (the floor under a step of that size):")
@@ -202,13 +229,17 @@ def main():
         print(f"| {n} | {ms:.1f} | {ms / plain:.2f} |")
     print()
     print(f"plain mlx-lm decoding: {plain:.1f} ms/token (runs: {', '.join(f'{b:.1f}' for b in base)})")
-    print("| drafter | shape | default loop | tree | step / plain, sync | step / plain, pipelined | tokens/step | "
-          "token ms / plain, sync | token ms / plain, pipelined | draft | pack | verify | accept | other (ms, profiled sync) |")
+    print(
+        "| drafter | shape | default loop | tree | step / plain, sync | step / plain, pipelined | tokens/step | "
+        "token ms / plain, sync | token ms / plain, pipelined | "
+        "draft | pack | verify | accept | other (ms, profiled sync) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         other = r["profiled_step_ms"] - sum(r[f"{p}_ms"] for p in ("draft", "pack", "verify", "accept"))
         print(
-            f"| {r['drafter']} | {r['shape']} | {r['default_loop']} | {r['tree_size']:.1f} | {r['sync_step_ms'] / plain:.2f} | "
+            f"| {r['drafter']} | {r['shape']} | {r['default_loop']} | {r['tree_size']:.1f} | "
+            f"{r['sync_step_ms'] / plain:.2f} | "
             f"{r['pipelined_step_ms'] / plain:.2f} | {r['pipelined_tokens_per_step']:.2f} | "
             f"{r['sync_ms_per_token'] / plain:.2f} | {r['pipelined_ms_per_token'] / plain:.2f} | "
             f"{r['draft_ms']:.1f} | {r['pack_ms']:.1f} | {r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {other:.1f} |"
@@ -222,8 +253,18 @@ def main():
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"machine": report(), "plain_ms_per_token": base, "forward_ms": floors, "rows": rows,
-                       "end_to_end_plain_ms": e2e_plain, "end_to_end_ms": e2e}, f, indent=1)
+            json.dump(
+                {
+                    "machine": report(),
+                    "plain_ms_per_token": base,
+                    "forward_ms": floors,
+                    "rows": rows,
+                    "end_to_end_plain_ms": e2e_plain,
+                    "end_to_end_ms": e2e,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

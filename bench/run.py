@@ -111,8 +111,8 @@ def run_conversation(session, conv: dict, draft, cfg: "BenchConfig", eos_ids) ->
     drafts nothing is plain decoding). Stops early when a turn no longer fits
     the context."""
     from mlx_redrafter.llm.parts import context_limit
-    from mlx_redrafter.tuning.measure import measure
     from mlx_redrafter.prompts import chat_prompt_ids
+    from mlx_redrafter.tuning.measure import measure
 
     max_tokens = cfg.max_tokens
     limit = context_limit(session.model)
@@ -125,13 +125,25 @@ def run_conversation(session, conv: dict, draft, cfg: "BenchConfig", eos_ids) ->
             break
         if cfg.temp > 0:
             mx.random.seed(cfg.seed + len(turns))
-        run = measure(session.model, ids, draft=draft, max_tokens=max_tokens, eos_ids=eos_ids, temp=cfg.temp, top_p=cfg.top_p)
+        run = measure(
+            session.model, ids, draft=draft, max_tokens=max_tokens, eos_ids=eos_ids, temp=cfg.temp, top_p=cfg.top_p
+        )
         answer = session.tokenizer.decode(run.tokens)
         messages.append({"role": "assistant", "content": answer})
-        turns.append(Turn(
-            len(ids), answer, len(run.tokens), len(run.step_tokens()), run.wall_time, run.decode_time, run.ttft,
-            [n for n, _ in run.step_tokens()], run.token_latencies(), run.peak_memory,
-        ))
+        turns.append(
+            Turn(
+                len(ids),
+                answer,
+                len(run.tokens),
+                len(run.step_tokens()),
+                run.wall_time,
+                run.decode_time,
+                run.ttft,
+                [n for n, _ in run.step_tokens()],
+                run.token_latencies(),
+                run.peak_memory,
+            )
+        )
     return turns
 
 
@@ -175,7 +187,9 @@ def summarize(records: List[dict]) -> dict:
             "new_tokens": tokens,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "decode_tokens_per_s": decode_tokens / decode if decode > 0 else 0.0,
-            "tokens_per_step": float(np.mean([n for t in turns for n in t.accept_lengths])) if turns and any(t.accept_lengths for t in turns) else 0.0,
+            "tokens_per_step": float(np.mean([n for t in turns for n in t.accept_lengths]))
+            if turns and any(t.accept_lengths for t in turns)
+            else 0.0,
             "ttft_p50_s": _pct([t.ttft for t in turns], 50),
             "ttft_p95_s": _pct([t.ttft for t in turns], 95),
             "latency_p50_s": _pct(lat, 50),
@@ -208,21 +222,25 @@ def spec_bench_answers(records: List[dict], mode: str, model_id: str) -> List[di
     for r in records:
         turns = r[mode]
         qid = int(r["id"]) if str(r["id"]).isdigit() else r["id"]
-        out.append({
-            "question_id": qid,
-            "category": r["category"],
-            "answer_id": f"{qid}-{mode}",
-            "model_id": model_id,
-            "choices": [{
-                "index": 0,
-                "turns": [t.text for t in turns],
-                "decoding_steps": [t.steps for t in turns],
-                "new_tokens": [t.new_tokens for t in turns],
-                "wall_time": [t.wall_time for t in turns],
-                "accept_lengths": [n for t in turns for n in t.accept_lengths],
-            }],
-            "tstamp": time.time(),
-        })
+        out.append(
+            {
+                "question_id": qid,
+                "category": r["category"],
+                "answer_id": f"{qid}-{mode}",
+                "model_id": model_id,
+                "choices": [
+                    {
+                        "index": 0,
+                        "turns": [t.text for t in turns],
+                        "decoding_steps": [t.steps for t in turns],
+                        "new_tokens": [t.new_tokens for t in turns],
+                        "wall_time": [t.wall_time for t in turns],
+                        "accept_lengths": [n for t in turns for n in t.accept_lengths],
+                    }
+                ],
+                "tstamp": time.time(),
+            }
+        )
     return out
 
 
@@ -247,7 +265,8 @@ def markdown_report(results: dict) -> str:
         "",
         f"- command: `{results['command']}`",
         f"- date: {results['date']}",
-        f"- model: {c['model']}, drafter: {c['drafter']}, W={c['beam_width']} L={c['beam_length']} ({c['shape_source']}), "
+        f"- model: {c['model']}, drafter: {c['drafter']}, W={c['beam_width']} L={c['beam_length']} "
+        f"({c['shape_source']}), "
         f"lookup beams: {c.get('lookup', 0)}",
         f"- greedy, max {c['max_tokens']} new tokens per turn, dtype {m.get('default_dtype')}",
         f"- machine: {m.get('machine')}, {m.get('cpu_count')} cores, device {m.get('device')}, BLAS {m.get('blas')}, "
@@ -259,32 +278,51 @@ def markdown_report(results: dict) -> str:
         "",
     ]
     for set_name, s in results["sets"].items():
-        lines += [f"## {set_name}", "",
-                  "| category | conv. | turns | tokens | plain tok/s | ReDrafter tok/s | speedup | decode speedup | tokens/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {set_name}",
+            "",
+            "| category | conv. | turns | tokens | plain tok/s | ReDrafter tok/s | "
+            "speedup | decode speedup | tokens/step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         rows = list(s["by_category"].items()) + [("**overall**", s["overall"])]
         for name, v in rows:
             b, r = v["baseline"], v["redrafter"]
             lines.append(
-                f"| {name} | {v['conversations']} | {r['turns']} | {r['new_tokens']} | {_f(b['tokens_per_s'], '{:.1f}')} | "
-                f"{_f(r['tokens_per_s'], '{:.1f}')} | {_f(v['speedup'], unit='x')} | {_f(v['decode_speedup'], unit='x')} | "
+                f"| {name} | {v['conversations']} | {r['turns']} | {r['new_tokens']} | "
+                f"{_f(b['tokens_per_s'], '{:.1f}')} | "
+                f"{_f(r['tokens_per_s'], '{:.1f}')} | {_f(v['speedup'], unit='x')} | "
+                f"{_f(v['decode_speedup'], unit='x')} | "
                 f"{_f(r['tokens_per_step'] or None)} |"
             )
         lines.append("")
         skipped = [(n, v["skipped_turns"]) for n, v in s["by_category"].items() if v["skipped_turns"]]
         if skipped:
-            lines += ["Left out (prompt + max tokens exceed the model's context): "
-                      + ", ".join(f"{n} {k} turns" for n, k in skipped) + ".", ""]
+            lines += [
+                "Left out (prompt + max tokens exceed the model's context): "
+                + ", ".join(f"{n} {k} turns" for n, k in skipped)
+                + ".",
+                "",
+            ]
     a = results["all"]
-    lines += ["## Latency and memory (all sets)", "",
-              "| | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | p95 ms | p99 ms | peak memory GB |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "## Latency and memory (all sets)",
+        "",
+        "| | TTFT p50 ms | TTFT p95 ms | per-token p50 ms | p95 ms | p99 ms | peak memory GB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for mode, label in (("baseline", "plain mlx-lm"), ("redrafter", "ReDrafter")):
         v = a[mode]
-        lines.append(f"| {label} | {_ms(v['ttft_p50_s'])} | {_ms(v['ttft_p95_s'])} | {_ms(v['latency_p50_s'])} | "
-                     f"{_ms(v['latency_p95_s'])} | {_ms(v['latency_p99_s'])} | {v['peak_memory_gb']:.3f} |")
-    lines += ["", f"Memory overhead of drafting: {a['memory_overhead_gb'] * 1000:.1f} MB of peak memory.",
-              "Per-token latency: each step's time shared by the tokens it emitted.", ""]
+        lines.append(
+            f"| {label} | {_ms(v['ttft_p50_s'])} | {_ms(v['ttft_p95_s'])} | {_ms(v['latency_p50_s'])} | "
+            f"{_ms(v['latency_p95_s'])} | {_ms(v['latency_p99_s'])} | {v['peak_memory_gb']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Memory overhead of drafting: {a['memory_overhead_gb'] * 1000:.1f} MB of peak memory.",
+        "Per-token latency: each step's time shared by the tokens it emitted.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -292,16 +330,30 @@ def markdown_report(results: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="1 conversation per category, 64 tokens (make bench).")
     p.add_argument("--model", default="default", help="'default', an mlx-lm folder, a Hub id or a .gguf.")
-    p.add_argument("--drafter", default=None, help="Drafter folder (default: the one shipped for the model); 'none' with --lookup: lookup drafts only.")
-    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
-                   help="Lookup drafts beside the drafter's (default: the tuned profile, else on).")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="Drafter folder (default: the one shipped for the model); 'none' with --lookup: lookup drafts only.",
+    )
+    p.add_argument(
+        "--lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Lookup drafts beside the drafter's (default: the tuned profile, else on).",
+    )
     p.add_argument("-W", "--beam-width", type=int, default=None, help="Default: the tuned profile, else 2.")
     p.add_argument("-L", "--beam-length", type=int, default=None, help="Default: the tuned profile, else 4.")
-    p.add_argument("--sets", default=",".join(SETS), help="Comma-separated: mt_bench, spec_bench, alpaca_eval or files.")
-    p.add_argument("--per-category", type=int, default=None, help="Conversations per category (default: all; 1 with --quick).")
+    p.add_argument(
+        "--sets", default=",".join(SETS), help="Comma-separated: mt_bench, spec_bench, alpaca_eval or files."
+    )
+    p.add_argument(
+        "--per-category", type=int, default=None, help="Conversations per category (default: all; 1 with --quick)."
+    )
     p.add_argument("--alpaca-per-category", type=int, default=20, help="AlpacaEval subset size per category.")
     p.add_argument("--max-tokens", type=int, default=None, help="New tokens per turn (default 256; 64 with --quick).")
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
@@ -332,12 +384,19 @@ def parse_args(argv=None):
 def run(argv=None) -> Path:
     """Run the benchmark; return the report's path."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from mlx_redrafter.doctor import report
     from mlx_redrafter.prompts import load_prompt_set
-    from mlx_redrafter.tuning.measure import warm_up
     from mlx_redrafter.runtime import load_runtime, resolve_drafter_path, wants_no_drafter
+    from mlx_redrafter.tuning.measure import warm_up
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg, out = parse_args(argv)
@@ -347,15 +406,29 @@ def run(argv=None) -> Path:
     if no_drafter and not args.lookup:
         raise RedrafterError("--drafter none leaves nothing to benchmark.", "Add --lookup (lookup drafts only).")
     drafter_path = args.drafter if no_drafter else resolve_drafter_path(args.model, args.drafter)
-    s = load_runtime(args.model, str(drafter_path), beam_width=args.beam_width, beam_length=args.beam_length,
-                     dtype=args.dtype, adaptive=args.adaptive, lookup=args.lookup)
+    s = load_runtime(
+        args.model,
+        str(drafter_path),
+        beam_width=args.beam_width,
+        beam_length=args.beam_length,
+        dtype=args.dtype,
+        adaptive=args.adaptive,
+        lookup=args.lookup,
+    )
     s.announce(console)
     eos = sorted(s.tokenizer.eos_token_ids)
     first = chat_ids_of(s, next(iter(chosen.values()))[0])
     warm_up(s.model, first, s.draft)
     total = sum(2 * len(c) for c in chosen.values())
     records = {}
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("bench", total=total)
         for name, convs in chosen.items():
@@ -364,9 +437,16 @@ def run(argv=None) -> Path:
     results = {
         "command": "python bench/run.py " + " ".join(shlex.quote(a) for a in argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "config": {**asdict(cfg), "model": args.model, "drafter": str(drafter_path), "beam_width": s.beam_width,
-                   "beam_length": s.beam_length, "shape_source": s.shape_source, "adaptive": args.adaptive,
-                   "lookup": s.lookup},
+        "config": {
+            **asdict(cfg),
+            "model": args.model,
+            "drafter": str(drafter_path),
+            "beam_width": s.beam_width,
+            "beam_length": s.beam_length,
+            "shape_source": s.shape_source,
+            "adaptive": args.adaptive,
+            "lookup": s.lookup,
+        },
         "machine": report(),
         "sets": {name: summarize_set(recs) for name, recs in records.items()},
         "all": summarize([r for recs in records.values() for r in recs]),
@@ -374,9 +454,13 @@ def run(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model_id = Path(str(args.model)).name
     for name, recs in records.items():
-        write_jsonl(out / "answers" / name / "baseline.jsonl", spec_bench_answers(recs, "baseline", f"{model_id}-vanilla"))
-        write_jsonl(out / "answers" / name / "redrafter.jsonl",
-                    spec_bench_answers(recs, "redrafter", f"{model_id}-redrafter-W{s.beam_width}-L{s.beam_length}"))
+        write_jsonl(
+            out / "answers" / name / "baseline.jsonl", spec_bench_answers(recs, "baseline", f"{model_id}-vanilla")
+        )
+        write_jsonl(
+            out / "answers" / name / "redrafter.jsonl",
+            spec_bench_answers(recs, "redrafter", f"{model_id}-redrafter-W{s.beam_width}-L{s.beam_length}"),
+        )
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     path = out / "report.md"
     path.write_text(markdown_report(results))

@@ -67,8 +67,12 @@ def main():
     ap.add_argument("--minutes", type=float, default=24.0, help="training budget of the full share")
     ap.add_argument("--min-minutes", type=float, default=6.0)
     ap.add_argument("--preset", default="default")
-    ap.add_argument("--fuse-features", action="store_true", help="train fused drafters (data distilled with --feature-layers)")
-    ap.add_argument("--runs", type=Path, default=Path("runs/scaling"), help="where the drafters are trained (reused when present)")
+    ap.add_argument(
+        "--fuse-features", action="store_true", help="train fused drafters (data distilled with --feature-layers)"
+    )
+    ap.add_argument(
+        "--runs", type=Path, default=Path("runs/scaling"), help="where the drafters are trained (reused when present)"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/out/scaling"))
     ap.add_argument("--replies", type=Path, default=REPLIES, help="MT-Bench replies cached by bench/acceptance.py")
     args = ap.parse_args()
@@ -80,8 +84,14 @@ def main():
         folder = args.runs / f"share-{share:g}"
         if not (folder / "model.safetensors").exists():
             minutes = max(args.min_minutes, args.minutes * share)
-            cfg = TrainConfig(**PRESETS[args.preset], data_fraction=share, minutes=minutes, epochs=1000.0, eval_every=100,
-                              fuse_features=args.fuse_features)
+            cfg = TrainConfig(
+                **PRESETS[args.preset],
+                data_fraction=share,
+                minutes=minutes,
+                epochs=1000.0,
+                eval_every=100,
+                fuse_features=args.fuse_features,
+            )
             train(model, args.data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
         row = {"share": share, "folder": str(folder), **best_record(folder)}
         row["mt_bench"] = evaluate(load_drafter(folder, dtype="float32"), embed, mt, layers)
@@ -90,11 +100,19 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     command = "LD_PRELOAD=... .venv/bin/python " + " ".join(sys.argv)
     (args.out / "results.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    lines = [f"`{command}`", "", "| share | training positions | best step | held-out depth-1 acc | held-out W=1 L=5 tokens/step | MT-Bench first drafts accepted | MT-Bench W=1 L=3 tokens/step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{command}`",
+        "",
+        "| share | training positions | best step | held-out depth-1 acc | "
+        "held-out W=1 L=5 tokens/step | MT-Bench first drafts accepted | MT-Bench W=1 L=3 tokens/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['share']:g} | {r['train_examples']} | {r['step']} | {r['eval_acc'][0]:.3f} | {1 + r['eval_accepted_w1']:.2f} | "
-                     f"{r['mt_bench']['first_draft_accepted']:.3f} | {r['mt_bench']['tokens_per_step']['W1L3']:.2f} |")
+        lines.append(
+            f"| {r['share']:g} | {r['train_examples']} | {r['step']} | "
+            f"{r['eval_acc'][0]:.3f} | {1 + r['eval_accepted_w1']:.2f} | "
+            f"{r['mt_bench']['first_draft_accepted']:.3f} | {r['mt_bench']['tokens_per_step']['W1L3']:.2f} |"
+        )
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out / "scaling.png")
     print("\n".join(lines))

@@ -91,8 +91,11 @@ def one_request(client, prompt: str, max_tokens: int) -> dict:
     tic = time.perf_counter()
     ttft, text, stats = None, "", {}
     stream = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens, temperature=0, stream=True,
+        model="default",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
     )
     for chunk in stream:
         delta = chunk.choices[0].delta.content if chunk.choices else None
@@ -101,8 +104,13 @@ def one_request(client, prompt: str, max_tokens: int) -> dict:
                 ttft = time.perf_counter() - tic
             text += delta
         stats = (chunk.model_extra or {}).get("redrafter") or stats
-    return {"prompt": prompt, "text": text, "ttft": ttft, "seconds": time.perf_counter() - tic,
-            "tokens_per_step": stats.get("tokens_per_step")}
+    return {
+        "prompt": prompt,
+        "text": text,
+        "ttft": ttft,
+        "seconds": time.perf_counter() - tic,
+        "tokens_per_step": stats.get("tokens_per_step"),
+    }
 
 
 def run_round(url: str, prompts: List[str], clients: int, max_tokens: int) -> dict:
@@ -148,25 +156,41 @@ def main() -> None:
     common = shlex.split(args.server_args) + ["--queue-size", str(max(counts) + 1)]
     flags = {"redrafter": common + shlex.split(args.draft_args), "no-draft": common + ["--no-draft"]}
     rounds = []
-    for clients, res in compare(flags, counts, lambda url, c: run_round(url, prompts, c, args.max_tokens),
-                                lambda url: run_round(url, prompts[:1], 1, 8), args.out.parent):
+    for clients, res in compare(
+        flags,
+        counts,
+        lambda url, c: run_round(url, prompts, c, args.max_tokens),
+        lambda url: run_round(url, prompts[:1], 1, 8),
+        args.out.parent,
+    ):
         rounds.append({"clients": clients, **res, "identical": res["redrafter"]["texts"] == res["no-draft"]["texts"]})
-        print(f"{clients} clients: " + ", ".join(
-            f"{m} {res[m]['requests_per_minute']:.2f} req/min, TTFT {res[m]['ttft_median_s']:.2f} s" for m in MODES),
-            file=sys.stderr, flush=True)
+        print(
+            f"{clients} clients: "
+            + ", ".join(
+                f"{m} {res[m]['requests_per_minute']:.2f} req/min, TTFT {res[m]['ttft_median_s']:.2f} s" for m in MODES
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    args.out.write_text(json.dumps({"command": command, "max_tokens": args.max_tokens, "rounds": rounds}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps({"command": command, "max_tokens": args.max_tokens, "rounds": rounds}, indent=2) + "\n"
+    )
     print(f"`{command}`\n")
-    print("| clients | server | requests/min | ratio | TTFT median (s) | ratio | TTFT max (s) | tokens/step | same text |")
+    print(
+        "| clients | server | requests/min | ratio | TTFT median (s) | ratio | TTFT max (s) | tokens/step | same text |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rounds:
         base = r["no-draft"]
         for mode in MODES:
             m = r[mode]
-            print(f"| {r['clients']} | {mode} | {m['requests_per_minute']:.2f} | "
-                  f"{m['requests_per_minute'] / base['requests_per_minute']:.2f}x | {m['ttft_median_s']:.2f} | "
-                  f"{m['ttft_median_s'] / base['ttft_median_s']:.2f}x | {m['ttft_max_s']:.2f} | "
-                  f"{m['tokens_per_step']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+            print(
+                f"| {r['clients']} | {mode} | {m['requests_per_minute']:.2f} | "
+                f"{m['requests_per_minute'] / base['requests_per_minute']:.2f}x | {m['ttft_median_s']:.2f} | "
+                f"{m['ttft_median_s'] / base['ttft_median_s']:.2f}x | {m['ttft_max_s']:.2f} | "
+                f"{m['tokens_per_step']:.2f} | {'yes' if r['identical'] else 'NO'} |"
+            )
 
 
 if __name__ == "__main__":

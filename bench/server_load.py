@@ -54,16 +54,28 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server import compare, mt_bench_prompts, start_server, stop_server  # noqa: E402  (bench/server.py: servers on free ports)
 
-PROMPTS = ["Write a short poem about the sea.", "What is the capital of France?",
-           "Give me three tips for learning to cook.", "Explain what a prime number is."]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "What is the capital of France?",
+    "Give me three tips for learning to cook.",
+    "Explain what a prime number is.",
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 # The same tool in Anthropic's and the Responses API's shapes.
-ANTHROPIC_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
-                     "input_schema": WEATHER["function"]["parameters"]}
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "description": WEATHER["function"]["description"],
+    "input_schema": WEATHER["function"]["parameters"],
+}
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
 APIS = ["openai", "ollama_chat", "ollama_generate", "anthropic", "responses"]
 # Anthropic's stop_reason and the Responses API's status in OpenAI's finish_reason words.
@@ -71,13 +83,20 @@ STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "leng
 
 
 def _call(city: str) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "get_weather", "arguments": {"city": city}}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": city}}}],
+    }
 
 
-TOOL_HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _call("Paris"),
-                {"role": "user", "content": "Weather in Rome?"}, _call("Rome"),
-                {"role": "user", "content": "Weather in London?"}]
+TOOL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    _call("Paris"),
+    {"role": "user", "content": "Weather in Rome?"},
+    _call("Rome"),
+    {"role": "user", "content": "Weather in London?"},
+]
 
 
 def rss_bytes(pid: int) -> int:
@@ -101,9 +120,18 @@ def plan(rng: random.Random, max_tokens: int, disconnect: float) -> dict:
     api = rng.choice(APIS)
     tools = api != "ollama_generate" and rng.random() < 0.15
     greedy = tools or rng.random() < 0.7
-    return {"api": api, "stream": rng.random() < 0.5, "tools": tools, "greedy": greedy,
-            "prompt": rng.choice(PROMPTS), "seed": rng.randrange(1000), "max_tokens": 40 if tools else max_tokens,
-            "hang_up": rng.random() < disconnect, "after_lines": rng.randrange(1, 8), "after_s": rng.uniform(0.05, 1.5)}
+    return {
+        "api": api,
+        "stream": rng.random() < 0.5,
+        "tools": tools,
+        "greedy": greedy,
+        "prompt": rng.choice(PROMPTS),
+        "seed": rng.randrange(1000),
+        "max_tokens": 40 if tools else max_tokens,
+        "hang_up": rng.random() < disconnect,
+        "after_lines": rng.randrange(1, 8),
+        "after_s": rng.uniform(0.05, 1.5),
+    }
 
 
 def body(p: dict) -> tuple:
@@ -161,8 +189,11 @@ def answer(p: dict, got: dict) -> dict:
     if sse and not p["stream"]:
         objs = [json.loads("\n".join(got["lines"]))]
     else:  # server-sent events (their data lines) or NDJSON: one object a line
-        objs = [json.loads(x[len("data: "):]) if sse else json.loads(x)
-                for x in got["lines"] if x != "data: [DONE]" and not x.startswith("event: ")]
+        objs = [
+            json.loads(x[len("data: ") :]) if sse else json.loads(x)
+            for x in got["lines"]
+            if x != "data: [DONE]" and not x.startswith("event: ")
+        ]
     if p["api"] == "openai":
         return _openai(p, objs, got["lines"])
     if p["api"] == "anthropic":
@@ -174,8 +205,12 @@ def answer(p: dict, got: dict) -> dict:
     key = "response" if p["api"] == "ollama_generate" else "message"
     pick = (lambda o: o[key]) if key == "response" else (lambda o: o[key]["content"])
     calls = [c["function"]["name"] for o in objs if key == "message" for c in o[key].get("tool_calls") or []]
-    return {"text": "".join(pick(o) for o in objs), "calls": calls, "finish": objs[-1]["done_reason"],
-            "tokens": objs[-1]["eval_count"]}
+    return {
+        "text": "".join(pick(o) for o in objs),
+        "calls": calls,
+        "finish": objs[-1]["done_reason"],
+        "tokens": objs[-1]["eval_count"],
+    }
 
 
 def _openai(p: dict, objs: List[dict], lines: List[str]) -> dict:
@@ -183,8 +218,12 @@ def _openai(p: dict, objs: List[dict], lines: List[str]) -> dict:
         (o,) = objs
         choice = o["choices"][0]
         calls = [c["function"]["name"] for c in choice["message"].get("tool_calls") or []]
-        return {"text": choice["message"]["content"] or "", "calls": calls, "finish": choice["finish_reason"],
-                "tokens": o["usage"]["completion_tokens"]}
+        return {
+            "text": choice["message"]["content"] or "",
+            "calls": calls,
+            "finish": choice["finish_reason"],
+            "tokens": o["usage"]["completion_tokens"],
+        }
     if lines[-1] != "data: [DONE]" or any("error" in o for o in objs):
         raise ValueError(f"the stream did not end with [DONE]: {lines[-2:]}")
     deltas = [o["choices"][0] for o in objs if o.get("choices")]
@@ -198,16 +237,28 @@ def _anthropic(p: dict, objs: List[dict]) -> dict:
         (o,) = objs
         text = "".join(b["text"] for b in o["content"] if b["type"] == "text")
         calls = [b["name"] for b in o["content"] if b["type"] == "tool_use"]
-        return {"text": text, "calls": calls, "finish": STOP_REASONS[o["stop_reason"]], "tokens": o["usage"]["output_tokens"]}
+        return {
+            "text": text,
+            "calls": calls,
+            "finish": STOP_REASONS[o["stop_reason"]],
+            "tokens": o["usage"]["output_tokens"],
+        }
     kinds = [o["type"] for o in objs]
     if kinds[0] != "message_start" or kinds[-1] != "message_stop" or "error" in kinds:
         raise ValueError(f"not message_start ... message_stop: {kinds[:2]} ... {kinds[-2:]}")
     text = "".join(o["delta"]["text"] for o in objs if o["type"] == "content_block_delta" and "text" in o["delta"])
-    calls = [o["content_block"]["name"] for o in objs if o["type"] == "content_block_start"
-             and o["content_block"]["type"] == "tool_use"]
+    calls = [
+        o["content_block"]["name"]
+        for o in objs
+        if o["type"] == "content_block_start" and o["content_block"]["type"] == "tool_use"
+    ]
     end = objs[-2]
-    return {"text": text, "calls": calls, "finish": STOP_REASONS[end["delta"]["stop_reason"]],
-            "tokens": end["usage"]["output_tokens"]}
+    return {
+        "text": text,
+        "calls": calls,
+        "finish": STOP_REASONS[end["delta"]["stop_reason"]],
+        "tokens": end["usage"]["output_tokens"],
+    }
 
 
 def _responses(p: dict, objs: List[dict]) -> dict:
@@ -258,8 +309,7 @@ def wait_idle(url: str, timeout: float = 120) -> dict:
 
 def run(args) -> dict:
     refs_procs = references(args.max_tokens)
-    proc, url = start_server(["--max-tokens", str(args.max_tokens), "--queue-size", "64", "--no-ui"],
-                             Path(args.log))
+    proc, url = start_server(["--max-tokens", str(args.max_tokens), "--queue-size", "64", "--no-ui"], Path(args.log))
     try:
         refs = {}
         for prompt, ref in refs_procs.items():
@@ -290,22 +340,37 @@ def run(args) -> dict:
 
 def summary(plans, results, refs, queue, rss, memory, wall, args) -> dict:
     connected = [(p, g) for p, g in zip(plans, results) if not g["hung_up"]]
-    failures = [f"{p['api']} stream={p['stream']} tools={p['tools']}: {why}"
-                for p, g in connected if (why := check(p, g, refs))]
+    failures = [
+        f"{p['api']} stream={p['stream']} tools={p['tools']}: {why}" for p, g in connected if (why := check(p, g, refs))
+    ]
     kinds: Dict[str, int] = {}
     for p in plans:
         k = f"{p['api']}{' stream' if p['stream'] else ''}{' tools' if p['tools'] else ''}"
         kinds[k] = kinds.get(k, 0) + 1
-    out = {"requests": len(plans), "clients": args.clients, "max_tokens": args.max_tokens,
-           "hung_up": len(plans) - len(connected), "connected": len(connected),
-           "greedy_checked": sum(p["greedy"] and not p["tools"] for p, _ in connected),
-           "with_tools": sum(p["tools"] for p in plans), "failures": failures, "wall_s": round(wall, 1),
-           "requests_per_min": round(60 * len(plans) / wall, 1), "queue_after": queue,
-           "rss_mb": {"after_warmup": round(rss[0] / 2**20, 1), "after_first_half": round(rss[1] / 2**20, 1),
-                      "after_run": round(rss[2] / 2**20, 1)},
-           "rss_change_second_half": round(rss[2] / rss[1] - 1, 4), "mlx_memory_after": memory, "kinds": kinds}
-    out["ok"] = (not failures and queue["waiting"] == 0 and not queue["running"]
-                 and abs(out["rss_change_second_half"]) <= 0.10)
+    out = {
+        "requests": len(plans),
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "hung_up": len(plans) - len(connected),
+        "connected": len(connected),
+        "greedy_checked": sum(p["greedy"] and not p["tools"] for p, _ in connected),
+        "with_tools": sum(p["tools"] for p in plans),
+        "failures": failures,
+        "wall_s": round(wall, 1),
+        "requests_per_min": round(60 * len(plans) / wall, 1),
+        "queue_after": queue,
+        "rss_mb": {
+            "after_warmup": round(rss[0] / 2**20, 1),
+            "after_first_half": round(rss[1] / 2**20, 1),
+            "after_run": round(rss[2] / 2**20, 1),
+        },
+        "rss_change_second_half": round(rss[2] / rss[1] - 1, 4),
+        "mlx_memory_after": memory,
+        "kinds": kinds,
+    }
+    out["ok"] = (
+        not failures and queue["waiting"] == 0 and not queue["running"] and abs(out["rss_change_second_half"]) <= 0.10
+    )
     return out
 
 
@@ -314,16 +379,23 @@ def summary(plans, results, refs, queue, rss, memory, wall, args) -> dict:
 
 def _timed_chat(url: str, prompt: str, max_tokens: int) -> dict:
     tic = time.perf_counter()
-    r = httpx.post(url + "/v1/chat/completions", timeout=3600, json={
-        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=3600,
+        json={"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0},
+    )
     r.raise_for_status()
     o = r.json()
-    return {"text": o["choices"][0]["message"]["content"], "tokens": o["usage"]["completion_tokens"],
-            "seconds": time.perf_counter() - tic}
+    return {
+        "text": o["choices"][0]["message"]["content"],
+        "tokens": o["usage"]["completion_tokens"],
+        "seconds": time.perf_counter() - tic,
+    }
 
 
 def load_round(url: str, prompts: List[str], clients: int, rounds: int, max_tokens: int) -> dict:
     """``clients`` concurrent clients, each sending ``rounds`` requests in turn."""
+
     def client(i: int) -> List[dict]:
         return [_timed_chat(url, prompts[(i + k * clients) % len(prompts)], max_tokens) for k in range(rounds)]
 
@@ -334,9 +406,14 @@ def load_round(url: str, prompts: List[str], clients: int, rounds: int, max_toke
     results = [r for rs in per_client for r in rs]
     latencies = sorted(r["seconds"] for r in results)
     pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
-    return {"tokens": sum(r["tokens"] for r in results), "wall_s": wall,
-            "tokens_per_s": sum(r["tokens"] for r in results) / wall, "p50_s": pick(0.5), "p95_s": pick(0.95),
-            "texts": [r["text"] for r in results]}
+    return {
+        "tokens": sum(r["tokens"] for r in results),
+        "wall_s": wall,
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "p50_s": pick(0.5),
+        "p95_s": pick(0.95),
+        "texts": [r["text"] for r in results],
+    }
 
 
 def throughput(args) -> dict:
@@ -345,24 +422,43 @@ def throughput(args) -> dict:
     queue = ["--queue-size", str(max(counts) + 1), "--max-tokens", str(args.max_tokens), "--no-ui"]
     flags = {"before": queue + ["--max-batch", "1"], "after": queue + ["--max-batch", str(args.max_batch)]}
     rounds = []
-    for clients, res in compare(flags, counts, lambda url, c: load_round(url, prompts, c, args.rounds, args.max_tokens),
-                                lambda url: load_round(url, prompts[:1], 1, 1, 8), args.out.parent):
+    for clients, res in compare(
+        flags,
+        counts,
+        lambda url, c: load_round(url, prompts, c, args.rounds, args.max_tokens),
+        lambda url: load_round(url, prompts[:1], 1, 1, 8),
+        args.out.parent,
+    ):
         rounds.append({"clients": clients, **res, "identical": res["before"]["texts"] == res["after"]["texts"]})
-        print(f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in flags),
-              file=sys.stderr, flush=True)
-    return {"command": "python " + " ".join(sys.argv), "max_tokens": args.max_tokens, "rounds_per_client": args.rounds,
-            "max_batch": args.max_batch, "rounds": rounds}
+        print(
+            f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in flags),
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "command": "python " + " ".join(sys.argv),
+        "max_tokens": args.max_tokens,
+        "rounds_per_client": args.rounds,
+        "max_batch": args.max_batch,
+        "rounds": rounds,
+    }
 
 
 def throughput_table(out: dict) -> str:
-    rows = [f"`{out['command']}`", "",
-            "| clients | before: tokens/s | after: tokens/s | after / before | before: p50 / p95 latency (s) "
-            "| after: p50 / p95 latency (s) | same text |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        f"`{out['command']}`",
+        "",
+        "| clients | before: tokens/s | after: tokens/s | after / before | before: p50 / p95 latency (s) "
+        "| after: p50 / p95 latency (s) | same text |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in out["rounds"]:
         b, a = r["before"], r["after"]
-        rows.append(f"| {r['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
-                    f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['p50_s']:.1f} / {b['p95_s']:.1f} | "
-                    f"{a['p50_s']:.1f} / {a['p95_s']:.1f} | {'yes' if r['identical'] else 'NO'} |")
+        rows.append(
+            f"| {r['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
+            f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['p50_s']:.1f} / {b['p95_s']:.1f} | "
+            f"{a['p50_s']:.1f} / {a['p95_s']:.1f} | {'yes' if r['identical'] else 'NO'} |"
+        )
     return "\n".join(rows)
 
 
@@ -375,11 +471,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default="/tmp/mlx-redrafter-server-load.log")
-    ap.add_argument("--throughput", action="store_true", help="Aggregate tokens/s and latency, before and after batching.")
+    ap.add_argument(
+        "--throughput", action="store_true", help="Aggregate tokens/s and latency, before and after batching."
+    )
     ap.add_argument("--client-counts", default="1,2,4,8", help="--throughput: the numbers of concurrent clients.")
     ap.add_argument("--rounds", type=int, default=4, help="--throughput: requests each client sends in turn.")
     ap.add_argument("--max-batch", type=int, default=8, help="--throughput: the 'after' server's --max-batch.")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "server_load" / "results.json")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "out" / "server_load" / "results.json"
+    )
     args = ap.parse_args()
     if args.throughput:
         args.max_tokens = args.max_tokens or 64

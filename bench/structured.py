@@ -30,50 +30,103 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 MODES = ("plain", "forced", "drafter", "lookup", "merged")
 
-MONEY = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 40},
-    "date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
-    "amount": {"type": "number"},
-    "currency": {"enum": ["USD", "EUR", "GBP", "JPY"]}},
-    "required": ["name", "date", "amount", "currency"], "additionalProperties": False}
-EVENT = {"type": "object", "properties": {
-    "event": {"type": "string", "maxLength": 40},
-    "city": {"type": "string", "maxLength": 30},
-    "date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
-    "attendees": {"type": "integer", "minimum": 0}},
-    "required": ["event", "city", "date", "attendees"], "additionalProperties": False}
-CONTACT = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 40},
-    "email": {"type": "string", "maxLength": 60},
-    "phone": {"type": "string", "maxLength": 20},
-    "company": {"type": "string", "maxLength": 40}},
-    "required": ["name", "email", "phone", "company"], "additionalProperties": False}
-ITEMS = {"type": "object", "properties": {
-    "items": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
-        "product": {"type": "string", "maxLength": 30}, "quantity": {"type": "integer", "minimum": 1}},
-        "required": ["product", "quantity"], "additionalProperties": False}},
-    "total": {"type": "number"}},
-    "required": ["items", "total"], "additionalProperties": False}
+MONEY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        "amount": {"type": "number"},
+        "currency": {"enum": ["USD", "EUR", "GBP", "JPY"]},
+    },
+    "required": ["name", "date", "amount", "currency"],
+    "additionalProperties": False,
+}
+EVENT = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "maxLength": 30},
+        "date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        "attendees": {"type": "integer", "minimum": 0},
+    },
+    "required": ["event", "city", "date", "attendees"],
+    "additionalProperties": False,
+}
+CONTACT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 60},
+        "phone": {"type": "string", "maxLength": 20},
+        "company": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "email", "phone", "company"],
+    "additionalProperties": False,
+}
+ITEMS = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "maxItems": 4,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "product": {"type": "string", "maxLength": 30},
+                    "quantity": {"type": "integer", "minimum": 1},
+                },
+                "required": ["product", "quantity"],
+                "additionalProperties": False,
+            },
+        },
+        "total": {"type": "number"},
+    },
+    "required": ["items", "total"],
+    "additionalProperties": False,
+}
 
 ASK = "Extract {what} from this text as JSON.\n\n"
 PROMPTS = [
-    (ASK.format(what="the name, the date (YYYY-MM-DD), the amount and the currency") +
-     "On 3 March 2024 Maria Lopez paid 1,250.00 euros for the repair of her roof.", MONEY),
-    (ASK.format(what="the event, the city, the date (YYYY-MM-DD) and the number of attendees") +
-     "About 3,400 people came to the Northern Lights Jazz Festival in Tromso on July 14, 2023.", EVENT),
-    (ASK.format(what="the name, email, phone and company") +
-     "Hi, this is David Chen from Brightwave Solar. Reach me at d.chen@brightwave.io or +1 415 555 0199.", CONTACT),
-    (ASK.format(what="the items with their quantities and the total") +
-     "Order #5512: 2 blue notebooks, 3 gel pens and 1 desk lamp. Total charged: $48.70.", ITEMS),
-    (ASK.format(what="the name, the date (YYYY-MM-DD), the amount and the currency") +
-     "Invoice from Kenji Watanabe, dated 2023-11-30: consulting services, 180,000 yen, due in 30 days.", MONEY),
-    (ASK.format(what="the event, the city, the date (YYYY-MM-DD) and the number of attendees") +
-     "The 2022 Open Source Summit drew 1,200 developers to Dublin on September 13.", EVENT),
-    (ASK.format(what="the name, email, phone and company") +
-     "Contact: Aisha Bello, procurement lead at Greenfield Foods (aisha.bello@greenfield.ng, 0803 555 1234).",
-     CONTACT),
-    (ASK.format(what="the name, the date (YYYY-MM-DD), the amount and the currency") +
-     "Refund of $89.99 issued to Thomas Meyer on 12/05/2024 for a returned pair of headphones.", MONEY),
+    (
+        ASK.format(what="the name, the date (YYYY-MM-DD), the amount and the currency")
+        + "On 3 March 2024 Maria Lopez paid 1,250.00 euros for the repair of her roof.",
+        MONEY,
+    ),
+    (
+        ASK.format(what="the event, the city, the date (YYYY-MM-DD) and the number of attendees")
+        + "About 3,400 people came to the Northern Lights Jazz Festival in Tromso on July 14, 2023.",
+        EVENT,
+    ),
+    (
+        ASK.format(what="the name, email, phone and company")
+        + "Hi, this is David Chen from Brightwave Solar. Reach me at d.chen@brightwave.io or +1 415 555 0199.",
+        CONTACT,
+    ),
+    (
+        ASK.format(what="the items with their quantities and the total")
+        + "Order #5512: 2 blue notebooks, 3 gel pens and 1 desk lamp. Total charged: $48.70.",
+        ITEMS,
+    ),
+    (
+        ASK.format(what="the name, the date (YYYY-MM-DD), the amount and the currency")
+        + "Invoice from Kenji Watanabe, dated 2023-11-30: consulting services, 180,000 yen, due in 30 days.",
+        MONEY,
+    ),
+    (
+        ASK.format(what="the event, the city, the date (YYYY-MM-DD) and the number of attendees")
+        + "The 2022 Open Source Summit drew 1,200 developers to Dublin on September 13.",
+        EVENT,
+    ),
+    (
+        ASK.format(what="the name, email, phone and company")
+        + "Contact: Aisha Bello, procurement lead at Greenfield Foods (aisha.bello@greenfield.ng, 0803 555 1234).",
+        CONTACT,
+    ),
+    (
+        ASK.format(what="the name, the date (YYYY-MM-DD), the amount and the currency")
+        + "Refund of $89.99 issued to Thomas Meyer on 12/05/2024 for a returned pair of headphones.",
+        MONEY,
+    ),
 ]
 
 
@@ -159,18 +212,26 @@ def main(argv=None) -> int:
     model, tok = load_model(a.model)
     drafter = load_drafter(resolve_drafter_path(a.model, a.drafter))
     W, L, K = DEFAULT_WIDTH, DEFAULT_LENGTH, DEFAULT_LOOKUP
-    drafts = {"plain": DraftConfig(), "forced": None, "drafter": DraftConfig(drafter, W, L),
-              "lookup": DraftConfig(lookup=K), "merged": DraftConfig(drafter, W, L, lookup=K)}
-    cases = [(chat_prompt_ids(tok, [{"role": "user", "content": p}]), compile_for_model(model, tok, s), s)
-             for p, s in PROMPTS[: a.prompts]]
+    drafts = {
+        "plain": DraftConfig(),
+        "forced": None,
+        "drafter": DraftConfig(drafter, W, L),
+        "lookup": DraftConfig(lookup=K),
+        "merged": DraftConfig(drafter, W, L, lookup=K),
+    }
+    cases = [
+        (chat_prompt_ids(tok, [{"role": "user", "content": p}]), compile_for_model(model, tok, s), s)
+        for p, s in PROMPTS[: a.prompts]
+    ]
     clock = HostClock()
     for m in MODES:  # untimed: allocations and kernel set-up
         run(model, cases[0][0], cases[0][1], drafts[m], 4)
-    totals = {m: {"tokens": 0, "steps": 0, "time": 0.0, "valid": 0, "mismatches": 0, "host": 0.0, "calls": 0}
-              for m in MODES}
+    totals = {
+        m: {"tokens": 0, "steps": 0, "time": 0.0, "valid": 0, "mismatches": 0, "host": 0.0, "calls": 0} for m in MODES
+    }
     for k, (prompt, grammar, schema) in enumerate(cases):
         outs = {}
-        for m in MODES[k % len(MODES):] + MODES[: k % len(MODES)]:
+        for m in MODES[k % len(MODES) :] + MODES[: k % len(MODES)]:
             host, calls = clock.seconds, clock.calls
             tokens, steps, seconds = run(model, prompt, grammar, drafts[m], a.max_tokens)
             t = totals[m]
@@ -184,9 +245,16 @@ def main(argv=None) -> int:
         for m in MODES:
             totals[m]["mismatches"] += outs[m] != outs["plain"]
         print(f"{k + 1}/{len(cases)} prompts done", file=sys.stderr, flush=True)
-    results = {"command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
-               "model": a.model, "beam_width": W, "beam_length": L, "lookup_beams": K, "max_tokens": a.max_tokens,
-               "prompts": len(cases), "modes": {m: _row(t, totals["plain"], len(cases)) for m, t in totals.items()}}
+    results = {
+        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "model": a.model,
+        "beam_width": W,
+        "beam_length": L,
+        "lookup_beams": K,
+        "max_tokens": a.max_tokens,
+        "prompts": len(cases),
+        "modes": {m: _row(t, totals["plain"], len(cases)) for m, t in totals.items()},
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     report = markdown(results)
@@ -195,33 +263,45 @@ def main(argv=None) -> int:
     bad = sum(r["mismatches"] for r in results["modes"].values())
     invalid = sum(len(cases) - round(r["valid_share"] * len(cases)) for r in results["modes"].values())
     if bad or invalid:
-        print(f"ERROR: {bad} runs differ from plain constrained decoding, {invalid} outputs do not validate",
-              file=sys.stderr)
+        print(
+            f"ERROR: {bad} runs differ from plain constrained decoding, {invalid} outputs do not validate",
+            file=sys.stderr,
+        )
     return 1 if bad or invalid else 0
 
 
 def _row(t: dict, plain: dict, n: int) -> dict:
     tps = t["tokens"] / t["time"] if t["time"] else 0.0
     base = plain["tokens"] / plain["time"] if plain["time"] else 0.0
-    return {"tokens": t["tokens"], "decode_s": round(t["time"], 3), "tokens_per_s": round(tps, 2),
-            "tokens_per_step": round(t["tokens"] / max(t["steps"], 1), 3),
-            "speedup": round(tps / base, 3) if base else None, "valid_share": t["valid"] / n,
-            "mismatches": t["mismatches"],
-            "grammar_ms_per_step": round(1e3 * t["host"] / t["calls"], 3) if t["calls"] else None}
+    return {
+        "tokens": t["tokens"],
+        "decode_s": round(t["time"], 3),
+        "tokens_per_s": round(tps, 2),
+        "tokens_per_step": round(t["tokens"] / max(t["steps"], 1), 3),
+        "speedup": round(tps / base, 3) if base else None,
+        "valid_share": t["valid"] / n,
+        "mismatches": t["mismatches"],
+        "grammar_ms_per_step": round(1e3 * t["host"] / t["calls"], 3) if t["calls"] else None,
+    }
 
 
 def markdown(results: dict) -> str:
-    lines = [f"Command: `{results['command']}`",
-             f"Model {results['model']}, drafter W={results['beam_width']} L={results['beam_length']}, "
-             f"{results['lookup_beams']} lookup beam(s), {results['prompts']} prompts, {results['max_tokens']} "
-             "tokens at most, greedy, JSON Schema constrained.", "",
-             "| mode | tokens | tok/s | tokens/step | speedup | parse + validate | same as plain | grammar ms/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{results['command']}`",
+        f"Model {results['model']}, drafter W={results['beam_width']} L={results['beam_length']}, "
+        f"{results['lookup_beams']} lookup beam(s), {results['prompts']} prompts, {results['max_tokens']} "
+        "tokens at most, greedy, JSON Schema constrained.",
+        "",
+        "| mode | tokens | tok/s | tokens/step | speedup | parse + validate | same as plain | grammar ms/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m, r in results["modes"].items():
         host = f"{r['grammar_ms_per_step']:.2f}" if r["grammar_ms_per_step"] is not None else "(mlx-lm processor)"
-        lines.append(f"| {m} | {r['tokens']} | {r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | "
-                     f"{r['speedup']:.2f}x | {r['valid_share']:.0%} | {results['prompts'] - r['mismatches']}/"
-                     f"{results['prompts']} | {host} |")
+        lines.append(
+            f"| {m} | {r['tokens']} | {r['tokens_per_s']:.1f} | {r['tokens_per_step']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['valid_share']:.0%} | {results['prompts'] - r['mismatches']}/"
+            f"{results['prompts']} | {host} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,16 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..draft.drafter import MODEL_TYPE, Drafter, DrafterConfig, read_config, check_fits, check_weights, load_safetensors, save_drafter
+from ..draft.drafter import (
+    MODEL_TYPE,
+    Drafter,
+    DrafterConfig,
+    check_fits,
+    check_weights,
+    load_safetensors,
+    read_config,
+    save_drafter,
+)
 from ..errors import RedrafterError
 from ..files import atomic_folder
 from ..llm.load import hub_snapshot, is_path_like, load_model_only, parse_dtype
@@ -85,11 +94,15 @@ def _shards(index: Path) -> Tuple[List[Path], set]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise RedrafterError(f"{index} is not a valid shard index ({e}).", "Download or copy the checkpoint again.") from None
+        raise RedrafterError(
+            f"{index} is not a valid shard index ({e}).", "Download or copy the checkpoint again."
+        ) from None
     files = [index.parent / f for f in dict.fromkeys(weight_map.values())]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise RedrafterError(f"{index} lists shards that are missing: {', '.join(missing)}.", "Download the missing shards.")
+        raise RedrafterError(
+            f"{index} lists shards that are missing: {', '.join(missing)}.", "Download the missing shards."
+        )
     return files, set(weight_map)
 
 
@@ -103,7 +116,9 @@ def read_weights(path: Path) -> Tuple[Dict[str, SourceTensor], List[Path]]:
         tensors.update(_read_weight_file(f))
     absent = sorted(listed - set(tensors))
     if absent:
-        raise RedrafterError(f"{path} lists tensors that no shard holds: {', '.join(absent)}.", "Download the shards again.")
+        raise RedrafterError(
+            f"{path} lists tensors that no shard holds: {', '.join(absent)}.", "Download the shards again."
+        )
     return tensors, files
 
 
@@ -217,7 +232,8 @@ class ConversionReport:
         return [
             f"converted {self.src} ({self.format}, {'/'.join(self.source_dtypes)}) -> {self.dst} ({self.dtype})",
             f"parameters: {self.num_params:,}",
-            f"rounding error of the dtype change: max abs {self.max_abs_error:.3g}, max relative {self.max_rel_error:.3g}",
+            f"rounding error of the dtype change: max abs {self.max_abs_error:.3g}, "
+            f"max relative {self.max_rel_error:.3g}",
         ]
 
 

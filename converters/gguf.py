@@ -57,9 +57,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
 
     path = Path(path)
     if not path.is_file():
-        raise RedrafterError(
-            f"GGUF file not found: {path}", "Check the path, or pass a model folder."
-        )
+        raise RedrafterError(f"GGUF file not found: {path}", "Check the path, or pass a model folder.")
     try:
         reader = gguf.GGUFReader(str(path))
         metadata = {name: field.contents() for name, field in reader.fields.items()}
@@ -145,11 +143,7 @@ def _unpermute_rows(arrays: Dict[str, np.ndarray], n_head: int) -> Dict[str, np.
 
     def undo(x):
         rows = x.shape[0]
-        return (
-            x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(x.shape)
-        )
+        return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
     return {k: undo(v) for k, v in arrays.items()}
 
@@ -345,8 +339,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, progress=None) 
     arch = ARCHITECTURES.get(f.architecture)
     if arch is None:
         raise RedrafterError(
-            f"GGUF architecture {f.architecture!r} is not supported "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))}).",
+            f"GGUF architecture {f.architecture!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))}).",
             "Convert the original Hugging Face checkpoint with `mlx_lm.convert` instead.",
         )
     config = arch.config(f)

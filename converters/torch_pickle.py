@@ -299,7 +299,9 @@ def read_torch_bin(path) -> Dict[str, SourceTensor]:
     else:
         raise _not_torch(path)
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, _LazyTensor) for k, v in obj.items()):
-        what = type(obj).__name__ + (f" with keys {', '.join(map(str, list(obj)[:5]))}" if isinstance(obj, dict) else "")
+        what = type(obj).__name__ + (
+            f" with keys {', '.join(map(str, list(obj)[:5]))}" if isinstance(obj, dict) else ""
+        )
         raise RedrafterError(
             f"{path} does not hold a state dict of tensors (it holds a {what}).",
             "Save the drafter with save_pretrained, or torch.save(drafter.state_dict(), path).",

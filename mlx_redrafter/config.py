@@ -151,8 +151,9 @@ class Resolved:
     profile: Optional[dict] = None  # the tuned profile's dict, if one was found
 
 
-def draft_shape(model_spec, drafter_path, beam_width: Optional[int] = None,
-                beam_length: Optional[int] = None) -> Tuple[int, int, str, Optional[dict]]:
+def draft_shape(
+    model_spec, drafter_path, beam_width: Optional[int] = None, beam_length: Optional[int] = None
+) -> Tuple[int, int, str, Optional[dict]]:
     """``(width, length, source, profile)``: the given values, each missing one
     from the tuned profile of this device + model + drafter, else the built-in
     default. ``profile`` is the profile's dict, or None."""
@@ -181,9 +182,18 @@ def lookup_beams(lookup, drafter, profile: Optional[dict] = None) -> int:
     return int(profile.get("lookup", DEFAULT_LOOKUP)) if profile else DEFAULT_LOOKUP
 
 
-def resolve(drafter=None, beam_width: Optional[int] = None, beam_length: Optional[int] = None, lookup=None,
-            *, model_spec=None, drafter_path=None, tree: Optional[str] = None, tree_default: str = DEFAULT_TREE,
-            **kw) -> Resolved:
+def resolve(
+    drafter=None,
+    beam_width: Optional[int] = None,
+    beam_length: Optional[int] = None,
+    lookup=None,
+    *,
+    model_spec=None,
+    drafter_path=None,
+    tree: Optional[str] = None,
+    tree_default: str = DEFAULT_TREE,
+    **kw,
+) -> Resolved:
     """The one resolution of a draft: flags > tuned profile > built-in.
 
     ``model_spec`` and ``drafter_path`` key the tuned profile; without them
@@ -204,7 +214,9 @@ def resolve(drafter=None, beam_width: Optional[int] = None, beam_length: Optiona
     return Resolved(draft, source, profile)
 
 
-def library_draft(model, drafter, beam_width: Optional[int], beam_length: Optional[int], lookup=None, **kw) -> DraftConfig:
+def library_draft(
+    model, drafter, beam_width: Optional[int], beam_length: Optional[int], lookup=None, **kw
+) -> DraftConfig:
     """The :class:`DraftConfig` of a public call: :func:`resolve`, with the
     tuned profile keyed by where :func:`~mlx_redrafter.llm.load.load_model` and
     :func:`~mlx_redrafter.draft.drafter.load_drafter` loaded the model and the

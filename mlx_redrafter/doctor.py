@@ -12,10 +12,7 @@ from typing import Optional
 import mlx.core as mx
 
 BLIS_PATH = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3"
-BLIS_FIX = (
-    "sudo apt-get install libblis4-pthread\n"
-    f"export LD_PRELOAD={BLIS_PATH}"
-)
+BLIS_FIX = f"sudo apt-get install libblis4-pthread\nexport LD_PRELOAD={BLIS_PATH}"
 SLOW_GFLOPS = 10.0
 
 
@@ -60,9 +57,11 @@ def slow_blas_warning(info: Optional[BlasInfo] = None, device=None) -> Optional[
     info = blas_info() if info is None else info
     if not info.slow:
         return None
-    return (f"Warning: MLX runs on the CPU with the {info.name}, about 3.5x slower than with BLIS. "
-            f"Fix: sudo apt-get install libblis4-pthread, then run with LD_PRELOAD={BLIS_PATH} "
-            "(make chat/serve/test do this for you).")
+    return (
+        f"Warning: MLX runs on the CPU with the {info.name}, about 3.5x slower than with BLIS. "
+        f"Fix: sudo apt-get install libblis4-pthread, then run with LD_PRELOAD={BLIS_PATH} "
+        "(make chat/serve/test do this for you)."
+    )
 
 
 def matmul_gflops(n: int = 768, repeats: int = 5) -> float:

@@ -42,19 +42,29 @@ from .step.grammar import compile_for_model
 
 # ``drafter=``'s default: the drafter store's drafter for the model, if any (draft/store.py).
 AUTO = "auto"
-INCOMPLETE = ("The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
-              "the JSON is incomplete. Raise max_tokens.")
+INCOMPLETE = (
+    "The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
+    "the JSON is incomplete. Raise max_tokens."
+)
 
-__all__ = ["DraftConfig", "RedrafterResponse", "SamplingConfig", "generate", "generate_tokens",
-           "stream_generate", "trim_cache"]
+__all__ = [
+    "DraftConfig",
+    "RedrafterResponse",
+    "SamplingConfig",
+    "generate",
+    "generate_tokens",
+    "stream_generate",
+    "trim_cache",
+]
 
 
 def _timings(timings: bool, profile: Optional[bool]) -> bool:
     """``profile=`` is the old name of ``timings=`` (deprecated: "profile" also names a tuned (W, L) file)."""
     if profile is None:
         return timings
-    warnings.warn("profile= is deprecated; use timings=True (the same phase timings).", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(
+        "profile= is deprecated; use timings=True (the same phase timings).", DeprecationWarning, stacklevel=3
+    )
     return timings or profile
 
 
@@ -78,7 +88,9 @@ def _refuse_both(given, what: str, **loose) -> None:
     """A resolved config and loose keywords for the same thing contradict each other."""
     named = sorted(k for k, v in loose.items() if v not in (None, False, 0))
     if given is not None and named:
-        raise RedrafterError(f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it.")
+        raise RedrafterError(
+            f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it."
+        )
 
 
 def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loose_draft: dict, datastore=None):
@@ -93,8 +105,12 @@ def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loos
     if max_tokens < 1:
         raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
     auto = isinstance(loose_draft["drafter"], str) and loose_draft["drafter"] == AUTO
-    _refuse_both(draft, "draft", **{**loose_draft, "drafter": None if auto else loose_draft["drafter"]},
-                 datastore=datastore is not None and datastore is not False)
+    _refuse_both(
+        draft,
+        "draft",
+        **{**loose_draft, "drafter": None if auto else loose_draft["drafter"]},
+        datastore=datastore is not None and datastore is not False,
+    )
     if draft is not None:
         return sampling, with_curve(model, draft)
     d = dict(loose_draft)
@@ -103,10 +119,20 @@ def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loos
 
         d["drafter"] = drafter_for(model)[0]
     elif isinstance(d["drafter"], str):
-        raise RedrafterError(f"drafter={d['drafter']!r} is not a drafter.",
-                             f"Pass load_drafter({d['drafter']!r}), None for plain decoding, or {AUTO!r} for the store's.")
-    draft = library_draft(model, d["drafter"], d["beam_width"], d["beam_length"], d["lookup"],
-                          warp=d["warp"], controller=d["controller"], **tree_kw(d["tree"], model))
+        raise RedrafterError(
+            f"drafter={d['drafter']!r} is not a drafter.",
+            f"Pass load_drafter({d['drafter']!r}), None for plain decoding, or {AUTO!r} for the store's.",
+        )
+    draft = library_draft(
+        model,
+        d["drafter"],
+        d["beam_width"],
+        d["beam_length"],
+        d["lookup"],
+        warp=d["warp"],
+        controller=d["controller"],
+        **tree_kw(d["tree"], model),
+    )
     store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
     draft = draft if store is None else replace(draft, datastore=store)
     return sampling, with_curve(model, draft)
@@ -225,17 +251,39 @@ def stream_generate(
     Bad arguments raise :class:`RedrafterError` (a ``ValueError``).
     """
     timings = _timings(timings, profile)
-    sampling, draft = _configs(model, sampling, draft, max_tokens, dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
-                               dict(drafter=drafter, beam_width=beam_width, beam_length=beam_length, lookup=lookup, warp=warp, controller=controller,
-                                    tree=tree), datastore)
+    sampling, draft = _configs(
+        model,
+        sampling,
+        draft,
+        max_tokens,
+        dict(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
+        dict(
+            drafter=drafter,
+            beam_width=beam_width,
+            beam_length=beam_length,
+            lookup=lookup,
+            warp=warp,
+            controller=controller,
+            tree=tree,
+        ),
+        datastore,
+    )
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     check_generation_args(model, prompt, draft)
     if seed is not None:
         mx.random.seed(seed)
     grammar = None if grammar is None else compile_for_model(model, tokenizer, grammar)
-    steps = token_steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, timings=timings,
-                        history=lookup_context, grammar=grammar)
+    steps = token_steps(
+        model,
+        prompt,
+        prompt_cache,
+        draft=draft,
+        sampling=sampling,
+        timings=timings,
+        history=lookup_context,
+        grammar=grammar,
+    )
     yield from stream_text(tokenizer, steps, prompt.size, max_tokens, stop, structured=grammar is not None)
 
 
@@ -256,9 +304,17 @@ def stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Seq
     def response(text, token, from_draft, stats, finish=None):
         elapsed = max(time.perf_counter() - tic, 1e-9)
         return RedrafterResponse(
-            text=text, token=token, logprobs=None, from_draft=from_draft, prompt_tokens=prompt_tokens,
-            prompt_tps=prompt_tps, generation_tokens=n, generation_tps=n / elapsed if n > 1 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, stats=stats,
+            text=text,
+            token=token,
+            logprobs=None,
+            from_draft=from_draft,
+            prompt_tokens=prompt_tokens,
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed if n > 1 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            stats=stats,
             incomplete=structured and finish is not None and token not in eos,
         )
 
@@ -360,7 +416,10 @@ def generate_tokens(
 generate.__signature__ = inspect.Signature(
     [p for p in inspect.signature(stream_generate).parameters.values() if p.name in ("model", "tokenizer", "prompt")]
     + [inspect.Parameter("verbose", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False)]
-    + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(stream_generate).parameters.values()
-       if p.name not in ("model", "tokenizer", "prompt")],
+    + [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(stream_generate).parameters.values()
+        if p.name not in ("model", "tokenizer", "prompt")
+    ],
     return_annotation=str,
 )

@@ -86,7 +86,9 @@ def read_conversations(path) -> List[dict]:
                 records = [_json_line(line, n) for n, line in enumerate(f, 1) if line.strip()]
         convs = [c for i, r in enumerate(records) if (c := _conversation(r, i)) is not None]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as e:
-        raise RedrafterError(f"Cannot read prompts from {path}: {e}", "Use a JSONL file with a 'turns' or 'prompt' field per line.") from None
+        raise RedrafterError(
+            f"Cannot read prompts from {path}: {e}", "Use a JSONL file with a 'turns' or 'prompt' field per line."
+        ) from None
     if not convs:
         raise RedrafterError(
             f"No prompts found in {path}.",
@@ -95,7 +97,10 @@ def read_conversations(path) -> List[dict]:
     seen = set()
     for c in convs:  # resumable runs track conversations by id
         if c["id"] in seen:
-            raise RedrafterError(f"{path}: the id {c['id']!r} appears more than once.", "Give every conversation its own id (or drop the ids).")
+            raise RedrafterError(
+                f"{path}: the id {c['id']!r} appears more than once.",
+                "Give every conversation its own id (or drop the ids).",
+            )
         seen.add(c["id"])
     return convs
 
@@ -134,7 +139,6 @@ def select_conversations(conversations: List[dict], n: Optional[int]) -> List[di
             out.append(q[k])
         i += 1
     return out
-
 
 
 # --------------------------------------------------------------------------- chat templating

@@ -95,10 +95,12 @@ class Runtime:
         if self.draft.tree == "auto":
             curve = "built-in curve" if self.draft.curve is None or self.draft.curve.builtin else "measured curve"
             extra += f", tree auto on the {curve}"
-        line = (f"model {self.model_spec}, drafting: {guesses}"
-                f"{' + ' + copies + ' per step' if self.draft.lookup_rows else ' per step (no copies from the context)'} "
-                f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}"
-                f"{f' ({self.drafter_source})' if self.drafter_source else ''}]")
+        line = (
+            f"model {self.model_spec}, drafting: {guesses}"
+            f"{' + ' + copies + ' per step' if self.draft.lookup_rows else ' per step (no copies from the context)'} "
+            f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}"
+            f"{f' ({self.drafter_source})' if self.drafter_source else ''}]"
+        )
         console.print(f"[dim]{escape(line)}[/dim]")
         for note in (self.drafter_note, self.note):
             if note:
@@ -112,8 +114,10 @@ class Runtime:
         if self.draft.tree == "auto" and not drafting_pays(self.draft):
             c2 = self.draft.curve(2) if self.draft.curve is not None else None
             cost = f" (2 tokens cost {c2:.2f} plain steps)" if c2 is not None else ""
-            console.print(f"[yellow]Note: tree auto: on this device's verify-cost curve{cost} no draft can pay, "
-                          "so generation runs plain decoding (same output).[/yellow]")
+            console.print(
+                f"[yellow]Note: tree auto: on this device's verify-cost curve{cost} no draft can pay, "
+                "so generation runs plain decoding (same output).[/yellow]"
+            )
 
     def _announce_datastore(self, console) -> None:
         store = self.draft.datastore
@@ -186,7 +190,9 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
         rt.draft = replace(rt.draft, datastore=store)
 
 
-def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree) -> Runtime:
+def _load_drafting(
+    model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree
+) -> Runtime:
     from .draft.drafter import check_fits
     from .draft.load import load_drafter
     from .llm.load import load_model
@@ -219,8 +225,16 @@ def _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, 
         from .draft.controller import load_controller
 
         controller = load_controller(path)
-    resolved = resolve(drafter, beam_width, beam_length, lookup, model_spec=model_spec, drafter_path=path,
-                       controller=controller, **tree_kw(tree, model))
+    resolved = resolve(
+        drafter,
+        beam_width,
+        beam_length,
+        lookup,
+        model_spec=model_spec,
+        drafter_path=path,
+        controller=controller,
+        **tree_kw(tree, model),
+    )
     resolved.draft = with_curve(model, resolved.draft, model_spec)
     rt.draft, rt.drafter_path, rt.shape_source = resolved.draft, path, resolved.source
     profile = resolved.profile
@@ -241,7 +255,9 @@ def _store_drafter(model, model_spec: str):
     found = find(identity)
     if found is None:
         return None
-    return Located(found.path, found.source if found.shipped else f"from the store: {found.source}", found.note(identity))
+    return Located(
+        found.path, found.source if found.shipped else f"from the store: {found.source}", found.note(identity)
+    )
 
 
 def _without_drafter(rt: Runtime, no_drafter: bool, lookup, tree: Optional[str]) -> None:

@@ -38,7 +38,9 @@ def fixtures_dir():
     """The official ReDrafter fixtures (see their GENERATED_BY.md): part of the
     repository, so a missing folder is an error, never a skip."""
     if not FIXTURES.is_dir():
-        pytest.fail(f"official fixtures missing at {FIXTURES}: they ship with the repository (git checkout -- tests/fixtures)")
+        pytest.fail(
+            f"official fixtures missing at {FIXTURES}: they ship with the repository (git checkout -- tests/fixtures)"
+        )
     return FIXTURES
 
 

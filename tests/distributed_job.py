@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import mlx.core as mx  # noqa: E402
+from helpers import VOCAB, tiny_model  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from helpers import VOCAB, tiny_model  # noqa: E402
 from mlx_redrafter.errors import RedrafterError  # noqa: E402
 from mlx_redrafter.train import trainer  # noqa: E402
 from mlx_redrafter.train.distill import DistillConfig, distill  # noqa: E402
@@ -58,13 +58,31 @@ def run_distill(folder: Path, prompts: Path, bad_rank: int = -1):
     cfg = DistillConfig(batch_size=3, max_new_tokens=12, shard_sequences=2)
     model = model_for_this_rank(bad_rank)
     say("distilling")
-    return distill("tiny", prompts, folder / "data", cfg, model=model, tokenizer=CharTokenizer(),
-                   progress=lambda manifest, running: say(f"distilled {manifest.sequences} sequence(s)"))
+    return distill(
+        "tiny",
+        prompts,
+        folder / "data",
+        cfg,
+        model=model,
+        tokenizer=CharTokenizer(),
+        progress=lambda manifest, running: say(f"distilled {manifest.sequences} sequence(s)"),
+    )
 
 
 def train_config(**kw):
-    base = dict(exit_dim=32, num_draft_layers=1, draft_vocab_size=48, depth=3, batch_size=16, lr=3e-3,
-                warmup_steps=2, max_steps=4, eval_every=1000, checkpoint_every=1000, eval_fraction=0.25)
+    base = dict(
+        exit_dim=32,
+        num_draft_layers=1,
+        draft_vocab_size=48,
+        depth=3,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=2,
+        max_steps=4,
+        eval_every=1000,
+        checkpoint_every=1000,
+        eval_fraction=0.25,
+    )
     return trainer.TrainConfig(**{**base, **kw})
 
 
@@ -75,7 +93,9 @@ def run_train(folder: Path, out: Path, stop_at: int = 0, resume: bool = False, b
     finish = trainer.Writer.finish
 
     def dump_then_finish(self, drafter, optimizer, step, seconds):
-        mx.save_safetensors(str(folder / f"weights-step{step}-rank{w.rank}.safetensors"), dict(tree_flatten(drafter.parameters())))
+        mx.save_safetensors(
+            str(folder / f"weights-step{step}-rank{w.rank}.safetensors"), dict(tree_flatten(drafter.parameters()))
+        )
         finish(self, drafter, optimizer, step, seconds)
 
     def stop(step, total, loss):
@@ -87,8 +107,7 @@ def run_train(folder: Path, out: Path, stop_at: int = 0, resume: bool = False, b
     try:
         model = model_for_this_rank(bad_rank)
         say("training")
-        trainer.train(model, folder / "data", out, train_config(), resume=resume,
-                      eos_ids=[EOS], progress=stop)
+        trainer.train(model, folder / "data", out, train_config(), resume=resume, eos_ids=[EOS], progress=stop)
     finally:
         trainer.Writer.finish = finish
 

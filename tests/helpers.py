@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.utils import _get_classes
 
 from mlx_redrafter.draft.beam import Beams
@@ -18,29 +17,66 @@ HIDDEN = 64
 
 TINY_CONFIGS = {
     "llama": dict(
-        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        model_type="llama",
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "qwen3": dict(
-        model_type="qwen3", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        vocab_size=VOCAB, max_position_embeddings=512, rope_theta=1000000.0,
+        model_type="qwen3",
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        rope_theta=1000000.0,
         tie_word_embeddings=True,
     ),
     "phi3": dict(
-        model_type="phi3", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        partial_rotary_factor=0.5, max_position_embeddings=512,
+        model_type="phi3",
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=512,
         original_max_position_embeddings=64,
         rope_scaling={"type": "longrope", "long_factor": [1.5] * 4, "short_factor": [1.0] * 4},
     ),
     "gemma3_text": dict(
-        model_type="gemma3_text", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
-        vocab_size=VOCAB, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=32,
+        model_type="gemma3_text",
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=32,
         max_position_embeddings=512,
     ),
 }
@@ -59,7 +95,7 @@ def tiny_model(kind: str, seed: int = 0, scale: float = 4.0, **config_changes):
     model = model_cls(args_cls.from_dict(config))
     if kind == "gemma3_text":
         model.sanitize({})  # ties the embedding like a checkpoint without lm_head
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_map
 
     model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
     model.set_dtype(mx.float32)
@@ -104,9 +140,7 @@ class OracleDrafter:
         idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
         truth = self.next[idx]
         corrupt_last = ((pos * 37 + 11) % 7) < 3  # irregular, so every run length occurs
-        truth = mx.where(
-            corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth
-        )
+        truth = mx.where(corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth)
         rows = []
         for w in range(width):
             keep = mx.arange(length) < (length - w)
@@ -210,6 +244,10 @@ def byte_tokenizer(folder, chat_template=None, special_tokens=()):
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=chat_template,
-                            additional_special_tokens=list(special_tokens)).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="</s>",
+        chat_template=chat_template,
+        additional_special_tokens=list(special_tokens),
+    ).save_pretrained(folder)
     return load(folder)

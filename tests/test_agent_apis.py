@@ -14,18 +14,23 @@ import httpx
 import jsonschema_rs
 import pytest
 from openai import BadRequestError, OpenAI
-
 from ui_servers import Server
 
 MAX_TOKENS = 12
 PROMPT = "What is the capital of Italy?"
 ASK = "What is the weather in Paris?"
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-          "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER = {"name": "get_weather", "description": "The current weather in a city.", "input_schema": SCHEMA}
 FUNCTION = {"type": "function", "name": "get_weather", "description": WEATHER["description"], "parameters": SCHEMA}
-CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
-                                              "parameters": SCHEMA}}
+CHAT_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": WEATHER["description"], "parameters": SCHEMA},
+}
 CALL_ARGS = {"city": "Paris"}
 RESULT = "18 C and sunny"
 
@@ -51,7 +56,9 @@ def openai_client(served):
 
 
 def _chat(client, messages, **kw):
-    return client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=MAX_TOKENS, **kw)
+    return client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=MAX_TOKENS, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +69,9 @@ def reference(openai_client):
 
 def _create(claude, **kw):
     kw.setdefault("messages", [{"role": "user", "content": PROMPT}])
-    return claude.messages.create(model="default", max_tokens=kw.pop("max_tokens", MAX_TOKENS),
-                                  extra_body={"temperature": 0}, **kw)
+    return claude.messages.create(
+        model="default", max_tokens=kw.pop("max_tokens", MAX_TOKENS), extra_body={"temperature": 0}, **kw
+    )
 
 
 def _sse(url: str, path: str, body: dict, headers=None) -> list:
@@ -73,9 +81,9 @@ def _sse(url: str, path: str, body: dict, headers=None) -> list:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                events.append((name, json.loads(line[len("data: "):])))
+                events.append((name, json.loads(line[len("data: ") :])))
     return events
 
 
@@ -97,33 +105,49 @@ def test_messages_create_equals_the_chat_route(claude, reference):
 
 
 def test_messages_stream_equals_the_chat_route(served, claude, reference):
-    with claude.messages.stream(model="default", max_tokens=MAX_TOKENS, system="Answer briefly.",
-                                messages=[{"role": "user", "content": PROMPT}], extra_body={"temperature": 0}) as s:
+    with claude.messages.stream(
+        model="default",
+        max_tokens=MAX_TOKENS,
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": PROMPT}],
+        extra_body={"temperature": 0},
+    ) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text == final.content[0].text == reference.choices[0].message.content
     assert final.usage.output_tokens == reference.usage.completion_tokens
 
-    body = {"model": "default", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0, "system": "Answer briefly.",
-            "messages": [{"role": "user", "content": PROMPT}]}
+    body = {
+        "model": "default",
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "temperature": 0,
+        "system": "Answer briefly.",
+        "messages": [{"role": "user", "content": PROMPT}],
+    }
     events = _sse(served, "/v1/messages", body, {"anthropic-version": "2023-06-01", "x-api-key": "k"})
     names = [n for n, _ in events]
     deltas = names.count("content_block_delta")
     assert names == ["message_start", "ping", "content_block_start"] + ["content_block_delta"] * deltas + [
-        "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert all(data["type"] == name for name, data in events)
     assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == text
     end = events[-2][1]
-    assert end["delta"]["stop_reason"] == final.stop_reason and end["usage"]["output_tokens"] == final.usage.output_tokens
+    assert (
+        end["delta"]["stop_reason"] == final.stop_reason and end["usage"]["output_tokens"] == final.usage.output_tokens
+    )
     assert end["redrafter"]["steps"] >= 1
 
 
 def test_stop_sequences(claude, reference):
     text = reference.choices[0].message.content
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     m = _create(claude, system="Answer briefly.", stop_sequences=["@@never@@", stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
-    assert m.content[0].text == text[:text.find(stop)]
+    assert m.content[0].text == text[: text.find(stop)]
 
 
 def test_tool_choice_any_and_tool_are_schema_valid_calls(claude):
@@ -136,11 +160,13 @@ def test_tool_choice_any_and_tool_are_schema_valid_calls(claude):
         assert uses and m.stop_reason == "tool_use", m
         assert uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
         jsonschema_rs.validate(SCHEMA, uses[0].input)
-    with claude.messages.stream(model="default", max_tokens=48, messages=ask, tools=[WEATHER], extra_body={"temperature": 0},
-                                tool_choice=tool) as s:
+    with claude.messages.stream(
+        model="default", max_tokens=48, messages=ask, tools=[WEATHER], extra_body={"temperature": 0}, tool_choice=tool
+    ) as s:
         streamed = s.get_final_message()
     assert [(b.type, b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [
-        (b.type, b.name, b.input) for b in m.content if b.type == "tool_use"]
+        (b.type, b.name, b.input) for b in m.content if b.type == "tool_use"
+    ]
     assert streamed.stop_reason == "tool_use"
 
 
@@ -151,10 +177,20 @@ def test_auto_calls_name_a_tool_and_fit_its_schema(claude, openai_client):
     cities = ["Paris", "Rome"]
     history = []
     for i, city in enumerate(cities):
-        history += [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "content": [
-            {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {"city": city}}]}]
-    m = _create(claude, messages=history + [{"role": "user", "content": "Weather in London?"}], tools=[WEATHER],
-                tool_choice={"type": "auto", "disable_parallel_tool_use": True}, max_tokens=40)
+        history += [
+            {"role": "user", "content": f"Weather in {city}?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {"city": city}}],
+            },
+        ]
+    m = _create(
+        claude,
+        messages=history + [{"role": "user", "content": "Weather in London?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        max_tokens=40,
+    )
     uses = [b for b in m.content if b.type == "tool_use"]
     assert uses and m.stop_reason == "tool_use", m
     assert uses[0].name == "get_weather"
@@ -162,12 +198,24 @@ def test_auto_calls_name_a_tool_and_fit_its_schema(claude, openai_client):
 
     items = []
     for i, city in enumerate(cities):
-        items += [{"role": "user", "content": f"Weather in {city}?"},
-                  {"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
-                   "arguments": json.dumps({"city": city})}]
-    r = openai_client.responses.create(model="default", input=items + [{"role": "user", "content": "Weather in London?"}],
-                                       tools=[FUNCTION], tool_choice="auto", parallel_tool_calls=False, temperature=0,
-                                       max_output_tokens=40)
+        items += [
+            {"role": "user", "content": f"Weather in {city}?"},
+            {
+                "type": "function_call",
+                "call_id": f"call_{i}",
+                "name": "get_weather",
+                "arguments": json.dumps({"city": city}),
+            },
+        ]
+    r = openai_client.responses.create(
+        model="default",
+        input=items + [{"role": "user", "content": "Weather in London?"}],
+        tools=[FUNCTION],
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and r.status == "completed", r.output
     jsonschema_rs.validate(SCHEMA, json.loads(calls[0].arguments))
@@ -175,41 +223,97 @@ def test_auto_calls_name_a_tool_and_fit_its_schema(claude, openai_client):
 
 
 def test_tool_use_round_trip_renders_like_the_chat_route(claude, openai_client):
-    history = [{"role": "user", "content": ASK},
-               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                                   "input": CALL_ARGS}]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT}]}]
-    m = _create(claude, messages=history, tools=[WEATHER], tool_choice={"type": "none"})
-    chat = _chat(openai_client, [
+    history = [
         {"role": "user", "content": ASK},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(CALL_ARGS)}}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": RESULT}], tools=[CHAT_TOOL], tool_choice="none")
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": CALL_ARGS}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT}]},
+    ]
+    m = _create(claude, messages=history, tools=[WEATHER], tool_choice={"type": "none"})
+    chat = _chat(
+        openai_client,
+        [
+            {"role": "user", "content": ASK},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "toolu_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps(CALL_ARGS)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "toolu_1", "content": RESULT},
+        ],
+        tools=[CHAT_TOOL],
+        tool_choice="none",
+    )
     assert m.content[0].text == chat.choices[0].message.content
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
-    count = claude.messages.count_tokens(model="default", messages=history, tools=[WEATHER], tool_choice={"type": "none"})
+    count = claude.messages.count_tokens(
+        model="default", messages=history, tools=[WEATHER], tool_choice={"type": "none"}
+    )
     assert count.input_tokens == chat.usage.prompt_tokens
 
 
 def test_count_tokens(claude, reference):
-    n = claude.messages.count_tokens(model="default", system="Answer briefly.", messages=[{"role": "user", "content": PROMPT}])
+    n = claude.messages.count_tokens(
+        model="default", system="Answer briefly.", messages=[{"role": "user", "content": PROMPT}]
+    )
     assert n.input_tokens == reference.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                              "data": "iVBORw0KGgo="}}]}]}, "image"),
-    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x",
-                                                                                 "media_type": "text/plain"}}]}]}, "document"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]}, "mcp_servers"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
-    # Unknown fields inside the request's parts are named too, never ignored.
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]}, "tools.0.input_examples"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "shout": True}]}]},
-     "messages.0.content.0.shout"),
-    ({"tool_choice": {"type": "auto", "hurry": True}}, "tool_choice.hurry"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "image",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "document", "source": {"type": "text", "data": "x", "media_type": "text/plain"}}
+                        ],
+                    }
+                ]
+            },
+            "document",
+        ),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]}, "mcp_servers"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+        # Unknown fields inside the request's parts are named too, never ignored.
+        (
+            {"tools": [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]},
+            "tools.0.input_examples",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "shout": True}]}]},
+            "messages.0.content.0.shout",
+        ),
+        ({"tool_choice": {"type": "auto", "hurry": True}}, "tool_choice.hurry"),
+    ],
+)
 def test_unsupported_fields_are_a_400_naming_them(claude, extra, named):
     body = {"messages": [{"role": "user", "content": PROMPT}], **extra}
     with pytest.raises(anthropic.BadRequestError) as e:
@@ -222,10 +326,13 @@ def test_errors_are_anthropic_shaped(served, claude):
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["error"]["type"] == "not_found_error" and "claude-sonnet-4-5" in e.value.message
-    r = httpx.post(served + "/v1/messages", json={"model": "default", "messages": [{"role": "user", "content": "hi"}]},
-                   timeout=30)  # max_tokens is required
+    r = httpx.post(
+        served + "/v1/messages", json={"model": "default", "messages": [{"role": "user", "content": "hi"}]}, timeout=30
+    )  # max_tokens is required
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
-    r = httpx.post(served + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        served + "/v1/messages", content=b"{not json", headers={"content-type": "application/json"}, timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -249,8 +356,13 @@ def test_replies_are_what_openapi_documents(served):
 
 def _respond(client, **kw):
     kw.setdefault("input", PROMPT)
-    return client.responses.create(model="default", instructions="Answer briefly.", temperature=0,
-                                   max_output_tokens=kw.pop("max_output_tokens", MAX_TOKENS), **kw)
+    return client.responses.create(
+        model="default",
+        instructions="Answer briefly.",
+        temperature=0,
+        max_output_tokens=kw.pop("max_output_tokens", MAX_TOKENS),
+        **kw,
+    )
 
 
 def test_responses_create_equals_the_chat_route(openai_client, reference):
@@ -270,10 +382,17 @@ def test_responses_stream(openai_client, reference):
     events = list(_respond(openai_client, stream=True))
     kinds = [e.type for e in events]
     n = kinds.count("response.output_text.delta")
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added"] + ["response.output_text.delta"] * n + [
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        f"response.{whole.status}"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ] + ["response.output_text.delta"] * n + [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{whole.status}",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == events[-1].response.output_text == whole.output_text == reference.choices[0].message.content
@@ -290,34 +409,62 @@ def test_function_call_round_trip(openai_client):
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert args == calls[0].arguments and events[-1].type == "response.completed"
 
-    follow = [{"role": "user", "content": ASK},
-              {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
-              {"type": "function_call_output", "call_id": calls[0].call_id, "output": RESULT}]
+    follow = [
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": RESULT},
+    ]
     answer = _respond(openai_client, input=follow, tools=[FUNCTION], tool_choice="none")
-    chat = _chat(openai_client, [
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ASK},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].call_id, "type": "function", "function": {
-            "name": "get_weather", "arguments": calls[0].arguments}}]},
-        {"role": "tool", "tool_call_id": calls[0].call_id, "content": RESULT}], tools=[CHAT_TOOL], tool_choice="none")
+    chat = _chat(
+        openai_client,
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": ASK},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": calls[0].call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": calls[0].arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0].call_id, "content": RESULT},
+        ],
+        tools=[CHAT_TOOL],
+        tool_choice="none",
+    )
     assert answer.output_text == chat.choices[0].message.content
     assert answer.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_text_format_json_schema(openai_client):
-    schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Rome", "Milan"]}},
-              "required": ["capital"], "additionalProperties": False}
-    r = _respond(openai_client, max_output_tokens=40,
-                 text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "enum": ["Rome", "Milan"]}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    r = _respond(
+        openai_client,
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+    )
     assert r.status == "completed"
     jsonschema_rs.validate(schema, json.loads(r.output_text))
     assert r.model_extra["redrafter"]["structured"] == {"complete": True}
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"store": True}, "store"),
-    ({"conversation": "conv_123"}, "conversation"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"conversation": "conv_123"}, "conversation"),
+    ],
+)
 def test_state_is_refused_as_stateless(openai_client, extra, named):
     with pytest.raises(BadRequestError) as e:
         _respond(openai_client, **extra)
@@ -334,8 +481,10 @@ def test_responses_unsupported_items_are_named(openai_client):
     assert e.value.body["param"] == "tools.0" and "web_search" in e.value.body["message"]
     # Unknown fields inside the request's parts are named too, never ignored.
     with pytest.raises(BadRequestError) as e:
-        _respond(openai_client, tools=[{"type": "function", "name": "f", "parameters": {"type": "object"},
-                                        "defer_loading": True}])
+        _respond(
+            openai_client,
+            tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}, "defer_loading": True}],
+        )
     assert e.value.body["param"] == "tools.0.defer_loading"
     with pytest.raises(BadRequestError) as e:
         _respond(openai_client, text={"format": {"type": "text", "shout": True}})

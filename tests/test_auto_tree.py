@@ -176,8 +176,9 @@ def default():
 
     model, tok = load_model("default")
     drafter = load_drafter(shipped_drafter_path("default"))
-    p = tok.apply_chat_template([{"role": "user", "content": "List three facts about the moon, then repeat them."}],
-                                add_generation_prompt=True)
+    p = tok.apply_chat_template(
+        [{"role": "user", "content": "List three facts about the moon, then repeat them."}], add_generation_prompt=True
+    )
     return model, drafter, p, generate_tokens(model, p, max_tokens=32)[0]
 
 
@@ -230,9 +231,18 @@ def test_the_controller_prices_verification_with_the_curve():
 Q4_LIKE = CostCurve(tuple(1.0 + 0.97 * (n - 1) for n in range(1, 17)))  # a 4-bit model on this CPU
 
 
-@pytest.mark.parametrize("curve,pays", [(FLAT, True), (SHALLOW, True), (builtin_curve(), True), (STEEP, False),
-                                        (Q4_LIKE, False), (builtin_curve("q4g64-float32"), False)],
-                         ids=["flat", "shallow", "builtin", "steep", "q4-like", "builtin-q4"])
+@pytest.mark.parametrize(
+    "curve,pays",
+    [
+        (FLAT, True),
+        (SHALLOW, True),
+        (builtin_curve(), True),
+        (STEEP, False),
+        (Q4_LIKE, False),
+        (builtin_curve("q4g64-float32"), False),
+    ],
+    ids=["flat", "shallow", "builtin", "steep", "q4-like", "builtin-q4"],
+)
 def test_can_pay_known_answers(curve, pays):
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
     for draft in (auto(drafter, 2, 1, 1, curve), auto(None, 2, 1, 1, curve), auto(drafter, 4, 3, 0, curve)):

@@ -10,10 +10,10 @@ import threading
 
 import mlx.core as mx
 import pytest
-
 from helpers import OracleDrafter, byte_tokenizer, tiny_model
+
 from mlx_redrafter.config import DraftConfig, SamplingConfig
-from mlx_redrafter.generate import generate_tokens, stream_generate
+from mlx_redrafter.generate import stream_generate
 from mlx_redrafter.runtime import Runtime
 from mlx_redrafter.serve.batch import DraftGain, batch_pays
 from mlx_redrafter.serve.engine import Engine, GenParams
@@ -179,8 +179,10 @@ def test_a_seeded_request_alone_keeps_drafting_while_others_batch(model, tokeniz
     sampling = SamplingConfig(temp=0.9, top_k=20)
     engine = _engine(model, tokenizer, **LOOKUP)
     res = _joined_mid_reply(engine, GenParams(24, sampling, seed=3))
-    ref = [r.token for r in stream_generate(model, tokenizer, PROMPTS[0], draft=draft, sampling=sampling, seed=3,
-                                            max_tokens=24)]
+    ref = [
+        r.token
+        for r in stream_generate(model, tokenizer, PROMPTS[0], draft=draft, sampling=sampling, seed=3, max_tokens=24)
+    ]
     assert res.tokens == [t for t in ref if t not in tokenizer.eos_token_ids] and res.batched_tokens == 0
 
 

@@ -15,8 +15,8 @@ import pytest
 from mlx_redrafter import RedrafterError, generate
 from mlx_redrafter.chat import ChatSession, ChatSettings
 from mlx_redrafter.chat.terminal import _Output
-from mlx_redrafter.prompts import build_messages, render_messages
 from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, save_drafter
+from mlx_redrafter.prompts import build_messages, render_messages
 from mlx_redrafter.responses import RedrafterResponse
 from mlx_redrafter.step.protocol import StepStats
 
@@ -27,7 +27,9 @@ TIMEOUT = 300  # seconds for one expect: the machine is shared and slow
 def drafter():
     """A random drafter for the default model: the output is exact whatever it drafts."""
     mx.random.seed(0)
-    d = Drafter(DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=128, num_draft_layers=1, draft_vocab_size=4096))
+    d = Drafter(
+        DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=128, num_draft_layers=1, draft_vocab_size=4096)
+    )
     mx.eval(d.parameters())
     return d
 
@@ -99,8 +101,13 @@ def test_interrupted_turn_keeps_the_session_consistent(default_model, drafter, w
     assert not t2.interrupted
     assert t2.reused_tokens >= t1.prefilled_tokens + 4  # the first prompt and the interrupted reply's tokens
     assert t2.reply == greedy(model, tok, [(q1, t1.reply)], q2, 16)
-    fresh = ChatSession(model, tok, drafter, ChatSettings(max_tokens=16, beam_width=width, beam_length=3, lookup=lookup),
-                        history=[(q1, t1.reply)])
+    fresh = ChatSession(
+        model,
+        tok,
+        drafter,
+        ChatSettings(max_tokens=16, beam_width=width, beam_length=3, lookup=lookup),
+        history=[(q1, t1.reply)],
+    )
     assert fresh.reply(q2).reply == t2.reply
 
 
@@ -159,7 +166,7 @@ def test_long_conversation_drops_oldest_turns(default_model):
             break
     assert len(notices) == 1 and "Dropped the" in notices[0] and f"({limit} tokens" in notices[0]
     used = s.history[:-1]  # what the model saw for the last reply
-    assert 0 < len(used) < len(before) and used == before[len(before) - len(used):]  # the oldest went
+    assert 0 < len(used) < len(before) and used == before[len(before) - len(used) :]  # the oldest went
     assert not s.turns[0].in_context and s.totals.dropped_turns == len(before) - len(used)
     # The reply after dropping is what the model says to the shortened conversation.
     assert t.reply == greedy(model, tok, used, q, n)
@@ -176,8 +183,13 @@ def test_long_conversation_drops_oldest_turns(default_model):
 @pytest.fixture
 def chat(default_model):
     model, tok = default_model
-    return ChatSession(model, tok, settings=ChatSettings(max_tokens=8),
-                       history=[("Hi", "Hello! How can I help?")], info={"model": "default"})
+    return ChatSession(
+        model,
+        tok,
+        settings=ChatSettings(max_tokens=8),
+        history=[("Hi", "Hello! How can I help?")],
+        info={"model": "default"},
+    )
 
 
 def test_help_lists_every_command(chat):
@@ -190,7 +202,12 @@ def test_help_lists_every_command(chat):
 def test_set_validates_keys_and_values(chat, drafter, default_model):
     res = chat.handle_command("/set temp=0.7 top_p=0.9 max_tokens=32 show_drafts=on")
     assert not res.error and "temp=0.7" in res.message
-    assert (chat.settings.sampling.temp, chat.settings.sampling.top_p, chat.settings.max_tokens, chat.settings.show_drafts) == (0.7, 0.9, 32, True)
+    assert (
+        chat.settings.sampling.temp,
+        chat.settings.sampling.top_p,
+        chat.settings.max_tokens,
+        chat.settings.show_drafts,
+    ) == (0.7, 0.9, 32, True)
     for args, msg in [
         ("bogus=1", "'bogus' is not a setting"),
         ("temp=-1", "temp must be a number >= 0"),
@@ -238,9 +255,15 @@ def test_save_markdown_and_json(chat, tmp_path):
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["model"] == "default" and data["settings"]["max_tokens"] == 8
     assert [(m["role"], m["content"]) for m in data["messages"]] == [
-        ("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello! How can I help?")]
-    for args, msg in [(f"{tmp_path / 'c.txt'}", "Use a .md"), ("", "needs a file name"),
-                      (f"{tmp_path / 'no' / 'dir' / 'c.md'}", "Cannot write")]:
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello! How can I help?"),
+    ]
+    for args, msg in [
+        (f"{tmp_path / 'c.txt'}", "Use a .md"),
+        ("", "needs a file name"),
+        (f"{tmp_path / 'no' / 'dir' / 'c.md'}", "Cannot write"),
+    ]:
         res = chat.handle_command(f"/save {args}".strip())
         assert res.error and msg in res.message
 
@@ -252,9 +275,18 @@ def test_show_drafts_colours_drafted_tokens():
     out.console = Console(file=io.StringIO(), force_terminal=True, color_system="standard", highlight=False)
 
     def response(text, from_draft, source="drafter"):
-        return RedrafterResponse(text=text, token=0, logprobs=None, from_draft=from_draft, prompt_tokens=1,
-                                 prompt_tps=0.0, generation_tokens=1, generation_tps=0.0, peak_memory=0.0,
-                                 stats=StepStats(accepted=1, source=source if from_draft else ""))
+        return RedrafterResponse(
+            text=text,
+            token=0,
+            logprobs=None,
+            from_draft=from_draft,
+            prompt_tokens=1,
+            prompt_tps=0.0,
+            generation_tokens=1,
+            generation_tps=0.0,
+            peak_memory=0.0,
+            stats=StepStats(accepted=1, source=source if from_draft else ""),
+        )
 
     out.token(response("drafted", True), show_drafts=True)
     out.token(response("copied", True, "lookup"), show_drafts=True)
@@ -276,8 +308,11 @@ def chat_command(*args):
 
 def test_terminal_session(default_model, drafter_dir):
     import pexpect  # a test dependency (.[test]): missing is an error, not a skip
+
     cmd = chat_command("--drafter", str(drafter_dir), "-W", "2", "-L", "3", "--max-tokens", "16", "--show-drafts")
-    child = pexpect.spawn(cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT, dimensions=(40, 240))
+    child = pexpect.spawn(
+        cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT, dimensions=(40, 240)
+    )
     try:
         child.expect_exact(">>> ")
         child.sendline("What is 2+2?")

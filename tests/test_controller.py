@@ -3,12 +3,18 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import OracleDrafter, prompts, tiny_model
+
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.controller import Controller, ControllerConfig, load_controller, save_controller
-from mlx_redrafter.train.controller import Episodes, expected_speedup, measure_latency, record_episodes, train_controller
 from mlx_redrafter.generate import DraftConfig, generate_tokens
+from mlx_redrafter.train.controller import (
+    Episodes,
+    expected_speedup,
+    measure_latency,
+    record_episodes,
+    train_controller,
+)
 
 W, L = 2, 4
 
@@ -32,12 +38,22 @@ def synthetic_episodes(n=4000, length=L, seed=0):
     return Episodes(conf.astype(np.float32), accepted, sizes)
 
 
-LATENCY = {"verify_1": 60.0, "verify_3": 70.0, "verify_5": 80.0, "verify_9": 100.0, "draft": 4.0, "controller": 0.5, "plain": 60.0}
+LATENCY = {
+    "verify_1": 60.0,
+    "verify_3": 70.0,
+    "verify_5": 80.0,
+    "verify_9": 100.0,
+    "draft": 4.0,
+    "controller": 0.5,
+    "plain": 60.0,
+}
 
 
 def test_decisions_follow_the_confidences():
     episodes = synthetic_episodes()
-    ctrl = train_controller(episodes, ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=30, batch_size=256)
+    ctrl = train_controller(
+        episodes, ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=30, batch_size=256
+    )
     sure = mx.array(np.tile([[0.95] + [0.005] * 9], (L, 1)), dtype=mx.float32)
     unsure = mx.array(np.tile([[0.08] + [0.1] * 9], (L, 1)), dtype=mx.float32)
     assert int(ctrl.depth(sure)) > int(ctrl.depth(unsure))
@@ -56,7 +72,9 @@ def test_untrained_thresholds_cover_every_depth():
 
 def test_adaptive_generation_is_exact(llama):
     model, ps, refs = llama
-    ctrl = train_controller(synthetic_episodes(), ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=20)
+    ctrl = train_controller(
+        synthetic_episodes(), ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=20
+    )
     depths = []
     for p, ref in zip(ps, refs):
         oracle = OracleDrafter(model, p, 48, L)
@@ -93,8 +111,17 @@ def test_fit_and_save_trains_saves_and_compares_every_depth(llama, tmp_path):
     drafter = OracleDrafter(model, ps[0], 24, L)
     (tmp_path / "d").mkdir()
     stages = []
-    fit = fit_and_save(model, drafter, tmp_path / "d", [ps[0]], W, L, 24, epochs=2,
-                       progress=lambda stage, done, total: stages.append(stage))
+    fit = fit_and_save(
+        model,
+        drafter,
+        tmp_path / "d",
+        [ps[0]],
+        W,
+        L,
+        24,
+        epochs=2,
+        progress=lambda stage, done, total: stages.append(stage),
+    )
     assert list(dict.fromkeys(stages)) == ["recording", "measuring latency", "training"]
     assert set(fit.fixed) == set(range(1, L + 1)) and fit.steps > 0
     assert fit.beats_fixed == (fit.learned > max(fit.fixed.values()))

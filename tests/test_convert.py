@@ -11,14 +11,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_redrafter.converters.drafter import convert_drafter, inspect_drafter
 from torch_format import BF16, write_legacy, write_zip
 
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.beam import beam_search, warp_logits
-from mlx_redrafter.converters.drafter import convert_drafter, inspect_drafter
-from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost
 from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
 from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost
 
 FIXTURES = ["drafter_rnn", "drafter_norn", "drafter_rnn_bin", "drafter_rnn_bf16", "drafter_rnn_distilled"]
 # The official file each fixture's conversion must reproduce (key names, shapes).
@@ -56,7 +56,9 @@ def safetensors_header(path):
 
 def official_arrays(fixtures_dir, name):
     """The fixture's tensors as float32 numpy (bfloat16 widened exactly)."""
-    return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(fixtures_dir / name / "model.safetensors")).items()}
+    return {
+        k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(fixtures_dir / name / "model.safetensors")).items()
+    }
 
 
 def beam_logprob(drafter, embed, context, g0, tokens):
@@ -91,7 +93,9 @@ def copy_fixture(fixtures_dir, tmp_path, name="drafter_rnn", config=None, edit=N
         (dst / "config.json").write_text(json.dumps(cfg))
     if edit:
         arrays = edit(official_arrays(fixtures_dir, name))
-        mx.save_safetensors(str(dst / "model.safetensors"), {k: mx.array(v) for k, v in arrays.items()}, {"format": "pt"})
+        mx.save_safetensors(
+            str(dst / "model.safetensors"), {k: mx.array(v) for k, v in arrays.items()}, {"format": "pt"}
+        )
     return dst
 
 
@@ -123,7 +127,9 @@ def test_converted_fixture_matches_official_logits_and_beams(fixtures_dir, tmp_p
         # Official beam search: beam_length=4 counts g0, so our length is 3.
         for width in (1, 2, 4):
             for row in range(3):
-                b = beam_search(d, embed, mx.array(ref["ctx_c"][row]), mx.array(ref["bs_init"][row]), width, 3, warp=True)
+                b = beam_search(
+                    d, embed, mx.array(ref["ctx_c"][row]), mx.array(ref["bs_init"][row]), width, 3, warp=True
+                )
                 np.testing.assert_array_equal(np.array(b.tokens), ref[f"bs_{kind}_w{width}_beams"][row][:, 1:])
     else:  # the distilled drafter: the beams its official generation drafted at every step
         d32 = load_drafter(fixtures_dir / name)  # the official float32 weights, as they are
@@ -154,7 +160,10 @@ def test_converted_drafter_keeps_the_official_layout(fixtures_dir, tmp_path, nam
     """Export direction: the official PyTorch code could load what we write."""
     out = tmp_path / "out"
     convert_drafter(fixtures_dir / name, out, dtype="float32")
-    ours, official = safetensors_header(out / "model.safetensors"), safetensors_header(fixtures_dir / OFFICIAL_FILE[name] / "model.safetensors")
+    ours, official = (
+        safetensors_header(out / "model.safetensors"),
+        safetensors_header(fixtures_dir / OFFICIAL_FILE[name] / "model.safetensors"),
+    )
     assert ours.pop("__metadata__") == {"format": "pt"}  # what transformers' from_pretrained expects
     official.pop("__metadata__", None)
     assert {k: v["shape"] for k, v in ours.items()} == {k: v["shape"] for k, v in official.items()}
@@ -164,7 +173,16 @@ def test_converted_drafter_keeps_the_official_layout(fixtures_dir, tmp_path, nam
         np.testing.assert_array_equal(saved[k], v)
     cfg_ours = json.loads((out / "config.json").read_text())
     cfg_official = json.loads((fixtures_dir / name / "config.json").read_text())
-    for k in ("model_type", "vocab_size", "hidden_size", "exit_dim", "num_draft_layers", "rnn", "num_lookback_tokens", "architectures"):
+    for k in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "exit_dim",
+        "num_draft_layers",
+        "rnn",
+        "num_lookback_tokens",
+        "architectures",
+    ):
         assert cfg_ours[k] == cfg_official[k], k
     assert cfg_ours["torch_dtype"] == "float32"
 
@@ -196,7 +214,10 @@ def test_rounding_is_to_nearest_and_reported(fixtures_dir, tmp_path):
 
 
 def _bf16_bits(fixtures_dir):
-    return {k: np.array(v.view(mx.uint16)) for k, v in mx.load(str(fixtures_dir / "drafter_rnn_bf16" / "model.safetensors")).items()}
+    return {
+        k: np.array(v.view(mx.uint16))
+        for k, v in mx.load(str(fixtures_dir / "drafter_rnn_bf16" / "model.safetensors")).items()
+    }
 
 
 def _write_shards(folder, arrays, kind):
@@ -212,7 +233,9 @@ def _write_shards(folder, arrays, kind):
     (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-@pytest.mark.parametrize("layout", ["zip-float16", "zip-bfloat16", "legacy-float32", "shards-safetensors", "shards-bin"])
+@pytest.mark.parametrize(
+    "layout", ["zip-float16", "zip-bfloat16", "legacy-float32", "shards-safetensors", "shards-bin"]
+)
 def test_pytorch_layouts_convert_exactly(fixtures_dir, tmp_path, layout):
     src = config_only(fixtures_dir, tmp_path)
     f32 = official_arrays(fixtures_dir, "drafter_rnn")
@@ -329,7 +352,9 @@ def test_missing_and_unknown_keys_are_listed(fixtures_dir, tmp_path):
 
 def test_config_that_contradicts_the_shapes(fixtures_dir, tmp_path):
     src = copy_fixture(fixtures_dir, tmp_path, config={"vocab_size": 300})
-    with pytest.raises(RedrafterError, match=r"lm_head\.2\.weight has shape \(257, 128\) but config\.json implies \(300, 128\)"):
+    with pytest.raises(
+        RedrafterError, match=r"lm_head\.2\.weight has shape \(257, 128\) but config\.json implies \(300, 128\)"
+    ):
         convert_drafter(src, tmp_path / "out")
     # A flag that adds or removes layers shows up as keys.
     src = copy_fixture(fixtures_dir, tmp_path / "b", config={"rnn": False})
@@ -542,7 +567,18 @@ def run_cli(*args) -> int:
 
 def test_cli_convert_and_inspect(fixtures_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    assert run_cli("convert", str(fixtures_dir / "drafter_rnn_bin"), str(out), "--dtype", "bfloat16", "--model", str(fixtures_dir / "llm")) == 0
+    assert (
+        run_cli(
+            "convert",
+            str(fixtures_dir / "drafter_rnn_bin"),
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--model",
+            str(fixtures_dir / "llm"),
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "max abs" in printed and "max relative" in printed and "bfloat16" in printed
     assert load_drafter(out).config.vocab_size == 257
@@ -552,7 +588,9 @@ def test_cli_convert_and_inspect(fixtures_dir, tmp_path, capsys):
         assert word in printed
 
     hostile = config_only(fixtures_dir, tmp_path)
-    write_zip(hostile / "pytorch_model.bin", {}, data_pkl=pickle.dumps(RunsCommand(f"touch {tmp_path / 'pwned'}"), protocol=2))
+    write_zip(
+        hostile / "pytorch_model.bin", {}, data_pkl=pickle.dumps(RunsCommand(f"touch {tmp_path / 'pwned'}"), protocol=2)
+    )
     assert run_cli("convert", str(hostile), str(tmp_path / "out2")) == 1
     captured = capsys.readouterr()
     assert "Error:" in captured.err and "system" in captured.err and "Traceback" not in captured.err

@@ -75,7 +75,9 @@ def test_index_matches_brute_force(ops, max_tokens, max_match, k, length, scan):
             added.append(arg)
             continue
         seqs = kept(added, max_tokens)
-        assert as_tuple(store.match(arg, max_match, k, length, scan)) == brute_match(seqs, arg, max_match, k, length, scan)
+        assert as_tuple(store.match(arg, max_match, k, length, scan)) == brute_match(
+            seqs, arg, max_match, k, length, scan
+        )
     assert store.sequences() == kept(added, max_tokens)
     assert store.tokens == sum(map(len, store.sequences())) <= max_tokens
 
@@ -105,7 +107,7 @@ def test_large_ranges_are_bisected(monkeypatch):
     for s in seqs:
         store.add(s)
     for _ in range(40):
-        h = seqs[int(rng.integers(30))][:int(rng.integers(1, 40))] + rng.integers(0, 4, 2).tolist()
+        h = seqs[int(rng.integers(30))][: int(rng.integers(1, 40))] + rng.integers(0, 4, 2).tolist()
         assert as_tuple(store.match(h, length=3, max_continuations=3)) == brute_match(seqs, h, 16, 3, 3, ds.SCAN)
 
 
@@ -202,7 +204,10 @@ def flip_byte(path, offset):
         (lambda p: p.write_bytes(b"not a datastore at all, just text"), "not a mlx-redrafter datastore"),
         (lambda p: p.write_bytes(p.read_bytes()[:-3]), "corrupt"),
         (lambda p: flip_byte(p, -6), "corrupt"),  # a token id: the checksum catches it
-        (lambda p: p.write_bytes(p.read_bytes()[:8] + struct.pack("<I", 99) + p.read_bytes()[12:]), "format version 99"),
+        (
+            lambda p: p.write_bytes(p.read_bytes()[:8] + struct.pack("<I", 99) + p.read_bytes()[12:]),
+            "format version 99",
+        ),
     ],
     ids=["garbage", "truncated", "flipped", "version"],
 )

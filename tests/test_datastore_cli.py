@@ -10,14 +10,12 @@ import json
 import sys
 
 import pytest
-
 from helpers import cli
+
 from mlx_redrafter.draft.datastore import Datastore, default_path, model_key
 from mlx_redrafter.draft.stores import read_session
 
 SHAREGPT = "mlx_redrafter/data/sharegpt_train_prompts.jsonl.gz"
-
-
 
 
 def history():
@@ -65,8 +63,12 @@ def test_serve_appends_each_reply(default_model, cleared, record):
     rt = load_runtime("default", history=record)
     with TestClient(create_app(Engine(rt, max_tokens=8)), base_url="http://127.0.0.1") as http:
         client = OpenAI(base_url="http://127.0.0.1/v1", api_key="-", http_client=http, max_retries=0)
-        texts = [client.chat.completions.create(model="default", temperature=0, messages=[
-            {"role": "user", "content": q}]).choices[0].message.content for q in ("Hi!", "Name a colour.")]
+        texts = [
+            client.chat.completions.create(model="default", temperature=0, messages=[{"role": "user", "content": q}])
+            .choices[0]
+            .message.content
+            for q in ("Hi!", "Name a colour.")
+        ]
         stats = http.post("/v1/completions", json={"prompt": "1, 2, 3,", "max_tokens": 8}).json()
     path = default_path("default", "history")
     if not record:
@@ -141,11 +143,21 @@ def test_chat_colours_datastore_drafts_and_the_tally_splits_them():
     out = _Output(interactive=True)
     out.console = Console(file=io.StringIO(), force_terminal=True, color_system="standard", highlight=False)
     tally = Tally()
-    for n, (text, source, step) in enumerate([("a", "", 0), ("stored", "datastore", 1), ("b", "", 1),
-                                              ("copied", "lookup", 2), ("c", "", 2)], 1):
-        r = RedrafterResponse(text=text, token=n, logprobs=None, from_draft=bool(source), prompt_tokens=1,
-                              prompt_tps=0.0, generation_tokens=n, generation_tps=0.0, peak_memory=0.0,
-                              stats=StepStats(step=step, accepted=int(bool(source)), source=source))
+    for n, (text, source, step) in enumerate(
+        [("a", "", 0), ("stored", "datastore", 1), ("b", "", 1), ("copied", "lookup", 2), ("c", "", 2)], 1
+    ):
+        r = RedrafterResponse(
+            text=text,
+            token=n,
+            logprobs=None,
+            from_draft=bool(source),
+            prompt_tokens=1,
+            prompt_tps=0.0,
+            generation_tokens=n,
+            generation_tps=0.0,
+            peak_memory=0.0,
+            stats=StepStats(step=step, accepted=int(bool(source)), source=source),
+        )
         out.token(r, show_drafts=True)
         tally.add(r)
     assert DATASTORE_STYLE == "green" and "\x1b[32mstored\x1b[0m" in out.console.file.getvalue()

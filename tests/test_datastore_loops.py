@@ -7,8 +7,8 @@ distribution with datastore rows: test_datastore_sampling.py."""
 from __future__ import annotations
 
 import pytest
-
 from helpers import TINY_CONFIGS, prompts, random_drafter, tiny_model
+
 from mlx_redrafter.draft.datastore import Datastore
 from mlx_redrafter.draft.stores import Stores, context_or_store, open_datastore
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
@@ -60,8 +60,9 @@ def test_an_empty_store_is_plain_steps():
     p = prompts(1)[0]
     ref, _ = generate_tokens(model, p, max_tokens=12)
     for pipelined in LOOPS.values():
-        out, stats = generate_tokens(model, p, draft=DraftConfig(datastore=Datastore(), pipelined=pipelined),
-                                     max_tokens=12)
+        out, stats = generate_tokens(
+            model, p, draft=DraftConfig(datastore=Datastore(), pipelined=pipelined), max_tokens=12
+        )
         assert out == ref and all(s.tree_size == 1 for s in stats)
 
 
@@ -100,8 +101,7 @@ def default_setup(default_model):
 @pytest.mark.parametrize("merged", [False, True], ids=["alone", "merged"])
 def test_default_model_exact_with_the_datastore(default_setup, loop, merged):
     model, tok, ps, refs, store, drafter = default_setup
-    draft = DraftConfig(drafter if merged else None, 2, 1, lookup=int(merged), datastore=store,
-                        pipelined=LOOPS[loop])
+    draft = DraftConfig(drafter if merged else None, 2, 1, lookup=int(merged), datastore=store, pipelined=LOOPS[loop])
     taken = 0
     for p, ref in zip(ps, refs):
         out, stats = generate_tokens(model, p, draft=draft, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)

@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import distributed_job as job
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import distributed_job as job
 from mlx_redrafter.train.shards import Manifest, read_corpus
 
 JOB = Path(job.__file__)
@@ -68,7 +68,9 @@ def last_words(text: str, n: int = 2) -> str:
         for r in range(n):
             if line.startswith(f"rank {r}/{n}"):
                 last[r] = line
-    return "\n".join(f"  rank {r}: {last.get(r, 'no output yet (not started, or stuck before importing)')}" for r in range(n))
+    return "\n".join(
+        f"  rank {r}: {last.get(r, 'no output yet (not started, or stuck before importing)')}" for r in range(n)
+    )
 
 
 def wait_with_progress(p: subprocess.Popen, log: Path, n: int, stall: float, limit: float) -> None:
@@ -82,9 +84,15 @@ def wait_with_progress(p: subprocess.Popen, log: Path, n: int, stall: float, lim
             size, last_change = grown, now
         if now - last_change > stall or now - start > limit:
             text = log.read_text()
-            why = f"no progress for {now - last_change:.0f} s" if now - last_change > stall else f"still running after {limit:.0f} s"
-            pytest.fail(f"mlx.launch hung ({why}). What each rank was doing:\n{last_words(text, n)}\n"
-                        f"Output of all ranks:\n{text}")
+            why = (
+                f"no progress for {now - last_change:.0f} s"
+                if now - last_change > stall
+                else f"still running after {limit:.0f} s"
+            )
+            pytest.fail(
+                f"mlx.launch hung ({why}). What each rank was doing:\n{last_words(text, n)}\n"
+                f"Output of all ranks:\n{text}"
+            )
         time.sleep(0.2)
 
 
@@ -92,13 +100,31 @@ def launch(tmp_path, *args, n=2, stall=STALL, limit=LIMIT):
     """Run the job on n ranks; return the output of all ranks. Every process
     of the launch is killed, also on a hang or a failure."""
     log = tmp_path / "launch.log"
-    cmd = [*launcher(), "-n", str(n), "--backend", "ring", "-p", str(free_ports(n)),
-           "--", sys.executable, "-u", str(JOB), *map(str, args)]
+    cmd = [
+        *launcher(),
+        "-n",
+        str(n),
+        "--backend",
+        "ring",
+        "-p",
+        str(free_ports(n)),
+        "--",
+        sys.executable,
+        "-u",
+        str(JOB),
+        *map(str, args),
+    ]
     with open(log, "w") as out:
         # stdin stays open: the launcher forwards it, and an exhausted stdin
         # would make it poll in a busy loop.
-        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True, env=dict(os.environ))
+        p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ),
+        )
         try:
             wait_with_progress(p, log, n, stall, limit)
         finally:
@@ -118,7 +144,9 @@ def finished(output, n=2):
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"c{i}", "turns": [f"Tell me about {t}."]}) + "\n" for i, t in enumerate(TOPICS)))
+    path.write_text(
+        "".join(json.dumps({"id": f"c{i}", "turns": [f"Tell me about {t}."]}) + "\n" for i, t in enumerate(TOPICS))
+    )
     return path
 
 
@@ -151,11 +179,17 @@ def test_distill_rerun_completes_only_the_missing_part(distilled, prompts, tmp_p
     m.done = [c for c in m.done if c not in lost]
     m.sequences -= len(lost)
     m.save(part)
-    before = {name: (distilled / "data" / "rank-0" / name).stat().st_mtime_ns for name in Manifest.load(distilled / "data" / "rank-0").shards}
+    before = {
+        name: (distilled / "data" / "rank-0" / name).stat().st_mtime_ns
+        for name in Manifest.load(distilled / "data" / "rank-0").shards
+    }
     output = launch(tmp_path, "distill", distilled, "--prompts", prompts)
     assert finished(output), output
     assert sorted(read_corpus(distilled / "data").ids) == sorted(f"c{i}" for i in range(len(TOPICS)))
-    after = {name: (distilled / "data" / "rank-0" / name).stat().st_mtime_ns for name in Manifest.load(distilled / "data" / "rank-0").shards}
+    after = {
+        name: (distilled / "data" / "rank-0" / name).stat().st_mtime_ns
+        for name in Manifest.load(distilled / "data" / "rank-0").shards
+    }
     assert after == before  # rank 0 had nothing left to do
 
 

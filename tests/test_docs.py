@@ -30,7 +30,8 @@ try:  # newer typer parses with its own copy of click: its exceptions are that c
     from typer._click import exceptions as errors
     from typer._click.core import Context
 except ImportError:  # older typer: click itself
-    from click import Context, exceptions as errors
+    from click import Context
+    from click import exceptions as errors
 
 from mlx_redrafter.cli import app
 
@@ -219,8 +220,7 @@ def test_every_python_block_runs_or_says_why_not(block, _isolated_cache):
     if block.not_run:
         assert len(block.not_run) > 8, f"{block.where}: say why the block is not run"
         pytest.skip(f"{block.where} is marked not run: {block.not_run}")
-    done = subprocess.run([sys.executable, "-c", block.text], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", block.text], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{block.where} failed:\n{done.stderr[-3000:]}"
 
 
@@ -237,16 +237,26 @@ def test_a_renamed_flag_a_removed_subcommand_and_a_bad_value_are_found(cli_root)
 
 
 def test_shell_lines_are_split_like_a_shell():
-    block = Block(REPO / "README.md", 1, "bash", "\n".join([
-        "# a comment",
-        "$ LD_PRELOAD=/x.so mlx-redrafter generate --prompt 'a b' -n 4  # trailing comment",
-        "make setup && make test TEST_WORKERS=4",
-        "mlx-redrafter sweep \\",
-        "    --widths 1,2",
-    ]))
-    assert shell_commands(block) == [["mlx-redrafter", "generate", "--prompt", "a b", "-n", "4"],
-                                      ["make", "setup"], ["make", "test", "TEST_WORKERS=4"],
-                                      ["mlx-redrafter", "sweep", "--widths", "1,2"]]
+    block = Block(
+        REPO / "README.md",
+        1,
+        "bash",
+        "\n".join(
+            [
+                "# a comment",
+                "$ LD_PRELOAD=/x.so mlx-redrafter generate --prompt 'a b' -n 4  # trailing comment",
+                "make setup && make test TEST_WORKERS=4",
+                "mlx-redrafter sweep \\",
+                "    --widths 1,2",
+            ]
+        ),
+    )
+    assert shell_commands(block) == [
+        ["mlx-redrafter", "generate", "--prompt", "a b", "-n", "4"],
+        ["make", "setup"],
+        ["make", "test", "TEST_WORKERS=4"],
+        ["mlx-redrafter", "sweep", "--widths", "1,2"],
+    ]
 
 
 def test_a_missing_make_target_is_found():
@@ -259,15 +269,19 @@ def test_a_missing_make_target_is_found():
 def test_a_broken_link_is_found(tmp_path):
     page = tmp_path / "page.md"
     (tmp_path / "there.md").write_text("# A title: with `code`\n## 21. Several clients (issue 38)\n")
-    text = "# Top\n[ok](there.md) [anchor](there.md#a-title-with-code) [web](https://x.org) [self](#top) " \
-           "[deep](there.md#21-several-clients-issue-38) [gone](missing.md) [stale](there.md#22-gone) [nope](#none)\n" \
-           "```\n[not a link](nowhere.md)\n```\n"
+    text = (
+        "# Top\n[ok](there.md) [anchor](there.md#a-title-with-code) [web](https://x.org) [self](#top) "
+        "[deep](there.md#21-several-clients-issue-38) [gone](missing.md) [stale](there.md#22-gone) [nope](#none)\n"
+        "```\n[not a link](nowhere.md)\n```\n"
+    )
     assert broken_links(page, text) == ["missing.md", "there.md#22-gone", "#none"]
 
 
 def test_a_block_marked_not_run_carries_its_reason(tmp_path):
     page = tmp_path / "p.md"
-    page.write_text("<!-- not run: downloads a model from the Hub -->\n```python\nimport mlx_redrafter\n```\n"
-                    "```python\nimport mlx_redrafter\n```\n")
+    page.write_text(
+        "<!-- not run: downloads a model from the Hub -->\n```python\nimport mlx_redrafter\n```\n"
+        "```python\nimport mlx_redrafter\n```\n"
+    )
     first, second = fenced_blocks(page)
     assert first.not_run == "downloads a model from the Hub" and second.not_run is None

@@ -42,8 +42,14 @@ def test_beam_search_reproduces_official_beams(ref, embed, fixtures_dir, kind, w
     d = load_drafter(fixtures_dir / f"drafter_{kind}")
     for row in range(3):
         b = beam_search(
-            d, embed, mx.array(ref["ctx_c"][row]), mx.array(ref["bs_init"][row]), width, 3,
-            warp=True, return_logprobs=True,
+            d,
+            embed,
+            mx.array(ref["ctx_c"][row]),
+            mx.array(ref["bs_init"][row]),
+            width,
+            3,
+            warp=True,
+            return_logprobs=True,
         )
         official = ref[f"bs_{kind}_w{width}_beams"][row]
         assert (official[:, 0] == ref["bs_init"][row]).all()

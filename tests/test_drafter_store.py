@@ -17,8 +17,8 @@ import json
 import sys
 
 import pytest
-
 from helpers import HIDDEN, VOCAB, cli, random_drafter, save_random_drafter, save_tiny_folder, squeeze, tiny_model
+
 from mlx_redrafter.draft import store as st
 from mlx_redrafter.errors import RedrafterError
 
@@ -124,8 +124,9 @@ def test_the_store_is_preferred_to_the_package_and_the_exact_copy_first(folders,
     tiny, other, drafter = folders
     default = identity_for_spec("default")
     assert st.find(default).shipped and st.find(default).exact
-    small = save_random_drafter(store.parent / "d576", hidden=576, vocab=49152, exit_dim=32, num_draft_layers=1,
-                                draft_vocab_size=16, rnn=False)
+    small = save_random_drafter(
+        store.parent / "d576", hidden=576, vocab=49152, exit_dim=32, num_draft_layers=1, draft_vocab_size=16, rnn=False
+    )
     mine = st.install(small, default, {"source": "make-drafter"})
     assert st.find(default).path == mine and not st.find(default).shipped
     # Of two copies' drafters, the one of this copy, whatever was installed last.
@@ -214,7 +215,9 @@ def test_serve_uses_the_stored_drafter(folders, store):
         rt = load_runtime(str(tiny), no_draft=no_draft)  # what `mlx-redrafter serve --model` loads
         with TestClient(create_app(Engine(rt, max_tokens=10)), base_url="http://127.0.0.1") as http:
             health = http.get("/health").json()
-            texts[no_draft] = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0}).json()
+            texts[no_draft] = http.post(
+                "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+            ).json()
         assert health["drafter"] == (None if no_draft else str(path))
     assert texts[False]["choices"][0]["text"] == texts[True]["choices"][0]["text"]
 
@@ -236,7 +239,8 @@ def test_stream_generate_uses_the_stored_drafter_by_default(folders, store):
     # None explicit: plain decoding; a drafter given: that one.
     assert all(r.stats.tree_size == 1 for r in stream_generate(model, tok, PROMPT, max_tokens=6, drafter=None))
     assert generate(model, tok, PROMPT, max_tokens=12, drafter=random_drafter(seed=4)) == generate(
-        model, tok, PROMPT, max_tokens=12, drafter=None)
+        model, tok, PROMPT, max_tokens=12, drafter=None
+    )
     with pytest.raises(RedrafterError, match="is not a drafter"):
         list(stream_generate(model, tok, PROMPT, max_tokens=2, drafter="some/folder"))
     # Removed: the next call sees it (the family folder changed).

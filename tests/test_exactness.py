@@ -3,10 +3,10 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import TINY_CONFIGS, OracleDrafter, prompts, random_drafter, tiny_model
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.utils import load_model as mlx_load_model
 
-from helpers import TINY_CONFIGS, OracleDrafter, prompts, random_drafter, tiny_model
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
@@ -42,7 +42,9 @@ def test_tiny_models_fused_feature_drafter(tiny, width, length, pipelined):
     kind, model, ps, refs = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1, feature_layers=[0])
     for p, ref in zip(ps[:2], refs[:2]):
-        out, _ = generate_tokens(model, p, draft=DraftConfig(drafter, width, length, lookup=1, pipelined=pipelined), max_tokens=N_TOKENS)
+        out, _ = generate_tokens(
+            model, p, draft=DraftConfig(drafter, width, length, lookup=1, pipelined=pipelined), max_tokens=N_TOKENS
+        )
         assert out == ref, kind
 
 
@@ -101,7 +103,9 @@ def default_refs(default_model):
 def test_default_model_random_drafter(default_model, default_refs):
     model, tok = default_model
     mx.random.seed(0)
-    d = Drafter(DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=128, num_draft_layers=1, draft_vocab_size=4096))
+    d = Drafter(
+        DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=128, num_draft_layers=1, draft_vocab_size=4096)
+    )
     mx.eval(d.parameters())
     for p, ref in zip(*default_refs):
         out, _ = generate_tokens(model, p, draft=DraftConfig(d, 2, 3), max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
@@ -113,7 +117,9 @@ def test_default_model_oracle_drafter(default_model, default_refs):
     accepted = []
     for p, ref in zip(*default_refs):
         oracle = OracleDrafter(model, p, N_TOKENS, 5)
-        out, stats = generate_tokens(model, p, draft=DraftConfig(oracle, 3, 5), max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)
+        out, stats = generate_tokens(
+            model, p, draft=DraftConfig(oracle, 3, 5), max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids
+        )
         assert out == ref
         accepted += [s.accepted for s in stats[1:]]
     assert np.mean(accepted) > 3
@@ -168,7 +174,11 @@ def oracle_setup(default_model):
     oracle = OracleDrafter(model, prompt, 80, 5)
     tokens, text, rs = _run(model, tok, prompt, oracle, beam_width=2, beam_length=5, max_tokens=60)
     # A token that came from an accepted draft and is not the last of its run.
-    inside = [i for i in range(1, len(rs) - 1) if rs[i].from_draft and rs[i + 1].from_draft and rs[i].stats.step == rs[i + 1].stats.step]
+    inside = [
+        i
+        for i in range(1, len(rs) - 1)
+        if rs[i].from_draft and rs[i + 1].from_draft and rs[i].stats.step == rs[i + 1].stats.step
+    ]
     assert inside, "the oracle should produce multi-token accepted runs"
     return model, tok, prompt, oracle, rs, inside
 

@@ -41,8 +41,8 @@ def flags_named(error) -> list:
 
 
 def test_api_errors_name_no_command_line_flags(tmp_path):
-    import pytest
     import mlx.nn as nn
+    import pytest
 
     from mlx_redrafter import RedrafterError, SamplingConfig, load_drafter, load_model
     from mlx_redrafter.llm.cache import check_cache
@@ -103,6 +103,8 @@ def test_the_docstring_example_runs(default_model):
     from mlx_redrafter import load_drafter, stream_generate
 
     model, tokenizer = default_model
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True
+    )
     out = list(stream_generate(model, tokenizer, prompt, drafter=load_drafter("default"), max_tokens=6))
     assert len(out) == 6 and all(r.text is not None and r.stats is not None for r in out)

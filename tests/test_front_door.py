@@ -15,8 +15,19 @@ from mlx_redrafter.generate import generate_tokens, stream_generate
 
 
 def test_the_public_api_names():
-    for name in ("DraftConfig", "SamplingConfig", "trim_cache", "generate", "stream_generate", "load_model",
-                 "load_drafter", "save_drafter", "Drafter", "DrafterConfig", "RedrafterError"):
+    for name in (
+        "DraftConfig",
+        "SamplingConfig",
+        "trim_cache",
+        "generate",
+        "stream_generate",
+        "load_model",
+        "load_drafter",
+        "save_drafter",
+        "Drafter",
+        "DrafterConfig",
+        "RedrafterError",
+    ):
         assert name in mlx_redrafter.__all__ and hasattr(mlx_redrafter, name)
     from mlx_redrafter.chat import ChatSession, ChatSettings  # the README's import path
 

@@ -15,20 +15,20 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import VOCAB, random_drafter, tiny_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from test_sampling import chi2_passes
 
-from helpers import VOCAB, random_drafter, tiny_model
-from mlx_redrafter.step.accept import Accepted, target_probs, walk_tree
-from mlx_redrafter.step.accept import _path as accept_path
-from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.config import DraftConfig, SamplingConfig
+from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.step import grammar as grammar_mod
+from mlx_redrafter.step.accept import Accepted, target_probs, walk_tree
+from mlx_redrafter.step.accept import _path as accept_path
 from mlx_redrafter.step.constrained import constrained_steps
 from mlx_redrafter.step.grammar import compile_grammar, grammar_logits_processor, tree_masks
-from test_sampling import chi2_passes
 
 EOS = 95
 
@@ -51,10 +51,16 @@ def decode(tokens):
 
 
 SCHEMAS = [
-    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                                      "ok": {"type": "boolean"},
-                                      "tag": {"enum": ["alpha", "beta", "gamma"]}},
-     "required": ["id", "ok", "tag"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "ok": {"type": "boolean"},
+            "tag": {"enum": ["alpha", "beta", "gamma"]},
+        },
+        "required": ["id", "ok", "tag"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 2, "maxItems": 3},
 ]
 
@@ -63,9 +69,14 @@ def reference(model, prompt, grammar, max_tokens, sampling=SamplingConfig()):
     """Plain constrained decoding: mlx-lm's generate_step with the grammar's logits processor."""
     sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
     out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler,
-                                  logits_processors=[grammar_logits_processor(grammar)],
-                                  prompt_cache=make_prompt_cache(model)):
+    for token, _ in generate_step(
+        mx.array(prompt),
+        model,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=[grammar_logits_processor(grammar)],
+        prompt_cache=make_prompt_cache(model),
+    ):
         out.append(int(token))
         if out[-1] in grammar.eos_ids:
             break
@@ -152,13 +163,21 @@ def test_default_model_greedy_equals_plain_constrained_decoding():
     from mlx_redrafter.runtime import shipped_drafter_path
 
     llm, tokenizer = load_model("default")
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                               "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
-              "required": ["name", "year"], "additionalProperties": False}  # about 23 tokens
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+        },
+        "required": ["name", "year"],
+        "additionalProperties": False,
+    }  # about 23 tokens
     grammar = compile_grammar(tokenizer, schema, vocab_size=llm.args.vocab_size)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Give the name and birth year of Ada Lovelace as JSON."}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = encode_prompt(tokenizer, text)
     ref = reference(llm, prompt, grammar, 40)
     assert ref[-1] in grammar.eos_ids
@@ -250,15 +269,18 @@ def test_unrenormalized_acceptance_fails_the_same_test(model, choice_setup, monk
 # --------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"type": "strin"}, "Invalid type: strin"),
-    ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum (5) is greater than maximum (2)"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}, "/defs/x"),
-    ({"type": "object", "dependentSchemas": {"a": {}}}, "Unimplemented keys"),
-    ({"type": "string", "format": "no-such-format"}, "Unknown format"),
-    ("start: yaml", "Invalid grammar"),
-    (42, "Unknown grammar '42'"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"type": "strin"}, "Invalid type: strin"),
+        ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum (5) is greater than maximum (2)"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}, "/defs/x"),
+        ({"type": "object", "dependentSchemas": {"a": {}}}, "Unimplemented keys"),
+        ({"type": "string", "format": "no-such-format"}, "Unknown format"),
+        ("start: yaml", "Invalid grammar"),
+        (42, "Unknown grammar '42'"),
+    ],
+)
 def test_invalid_schemas_are_clear_errors(spec, message):
     with pytest.raises(RedrafterError, match=message.replace("(", r"\(").replace(")", r"\)").replace("$", r"\$")):
         compile_grammar(CHARS, spec, vocab_size=VOCAB)

@@ -14,13 +14,14 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
 from helpers import cli, random_drafter, save_random_drafter, save_tiny_folder
-from mlx_redrafter import load_drafter
-from mlx_redrafter.draft import publish, store as st
-from mlx_redrafter.errors import RedrafterError
+from mlx.utils import tree_flatten
 from torch_format import write_zip
+
+from mlx_redrafter import load_drafter
+from mlx_redrafter.draft import publish
+from mlx_redrafter.draft import store as st
+from mlx_redrafter.errors import RedrafterError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 PROMPT = "w1 w2 w3 w1 w2 w3 w1"
@@ -54,17 +55,29 @@ def cache_repo(cache, repo: str, folder, commit: str = COMMIT):
 
 def full_meta(identity) -> dict:
     return {
-        "format": 1, "source": "make-drafter", "base_model": identity.to_dict(),
+        "format": 1,
+        "source": "make-drafter",
+        "base_model": identity.to_dict(),
         "data": {"prompts": "sharegpt", "private": False, "conversations": 1234, "positions": 456789, "tokens": 123456},
-        "recipe": {"command": "mlx-redrafter make-drafter --model tiny --minutes 90",
-                   "stages": {"distill": {"minutes": 50.1}, "train": {"minutes": 25.0, "steps": 4000}},
-                   "train": {"exit_dim": 576, "draft_vocab_size": 8192}},
+        "recipe": {
+            "command": "mlx-redrafter make-drafter --model tiny --minutes 90",
+            "stages": {"distill": {"minutes": 50.1}, "train": {"minutes": 25.0, "steps": 4000}},
+            "train": {"exit_dim": 576, "draft_vocab_size": 8192},
+        },
         "acceptance": {"held_out": {"positions": 5000, "by_depth": [0.61, 0.38], "tokens_per_step": 1.9}},
-        "verdict": {"date": "2026-12-01", "device": "cpu, Linux x86_64, 2 cores, BLIS", "commit": "abc1234",
-                    "prompts": 8, "max_tokens": 96, "plain": {"tokens_per_second": 12.0},
-                    "lookup": {"speedup": 1.02, "tokens_per_step": 1.1},
-                    "drafter": {"speedup": 1.15, "tokens_per_step": 1.8, "beam_width": 2, "beam_length": 1},
-                    "identical": True, "installed": True, "reason": "1.15x against lookup's 1.02x"},
+        "verdict": {
+            "date": "2026-12-01",
+            "device": "cpu, Linux x86_64, 2 cores, BLIS",
+            "commit": "abc1234",
+            "prompts": 8,
+            "max_tokens": 96,
+            "plain": {"tokens_per_second": 12.0},
+            "lookup": {"speedup": 1.02, "tokens_per_step": 1.1},
+            "drafter": {"speedup": 1.15, "tokens_per_step": 1.8, "beam_width": 2, "beam_length": 1},
+            "identical": True,
+            "installed": True,
+            "reason": "1.15x against lookup's 1.02x",
+        },
     }
 
 
@@ -90,7 +103,10 @@ def test_an_mlx_drafter_from_the_hub_is_kept_in_the_store_and_drafts(hub, tiny, 
     path = d.source_path
     assert path == st.store_root() / identity.family / "someone--tiny-drafter"
     meta = st.read_meta(path)
-    assert meta["source"] == "hub:someone/tiny-drafter" and meta["hub"] == {"repo": "someone/tiny-drafter", "revision": COMMIT}
+    assert meta["source"] == "hub:someone/tiny-drafter" and meta["hub"] == {
+        "repo": "someone/tiny-drafter",
+        "revision": COMMIT,
+    }
     assert meta["base_model"]["fingerprint"] == identity.fingerprint
     stamp = (path / st.META).stat().st_mtime_ns
     assert load_drafter("someone/tiny-drafter").source_path == path and (path / st.META).stat().st_mtime_ns == stamp
@@ -132,12 +148,16 @@ def test_a_pytorch_drafter_from_the_hub_is_converted_once(hub, tiny, tmp_path, c
     for k, v in tree_flatten(d.parameters()):
         np.testing.assert_array_equal(np.array(v), tensors[k])
     meta = st.read_meta(d.source_path)
-    assert meta["source"] == "converted from hub:apple/redrafter-tiny" and d.source_path.parent.name == st.UNKNOWN_FAMILY
+    assert (
+        meta["source"] == "converted from hub:apple/redrafter-tiny" and d.source_path.parent.name == st.UNKNOWN_FAMILY
+    )
     assert load_drafter("apple/redrafter-tiny").source_path == d.source_path
     assert "Converting" not in capsys.readouterr().err  # once
     model, tok = load_model(str(tiny))
     assert st.find(st.model_identity(model)) is None  # its base model is not known: used only when named
-    assert generate(model, tok, PROMPT, max_tokens=12, drafter=d) == generate(model, tok, PROMPT, max_tokens=12, drafter=None)
+    assert generate(model, tok, PROMPT, max_tokens=12, drafter=d) == generate(
+        model, tok, PROMPT, max_tokens=12, drafter=None
+    )
 
 
 def test_not_cached_offline_is_one_clear_error(hub, tiny, capsys):
@@ -175,12 +195,25 @@ def test_the_model_card_says_what_the_drafter_knows(tiny, tmp_path):
     front, body = card.split("\n---\n", 1)
     assert front.startswith("---\n")
     assert "library_name: mlx-redrafter" in front and "base_model: org/Model-1B" in front and "- redrafter" in front
-    for text in (identity.fingerprint, identity.family, "hidden size 64, vocabulary 97",  # the base model
-                 "prompts: sharegpt", "conversations: 1,234", "training positions: 456,789",  # the data
-                 "mlx-redrafter make-drafter --model tiny --minutes 90", "distill: minutes 50.1", "draft_vocab_size=8192",
-                 "positions: 5,000", "1: 0.61, 2: 0.38", "tokens per step: 1.90",  # held-out acceptance
-                 "cpu, Linux x86_64, 2 cores, BLIS", "| drafter (W=2 L=1) |  | 1.15x | 1.8 |", "| plain | 12.0 |",
-                 "Output identical to plain decoding: yes", "mlx-redrafter chat --model org/Model-1B --drafter me/model-1b-redrafter"):
+    for text in (
+        identity.fingerprint,
+        identity.family,
+        "hidden size 64, vocabulary 97",  # the base model
+        "prompts: sharegpt",
+        "conversations: 1,234",
+        "training positions: 456,789",  # the data
+        "mlx-redrafter make-drafter --model tiny --minutes 90",
+        "distill: minutes 50.1",
+        "draft_vocab_size=8192",
+        "positions: 5,000",
+        "1: 0.61, 2: 0.38",
+        "tokens per step: 1.90",  # held-out acceptance
+        "cpu, Linux x86_64, 2 cores, BLIS",
+        "| drafter (W=2 L=1) |  | 1.15x | 1.8 |",
+        "| plain | 12.0 |",
+        "Output identical to plain decoding: yes",
+        "mlx-redrafter chat --model org/Model-1B --drafter me/model-1b-redrafter",
+    ):
         assert text in body, text
     # A local base model is named in the text, not as a Hub base_model.
     assert "base_model" not in publish.model_card({"base_model": {"id": "tiny"}}, "me/x").split("\n---\n")[0]
@@ -201,8 +234,12 @@ def hf_api(monkeypatch):
         from pathlib import Path
 
         folder = Path(kw["folder_path"])
-        calls.append(("upload_folder", {**kw, "files": sorted(p.name for p in folder.iterdir()),
-                                        "card": (folder / "README.md").read_text()}))
+        calls.append(
+            (
+                "upload_folder",
+                {**kw, "files": sorted(p.name for p in folder.iterdir()), "card": (folder / "README.md").read_text()},
+            )
+        )
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
@@ -214,8 +251,12 @@ def test_upload_creates_the_repo_and_uploads_the_folder_with_its_card(hf_api, ti
     (made / "train_log.jsonl").write_text("{}\n")  # names local folders: not uploaded
     assert cli(["upload", str(made), "--repo", "me/tiny-redrafter", "--private"]) == 0
     (name, create), (name2, up) = hf_api
-    assert name == "create_repo" and create == {"repo_id": "me/tiny-redrafter", "repo_type": "model", "private": True,
-                                                  "exist_ok": True}
+    assert name == "create_repo" and create == {
+        "repo_id": "me/tiny-redrafter",
+        "repo_type": "model",
+        "private": True,
+        "exist_ok": True,
+    }
     assert name2 == "upload_folder" and up["repo_id"] == "me/tiny-redrafter" and up["repo_type"] == "model"
     assert up["files"] == ["README.md", "config.json", "model.safetensors", st.META]
     assert identity.fingerprint in up["card"] and "library_name: mlx-redrafter" in up["card"]

@@ -31,17 +31,71 @@ CLI = ["cli"]
 UPPER = TOOLS[:2] + APPS + CLI  # what nothing below may import (the converters are a tool, yet llm/ reads GGUF)
 # Modules the layout promises (more may join a folder).
 NAMED = [
-    "errors", "files", "config", "profiles", "generate", "responses", "runtime", "prompts", "doctor",
-    "cli/__init__", "cli/options", "cli/run", "cli/tools", "cli/training", "cli/make", "cli/drafters",
-    "llm/load", "llm/parts", "llm/text", "llm/cache", "llm/identity",
-    "draft/drafter", "draft/load", "draft/beam", "draft/lookup", "draft/controller", "draft/store", "draft/hub", "draft/publish",
-    "step/tree", "step/verify", "step/accept", "step/protocol", "step/synchronous", "step/pipelined", "step/dispatch",
-    "tuning/measure", "tuning/cost", "tuning/sweep", "tuning/report", "tuning/verdict",
-    "train/distill", "train/shards", "train/trainer", "train/world", "train/controller",
-    "train/recipe", "train/recipe_state", "train/budget", "train/sources", "train/finish", "train/learning",
-    "chat/terminal", "chat/conversation", "chat/commands", "chat/settings",
-    "serve/engine", "serve/app", "serve/streaming", "serve/openai_api", "serve/ollama_api",
-    "serve/anthropic_api", "serve/anthropic_reply", "serve/responses_api", "serve/responses_reply",
+    "errors",
+    "files",
+    "config",
+    "profiles",
+    "generate",
+    "responses",
+    "runtime",
+    "prompts",
+    "doctor",
+    "cli/__init__",
+    "cli/options",
+    "cli/run",
+    "cli/tools",
+    "cli/training",
+    "cli/make",
+    "cli/drafters",
+    "llm/load",
+    "llm/parts",
+    "llm/text",
+    "llm/cache",
+    "llm/identity",
+    "draft/drafter",
+    "draft/load",
+    "draft/beam",
+    "draft/lookup",
+    "draft/controller",
+    "draft/store",
+    "draft/hub",
+    "draft/publish",
+    "step/tree",
+    "step/verify",
+    "step/accept",
+    "step/protocol",
+    "step/synchronous",
+    "step/pipelined",
+    "step/dispatch",
+    "tuning/measure",
+    "tuning/cost",
+    "tuning/sweep",
+    "tuning/report",
+    "tuning/verdict",
+    "train/distill",
+    "train/shards",
+    "train/trainer",
+    "train/world",
+    "train/controller",
+    "train/recipe",
+    "train/recipe_state",
+    "train/budget",
+    "train/sources",
+    "train/finish",
+    "train/learning",
+    "chat/terminal",
+    "chat/conversation",
+    "chat/commands",
+    "chat/settings",
+    "serve/engine",
+    "serve/app",
+    "serve/streaming",
+    "serve/openai_api",
+    "serve/ollama_api",
+    "serve/anthropic_api",
+    "serve/anthropic_reply",
+    "serve/responses_api",
+    "serve/responses_reply",
 ]
 COMMANDS = (P + "cli", P + "chat", P + "tuning.sweep", P + "serve")
 
@@ -91,7 +145,7 @@ def package_files():
 
 def _top_name(module: str) -> str:
     """``mlx_redrafter.step.tree.PAD`` -> ``step``; ``mlx_redrafter.config.X`` -> ``config``."""
-    return module[len(P):].split(".")[0] if module.startswith(P) else module
+    return module[len(P) :].split(".")[0] if module.startswith(P) else module
 
 
 def offenders(files, allowed) -> dict:
@@ -124,8 +178,11 @@ def test_every_module_the_layout_names_exists(name):
 
 def test_every_package_module_has_a_layer():
     every = GROUND + CONFIG + LLM + ENGINE + FRONT + TOOLS + APPS + CLI
-    loose = [p.relative_to(REPO) for p in package_files() if _top_name(module_name(p)) not in every
-             and module_name(p) != "mlx_redrafter"]
+    loose = [
+        p.relative_to(REPO)
+        for p in package_files()
+        if _top_name(module_name(p)) not in every and module_name(p) != "mlx_redrafter"
+    ]
     assert not loose, f"modules in no layer (add them to a folder, or to a layer here): {loose}"
 
 

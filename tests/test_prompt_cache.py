@@ -3,8 +3,8 @@ LRUPromptCache): alternating conversations each reuse their own prefix, the
 replies equal fresh decoding, and the bounds on entries and bytes hold."""
 
 import pytest
-
 from helpers import generate_tokens, prompts, random_drafter, tiny_model
+
 from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.llm.cache import PromptCache

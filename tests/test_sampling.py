@@ -14,13 +14,13 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import TINY_CONFIGS, random_drafter, tiny_model
 from mlx_lm.sample_utils import make_sampler
 
-from helpers import TINY_CONFIGS, random_drafter, tiny_model
-from mlx_redrafter.step import accept as accept_mod
-from mlx_redrafter.step.accept import target_probs, walk_tree
 from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
 from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.step import accept as accept_mod
+from mlx_redrafter.step.accept import target_probs, walk_tree
 from mlx_redrafter.step.tree import PAD, count_nodes, count_rows, pack, unique_mask
 
 P_VALUE = 1e-6
@@ -204,8 +204,13 @@ def test_wrong_walks_fail_the_same_check(name):
 
 @pytest.mark.parametrize(
     "cfg",
-    [SamplingConfig(temp=0.7), SamplingConfig(temp=1.0), SamplingConfig(temp=1.0, top_p=0.9),
-     SamplingConfig(temp=0.8, min_p=0.1), SamplingConfig(temp=1.0, top_k=3)],
+    [
+        SamplingConfig(temp=0.7),
+        SamplingConfig(temp=1.0),
+        SamplingConfig(temp=1.0, top_p=0.9),
+        SamplingConfig(temp=0.8, min_p=0.1),
+        SamplingConfig(temp=1.0, top_k=3),
+    ],
 )
 def test_target_is_what_mlx_lm_samples(cfg):
     mx.random.seed(0)
@@ -228,8 +233,14 @@ V_SMALL = 5
 
 @pytest.fixture(scope="module")
 def small_model():
-    cfg = dict(TINY_CONFIGS["llama"], vocab_size=V_SMALL, hidden_size=32, num_attention_heads=2,
-               num_key_value_heads=1, intermediate_size=64)
+    cfg = dict(
+        TINY_CONFIGS["llama"],
+        vocab_size=V_SMALL,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    )
     cfg.pop("rope_scaling")
     TINY_CONFIGS["llama_v5"] = cfg
     try:
@@ -261,7 +272,11 @@ def exact_first_tokens(model, prompt, cfg, k=3):
 def sample_runs(model, prompt, drafter, cfg, n, seed):
     mx.random.seed(seed)
     return Counter(
-        tuple(generate_tokens(model, prompt, draft=DraftConfig(drafter, 3, 2), max_tokens=3, temp=cfg.temp, top_p=cfg.top_p)[0])
+        tuple(
+            generate_tokens(
+                model, prompt, draft=DraftConfig(drafter, 3, 2), max_tokens=3, temp=cfg.temp, top_p=cfg.top_p
+            )[0]
+        )
         for _ in range(n)
     )
 
@@ -270,7 +285,9 @@ PROMPT = [1, 3, 0, 2]
 N_RUNS = 1500
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temp=0.7), SamplingConfig(temp=1.0), SamplingConfig(temp=1.0, top_p=0.9)])
+@pytest.mark.parametrize(
+    "cfg", [SamplingConfig(temp=0.7), SamplingConfig(temp=1.0), SamplingConfig(temp=1.0, top_p=0.9)]
+)
 def test_redrafter_sampling_matches_the_model(small_model, cfg):
     drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1)
     expected = exact_first_tokens(small_model, PROMPT, cfg)
@@ -336,8 +353,8 @@ BAD_SAMPLING = [
 
 @pytest.mark.parametrize("bad,message", BAD_SAMPLING)
 def test_bad_sampling_values_are_refused_by_the_api(bad, message):
-    from mlx_redrafter.generate import stream_generate
     from mlx_redrafter.errors import RedrafterError
+    from mlx_redrafter.generate import stream_generate
 
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=message) as e:
@@ -347,12 +364,15 @@ def test_bad_sampling_values_are_refused_by_the_api(bad, message):
         next(stream_generate(model, None, [1, 2, 3], max_tokens=2, **bad))  # refused before the tokenizer is read
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--temp", "-1"], "temp must be at least 0"),
-    (["--top-p", "2"], "top_p must be between 0 and 1"),
-    (["--top-k", "-3"], "top_k must be at least 0"),
-    (["--min-p", "-1"], "min_p must be between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temp", "-1"], "temp must be at least 0"),
+        (["--top-p", "2"], "top_p must be between 0 and 1"),
+        (["--top-k", "-3"], "top_k must be at least 0"),
+        (["--min-p", "-1"], "min_p must be between 0 and 1"),
+    ],
+)
 def test_bad_sampling_flags_are_one_clear_cli_error(flags, message, capsys):
     from mlx_redrafter.cli import main
 

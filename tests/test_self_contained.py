@@ -20,7 +20,10 @@ OUTSIDE = [
     (re.compile(r"(?<!\.)\.\.[/\\]"), "a relative path up out of a folder"),
     (re.compile(r"""["']\.\.["']|\bpardir\b"""), "the parent folder as a path component"),
     (re.compile(r"""["'/\\]shared(?:["'/\\]|$)""", re.M), "a folder named shared"),
-    (re.compile(r"\b(?:REPO|ROOT|PROJECT)\w*\.parents?\b|\bcwd\(\)\.parents?\b", re.I), "the parent of the repository or working folder"),
+    (
+        re.compile(r"\b(?:REPO|ROOT|PROJECT)\w*\.parents?\b|\bcwd\(\)\.parents?\b", re.I),
+        "the parent of the repository or working folder",
+    ),
     (re.compile(r"""["'\s=]/(?:work|home|Users|root|mnt)/"""), "an absolute path on one machine"),
 ]
 
@@ -61,8 +64,17 @@ def test_no_module_test_or_build_file_refers_outside_the_repository():
     files = scanned_files()
     names = {p.relative_to(REPO).as_posix() for p in files}
     # The scan sees what it must (this file included), or it proves nothing.
-    assert {"Makefile", "README.md", ".ci/run", "mlx_redrafter/prompts.py", "mlx_redrafter/train/distill.py",
-            "converters/gguf.py", "tests/conftest.py", "tests/test_self_contained.py", "bench/run.py"} <= names
+    assert {
+        "Makefile",
+        "README.md",
+        ".ci/run",
+        "mlx_redrafter/prompts.py",
+        "mlx_redrafter/train/distill.py",
+        "converters/gguf.py",
+        "tests/conftest.py",
+        "tests/test_self_contained.py",
+        "bench/run.py",
+    } <= names
     found = [
         f"{p.relative_to(REPO)}:{n}: {why}"
         for p in files
@@ -74,7 +86,7 @@ def test_no_module_test_or_build_file_refers_outside_the_repository():
 # Written with placeholders (WORDS) so that this file itself stays clean.
 OUTSIDE_SNIPPETS = [
     'SHARED = REPO{p} / "{s}"',
-    'root = ROOT_DIR{ps}[0]',
+    "root = ROOT_DIR{ps}[0]",
     'p = base{p} / "{s}" / "data" / "sharegpt" / "x.jsonl.gz"',
     'p = Path("{up}/{s}/data/mt_bench/question.jsonl")',
     'open("{up}\\\\data\\\\x.json")',
@@ -82,10 +94,10 @@ OUTSIDE_SNIPPETS = [
     'os.path.join(os.{pd}, "data")',
     'DATA = Path(__file__).resolve(){ps}[2] / "data"',
     'DATA = Path(__file__){p}{p}{p} / "data"',
-    'DATA = os.path.dirname(os.path.dirname(os.path.dirname({f})))',
+    "DATA = os.path.dirname(os.path.dirname(os.path.dirname({f})))",
     'base = Path.cwd(){p} / "data"',
     'FIXTURES = Path("/{w}/{s}/fixtures")',
-    '\t$(BIN)/mlx-redrafter distill --prompts {up}/{s}/data/sharegpt/x.jsonl.gz',
+    "\t$(BIN)/mlx-redrafter distill --prompts {up}/{s}/data/sharegpt/x.jsonl.gz",
     'cd "$(dirname "$0")/{up}/{up}"',
     "DATA = '/{h}/me/{s}'",
 ]
@@ -103,8 +115,16 @@ INSIDE_SNIPPETS = [
 
 
 # The placeholders' values, spelled so that these lines do not match either.
-WORDS = dict(up="." + ".", s="sh" + "ared", p="." + "parent", ps="." + "parents", w="wo" + "rk", h="ho" + "me",
-             pd="par" + "dir", f="__" + "file__")
+WORDS = dict(
+    up="." + ".",
+    s="sh" + "ared",
+    p="." + "parent",
+    ps="." + "parents",
+    w="wo" + "rk",
+    h="ho" + "me",
+    pd="par" + "dir",
+    f="__" + "file__",
+)
 
 
 def _expand(snippet):

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from openai import OpenAI
+from ui_servers import generate_process
 
 from mlx_redrafter.serve import GenParams, Job, JobQueue, QueueFull, Result
-from ui_servers import generate_process
 
 MAX_TOKENS = 8  # the server's default reply length: keeps every request short
 QUEUE = 4
@@ -54,8 +54,20 @@ def server(tmp_path_factory, generate_cli):
     """The server's base URL; the process is always stopped."""
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--port", str(port),
-           "--max-tokens", str(MAX_TOKENS), "--queue-size", str(QUEUE), "--max-batch", str(MAX_BATCH)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_redrafter.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--queue-size",
+        str(QUEUE),
+        "--max-batch",
+        str(MAX_BATCH),
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -151,8 +163,9 @@ def test_completions_and_stop(client, reference):
     r = client.completions.create(model="default", prompt="The capital of France is", temperature=0, max_tokens=4)
     assert r.choices[0].text and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 4
-    streamed = client.completions.create(model="default", prompt="The capital of France is", temperature=0,
-                                         max_tokens=4, stream=True)
+    streamed = client.completions.create(
+        model="default", prompt="The capital of France is", temperature=0, max_tokens=4, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
     # A stop string ends the reply before it, with finish_reason "stop".
@@ -164,8 +177,17 @@ def test_completions_and_stop(client, reference):
 
 
 def test_seeded_sampling_repeats(client):
-    a, b = (client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPT}],
-                                           temperature=0.9, top_p=0.95, seed=7, max_tokens=4) for _ in range(2))
+    a, b = (
+        client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": PROMPT}],
+            temperature=0.9,
+            top_p=0.95,
+            seed=7,
+            max_tokens=4,
+        )
+        for _ in range(2)
+    )
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
@@ -175,8 +197,10 @@ def test_seeded_sampling_repeats(client):
 def test_second_turn_reuses_the_cache(client):
     first = [{"role": "user", "content": "Name a colour."}]
     r1 = _chat(client, first)
-    convo = first + [{"role": "assistant", "content": r1.choices[0].message.content},
-                     {"role": "user", "content": "Name another one."}]
+    convo = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "Name another one."},
+    ]
     r2 = _chat(client, convo)
     stats = r2.model_extra["redrafter"]
     # The whole first turn (its prompt and its reply) came from the cache.
@@ -199,7 +223,9 @@ def test_second_turn_reuses_the_cache(client):
 def _batch_steps(server) -> float:
     """How many steps so far decoded more than one request (``/metrics``)."""
     text = httpx.get(server + "/metrics", timeout=10).text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("redrafter_batch")}
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("redrafter_batch")
+    }
     return values["redrafter_batch_size_count"] - values['redrafter_batch_size_bucket{le="1.0"}']
 
 
@@ -262,8 +288,12 @@ def test_joining_and_hanging_up_mid_batch_leave_the_others_unchanged(server, cli
 
 
 def test_mixed_sampling_and_a_grammar_in_one_batch(server, client):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
     ask = "Name a city in France, as JSON."
     greedy_alone = _alone(client, ["Name a fruit."], 12)[0]
@@ -272,10 +302,21 @@ def test_mixed_sampling_and_a_grammar_in_one_batch(server, client):
     calls = [
         lambda: _chat(client, "Name a fruit.", max_tokens=12),
         lambda: _chat(client, ask, max_tokens=24, response_format=fmt),
-        lambda: client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPT}],
-                                               temperature=0.9, top_p=0.9, seed=11, max_tokens=12),
-        lambda: client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hi."}],
-                                               temperature=0.7, extra_body={"top_k": 20}, max_tokens=12),
+        lambda: client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": PROMPT}],
+            temperature=0.9,
+            top_p=0.9,
+            seed=11,
+            max_tokens=12,
+        ),
+        lambda: client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "Say hi."}],
+            temperature=0.7,
+            extra_body={"top_k": 20},
+            max_tokens=12,
+        ),
     ]
     with ThreadPoolExecutor(4) as pool:
         greedy, structured, seeded, top_k = [f.result(300) for f in [pool.submit(c) for c in calls]]
@@ -292,8 +333,11 @@ def _open_request(server, body: dict) -> socket.socket:
     host, port = server.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     s = socket.create_connection((host, int(port)))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -335,8 +379,9 @@ def test_full_queue_answers_503_with_retry_after(server, client, reference):
         r = httpx.post(server + "/v1/chat/completions", json=_long(False), timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["Retry-After"]) >= 1
-        r = httpx.post(server + "/api/chat", json={"model": "default", "messages": [{"role": "user", "content": LONG}]},
-                       timeout=60)
+        r = httpx.post(
+            server + "/api/chat", json={"model": "default", "messages": [{"role": "user", "content": LONG}]}, timeout=60
+        )
         assert r.status_code == 503 and "busy" in r.json()["error"] and int(r.headers["Retry-After"]) >= 1
     finally:
         for s in socks:
@@ -371,8 +416,9 @@ BAD = [
 @pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_an_error_object(server, name, body, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(server + "/v1/chat/completions", content=content,
-                   headers={"Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(
+        server + "/v1/chat/completions", content=content, headers={"Content-Type": "application/json"}, timeout=60
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]

@@ -61,8 +61,10 @@ def test_sigkill_mid_stream_then_restart(tmp_path):
     first = Server(args, tmp_path / "serve.log", env=env, cwd=work)
     try:
         streams = {
-            "openai": (first.url + "/v1/chat/completions",
-                       {"messages": [{"role": "user", "content": LONG}], "stream": True, "temperature": 0}),
+            "openai": (
+                first.url + "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": LONG}], "stream": True, "temperature": 0},
+            ),
             "ollama": (first.url + "/api/chat", {"model": "default", "messages": [{"role": "user", "content": LONG}]}),
         }
         # The OpenAI stream is mid-reply; the Ollama one waits in the queue behind it.
@@ -93,11 +95,17 @@ def test_sigkill_mid_stream_then_restart(tmp_path):
 
     second = Server(args, tmp_path / "serve.log", port=first.port, env=env, cwd=work)
     try:
-        r = httpx.post(second.url + "/v1/chat/completions", timeout=300,
-                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
+        r = httpx.post(
+            second.url + "/v1/chat/completions",
+            timeout=300,
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-        r = httpx.post(second.url + "/api/generate", timeout=300,
-                       json={"model": "default", "prompt": "Hi", "stream": False, "options": {"num_predict": 4}})
+        r = httpx.post(
+            second.url + "/api/generate",
+            timeout=300,
+            json={"model": "default", "prompt": "Hi", "stream": False, "options": {"num_predict": 4}},
+        )
         assert r.status_code == 200 and r.json()["done"]
         assert second.health()["queue"]["waiting"] == 0
     finally:

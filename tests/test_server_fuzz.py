@@ -51,15 +51,28 @@ def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(server):
     schema = schemathesis.openapi.from_dict(_bounded(raw))
     operations = [r.ok() for r in schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate", "/api/show", "/v1/messages",
-            "/v1/messages/count_tokens", "/v1/responses"} <= paths
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/api/chat",
+        "/api/generate",
+        "/api/show",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+    } <= paths
     failures, undocumented = [], []
     for op in operations:
 
         @given(case=op.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         def fuzz(case):
             response = case.call(base_url=server.url, timeout=120)
             if response.status_code >= 500:
@@ -67,17 +80,30 @@ def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(server):
             try:
                 case.validate_response(response, checks=CONFORMANCE)
             except FailureGroup as e:
-                undocumented.append((op.method, op.path, response.status_code, response.headers.get("content-type"),
-                                     [f.title for f in e.exceptions]))
+                undocumented.append(
+                    (
+                        op.method,
+                        op.path,
+                        response.status_code,
+                        response.headers.get("content-type"),
+                        [f.title for f in e.exceptions],
+                    )
+                )
 
         fuzz()
     assert not failures, failures
     assert not undocumented, undocumented
     health = server.health()
     assert health["queue"]["waiting"] == 0
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
-                   json={"messages": [{"role": "user", "content": "Hi"}], "temperature": 0})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": [{"role": "user", "content": "Hi"}], "temperature": 0},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    r = httpx.post(server.url + "/api/chat", timeout=120,
-                   json={"model": "default", "messages": [{"role": "user", "content": "Hi"}], "stream": False})
+    r = httpx.post(
+        server.url + "/api/chat",
+        timeout=120,
+        json={"model": "default", "messages": [{"role": "user", "content": "Hi"}], "stream": False},
+    )
     assert r.status_code == 200 and r.json()["done"]

@@ -20,22 +20,35 @@ from openai import OpenAI
 
 from mlx_redrafter.config import SamplingConfig
 from mlx_redrafter.llm.cache import PromptCache
-from mlx_redrafter.serve.engine import Engine, JobQueue, Piece, Result
 from mlx_redrafter.serve.app import create_app
+from mlx_redrafter.serve.engine import Engine, JobQueue, Piece, Result
 from mlx_redrafter.serve.tools import GENERIC_FORMAT, Rendered, check_tool_choice, parser_format
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 # (format, content before, the call as the model writes it, content after); Mistral's call has no end marker.
 FAMILIES = {
-    "generic": (GENERIC_FORMAT, "Let me check. ",
-                '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', " Done."),
-    "json_tools": (parser_format("json_tools"), "Checking.\n",
-                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "\nok"),
-    "qwen3_coder": (parser_format("qwen3_coder"), "Sure: ",
-                    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
-                    "</tool_call>", " bye"),
+    "generic": (
+        GENERIC_FORMAT,
+        "Let me check. ",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        " Done.",
+    ),
+    "json_tools": (
+        parser_format("json_tools"),
+        "Checking.\n",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "\nok",
+    ),
+    "qwen3_coder": (
+        parser_format("qwen3_coder"),
+        "Sure: ",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+        " bye",
+    ),
     "mistral": (parser_format("mistral"), "One moment.", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', ""),
 }
 MARKERS = ("<tool_call>", "</tool_call>", "<function=", "[TOOL_CALLS]", "[ARGS]")
@@ -77,7 +90,7 @@ class ScriptedEngine(Engine):
 
 
 def _client(fmt, text, size=3):
-    chunks = [text[i:i + size] for i in range(0, len(text), size)]  # markers split across chunks
+    chunks = [text[i : i + size] for i in range(0, len(text), size)]  # markers split across chunks
     http = TestClient(create_app(ScriptedEngine(fmt, chunks)), base_url="http://127.0.0.1")
     http.__enter__()  # runs the lifespan: the engine's worker
     return http, OpenAI(base_url="http://127.0.0.1/v1", api_key="x", http_client=http, max_retries=0)
@@ -119,7 +132,8 @@ def test_scripted_call_whole_and_streamed(served, family, size):
     chunks, content, calls = _streamed(client, tools=[WEATHER])
     assert content == before + after and not any(m in content for m in MARKERS)
     assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-        (0, "get_weather", {"city": "Paris"})]
+        (0, "get_weather", {"city": "Paris"})
+    ]
     assert calls[0].id.startswith("call_")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The content before the call streamed before it.
@@ -150,8 +164,12 @@ def test_malformed_arguments_come_back_as_content(served, caplog):
 def test_forced_call_continues_the_prefill(served):
     # The prefill wrote the call's opening through the name: the model writes the arguments.
     client = served(GENERIC_FORMAT, '{"city": "Paris"}}</tool_call>')
-    r = client.chat.completions.create(model="default", messages=ASK, tools=[WEATHER],
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     [c] = r.choices[0].message.tool_calls
     assert c.function.name == "get_weather" and json.loads(c.function.arguments) == {"city": "Paris"}
     assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"

@@ -35,16 +35,27 @@ HI = [{"role": "user", "content": "Hi"}]
 ORIGIN = "http://localhost:3000"  # a local web app the user allows
 NO_ENV: dict = {}  # resolve() reads the key and origins from here, not from the test's environment
 # One route of each kind, with the shape its errors have.
-ROUTES = [("GET", "/v1/models", "openai"), ("POST", "/v1/chat/completions", "openai"),
-          ("POST", "/v1/completions", "openai"), ("GET", "/metrics", "openai"),
-          ("GET", "/api/tags", "ollama"), ("POST", "/api/chat", "ollama"), ("POST", "/api/generate", "ollama"),
-          ("POST", "/v1/messages", "anthropic"), ("POST", "/v1/messages/count_tokens", "anthropic"),
-          ("POST", "/v1/responses", "openai")]
-BODIES = {"/v1/chat/completions": {"messages": HI, "max_tokens": 2}, "/v1/completions": {"prompt": "1,", "max_tokens": 2},
-          "/api/chat": {"messages": HI, "stream": False}, "/api/generate": {"prompt": "1,", "stream": False},
-          "/v1/messages": {"model": "default", "max_tokens": 2, "messages": HI},
-          "/v1/messages/count_tokens": {"model": "default", "messages": HI},
-          "/v1/responses": {"input": "Hi", "max_output_tokens": 2}}
+ROUTES = [
+    ("GET", "/v1/models", "openai"),
+    ("POST", "/v1/chat/completions", "openai"),
+    ("POST", "/v1/completions", "openai"),
+    ("GET", "/metrics", "openai"),
+    ("GET", "/api/tags", "ollama"),
+    ("POST", "/api/chat", "ollama"),
+    ("POST", "/api/generate", "ollama"),
+    ("POST", "/v1/messages", "anthropic"),
+    ("POST", "/v1/messages/count_tokens", "anthropic"),
+    ("POST", "/v1/responses", "openai"),
+]
+BODIES = {
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 2},
+    "/v1/completions": {"prompt": "1,", "max_tokens": 2},
+    "/api/chat": {"messages": HI, "stream": False},
+    "/api/generate": {"prompt": "1,", "stream": False},
+    "/v1/messages": {"model": "default", "max_tokens": 2, "messages": HI},
+    "/v1/messages/count_tokens": {"model": "default", "messages": HI},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +154,19 @@ def test_a_server_on_all_interfaces_answers_its_addresses_and_name(runtime):
 
 @pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1"])
 def test_a_foreign_origin_gets_a_403(open_server, origin):
-    for method, path, shape in (("POST", "/v1/chat/completions", "openai"), ("POST", "/api/chat", "ollama"),
-                                ("GET", "/api/tags", "ollama")):
+    for method, path, shape in (
+        ("POST", "/v1/chat/completions", "openai"),
+        ("POST", "/api/chat", "ollama"),
+        ("GET", "/api/tags", "ollama"),
+    ):
         r = _request(open_server, method, path, headers={"Origin": origin})
         assert r.status_code == 403, (path, r.text)
         assert f"--allow-origin {origin}" in _message(shape, r.json())
         assert "access-control-allow-origin" not in r.headers
-    preflight = httpx.options(open_server + "/v1/chat/completions", headers={
-        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    preflight = httpx.options(
+        open_server + "/v1/chat/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert preflight.status_code == 403
 
 
@@ -158,24 +174,37 @@ def test_the_servers_own_origin_passes(open_server):
     r = _request(open_server, "POST", "/v1/chat/completions", headers={"Origin": open_server})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     port = open_server.rsplit(":", 1)[1]
-    r = _request(open_server, "GET", "/api/tags", headers={"Origin": f"http://localhost:{port}",
-                                                            "Host": f"localhost:{port}"})
+    r = _request(
+        open_server, "GET", "/api/tags", headers={"Origin": f"http://localhost:{port}", "Host": f"localhost:{port}"}
+    )
     assert r.status_code == 200
 
 
 def test_an_allowed_origin_gets_cors_and_preflights(keyed_server):
-    preflight = httpx.options(keyed_server + "/v1/chat/completions", headers={
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    preflight = httpx.options(
+        keyed_server + "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert preflight.status_code == 200  # before the key: a preflight carries none
     assert preflight.headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in preflight.headers["access-control-allow-methods"]
     assert "authorization" in preflight.headers["access-control-allow-headers"]
-    private = httpx.options(keyed_server + "/api/chat", headers={  # Chrome's Private Network Access
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Private-Network": "true"})
+    private = httpx.options(
+        keyed_server + "/api/chat",
+        headers={  # Chrome's Private Network Access
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Private-Network": "true",
+        },
+    )
     assert private.status_code == 200 and private.headers["access-control-allow-private-network"] == "true"
-    r = _request(keyed_server, "POST", "/v1/chat/completions", headers={"Origin": ORIGIN,
-                                                                         "Authorization": f"Bearer {KEY}"})
+    r = _request(
+        keyed_server, "POST", "/v1/chat/completions", headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"}
+    )
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     r = _request(keyed_server, "POST", "/v1/chat/completions", headers={"Origin": ORIGIN})
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN  # the page can read why
@@ -184,8 +213,12 @@ def test_an_allowed_origin_gets_cors_and_preflights(keyed_server):
 def test_origins_from_the_environment_and_patterns(runtime):
     env = {"MLX_REDRAFTER_ORIGINS": "chrome-extension://*, http://localhost:5173"}
     with _client(runtime, environ=env) as http:
-        for origin, status in (("chrome-extension://abcdef", 200), ("http://localhost:5173", 200),
-                               ("http://localhost:5174", 403), ("https://evil.example", 403)):
+        for origin, status in (
+            ("chrome-extension://abcdef", 200),
+            ("http://localhost:5173", 200),
+            ("http://localhost:5174", 403),
+            ("https://evil.example", 403),
+        ):
             assert http.get("/v1/models", headers={"Origin": origin}).status_code == status, origin
     with _client(runtime, allow_origins=["*"]) as http:
         r = http.get("/v1/models", headers={"Origin": "https://anywhere.example"})
@@ -202,7 +235,8 @@ def test_official_clients_work_with_the_defaults(open_server):
     reply = ollama.Client(host=open_server).chat(model="default", messages=HI, options={"num_predict": 2})
     assert reply.message.content is not None
     message = anthropic.Anthropic(base_url=open_server, api_key="ignored", max_retries=0, timeout=120).messages.create(
-        model="default", max_tokens=2, messages=HI)
+        model="default", max_tokens=2, messages=HI
+    )
     assert message.type == "message" and message.stop_reason in ("max_tokens", "end_turn")
     assert httpx.get(open_server + "/", timeout=30).status_code == 200  # the chat page
 
@@ -247,8 +281,11 @@ def test_official_clients_with_a_wrong_key_get_a_401(keyed_server):
 
 
 @pytest.mark.parametrize("method, path, shape", ROUTES)
-@pytest.mark.parametrize("headers", [{}, {"Authorization": f"Bearer {KEY}x"}, {"x-api-key": "nope"},
-                                     {"Authorization": KEY}], ids=["none", "bearer", "x-api-key", "no-scheme"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": f"Bearer {KEY}x"}, {"x-api-key": "nope"}, {"Authorization": KEY}],
+    ids=["none", "bearer", "x-api-key", "no-scheme"],
+)
 def test_a_missing_or_wrong_key_is_a_401_in_each_apis_shape(keyed_server, method, path, shape, headers):
     r = _request(keyed_server, method, path, headers=headers)
     assert r.status_code == 401
@@ -280,11 +317,13 @@ def test_flags_are_checked_and_warned_about():
     both = SecurityConfig.resolve("127.0.0.1", allow_hosts=["*"], allow_origins=["*"], environ=NO_ENV).warnings()
     assert len(both) == 2 and "DNS rebinding" in both[0] and "every web page" in both[1]
     assert SecurityConfig.resolve(allow_origins=["HTTP://LocalHost:3000/"], environ=NO_ENV).origins == (ORIGIN,)
-    for flags, message in ((dict(api_key=" "), "--api-key is empty"),
-                           (dict(allow_origins=["localhost:3000"]), "is not an origin"),
-                           (dict(allow_origins=["http://localhost:3000/chat"]), "is not an origin"),
-                           (dict(allow_hosts=["a*b"]), "is not a host name"),
-                           (dict(allow_hosts=["*example.com"]), "is not a host name")):
+    for flags, message in (
+        (dict(api_key=" "), "--api-key is empty"),
+        (dict(allow_origins=["localhost:3000"]), "is not an origin"),
+        (dict(allow_origins=["http://localhost:3000/chat"]), "is not an origin"),
+        (dict(allow_hosts=["a*b"]), "is not a host name"),
+        (dict(allow_hosts=["*example.com"]), "is not a host name"),
+    ):
         with pytest.raises(RedrafterError, match=message):
             SecurityConfig.resolve("127.0.0.1", environ=NO_ENV, **flags)
 
@@ -293,8 +332,8 @@ def test_serve_resolves_the_flags_before_the_load_and_warns(monkeypatch, capsys)
     """The command line's flags reach the app (uvicorn and the port check are
     stood in for: a test never listens on 0.0.0.0)."""
     import uvicorn
-
     from helpers import cli
+
     from mlx_redrafter.cli import run
 
     def serve(*args) -> int:
@@ -303,7 +342,9 @@ def test_serve_resolves_the_flags_before_the_load_and_warns(monkeypatch, capsys)
     import mlx_redrafter.doctor as doctor
 
     served = {}
-    monkeypatch.setattr(doctor, "slow_blas_warning", lambda: None)  # its warning is not this test's (no BLIS: tests pass too)
+    monkeypatch.setattr(
+        doctor, "slow_blas_warning", lambda: None
+    )  # its warning is not this test's (no BLIS: tests pass too)
     monkeypatch.setattr(run, "_check_port", lambda host, port: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
     monkeypatch.delenv("MLX_REDRAFTER_API_KEY", raising=False)
@@ -331,11 +372,13 @@ def test_serve_resolves_the_flags_before_the_load_and_warns(monkeypatch, capsys)
 def test_a_clients_error_is_one_log_line(runtime, caplog):
     with _client(runtime, api_key=KEY) as http:
         auth = {"Authorization": f"Bearer {KEY}"}
-        cases = [("/api/chat", dict(content=b"\xff\xfe{", headers={**auth, "content-type": "application/json"})),
-                 ("/v1/chat/completions", dict(content=b"{not json", headers={**auth, "content-type": "application/json"})),
-                 ("/api/generate", dict(json={"prompt": "x", "options": {"temperature": "hot"}}, headers=auth)),
-                 ("/v1/chat/completions", dict(json={"messages": HI})),  # no key
-                 ("/nowhere", dict(json={}, headers=auth))]
+        cases = [
+            ("/api/chat", dict(content=b"\xff\xfe{", headers={**auth, "content-type": "application/json"})),
+            ("/v1/chat/completions", dict(content=b"{not json", headers={**auth, "content-type": "application/json"})),
+            ("/api/generate", dict(json={"prompt": "x", "options": {"temperature": "hot"}}, headers=auth)),
+            ("/v1/chat/completions", dict(json={"messages": HI})),  # no key
+            ("/nowhere", dict(json={}, headers=auth)),
+        ]
         for path, kw in cases:
             caplog.clear()
             with caplog.at_level(logging.INFO):

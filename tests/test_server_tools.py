@@ -12,19 +12,29 @@ import jsonschema_rs
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-
 from test_server import _chat, _health
 from ui_servers import Server, generate_process
 
 MAX_TOKENS = 8
 CACHE_SIZE = 3
 PROMPT = "What is the capital of Italy?"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
-                                         "parameters": {"type": "object", "properties": {}}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 MARKERS = ("<tool_call", "</tool_call", "<tool_response", "<tools>")
 
@@ -39,8 +49,9 @@ def generate_cli():
 def served(tmp_path_factory, generate_cli):
     """``(base URL, log file)``; the process is always stopped."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = Server(["--max-tokens", str(MAX_TOKENS), "--prompt-cache-size", str(CACHE_SIZE),
-                     "--prompt-cache-bytes", "1GB"], log)
+    server = Server(
+        ["--max-tokens", str(MAX_TOKENS), "--prompt-cache-size", str(CACHE_SIZE), "--prompt-cache-bytes", "1GB"], log
+    )
     try:
         yield server.url, log
     finally:
@@ -55,8 +66,11 @@ def client(served):
 def _metrics(url) -> dict:
     """``{(name, labels): value}`` of every sample of ``/metrics``."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def _no_markers(text):
@@ -122,14 +136,27 @@ def test_required_calls_in_a_row(client):
 
 
 def _call(i, city):
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+            }
+        ],
+    }
 
 
 # Two earlier calls in the history: the default model then answers the third question with a call too.
-HISTORY = [{"role": "user", "content": "Weather in Paris?"}, _call(1, "Paris"),
-           {"role": "user", "content": "Weather in Rome?"}, _call(2, "Rome"),
-           {"role": "user", "content": "Weather in London?"}]
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    _call(1, "Paris"),
+    {"role": "user", "content": "Weather in Rome?"},
+    _call(2, "Rome"),
+    {"role": "user", "content": "Weather in London?"},
+]
 
 
 def test_auto_calls_are_constrained_from_their_opening(client):
@@ -141,8 +168,12 @@ def test_auto_calls_are_constrained_from_their_opening(client):
     _no_markers(r.choices[0].message.content)
 
 
-ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"],
-          "additionalProperties": False}
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 40}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
 
 
 def test_tools_with_a_response_format(client):
@@ -156,18 +187,27 @@ def test_tools_with_a_response_format(client):
         if not _valid_calls(msg):
             jsonschema_rs.validate(ANSWER, json.loads(msg.content))
     with pytest.raises(BadRequestError) as e:
-        _chat(client, ASK, tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {
-            "name": "bad", "schema": {"type": "strin"}}})
+        _chat(
+            client,
+            ASK,
+            tools=[WEATHER],
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}},
+        )
     assert e.value.body["param"] == "response_format"
 
 
 def test_tool_result_round_trip(client, default_model):
     from mlx_redrafter.serve.tools import render
 
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
-    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+    }
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
     r = _chat(client, history, tools=[WEATHER])
     _no_markers(r.choices[0].message.content)
     # The history went through the generic format: the call and its result are in the prompt.
@@ -182,8 +222,10 @@ def test_temperature_0_equals_generate(client, generate_cli):
     the reply is what ``generate --temp 0`` prints."""
     plain = _chat(client, PROMPT).choices[0].message.content
     none = _chat(client, PROMPT, tools=[WEATHER], tool_choice="none")
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       _chat(client, PROMPT, tools=[WEATHER], tool_choice="none", stream=True))
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in _chat(client, PROMPT, tools=[WEATHER], tool_choice="none", stream=True)
+    )
     stdout, stderr = generate_cli.communicate(timeout=600)
     assert generate_cli.returncode == 0, stderr
     assert stdout == plain + "\n"
@@ -198,8 +240,10 @@ def test_alternating_conversations_reuse_their_own_prefix(served, client):
     for name, first in (("a", "Name a colour."), ("b", "Name a planet.")):
         turns[name] = [{"role": "user", "content": first}]
         r = _chat(client, turns[name])
-        turns[name] += [{"role": "assistant", "content": r.choices[0].message.content},
-                        {"role": "user", "content": "And another one?"}]
+        turns[name] += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "And another one?"},
+        ]
         turns[name + "_prompt"] = r.usage.prompt_tokens
     before = _metrics(served[0])
     reused = []
@@ -244,7 +288,9 @@ def test_metrics_move_with_traffic(served, client):
 
 
 UNSUPPORTED = [
-    ("n", {"n": 2}), ("logprobs", {"logprobs": True}), ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
+    ("n", {"n": 2}),
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
 ]
 
 

@@ -12,12 +12,17 @@ import json
 import jsonschema_rs
 import openai
 import pytest
-
 from ui_servers import Server
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
-          "required": ["name", "year"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+    },
+    "required": ["name", "year"],
+    "additionalProperties": False,
+}
 ASK = "Give the name and birth year of Ada Lovelace as JSON."
 MAX_TOKENS = 40  # the schema's replies take about 15 tokens
 
@@ -97,12 +102,15 @@ def test_cli_json_schema_and_json(capsys, tmp_path):
     assert code == 1 and "before the JSON was complete" in err
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "Cannot read the JSON Schema file"),
-    ("{not json", "is not valid JSON"),
-    ("[1, 2]", "is not an object"),
-    (json.dumps({"type": "strin"}), "Invalid JSON Schema: Invalid type: strin"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "Cannot read the JSON Schema file"),
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "is not an object"),
+        (json.dumps({"type": "strin"}), "Invalid JSON Schema: Invalid type: strin"),
+    ],
+)
 def test_cli_bad_schema_is_a_clear_error(capsys, tmp_path, content, message):
     path = tmp_path / "schema.json"
     if content is not None:
@@ -125,8 +133,9 @@ def client(tmp_path_factory):
 
 
 def _chat(client, **kw):
-    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": ASK}],
-                                          temperature=0, **kw)
+    return client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": ASK}], temperature=0, **kw
+    )
 
 
 def test_server_json_schema_equals_plain_constrained_decoding(client, runtime):
@@ -148,19 +157,28 @@ def test_server_json_object_and_text(client):
 
 
 def test_server_length_cut_says_incomplete(client):
-    r = _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
-              max_tokens=3)
+    r = _chat(
+        client, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}, max_tokens=3
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.model_extra["redrafter"]["structured"] == {"complete": False}
 
 
-@pytest.mark.parametrize("fmt, message", [
-    ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}, "Invalid type: strin"),
-    ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer", "minimum": 5,
-                                                                     "maximum": 2}}}, "minimum"),
-    ({"type": "json_schema"}, "needs a 'json_schema' object"),
-    ({"type": "yaml"}, "response_format.type"),
-])
+@pytest.mark.parametrize(
+    "fmt, message",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}, "Invalid type: strin"),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": {"type": "integer", "minimum": 5, "maximum": 2}},
+            },
+            "minimum",
+        ),
+        ({"type": "json_schema"}, "needs a 'json_schema' object"),
+        ({"type": "yaml"}, "response_format.type"),
+    ],
+)
 def test_server_bad_response_format_is_a_400(client, fmt, message):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, response_format=fmt)

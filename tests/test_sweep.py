@@ -16,13 +16,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import (
+    SPECIALS,
+    OracleDrafter,
+    cli,
+    random_drafter,
+    save_random_drafter,
+    save_tiny_folder,
+    squeeze,
+    tiny_model,
+)
+from helpers import (
+    prompts as random_prompts,
+)
 
-from helpers import (OracleDrafter, SPECIALS, TINY_CONFIGS, VOCAB, cli, prompts as random_prompts, random_drafter,
-                     save_random_drafter, save_tiny_folder, squeeze, tiny_model)
-from mlx_redrafter.tuning import report, sweep as sw
-from mlx_redrafter.tuning.measure import PHASES
-from mlx_redrafter.runtime import resolve_drafter_path
 from mlx_redrafter.errors import RedrafterError
+from mlx_redrafter.runtime import resolve_drafter_path
+from mlx_redrafter.tuning import report
+from mlx_redrafter.tuning import sweep as sw
+from mlx_redrafter.tuning.measure import PHASES
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -89,10 +101,19 @@ def test_parse_grid():
     assert sw.parse_grid(" 3, 1,1-2 ") == [1, 2, 3]
 
 
-@pytest.mark.parametrize("text, words", [
-    ("", "empty"), (" , ", "empty"), ("a,b", "'a' is not a whole number"), ("1,x", "'x'"),
-    ("0,1", "at least 1"), ("3-1", "empty"), ("-2", "not a whole number"), ("1.5", "not a whole number"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", "empty"),
+        (" , ", "empty"),
+        ("a,b", "'a' is not a whole number"),
+        ("1,x", "'x'"),
+        ("0,1", "at least 1"),
+        ("3-1", "empty"),
+        ("-2", "not a whole number"),
+        ("1.5", "not a whole number"),
+    ],
+)
 def test_parse_grid_rejects_garbage(text, words):
     with pytest.raises(RedrafterError) as e:
         sw.parse_grid(text, "--lengths")
@@ -194,8 +215,9 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     cfg = sw.SweepConfig([1, 2], [2, 3], max_tokens=10, baseline_every=2, timings=True)
     ps = random_prompts(2)
     events = []
-    results = sw.run_sweep(model, ps, drafter, cfg, tmp_path, {"model": "tiny"},
-                           progress=lambda d, t, label: events.append((d, t, label)))
+    results = sw.run_sweep(
+        model, ps, drafter, cfg, tmp_path, {"model": "tiny"}, progress=lambda d, t, label: events.append((d, t, label))
+    )
     for name in ("results.json", "results.csv", "results.md", "speedup.png", "tokens_per_s.png", "tokens_per_step.png"):
         assert (tmp_path / name).is_file(), name
     data = json.loads((tmp_path / "results.json").read_text())
@@ -239,7 +261,15 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert int(r["seq"]) == b["seq"] and num(r["tokens_per_s"]) == b["tokens_per_s"]
     for r, c in zip(rows[3:], data["cells"]):
         assert (int(r["width"]), int(r["length"]), r["status"]) == (c["width"], c["length"], "ok")
-        for k in ("tokens_per_s", "speedup", "baseline_tokens_per_s", "tokens_per_step", "tree_size", "compression", "peak_memory_gb"):
+        for k in (
+            "tokens_per_s",
+            "speedup",
+            "baseline_tokens_per_s",
+            "tokens_per_step",
+            "tree_size",
+            "compression",
+            "peak_memory_gb",
+        ):
             assert num(r[k]) == c[k], k
         for p in PHASES:
             assert num(r[f"{p}_ms"]) == c["time_split_ms"][p]
@@ -275,7 +305,9 @@ def test_sweep_auto_column_beside_the_fixed_grid(tmp_path, model, drafter):
     assert cfg.has_auto() and not sw.SweepConfig([1], [1]).has_auto()
     results = sw.run_sweep(model, random_prompts(2), drafter, cfg, tmp_path, {"model": "tiny"})
     auto = [(1, 2, 0, "auto"), (2, 2, 0, "auto")]
-    assert sorted(sw.cell_key(c) for c in results["cells"]) == sorted([(w, l, 0, "fixed") for w in (1, 2) for l in (1, 2)] + auto)
+    assert sorted(sw.cell_key(c) for c in results["cells"]) == sorted(
+        [(w, l, 0, "fixed") for w in (1, 2) for l in (1, 2)] + auto
+    )
     for c in results["cells"]:
         assert c["status"] == "ok" and c["identical_outputs"] == 2
         assert 1 <= c["tree_size"] <= 1 + c["width"] * c["length"]
@@ -358,7 +390,9 @@ def test_sweep_resumes_without_redoing_cells(tmp_path, model, drafter, monkeypat
     results = sw.run_sweep(model, ps, drafter, cfg, tmp_path)
     assert [p for p in passes if p] == [(1, 3), (2, 2), (2, 3)]  # only the missing cells
     assert passes[0] is None and passes[-1] is None  # bracketed by baseline passes
-    assert results["cells"][0] == first["cells"][0] | {k: results["cells"][0][k] for k in ("baseline_seqs", "baseline_tokens_per_s", "speedup", "memory_overhead_gb")}
+    assert results["cells"][0] == first["cells"][0] | {
+        k: results["cells"][0][k] for k in ("baseline_seqs", "baseline_tokens_per_s", "speedup", "memory_overhead_gb")
+    }
     assert results["cells"][0]["finished_at"] == first["cells"][0]["finished_at"]
     assert len(results["cells"]) == 4 and len(results["baselines"]) == 1 + 3
     seqs = [b["seq"] for b in results["baselines"]] + [c["seq"] for c in results["cells"]]
@@ -377,7 +411,9 @@ def test_sweep_refuses_other_settings_unless_fresh(tmp_path, model, drafter):
     with pytest.raises(RedrafterError, match="model"):
         sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=4), tmp_path, {"model": "b"})
     with pytest.raises(RedrafterError, match="prompts_digest"):
-        sw.run_sweep(model, random_prompts(1, seed=9), drafter, sw.SweepConfig([1], [2], max_tokens=4), tmp_path, {"model": "a"})
+        sw.run_sweep(
+            model, random_prompts(1, seed=9), drafter, sw.SweepConfig([1], [2], max_tokens=4), tmp_path, {"model": "a"}
+        )
     r = sw.run_sweep(model, ps, drafter, sw.SweepConfig([1], [2], max_tokens=5), tmp_path, {"model": "a"}, fresh=True)
     assert r["config"]["max_tokens"] == 5 and len(r["cells"]) == 1
     (tmp_path / "results.json").write_text("{truncated")
@@ -450,8 +486,26 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
 
     dfolder = save_random_drafter(tmp_path / "drafter", seed=5)
     out = tmp_path / "sweep"
-    args = ["sweep", "--model", str(tiny_folder), "--drafter", str(dfolder), "--widths", "1,2", "--lengths", "2",
-            "--prompts", str(prompt_file), "--num-prompts", "2", "--max-tokens", "6", "--out", str(out), "--save-profile"]
+    args = [
+        "sweep",
+        "--model",
+        str(tiny_folder),
+        "--drafter",
+        str(dfolder),
+        "--widths",
+        "1,2",
+        "--lengths",
+        "2",
+        "--prompts",
+        str(prompt_file),
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "6",
+        "--out",
+        str(out),
+        "--save-profile",
+    ]
     assert cli(args) == 0, capsys.readouterr().err
     captured = capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
@@ -496,8 +550,8 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
 def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatch):
     from rich.console import Console
 
-    from mlx_redrafter.profiles import save_profile
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH
+    from mlx_redrafter.profiles import save_profile
     from mlx_redrafter.runtime import load_runtime
 
     dfolder = save_random_drafter(tmp_path / "d", seed=7)
@@ -521,8 +575,8 @@ def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatc
 
 
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
-    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft
+    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.generate import stream_generate
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
@@ -544,8 +598,8 @@ def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_
 def test_a_profile_from_an_auto_cell_sets_the_tree(tmp_path, tiny_folder):
     """A sweep's best cell may be an auto one: its profile says so, and the
     tree is then the profile's unless one is given."""
-    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.config import library_draft
+    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
     from mlx_redrafter.runtime import load_runtime, tree_kw
@@ -574,7 +628,10 @@ def test_a_profile_slower_than_plain_decoding_is_announced(tmp_path, tiny_folder
     assert s.drafter is not None and (s.beam_width, s.beam_length) == (2, 3)
     console = Console(record=True, width=400)
     s.announce(console)
-    assert "tuned profile measured ReDrafter at 0.80x of plain decoding; --no-draft is faster here" in console.export_text()
+    assert (
+        "tuned profile measured ReDrafter at 0.80x of plain decoding; --no-draft is faster here"
+        in console.export_text()
+    )
     save_profile(str(tiny_folder), dfolder, 2, 3, speedup=1.2)
     assert load_runtime(str(tiny_folder), str(dfolder)).note is None
     assert load_runtime(str(tiny_folder), no_draft=True).drafter is None
@@ -592,13 +649,34 @@ def load_bench():
 
 
 @pytest.mark.parametrize("drafting", ["drafter", "merged", "lookup_only"])
-def test_bench_quick_run_writes_report_and_spec_bench_answers(tmp_path, tiny_folder, drafter_folder, prompt_file, capsys, drafting):
+def test_bench_quick_run_writes_report_and_spec_bench_answers(
+    tmp_path, tiny_folder, drafter_folder, prompt_file, capsys, drafting
+):
     bench = load_bench()
     out = tmp_path / "bench"
-    how = {"drafter": ["--drafter", str(drafter_folder), "--no-lookup"], "merged": ["--drafter", str(drafter_folder), "--lookup"],
-           "lookup_only": ["--drafter", "none", "--lookup"]}[drafting]
-    rc = bench.main(["--quick", "--model", str(tiny_folder), *how, "-W", "2", "-L", "2",
-                     "--sets", str(prompt_file), "--max-tokens", "5", "--out", str(out)])
+    how = {
+        "drafter": ["--drafter", str(drafter_folder), "--no-lookup"],
+        "merged": ["--drafter", str(drafter_folder), "--lookup"],
+        "lookup_only": ["--drafter", "none", "--lookup"],
+    }[drafting]
+    rc = bench.main(
+        [
+            "--quick",
+            "--model",
+            str(tiny_folder),
+            *how,
+            "-W",
+            "2",
+            "-L",
+            "2",
+            "--sets",
+            str(prompt_file),
+            "--max-tokens",
+            "5",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["lookup"] == (drafting != "drafter")
@@ -650,7 +728,11 @@ def test_cli_lookup_flags(tiny_folder, capsys):
     assert "plaindecoding(--no-draft)" in squeeze(plain.err)
     assert cli(gen + ["--drafter", "none", "--lookup"]) == 0
     looked = capsys.readouterr()
-    assert "drafting:1copyfromthecontext" in squeeze(looked.err) and "(nodrafter)" in squeeze(looked.err) and looked.out == plain.out
+    assert (
+        "drafting:1copyfromthecontext" in squeeze(looked.err)
+        and "(nodrafter)" in squeeze(looked.err)
+        and looked.out == plain.out
+    )
     assert cli(gen + ["--drafter", "none"]) == 0
     assert "plaindecoding(--drafternone)" in squeeze(capsys.readouterr().err)
     assert cli(gen + ["--no-draft", "--lookup"]) == 1
@@ -663,8 +745,24 @@ def test_lookup_bench_runs_every_mode_exactly(tmp_path, tiny_folder, drafter_fol
     sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     out = tmp_path / "lookup"
-    rc = bench.main(["--model", str(tiny_folder), "--drafter", str(drafter_folder), "--mt-bench", "1", "--per-task", "1",
-                     "--copy", "1", "--max-tokens", "4", "--out", str(out)])
+    rc = bench.main(
+        [
+            "--model",
+            str(tiny_folder),
+            "--drafter",
+            str(drafter_folder),
+            "--mt-bench",
+            "1",
+            "--per-task",
+            "1",
+            "--copy",
+            "1",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     # The tiny model's 512-token context leaves out the long Spec-Bench prompts.

@@ -10,13 +10,27 @@ from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.llm.text import encode_prompt
 from mlx_redrafter.prompts import chat_prompt_ids
 from mlx_redrafter.serve.tools import (
-    GENERIC_FORMAT, ToolCall, ToolCallStream, finish_reason, ollama_message, openai_delta, openai_message,
-    parse, parser_format, render, tool_format,
+    GENERIC_FORMAT,
+    ToolCall,
+    ToolCallStream,
+    finish_reason,
+    ollama_message,
+    openai_delta,
+    openai_message,
+    parse,
+    parser_format,
+    render,
+    tool_format,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARIS = {"city": "Paris"}
@@ -24,19 +38,42 @@ PARIS = {"city": "Paris"}
 # One reply per format: (format, text before, the call as the model writes it, text after).
 # Mistral's format has no end marker: its call runs to the end of the reply.
 REPLIES = {
-    "generic": (GENERIC_FORMAT, "Let me check. ",
-                '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', " Done."),
-    "json_tools": (parser_format("json_tools"), "Let me check.\n",
-                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "\nDone."),
-    "qwen3_coder": (parser_format("qwen3_coder"), "Checking: ",
-                    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
-                    " ok"),
-    "function_gemma": (parser_format("function_gemma"), "Sure. ",
-                       "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>", " Bye."),
-    "pythonic": (parser_format("pythonic"), "One moment <",
-                 '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>', "> after"),
-    "glm47": (parser_format("glm47"), "Hm ",
-              "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", " end"),
+    "generic": (
+        GENERIC_FORMAT,
+        "Let me check. ",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        " Done.",
+    ),
+    "json_tools": (
+        parser_format("json_tools"),
+        "Let me check.\n",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "\nDone.",
+    ),
+    "qwen3_coder": (
+        parser_format("qwen3_coder"),
+        "Checking: ",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+        " ok",
+    ),
+    "function_gemma": (
+        parser_format("function_gemma"),
+        "Sure. ",
+        "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>",
+        " Bye.",
+    ),
+    "pythonic": (
+        parser_format("pythonic"),
+        "One moment <",
+        '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>',
+        "> after",
+    ),
+    "glm47": (
+        parser_format("glm47"),
+        "Hm ",
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+        " end",
+    ),
     "mistral": (parser_format("mistral"), "Let me check.", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', ""),
 }
 
@@ -91,16 +128,19 @@ def test_char_by_char_stream_holds_markers_back(family):
     assert call_at == len(before)
 
 
-@pytest.mark.parametrize("family,call", [
-    ("generic", '<tool_call>{"name": "get_weather", "arguments": {city: Paris}}</tool_call>'),
-    ("json_tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par</tool_call>'),
-    ("generic", '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'),
-    ("function_gemma", "<start_function_call>call:get_weather{city}<end_function_call>"),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": '),
-])
+@pytest.mark.parametrize(
+    "family,call",
+    [
+        ("generic", '<tool_call>{"name": "get_weather", "arguments": {city: Paris}}</tool_call>'),
+        ("json_tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par</tool_call>'),
+        ("generic", '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'),
+        ("function_gemma", "<start_function_call>call:get_weather{city}<end_function_call>"),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": '),
+    ],
+)
 def test_malformed_call_comes_back_as_content(family, call, caplog):
     fmt = REPLIES[family][0]
-    body = call[len(fmt.start):len(call) - len(fmt.end)] if call.endswith(fmt.end) else call[len(fmt.start):]
+    body = call[len(fmt.start) : len(call) - len(fmt.end)] if call.endswith(fmt.end) else call[len(fmt.start) :]
     for chunks in ([f"Hi {call} bye"], list(f"Hi {call} bye")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tools"):
@@ -111,14 +151,25 @@ def test_malformed_call_comes_back_as_content(family, call, caplog):
         assert any("Could not parse" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("family,text,content", [
-    ("generic", 'A <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> and '
-                '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> B', "A  and  B"),
-    ("json_tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-                   '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "\n"),
-    ("mistral", 'A [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}get_time[ARGS]{}', "A "),
-    ("pythonic", '<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>', ""),
-])
+@pytest.mark.parametrize(
+    "family,text,content",
+    [
+        (
+            "generic",
+            'A <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> and '
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> B',
+            "A  and  B",
+        ),
+        (
+            "json_tools",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+            "\n",
+        ),
+        ("mistral", 'A [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}get_time[ARGS]{}', "A "),
+        ("pythonic", '<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>', ""),
+    ],
+)
 def test_two_calls_in_one_reply(family, text, content):
     fmt = REPLIES[family][0]
     for chunks in ([text], list(text)):
@@ -153,8 +204,11 @@ def test_openai_and_ollama_shapes_validate_in_the_official_clients():
     assert ChoiceDelta.model_validate(openai_delta("text")).content == "text"
     assert OllamaMessage.model_validate(ollama_message("", calls)).tool_calls[0].function.arguments == PARIS
     assert openai_message("hi", [])["content"] == "hi" and "tool_calls" not in openai_message("hi", [])
-    assert (finish_reason("stop", calls), finish_reason("length", calls), finish_reason("stop", [])) == \
-        ("tool_calls", "length", "stop")
+    assert (finish_reason("stop", calls), finish_reason("length", calls), finish_reason("stop", [])) == (
+        "tool_calls",
+        "length",
+        "stop",
+    )
 
 
 # --------------------------------------------------------------------------- the default model (generic format)
@@ -208,8 +262,10 @@ def test_parallel_calls_left_unsaid_follow_the_format(default_model, tmp_path):
     _, tok = default_model
     assert render(tok, ASK, [WEATHER], "required").parallel is False
     assert render(tok, ASK, [WEATHER], "required", parallel_tool_calls=True).parallel is True
-    assert render(tok, ASK, [WEATHER], "required").grammar == \
-        render(tok, ASK, [WEATHER], "required", parallel_tool_calls=False).grammar
+    assert (
+        render(tok, ASK, [WEATHER], "required").grammar
+        == render(tok, ASK, [WEATHER], "required", parallel_tool_calls=False).grammar
+    )
     hermes = _template_tokenizer(tmp_path, HERMES_TEMPLATE)
     assert render(hermes, ASK, [WEATHER]).parallel is True
     assert render(hermes, ASK, [WEATHER], parallel_tool_calls=False).parallel is False
@@ -237,28 +293,45 @@ def test_unconstrained_format_prefills_a_forced_call(tmp_path, caplog):
 def test_default_model_tool_history_renders_as_text(default_model):
     _, tok = default_model
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     text = render(tok, history, [WEATHER]).text
-    assert ('<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-            '<|im_end|>') in text
-    assert ('<|im_start|>user\n<tool_response>{"name": "get_weather", "content": "22 C"}</tool_response>\n'
-            '<tool_response>{"name": "get_weather", "content": "sunny"}</tool_response><|im_end|>') in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        "<|im_end|>"
+    ) in text
+    assert (
+        '<|im_start|>user\n<tool_response>{"name": "get_weather", "content": "22 C"}</tool_response>\n'
+        '<tool_response>{"name": "get_weather", "content": "sunny"}</tool_response><|im_end|>'
+    ) in text
     # Ollama's history: arguments as an object, the tool named by tool_name.
-    ollama = ASK + [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
-                                                                                      "arguments": PARIS}}]},
-                    {"role": "tool", "tool_name": "get_weather", "content": "22 C"}]
+    ollama = ASK + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": PARIS}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "22 C"},
+    ]
     assert render(tok, ollama, None).text == render(tok, history[:3], None).text
 
 
-@pytest.mark.parametrize("choice,problem", [
-    ({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
-    ("always", "not supported"),
-    ({"type": "other"}, "not a function choice"),
-])
+@pytest.mark.parametrize(
+    "choice,problem",
+    [
+        ({"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ("always", "not supported"),
+        ({"type": "other"}, "not a function choice"),
+    ],
+)
 def test_bad_tool_choice_is_a_redrafter_error(choice, problem):
     from mlx_redrafter.serve.tools import check_tool_choice
 
@@ -332,8 +405,17 @@ def test_hermes_template_renders_tools_and_history_itself(tmp_path):
     assert r.ids == encode_prompt(tok, r.text)
     assert render(tok, ASK, [WEATHER], "none").ids == chat_prompt_ids(tok, ASK)
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
     ]
     text = render(tok, history, [WEATHER]).text
@@ -348,7 +430,7 @@ def test_hermes_template_forced_call_and_parse(tmp_path):
     assert _forced(tok, r).startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
     reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     stream = r.stream()
-    events = [e for i in range(0, len(reply), 3) for e in stream.feed(reply[i:i + 3])] + stream.finish()
+    events = [e for i in range(0, len(reply), 3) for e in stream.feed(reply[i : i + 3])] + stream.finish()
     assert events == stream.calls and _summary(stream.calls) == [("get_weather", PARIS, 0)]
 
 
@@ -357,13 +439,21 @@ def test_mistral_template_forced_call_and_history(tmp_path):
     fmt = tool_format(tok)
     assert (fmt.name, fmt.start, fmt.end) == ("mistral", "[TOOL_CALLS]", "")
     r = render(tok, ASK, [WEATHER], {"type": "function", "function": {"name": "get_weather"}})
-    assert r.text == "[AVAILABLE_TOOLS]" + json.dumps([WEATHER]) + "[/AVAILABLE_TOOLS][INST]" + ASK[0]["content"] + \
-        "[/INST]"
+    assert (
+        r.text
+        == "[AVAILABLE_TOOLS]" + json.dumps([WEATHER]) + "[/AVAILABLE_TOOLS][INST]" + ASK[0]["content"] + "[/INST]"
+    )
     assert _forced(tok, r) == "[TOOL_CALLS]get_weather[ARGS]{"
     content, calls = parse('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', r.format, r.tools, r.prefill)
     assert (content, _summary(calls)) == ("", [("get_weather", PARIS, 0)])
-    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "abcdefghi", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "abcdefghi", "content": "22 C"}]
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "abcdefghi", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "abcdefghi", "content": "22 C"},
+    ]
     assert render(tok, history, None).text.endswith(
-        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}</s>[TOOL_RESULTS]22 C[/TOOL_RESULTS]')
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}</s>[TOOL_RESULTS]22 C[/TOOL_RESULTS]'
+    )

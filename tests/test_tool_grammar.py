@@ -23,17 +23,39 @@ from mlx_redrafter.serve.tool_grammar import SYNTAXES, NotExpressible, ToolError
 from mlx_redrafter.serve.tools import GENERIC_FORMAT, parse, parser_format, render
 from mlx_redrafter.step.grammar import compile_grammar
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"],
-                                                                          "type": "string"},
-                                     "days": {"type": "integer", "minimum": 1}},
-    "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"enum": ["celsius", "fahrenheit"], "type": "string"},
+                "days": {"type": "integer", "minimum": 1},
+            },
+            "required": ["city"],
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object (or none)
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": {"type": "object"}}
-MARKERS = ["[TOOL_CALLS]", "[ARGS]", "<|tool_call_start|>", "<|tool_call_end|>", "<start_function_call>",
-           "<end_function_call>", "<escape>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
-           "<arg_value>", "</arg_value>"]
+MARKERS = [
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "<start_function_call>",
+    "<end_function_call>",
+    "<escape>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+]
 
 
 def _json(value):
@@ -47,23 +69,34 @@ def _value(v):
 # What each format's template writes for a list of (name, arguments) calls.
 WRITE = {
     "generic": lambda calls: "\n".join(
-        f'<tool_call>{{"name": {_json(n)}, "arguments": {_json(a)}}}</tool_call>' for n, a in calls),
+        f'<tool_call>{{"name": {_json(n)}, "arguments": {_json(a)}}}</tool_call>' for n, a in calls
+    ),
     "json_tools": lambda calls: "\n".join(
-        f'<tool_call>\n{{"name": {_json(n)}, "arguments": {_json(a)}}}\n</tool_call>' for n, a in calls),
+        f'<tool_call>\n{{"name": {_json(n)}, "arguments": {_json(a)}}}\n</tool_call>' for n, a in calls
+    ),
     "qwen3_coder": lambda calls: "\n".join(
-        f"<tool_call>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{_value(v)}\n</parameter>\n"
-                                                   for k, v in a.items()) + "</function>\n</tool_call>"
-        for n, a in calls),
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{_value(v)}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+        for n, a in calls
+    ),
     "glm47": lambda calls: "\n".join(
-        f"<tool_call>{n}" + "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{_value(v)}</arg_value>"
-                                    for k, v in a.items()) + "\n</tool_call>" for n, a in calls),
+        f"<tool_call>{n}"
+        + "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{_value(v)}</arg_value>" for k, v in a.items())
+        + "\n</tool_call>"
+        for n, a in calls
+    ),
     "function_gemma": lambda calls: "".join(
-        f"<start_function_call>call:{n}{{" + ",".join(
-            f"{k}:<escape>{v}<escape>" if isinstance(v, str) else f"{k}:{_json(v)}" for k, v in a.items())
-        + "}<end_function_call>" for n, a in calls),
-    "pythonic": lambda calls: "<|tool_call_start|>[" + ", ".join(
-        f"{n}(" + ", ".join(f"{k}={_json(v)}" for k, v in a.items()) + ")" for n, a in calls)
-        + "]<|tool_call_end|>",
+        f"<start_function_call>call:{n}{{"
+        + ",".join(f"{k}:<escape>{v}<escape>" if isinstance(v, str) else f"{k}:{_json(v)}" for k, v in a.items())
+        + "}<end_function_call>"
+        for n, a in calls
+    ),
+    "pythonic": lambda calls: (
+        "<|tool_call_start|>["
+        + ", ".join(f"{n}(" + ", ".join(f"{k}={_json(v)}" for k, v in a.items()) + ")" for n, a in calls)
+        + "]<|tool_call_end|>"
+    ),
     "mistral": lambda calls: "".join(f"[TOOL_CALLS]{n}[ARGS]{_json(a)}" for n, a in calls),
     "mistral_json": lambda calls: "[TOOL_CALLS]" + _json([{"name": n, "arguments": a} for n, a in calls]),
 }
@@ -169,8 +202,11 @@ NOT_EXPRESSIBLE = [
     ("glm47", {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {}}}, "$defs"),
     ("function_gemma", {"type": "object", "properties": {"tags": {"type": "array"}}}, "not a string or a scalar"),
     ("pythonic", {"type": "object", "properties": {"class": {"type": "string"}}}, "not a Python identifier"),
-    ("qwen3_coder", {"type": "object", "properties": {"n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
-     "one JSON type"),
+    (
+        "qwen3_coder",
+        {"type": "object", "properties": {"n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+        "one JSON type",
+    ),
 ]
 
 
@@ -194,8 +230,17 @@ def test_what_llguidance_does_not_implement_is_left_unenforced(tokenizer, caplog
     """A tool whose schema uses a keyword llguidance lacks still gets its
     calls constrained (the rest of the schema), with a warning, instead of a
     400 on every request that sends it."""
-    link = {"type": "function", "function": {"name": "open_link", "parameters": {
-        "type": "object", "properties": {"url": {"type": "string", "format": "uri-reference"}}, "required": ["url"]}}}
+    link = {
+        "type": "function",
+        "function": {
+            "name": "open_link",
+            "parameters": {
+                "type": "object",
+                "properties": {"url": {"type": "string", "format": "uri-reference"}},
+                "required": ["url"],
+            },
+        },
+    }
     with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tool_grammar"):
         lark = tool_grammar(tokenizer, "generic", [link], "required")
     assert "'open_link'" in caplog.text and "uri-reference" in caplog.text
@@ -213,8 +258,9 @@ def test_bad_tool_schemas_and_choices_are_tool_errors(tokenizer):
     assert e.value.param == "content"
     assert reply_grammar(tokenizer, GENERIC_FORMAT, None, "none", content="json") == "json"
     with pytest.raises(ToolError, match="is not a JSON Schema object"):
-        reply_grammar(tokenizer, GENERIC_FORMAT, [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
-                      "auto")
+        reply_grammar(
+            tokenizer, GENERIC_FORMAT, [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "auto"
+        )
     # A name holding the format's end marker would end the call early: parsed only.
     marked = {"type": "function", "function": {"name": "f</tool_call>"}}
     assert reply_grammar(tokenizer, GENERIC_FORMAT, [marked], "auto") is None
@@ -224,9 +270,14 @@ def test_bad_tool_schemas_and_choices_are_tool_errors(tokenizer):
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-CITY = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.mark.parametrize("choice,parallel", [("required", False), ({"name": "get_weather"}, True), ("auto", True)])

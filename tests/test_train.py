@@ -11,9 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import EVAL_SETS
+from helpers import TINY_CONFIGS, tiny_model
 
 import mlx_redrafter
-from helpers import TINY_CONFIGS, tiny_model
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.generate import DraftConfig, generate_tokens
@@ -22,10 +23,12 @@ from mlx_redrafter.train.distill import DistillConfig, distill
 from mlx_redrafter.train.shards import Manifest, read_corpus
 from mlx_redrafter.train.trainer import TrainConfig, train
 
-from conftest import EVAL_SETS
-
 # The five evaluation sets: three ship with the package, two with the tests.
-EVAL_FILES = {**PROMPT_SETS, "gsm8k": EVAL_SETS / "gsm8k" / "test.jsonl.gz", "humaneval": EVAL_SETS / "humaneval" / "HumanEval.jsonl.gz"}
+EVAL_FILES = {
+    **PROMPT_SETS,
+    "gsm8k": EVAL_SETS / "gsm8k" / "test.jsonl.gz",
+    "humaneval": EVAL_SETS / "humaneval" / "HumanEval.jsonl.gz",
+}
 
 TOPICS = ["the sea", "a red fox", "bread baking", "prime numbers", "the moon", "old trains", "jazz", "rain", "chess"]
 
@@ -72,7 +75,9 @@ def test_distilled_replies_are_the_model_s_greedy_replies(tiny_llm, prompt_file,
         a, b = corpus.offsets[k], corpus.offsets[k + 1]
         reply = corpus.reply[a:b]
         toks = corpus.tokens[a:b][reply].tolist()
-        prompt = tok.apply_chat_template([{"role": "user", "content": convs[cid]["turns"][0]}], add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": convs[cid]["turns"][0]}], add_generation_prompt=True
+        )
         ref, _ = generate_tokens(model, prompt, max_tokens=10, eos_ids=tok.eos_token_ids)
         assert toks[: len(ref)] == ref
         # The prompt's positions come first (prompt[1:], each predicted by
@@ -178,8 +183,20 @@ def test_shipped_training_prompts_are_not_evaluation_sets():
 
 def test_cli_distill_refuses_evaluation_sets(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "mlx_redrafter.cli", "distill", "--prompts", str(EVAL_FILES["mt_bench"]), "--out", str(tmp_path / "x")],
-        capture_output=True, text=True, env=dict(os.environ), timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "mlx_redrafter.cli",
+            "distill",
+            "--prompts",
+            str(EVAL_FILES["mt_bench"]),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
     )
     assert r.returncode == 1 and "evaluation set" in r.stderr and "Traceback" not in r.stderr
 
@@ -189,8 +206,19 @@ def test_shipped_fingerprints_match_the_evaluation_sets():
 
 
 def small_train_config(**kw):
-    base = dict(exit_dim=32, num_draft_layers=1, draft_vocab_size=256, depth=3, batch_size=32, lr=3e-3,
-                warmup_steps=5, max_steps=60, eval_every=20, checkpoint_every=20, eval_fraction=0.25)
+    base = dict(
+        exit_dim=32,
+        num_draft_layers=1,
+        draft_vocab_size=256,
+        depth=3,
+        batch_size=32,
+        lr=3e-3,
+        warmup_steps=5,
+        max_steps=60,
+        eval_every=20,
+        checkpoint_every=20,
+        eval_fraction=0.25,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -281,8 +309,7 @@ def test_soft_target_kl_has_the_known_answer():
 
 
 def test_distill_keeps_top_k_logits_and_layer_features(tiny_llm, prompt_file, tmp_path):
-    from mlx_redrafter.llm.parts import capture_layers
-    from mlx_redrafter.llm.parts import model_parts
+    from mlx_redrafter.llm.parts import capture_layers, model_parts
 
     model, tok = tiny_llm
     run_distill(tiny_llm, prompt_file, tmp_path / "data", max_conversations=2, top_k=5, feature_layers=[0])
@@ -298,7 +325,9 @@ def test_distill_keeps_top_k_logits_and_layer_features(tiny_llm, prompt_file, tm
     _, backbone, head = model_parts(model)
     a, b = c.offsets[0], c.offsets[1]
     reply = c.tokens[a:b][c.reply[a:b]].tolist()
-    prompt = tok.apply_chat_template([{"role": "user", "content": convs[c.ids[0]]["turns"][0]}], add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": convs[c.ids[0]]["turns"][0]}], add_generation_prompt=True
+    )
     with capture_layers(model, [0]) as taps:
         h = backbone(mx.array([prompt + reply[:-1]]))
     want = np.array(taps[0][0])
@@ -332,11 +361,23 @@ def test_hostile_prompt_files_give_clear_errors_or_are_skipped(tiny_llm, tmp_pat
         return path
 
     # Records that hold no usable prompt are skipped; the rest are read.
-    mixed = write("mixed.jsonl", "\n".join([
-        json.dumps({"id": "a", "prompt": "Tell me about owls."}),
-        "5", "null", "[1, 2]", '"   "', json.dumps({"turns": [{"role": "user"}]}), json.dumps({"turns": ["ok", 7]}),
-        json.dumps({"text": "x" * 20000, "id": "long"}), json.dumps({"nothing": "here"}),
-    ]) + "\n")
+    mixed = write(
+        "mixed.jsonl",
+        "\n".join(
+            [
+                json.dumps({"id": "a", "prompt": "Tell me about owls."}),
+                "5",
+                "null",
+                "[1, 2]",
+                '"   "',
+                json.dumps({"turns": [{"role": "user"}]}),
+                json.dumps({"turns": ["ok", 7]}),
+                json.dumps({"text": "x" * 20000, "id": "long"}),
+                json.dumps({"nothing": "here"}),
+            ]
+        )
+        + "\n",
+    )
     convs = read_conversations(mixed)
     assert [c["id"] for c in convs] == ["a", "long"]
     # A prompt too long for --max-prompt-tokens is skipped by distill, and the rest answered.
@@ -346,7 +387,11 @@ def test_hostile_prompt_files_give_clear_errors_or_are_skipped(tiny_llm, tmp_pat
         ("bad.jsonl", json.dumps({"prompt": "fine"}) + "\n{not json\n", "line 2"),
         ("binary.jsonl", b'{"prompt": "hi"}\n\xff\xfe\x00\n', "decode"),
         ("empty.jsonl", "\n\n", "No prompts"),
-        ("dupes.jsonl", json.dumps({"id": 1, "prompt": "a"}) + "\n" + json.dumps({"id": 1, "prompt": "b"}) + "\n", "more than once"),
+        (
+            "dupes.jsonl",
+            json.dumps({"id": 1, "prompt": "a"}) + "\n" + json.dumps({"id": 1, "prompt": "b"}) + "\n",
+            "more than once",
+        ),
         ("junk.gz", b"not gzip at all", "Cannot read"),
     ]:
         with pytest.raises(RedrafterError, match=match):
@@ -367,13 +412,20 @@ def test_soft_targets_and_fused_features_train_an_exact_drafter(tiny_llm, prompt
         evals = [r for r in log if "train_loss" in r]
         assert evals[-1]["train_loss"] < evals[0]["train_loss"]
     # The soft loss adds a non-negative KL term to the same first batch.
-    assert [r for r in runs["soft"] if "train_loss" in r][0]["train_loss"] > [r for r in runs["hard"] if "train_loss" in r][0]["train_loss"]
+    assert [r for r in runs["soft"] if "train_loss" in r][0]["train_loss"] > [
+        r for r in runs["hard"] if "train_loss" in r
+    ][0]["train_loss"]
     d = load_drafter(tmp_path / "fused")
     assert d.config.feature_layers == [0] and d.context_size == 2 * model.args.hidden_size
     assert "feature_layers" not in load_drafter(tmp_path / "soft").config.to_dict()  # unfused: the official layout
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     ref, _ = generate_tokens(model, prompt, max_tokens=20)
-    for cfg in (DraftConfig(d, 2, 3), DraftConfig(d, 1, 3), DraftConfig(d, 2, 3, pipelined=False), DraftConfig(d, 1, 2, lookup=1)):
+    for cfg in (
+        DraftConfig(d, 2, 3),
+        DraftConfig(d, 1, 3),
+        DraftConfig(d, 2, 3, pipelined=False),
+        DraftConfig(d, 1, 2, lookup=1),
+    ):
         out_tokens, _ = generate_tokens(model, prompt, draft=cfg, max_tokens=20)
         assert out_tokens == ref
 

@@ -62,7 +62,8 @@ beam_sets = st.integers(1, 5).flatmap(
     lambda width: st.integers(1, 6).flatmap(
         lambda length: st.lists(
             st.lists(st.integers(0, 3), min_size=length, max_size=length),
-            min_size=width, max_size=width,
+            min_size=width,
+            max_size=width,
         )
     )
 )
@@ -103,7 +104,8 @@ def test_packing_is_a_trie(beams, order):
 padded_sets = st.integers(1, 5).flatmap(
     lambda length: st.lists(
         st.lists(st.integers(0, 3), min_size=1, max_size=length).map(lambda b: b + [PAD] * (length - len(b))),
-        min_size=1, max_size=5,
+        min_size=1,
+        max_size=5,
     )
 )
 

@@ -7,6 +7,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from mlx_redrafter.step import select as ts
 from mlx_redrafter.step.accept import accept_greedy
 from mlx_redrafter.step.tree import layout
 from mlx_redrafter.tuning import calibrate
-
-from helpers import tiny_model
 
 
 def curve(costs):
@@ -71,8 +70,9 @@ def test_dominant_lookup_match_verifies_its_row():
     s = structure()
     cal = ts.Calibration()
     row = [4, 5, 6, 7]  # the lookup row's packed indices in a tree of all 8 candidates
-    obs = ts.Observed([0, 0, 0, 0, 1, 1, 1, 1], [1, 2, 1, 2, 1, 2, 3, 4], [0, 0, 0, 0, 4, 4, 4, 4],
-                      [0, 1, 0, 3, 0, 5, 6, 7])
+    obs = ts.Observed(
+        [0, 0, 0, 0, 1, 1, 1, 1], [1, 2, 1, 2, 1, 2, 3, 4], [0, 0, 0, 0, 4, 4, 4, 4], [0, 1, 0, 3, 0, 5, 6, 7]
+    )
     for _ in range(200):
         cal.observe(obs, [0, 5, 6, 7, 8])
     score = np.array([np.log(0.05)] * 4 + [5.0] * 4, np.float32)
@@ -80,8 +80,9 @@ def test_dominant_lookup_match_verifies_its_row():
     chosen, _ = ts.best_subset(p, s, vc.builtin_curve())
     assert sorted(chosen) == row
     # The same with a weak match (2 tokens, the prior): no full row.
-    p_weak, _ = ts.node_p(np, s, np.array([np.log(0.05)] * 4 + [2.0] * 4, np.float32),
-                          np.ones(s.size, bool), ts.Calibration().table())
+    p_weak, _ = ts.node_p(
+        np, s, np.array([np.log(0.05)] * 4 + [2.0] * 4, np.float32), np.ones(s.size, bool), ts.Calibration().table()
+    )
     assert len(ts.best_subset(p_weak, s, vc.builtin_curve())[0]) < 4
 
 
@@ -201,7 +202,9 @@ def test_device_selection_is_parent_closed_and_matches_the_host(data):
     source = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), np.int32)
     s = ts.Structure(parent, source, depth)
     # Few distinct scores, so that ties in p are common.
-    score = np.array(data.draw(st.lists(st.sampled_from([-3.0, -0.7, 0.0, 2.0, 3.0]), min_size=n, max_size=n)), np.float32)
+    score = np.array(
+        data.draw(st.lists(st.sampled_from([-3.0, -0.7, 0.0, 2.0, 3.0]), min_size=n, max_size=n)), np.float32
+    )
     valid = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     k = data.draw(st.integers(0, n))
     table = ts.Calibration().table()
@@ -300,8 +303,9 @@ def test_a_sliding_window_model_calibrates(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     monkeypatch.setitem(TINY_CONFIGS, "gemma_window", dict(TINY_CONFIGS["gemma3_text"], sliding_window=24))
-    c = calibrate.measure_curve(tiny_model("gemma_window"), max_size=5, budget_s=3.0, context=16, max_rounds=2,
-                                long_context=40)
+    c = calibrate.measure_curve(
+        tiny_model("gemma_window"), max_size=5, budget_s=3.0, context=16, max_rounds=2, long_context=40
+    )
     assert c.rounds == 2 and c.measured == (1, 2, 3, 4, 5) and c.long_context == 40 and len(c.long_costs) == 5
 
 
@@ -327,7 +331,9 @@ def test_the_curve_follows_the_context():
 
 
 def test_sizes_not_timed_are_interpolated():
-    assert calibrate._fill([1, 2, 3, 4, 5, 6], {1: 1.0, 2: 1.2, 4: 1.8}) == pytest.approx((1.0, 1.2, 1.5, 1.8, 2.1, 2.4))
+    assert calibrate._fill([1, 2, 3, 4, 5, 6], {1: 1.0, 2: 1.2, 4: 1.8}) == pytest.approx(
+        (1.0, 1.2, 1.5, 1.8, 2.1, 2.4)
+    )
     assert calibrate._sample_order(list(range(1, 17)))[:8] == list(ts.BUCKETS)
     text = vc.format_curve(vc.CostCurve((1.0, 1.2, 1.5), measured=(1, 2)))
     assert "3:~1.50" in text and "2:1.20" in text

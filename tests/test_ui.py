@@ -118,9 +118,15 @@ WATCH = """() => { window.seen = []; new MutationObserver(() => {
 
 def test_stream_carries_token_sources(server):
     client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
-    chunks = list(client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": PROMPT}], temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": PROMPT}],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
     xs = [c.model_extra["x_redrafter"] for c in with_text]
     sources = [s for x in xs for s in x["sources"]]
@@ -153,8 +159,11 @@ def test_two_turns_stream_greedy_replies_coloured_by_source(server, page, genera
     body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, "temperature": 0}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    drafted = "".join(e["choices"][0]["delta"]["content"] for e in events
-                      if any(s != "llm" for s in e.get("x_redrafter", {}).get("sources", [])))
+    drafted = "".join(
+        e["choices"][0]["delta"]["content"]
+        for e in events
+        if any(s != "llm" for s in e.get("x_redrafter", {}).get("sources", []))
+    )
     assert drafted, "the shipped drafter had no draft accepted"
     coloured = page.eval_on_selector_all(COLOURED, "els => els.map(e => e.textContent).join('')")
     assert coloured and _words(coloured) == _words(drafted)
@@ -172,8 +181,9 @@ def test_two_turns_stream_greedy_replies_coloured_by_source(server, page, genera
     _wait_reply(page, 2)
     messages = _messages(page)
     history = [{"role": m["role"], "content": m["content"]} for m in messages[:3]]
-    whole = httpx.post(server.url + "/v1/chat/completions", json={"messages": history, "temperature": 0},
-                       timeout=300).json()
+    whole = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": history, "temperature": 0}, timeout=300
+    ).json()
     assert messages[3]["content"] == whole["choices"][0]["message"]["content"]
     reused = int(re.search(r"(\d+) reused from the cache", page.inner_text("#status")).group(1))
     assert reused > len(PROMPT.split())
@@ -185,8 +195,10 @@ def test_stop_mid_reply_empties_the_queue(server, page):
     page.goto(server.url + "/")
     _setting(page, "#max-tokens", "2000")
     _send(page, LONG)
-    page.wait_for_function("() => { const r = document.querySelector('.msg.assistant .body');"
-                           " return r && r.textContent.length > 10; }", timeout=300_000)
+    page.wait_for_function(
+        "() => { const r = document.querySelector('.msg.assistant .body'); return r && r.textContent.length > 10; }",
+        timeout=300_000,
+    )
     page.click("#stop")
     _wait_reply(page, 1, "stopped", timeout=30_000)
     deadline = time.monotonic() + 60
@@ -314,7 +326,7 @@ EVIL = (
 
 def test_model_html_never_runs(page):
     # Streamed in 5-character pieces, as tokens come: every partial render is sanitized too.
-    pieces = [(EVIL[i:i + 5], ("drafter", "llm", "lookup")[i % 3]) for i in range(0, len(EVIL), 5)]
+    pieces = [(EVIL[i : i + 5], ("drafter", "llm", "lookup")[i % 3]) for i in range(0, len(EVIL), 5)]
     with serve_in_thread(fake_app(pieces)) as url:
         page.goto(url + "/")
         _send(page, "Say something dangerous.")

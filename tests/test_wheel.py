@@ -25,8 +25,12 @@ DATA_FOLDERS = ("data", "drafters", "serve/ui")  # shipped as data (serve/ui: th
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-w", str(out)],
-                           capture_output=True, text=True, timeout=600)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-w", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stdout + build.stderr
     log = build.stdout + build.stderr
     # setuptools ships a folder missing from `packages` as data, with a warning: none may appear.
@@ -55,8 +59,15 @@ def test_the_wheel_carries_every_module_and_data_file(wheel):
     missing = sorted(set(source_files()) - names)
     assert not missing, f"not in the wheel: {missing}"
     packages = {p.parent.relative_to(REPO).as_posix() for p in PACKAGE.rglob("__init__.py")}
-    assert {"mlx_redrafter/llm", "mlx_redrafter/step", "mlx_redrafter/draft", "mlx_redrafter/chat",
-            "mlx_redrafter/serve", "mlx_redrafter/tuning", "mlx_redrafter/train"} <= packages
+    assert {
+        "mlx_redrafter/llm",
+        "mlx_redrafter/step",
+        "mlx_redrafter/draft",
+        "mlx_redrafter/chat",
+        "mlx_redrafter/serve",
+        "mlx_redrafter/tuning",
+        "mlx_redrafter/train",
+    } <= packages
     assert all(f"{p}/__init__.py" in names for p in packages) and "mlx_redrafter/converters/__init__.py" in names
     assert "mlx_redrafter/drafters/smollm2-135m-instruct/model.safetensors" in names
     assert "mlx_redrafter/data/sharegpt_train_prompts.jsonl.gz" in names
@@ -68,7 +79,8 @@ def test_every_module_imports_from_the_unpacked_wheel(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     modules = sorted(
         n[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-        for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py") and not n.endswith("__main__.py")
+        for n in zipfile.ZipFile(wheel).namelist()
+        if n.endswith(".py") and not n.endswith("__main__.py")
     )  # a __main__ runs its command when imported
     probe = f"""
 import importlib, json
@@ -83,8 +95,9 @@ print(json.dumps(out))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     files = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(modules) > 40 and "mlx_redrafter.step.dispatch" in files and "mlx_redrafter.converters.gguf" in files

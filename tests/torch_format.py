@@ -23,8 +23,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
-STORAGES = {np.dtype("float32"): "FloatStorage", np.dtype("float16"): "HalfStorage",
-            np.dtype("float64"): "DoubleStorage", np.dtype("int64"): "LongStorage"}
+STORAGES = {
+    np.dtype("float32"): "FloatStorage",
+    np.dtype("float16"): "HalfStorage",
+    np.dtype("float64"): "DoubleStorage",
+    np.dtype("int64"): "LongStorage",
+}
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
@@ -106,7 +110,9 @@ def write_zip(path, tensors: dict, archive: str = "archive", data_pkl: bytes = N
     if data_pkl is None:
         with torch_names() as names:
             sd, storages = _state_dict(tensors, names, shapes)
-            data_pkl = _pickle(sd, lambda o: ("storage", o.kind, o.key, "cpu", o.raw.size) if isinstance(o, _Storage) else None)
+            data_pkl = _pickle(
+                sd, lambda o: ("storage", o.kind, o.key, "cpu", o.raw.size) if isinstance(o, _Storage) else None
+            )
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         z.writestr(f"{archive}/data.pkl", data_pkl)
         z.writestr(f"{archive}/byteorder", "little")

@@ -112,8 +112,11 @@ def fake_app(pieces: List[Tuple[str, str]]):
     async def chat(request: Request):  # Request at module level: FastAPI resolves the annotation there
         body = await request.json()
         if body["messages"][-1]["content"] == "busy":
-            return error_response(Failure(503, "The server is busy: 4 requests are waiting for the model "
-                                          "(the bound is 4). Retry later.", BUSY))
+            return error_response(
+                Failure(
+                    503, "The server is busy: 4 requests are waiting for the model (the bound is 4). Retry later.", BUSY
+                )
+            )
         return StreamingResponse(_chunks(pieces), media_type="text/event-stream")
 
     mount_ui(app)
@@ -124,8 +127,14 @@ async def _chunks(pieces):
     head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "stand-in"}
     yield _data({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     for i, (text, source) in enumerate(pieces, 1):
-        x = {"sources": [source], "tokens": i, "steps": i, "tokens_per_second": 1.0,
-             "prompt_tokens": 3, "prompt_tokens_reused": 0}
+        x = {
+            "sources": [source],
+            "tokens": i,
+            "steps": i,
+            "tokens_per_second": 1.0,
+            "prompt_tokens": 3,
+            "prompt_tokens_reused": 0,
+        }
         yield _data({**head, "choices": [{"index": 0, "delta": {"content": text}}], "x_redrafter": x})
     yield _data({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     yield "data: [DONE]\n\n"
@@ -157,6 +166,7 @@ def chromium_path() -> str:
     """Debian's chromium (never a browser downloaded by ``playwright install``)."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("The chat page's browser tests need Chromium: apt-get install -y chromium "
-                    "(and pip install playwright).")
+        pytest.fail(
+            "The chat page's browser tests need Chromium: apt-get install -y chromium (and pip install playwright)."
+        )
     return path

@@ -51,9 +51,14 @@ def handle_command(chat, line: str) -> CommandResult:
     """Run a slash command (``line`` starts with ``/``)."""
     name, _, args = line.strip().partition(" ")
     handler = {
-        "/help": _cmd_help, "/reset": _cmd_reset, "/stats": _cmd_stats,
-        "/set": _cmd_set, "/system": _cmd_system, "/save": _cmd_save,
-        "/quit": _cmd_quit, "/exit": _cmd_quit,
+        "/help": _cmd_help,
+        "/reset": _cmd_reset,
+        "/stats": _cmd_stats,
+        "/set": _cmd_set,
+        "/system": _cmd_system,
+        "/save": _cmd_save,
+        "/quit": _cmd_quit,
+        "/exit": _cmd_quit,
     }.get(name.lower())
     if handler is None:
         return CommandResult(f"Unknown command {name}. /help lists the commands.", error=True)

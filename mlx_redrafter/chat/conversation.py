@@ -91,9 +91,14 @@ class Totals:
     def as_dict(self) -> dict:
         g = self.generated
         return {
-            "turns": self.turns, "interrupted": self.interrupted, "tokens": g.tokens, "steps": g.steps,
-            "drafted_tokens": g.drafted_tokens, "generation_seconds": self.generation_seconds,
-            "prefilled_tokens": self.prefilled_tokens, "reused_tokens": self.reused_tokens,
+            "turns": self.turns,
+            "interrupted": self.interrupted,
+            "tokens": g.tokens,
+            "steps": g.steps,
+            "drafted_tokens": g.drafted_tokens,
+            "generation_seconds": self.generation_seconds,
+            "prefilled_tokens": self.prefilled_tokens,
+            "reused_tokens": self.reused_tokens,
             "dropped_turns": self.dropped_turns,
         }
 
@@ -147,8 +152,9 @@ class ChatSession:
         settings = settings or ChatSettings()
         settings.beam_width, settings.beam_length, settings.lookup = rt.beam_width, rt.beam_length, rt.lookup
         info = {"model": rt.model_spec, "drafter": str(rt.drafter_path) if rt.drafter_path else None}
-        return cls(rt.model, rt.tokenizer, settings=settings, info=info, draft=rt.draft, history_store=rt.history,
-                   **kwargs)
+        return cls(
+            rt.model, rt.tokenizer, settings=settings, info=info, draft=rt.draft, history_store=rt.history, **kwargs
+        )
 
     @property
     def drafter(self):
@@ -252,8 +258,14 @@ class ChatSession:
             reused = self.prompt_cache.reuse(ids)
             turn.reused_tokens, turn.prefilled_tokens = reused, len(ids) - reused
             stream = stream_generate(
-                self.model, self.tokenizer, ids[reused:], max_tokens=max_tokens, prompt_cache=self.cache,
-                lookup_context=ids[:reused], draft=self.draft(), sampling=s.sampling,
+                self.model,
+                self.tokenizer,
+                ids[reused:],
+                max_tokens=max_tokens,
+                prompt_cache=self.cache,
+                lookup_context=ids[:reused],
+                draft=self.draft(),
+                sampling=s.sampling,
             )
             for r in stream:
                 if turn.tally.add(r):

@@ -96,7 +96,8 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
         out.console.print("[dim]Type a message. /help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]")
         if chat.settings.show_drafts and chat.draft().drafting:
             out.console.print(
-                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter), "
+                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]"
+                f"{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter), "
                 f"[{LOOKUP_STYLE}]{LOOKUP_STYLE}[/{LOOKUP_STYLE}] (lookup) "
                 f"and [{DATASTORE_STYLE}]{DATASTORE_STYLE}[/{DATASTORE_STYLE}] (datastore).[/dim]"
             )

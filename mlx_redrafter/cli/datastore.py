@@ -20,11 +20,17 @@ OutOpt = typer.Option(None, "--out", "-o", help="Store file (default: the model'
 @store_app.command()
 def build(
     model: str = ModelOpt,
-    prompts: Path = typer.Option(..., "--prompts", help="Training prompts (.jsonl/.json/.txt, optionally .gz); evaluation sets are refused."),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop after this many minutes (default: every prompt)."),
+    prompts: Path = typer.Option(
+        ..., "--prompts", help="Training prompts (.jsonl/.json/.txt, optionally .gz); evaluation sets are refused."
+    ),
+    minutes: Optional[float] = typer.Option(
+        None, "--minutes", help="Stop after this many minutes (default: every prompt)."
+    ),
     batch_size: int = typer.Option(16, "--batch-size", help="Prompts answered at once."),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens", help="Longest reply, in tokens."),
-    max_conversations: Optional[int] = typer.Option(None, "--max-conversations", help="Prompts answered in all (over resumed runs)."),
+    max_conversations: Optional[int] = typer.Option(
+        None, "--max-conversations", help="Prompts answered in all (over resumed runs)."
+    ),
     out: Optional[Path] = OutOpt,
 ):
     """Answer training prompts greedily in batches and keep the replies as a datastore (resumable; Ctrl-C saves)."""
@@ -36,14 +42,27 @@ def build(
     check_build_args(minutes, batch_size, max_new_tokens)
     refuse_eval_set(prompts, read_conversations(prompts))  # before the slow load
     cfg = BuildConfig(minutes, batch_size, max_new_tokens, max_conversations=max_conversations)
-    columns = (TextColumn("datastore build"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tokens]} tokens"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("datastore build"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tokens]} tokens"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=err, transient=False) as bar:
         task = bar.add_task("build", total=None, tokens=0)
-        report = build_store(model, prompts, cfg, out=out,
-                             progress=lambda n, total, tokens: bar.update(task, completed=n, total=total, tokens=tokens))
-    err.print(f"{report.path}: +{report.replies} replies in {report.seconds / 60:.1f} min; "
-              f"{report.sequences} sequences, {report.tokens} tokens, {_size(report.path)}", soft_wrap=True)
+        report = build_store(
+            model,
+            prompts,
+            cfg,
+            out=out,
+            progress=lambda n, total, tokens: bar.update(task, completed=n, total=total, tokens=tokens),
+        )
+    err.print(
+        f"{report.path}: +{report.replies} replies in {report.seconds / 60:.1f} min; "
+        f"{report.sequences} sequences, {report.tokens} tokens, {_size(report.path)}",
+        soft_wrap=True,
+    )
 
 
 def _tokenizer(model: str):
@@ -69,16 +88,18 @@ def read_corpus(path: Path):
             rec = json.loads(line)
         except ValueError:
             raise RedrafterError(f"{path}:{i} is not JSON.", "Give one JSON object per line.") from None
-        text = next((rec[k] for k in ("text", "completion", "content", "prompt") if isinstance(rec, dict) and k in rec), None)
+        text = next(
+            (rec[k] for k in ("text", "completion", "content", "prompt") if isinstance(rec, dict) and k in rec), None
+        )
         if not isinstance(text, str):
-            raise RedrafterError(f"{path}:{i} has no text field.", "Give each record a \"text\" string.")
+            raise RedrafterError(f"{path}:{i} has no text field.", 'Give each record a "text" string.')
         texts.append(text)
     return texts
 
 
 @store_app.command()
 def add(
-    file: Path = typer.Argument(..., help="A text file (one document) or a .jsonl file (a \"text\" field per line)."),
+    file: Path = typer.Argument(..., help='A text file (one document) or a .jsonl file (a "text" field per line).'),
     model: str = ModelOpt,
     out: Optional[Path] = OutOpt,
 ):
@@ -93,8 +114,9 @@ def add(
     for text in texts:
         store.add(tok.encode(text, add_special_tokens=False))
     store.save(path)
-    err.print(f"{path}: +{len(texts)} documents; {len(store)} sequences, {store.tokens} tokens, {_size(path)}",
-              soft_wrap=True)
+    err.print(
+        f"{path}: +{len(texts)} documents; {len(store)} sequences, {store.tokens} tokens, {_size(path)}", soft_wrap=True
+    )
 
 
 def _size(path: Path) -> str:
@@ -121,9 +143,11 @@ def info(model: str = ModelOpt):
     if s is None:
         print(" session: none recorded (chat and serve record theirs)")
     else:
-        print(f" session: started {s.started}, {s.replies} replies, {s.tokens} tokens; datastore rows on "
-              f"{s.datastore_rows} steps, accepted on {s.datastore_steps} ({s.hit_rate:.0%} hit rate), "
-              f"{s.datastore_tokens} tokens ({s.datastore_tokens / max(s.tokens, 1):.0%} of all)")
+        print(
+            f" session: started {s.started}, {s.replies} replies, {s.tokens} tokens; datastore rows on "
+            f"{s.datastore_rows} steps, accepted on {s.datastore_steps} ({s.hit_rate:.0%} hit rate), "
+            f"{s.datastore_tokens} tokens ({s.datastore_tokens / max(s.tokens, 1):.0%} of all)"
+        )
 
 
 @store_app.command()

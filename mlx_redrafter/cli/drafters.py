@@ -24,7 +24,9 @@ def _row(e, used=None) -> list:
 
 @drafters_app.command("list")
 def list_cmd(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Only the drafters of this model's family, and which one the tools use for it."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Only the drafters of this model's family, and which one the tools use for it."
+    ),
 ):
     """Show the stored drafters (and the package's): model, fingerprint, source, measured speed-up, folder."""
     from ..draft import store
@@ -43,8 +45,11 @@ def list_cmd(
     for r in table:  # plain columns: whole paths, whatever the terminal's width
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if not rows:
-        err.print(f"No drafters in {store.store_root()}" + (f" for {model}" if model else "") +
-                  ". `mlx-redrafter make-drafter --model M` makes one.")
+        err.print(
+            f"No drafters in {store.store_root()}"
+            + (f" for {model}" if model else "")
+            + ". `mlx-redrafter make-drafter --model M` makes one."
+        )
 
 
 @drafters_app.command("path")
@@ -57,9 +62,12 @@ def path_cmd(model: str = typer.Argument(..., help="'default', an mlx-lm folder,
     found = store.find(identity)
     if found is None:
         refused = [f"{e.path}: {e.problem}" for e in store.candidates(identity) if e.problem]
-        raise RedrafterError(f"The drafter store holds no drafter that fits {model}"
-                             + (f" (refused: {'; '.join(refused)})" if refused else "") + ".",
-                             f"Make one with `mlx-redrafter make-drafter --model {model}`.")
+        raise RedrafterError(
+            f"The drafter store holds no drafter that fits {model}"
+            + (f" (refused: {'; '.join(refused)})" if refused else "")
+            + ".",
+            f"Make one with `mlx-redrafter make-drafter --model {model}`.",
+        )
     print(found.path)
     note = found.note(identity)
     if note:
@@ -67,7 +75,11 @@ def path_cmd(model: str = typer.Argument(..., help="'default', an mlx-lm folder,
 
 
 @drafters_app.command("rm")
-def rm_cmd(name: str = typer.Argument(..., help="A drafter's folder name (`drafters list`), or a model id: every drafter made for it.")):
+def rm_cmd(
+    name: str = typer.Argument(
+        ..., help="A drafter's folder name (`drafters list`), or a model id: every drafter made for it."
+    ),
+):
     """Remove stored drafters (asks nothing; says what it removed)."""
     from ..draft import store
 
@@ -77,14 +89,24 @@ def rm_cmd(name: str = typer.Argument(..., help="A drafter's folder name (`draft
 
 @app.command()
 def upload(
-    drafter: str = typer.Argument(..., help="A drafter folder, a name from `drafters list`, or a model id (its stored drafter)."),
+    drafter: str = typer.Argument(
+        ..., help="A drafter folder, a name from `drafters list`, or a model id (its stored drafter)."
+    ),
     repo: str = typer.Option(..., "--repo", help="The Hub repo to publish to (org/name)."),
-    include_private_data: bool = typer.Option(False, "--include-private-data", help="Publish a drafter trained on your own conversations (--prompts history)."),
+    include_private_data: bool = typer.Option(
+        False, "--include-private-data", help="Publish a drafter trained on your own conversations (--prompts history)."
+    ),
     private: bool = typer.Option(False, "--private", help="Create the repo private."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Write the folder that would be uploaded (see --out) and print its model card; upload nothing."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where --dry-run writes the folder (default: ./upload-ORG--NAME)."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Write the folder that would be uploaded (see --out) and print its model card; upload nothing.",
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Where --dry-run writes the folder (default: ./upload-ORG--NAME)."
+    ),
 ):
-    """Publish a drafter on the Hugging Face Hub with a model card written from what it knows (base model, data, recipe, acceptance, verdict)."""
+    """Publish a drafter on the Hugging Face Hub with a model card written from what it knows (base model, data, recipe, acceptance, verdict)."""  # noqa: E501 (one line: typer shows newlines)
     from ..draft.hub import is_hub_id, locate
     from ..draft.publish import publish
     from ..draft.store import slug
@@ -93,8 +115,11 @@ def upload(
         raise RedrafterError(f"--repo {repo!r} is not a Hub repo id.", "Use --repo ORG/NAME.")
     folder = locate(drafter).path
     if dry_run:
-        staged = Path(publish(folder, repo, include_private_data=include_private_data,
-                              dry_run=out or Path(f"upload-{slug(repo)}")))
+        staged = Path(
+            publish(
+                folder, repo, include_private_data=include_private_data, dry_run=out or Path(f"upload-{slug(repo)}")
+            )
+        )
         print((staged / "README.md").read_text())
         err.print(f"wrote {staged} (nothing uploaded: --dry-run)", soft_wrap=True)
         return

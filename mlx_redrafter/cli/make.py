@@ -34,11 +34,32 @@ def _command(model, minutes, hours, out, prompts, max_conversations) -> str:
 @app.command("make-drafter")
 def make_drafter_cmd(
     model: str = ModelOpt,
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget in minutes, over every run into the work folder: a rerun continues within it, a larger one adds data and training."),
+    minutes: Optional[float] = typer.Option(
+        None,
+        "--minutes",
+        help="Time budget in minutes, over every run into the work folder: "
+        "a rerun continues within it, a larger one adds data and training.",
+    ),
     hours: Optional[float] = typer.Option(None, "--hours", help="The budget in hours (instead of --minutes)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Work folder (default: one under the cache folder for this model and prompt source, so the same command continues there)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Training prompts: the ShareGPT ones shipped with the package (default), a .jsonl/.json/.txt file of your own, or 'history': the conversations chat and serve kept for the model (the drafter is then private: upload refuses it)."),
-    max_conversations: Optional[int] = typer.Option(None, "--max-conversations", help="Distil at most this many conversations, over all runs (default: as many as the budget allows)."),
+    out: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="Work folder (default: one under the cache folder for this model and prompt source, "
+        "so the same command continues there).",
+    ),
+    prompts: Optional[str] = typer.Option(
+        None,
+        "--prompts",
+        help="Training prompts: the ShareGPT ones shipped with the package (default), "
+        "a .jsonl/.json/.txt file of your own, or 'history': the conversations chat and serve kept for the model "
+        "(the drafter is then private: upload refuses it).",
+    ),
+    max_conversations: Optional[int] = typer.Option(
+        None,
+        "--max-conversations",
+        help="Distil at most this many conversations, over all runs (default: as many as the budget allows).",
+    ),
 ):
     """Make a drafter for any mlx-lm model: distil, train, fit the depth controller, calibrate this
     device, measure the drafter against decoding without one on held-out prompts, and install it
@@ -46,17 +67,27 @@ def make_drafter_cmd(
     from ..train.recipe import RecipeConfig, make_drafter
 
     if (minutes is None) == (hours is None):
-        raise RedrafterError("Give the time budget once: --minutes N or --hours H.", "E.g. --hours 1.5 (a rerun with a larger budget continues).")
+        raise RedrafterError(
+            "Give the time budget once: --minutes N or --hours H.",
+            "E.g. --hours 1.5 (a rerun with a larger budget continues).",
+        )
     budget = minutes if minutes is not None else 60 * hours
     if budget <= 0 or (max_conversations is not None and max_conversations < 1):
         raise RedrafterError("The budget must be positive and --max-conversations at least 1.")
-    cfg = RecipeConfig(model, budget, out, prompts, max_conversations,
-                       command=_command(model, minutes, hours, out, prompts, max_conversations))
+    cfg = RecipeConfig(
+        model,
+        budget,
+        out,
+        prompts,
+        max_conversations,
+        command=_command(model, minutes, hours, out, prompts, max_conversations),
+    )
     try:
         report = _run(cfg, make_drafter)
     except KeyboardInterrupt:
-        err.print("Interrupted: everything finished so far is kept in the work folder; "
-                  "rerun the same command to continue.")
+        err.print(
+            "Interrupted: everything finished so far is kept in the work folder; rerun the same command to continue."
+        )
         raise typer.Exit(130)
     _print_report(report, cfg)
 
@@ -65,8 +96,12 @@ def _run(cfg, make_drafter):
     """The recipe under one progress display: the stage, its ETA and the whole run's."""
     from rich.progress import BarColumn, Progress, TextColumn
 
-    columns = [TextColumn("[bold]{task.fields[stage]:<10}"), BarColumn(bar_width=24), TextColumn("{task.fields[info]}"),
-               TextColumn("[dim]stage ETA {task.fields[stage_eta]}, all {task.fields[total_eta]}[/dim]")]
+    columns = [
+        TextColumn("[bold]{task.fields[stage]:<10}"),
+        BarColumn(bar_width=24),
+        TextColumn("{task.fields[info]}"),
+        TextColumn("[dim]stage ETA {task.fields[stage_eta]}, all {task.fields[total_eta]}[/dim]"),
+    ]
     with Progress(*columns, console=err) as bar:
         task = bar.add_task("make-drafter", total=1.0, stage="starting", info="", stage_eta="-:--", total_eta="-:--")
 
@@ -74,8 +109,14 @@ def _run(cfg, make_drafter):
             if status.line:
                 bar.console.print(escape(status.line), soft_wrap=True)
                 return
-            bar.update(task, completed=status.fraction or 0.0, stage=status.stage, info=escape(status.info),
-                       stage_eta=_clock(status.stage_eta), total_eta=_clock(status.total_eta))
+            bar.update(
+                task,
+                completed=status.fraction or 0.0,
+                stage=status.stage,
+                info=escape(status.info),
+                stage_eta=_clock(status.stage_eta),
+                total_eta=_clock(status.total_eta),
+            )
 
         return make_drafter(cfg, progress=show)
 
@@ -83,8 +124,10 @@ def _run(cfg, make_drafter):
 def _print_report(report, cfg) -> None:
     v = report.verdict
     if report.already_done:
-        err.print(f"Already done: {report.out} finished every stage for a {cfg.minutes:g}-minute budget "
-                  "(a larger --minutes adds data and training).")
+        err.print(
+            f"Already done: {report.out} finished every stage for a {cfg.minutes:g}-minute budget "
+            "(a larger --minutes adds data and training)."
+        )
     plain = v.get("plain", {})
     err.print(f"verdict on {v.get('prompts')} held-out prompts, {v.get('max_tokens')} tokens each, {v.get('device')}:")
     err.print(f"  plain decoding   {plain.get('tokens_per_second', 0):.1f} tok/s")
@@ -92,18 +135,24 @@ def _print_report(report, cfg) -> None:
         if name in v:
             r = v[name]
             label = {"lookup": "lookup alone", "drafter": "new drafter", "existing": "drafter in use"}[name]
-            err.print(f"  {label:<16} {r['speedup']:.2f}x, {r['tokens_per_step']:.2f} tokens/step, "
-                      f"{r['identical_outputs']}/{v['prompts']} outputs identical to plain")
+            err.print(
+                f"  {label:<16} {r['speedup']:.2f}x, {r['tokens_per_step']:.2f} tokens/step, "
+                f"{r['identical_outputs']}/{v['prompts']} outputs identical to plain"
+            )
     if report.installed:
-        err.print(f"[green]Installed[/green] ({escape(v.get('reason', ''))}): {escape(str(report.installed))}; "
-                  f"chat, generate and serve use it for {escape(cfg.model)}.", soft_wrap=True)
+        err.print(
+            f"[green]Installed[/green] ({escape(v.get('reason', ''))}): {escape(str(report.installed))}; "
+            f"chat, generate and serve use it for {escape(cfg.model)}.",
+            soft_wrap=True,
+        )
         return
     err.print(f"[yellow]Not installed: {escape(v.get('reason', ''))}.[/yellow]", soft_wrap=True)
     need = v.get("needs") or {}
     if need.get("message"):
         err.print(f"More data? {escape(need['message'])}.", soft_wrap=True)
     if need.get("more_minutes"):
-        more = _command(cfg.model, round(cfg.minutes + need["more_minutes"]), None, cfg.out, cfg.prompts,
-                        cfg.max_conversations)
+        more = _command(
+            cfg.model, round(cfg.minutes + need["more_minutes"]), None, cfg.out, cfg.prompts, cfg.max_conversations
+        )
         err.print(f"To go on: {escape(more)}", soft_wrap=True)
     err.print(f"The drafter stays in {escape(str(report.drafter))} (with its metadata).", soft_wrap=True)

@@ -30,27 +30,47 @@ err = Console(stderr=True)
 # --------------------------------------------------------------------------- shared flags
 
 ModelOpt = typer.Option("default", "--model", "-m", help="'default', an mlx-lm folder, a Hub id or a .gguf file.")
-DtypeOpt = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16 (default: float16 on a GPU, float32 on the CPU).")
+DtypeOpt = typer.Option(
+    None, "--dtype", help="float32 | float16 | bfloat16 (default: float16 on a GPU, float32 on the CPU)."
+)
 DrafterOpt = typer.Option(
-    None, "--drafter", "-d",
+    None,
+    "--drafter",
+    "-d",
     help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
-    "drafter store's for the model, else the one shipped for it, else lookup drafts where they pay); 'none' for no drafter.")
+    "drafter store's for the model, else the one shipped for it, "
+    "else lookup drafts where they pay); 'none' for no drafter.",
+)
 NeededDrafterOpt = typer.Option(
-    None, "--drafter", "-d",
+    None,
+    "--drafter",
+    "-d",
     help="A drafter folder, a Hub repo id (org/name) or a name from `mlx-redrafter drafters list` (default: the "
-    "drafter store's for the model, else the one shipped for it).")
+    "drafter store's for the model, else the one shipped for it).",
+)
 NoDraftOpt = typer.Option(False, "--no-draft", help="Plain decoding, even if a drafter is available.")
 LookupOpt = typer.Option(
-    None, "--lookup/--no-lookup",
+    None,
+    "--lookup/--no-lookup",
     help="Add drafts copied from the prompt and reply (n-gram lookup) to the drafter's (default: tuned profile, "
     "else on with a drafter). With --drafter none: lookup drafts only.",
 )
-BeamWidthOpt = typer.Option(None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH}).")
-BeamLengthOpt = typer.Option(None, "--beam-length", "-L", help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH}).")
+BeamWidthOpt = typer.Option(
+    None, "--beam-width", "-W", help=f"Beams drafted per step (default: tuned profile, else {DEFAULT_WIDTH})."
+)
+BeamLengthOpt = typer.Option(
+    None,
+    "--beam-length",
+    "-L",
+    help=f"Tokens drafted per beam, g0 not counted (default: tuned profile, else {DEFAULT_LENGTH}).",
+)
 TreeOpt = typer.Option(
-    None, "--tree", help="auto: verify only the draft nodes expected to pay on this device's measured verify cost "
+    None,
+    "--tree",
+    help="auto: verify only the draft nodes expected to pay on this device's measured verify cost "
     "(width and length become caps); fixed: every drafted node (default: auto for a model kept quantized, "
-    + DEFAULT_TREE + " otherwise)."
+    + DEFAULT_TREE
+    + " otherwise).",
 )
 AdaptiveOpt = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth.")
 TempOpt = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy; serve: when a request does not say).")
@@ -60,11 +80,16 @@ MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
 SeedOpt = typer.Option(None, "--seed")
 SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
 DatastoreOpt = typer.Option(
-    None, "--datastore",
+    None,
+    "--datastore",
     help="Draft from a datastore of past outputs where context lookup finds nothing: a store file, 'default' "
     "(the model's own stores: history, built, corpus; see `mlx-redrafter datastore info`) or 'none' (the default).",
 )
-NoHistoryOpt = typer.Option(False, "--no-history", help="Do not append the replies to the model's history datastore (kept locally under the cache folder).")
+NoHistoryOpt = typer.Option(
+    False,
+    "--no-history",
+    help="Do not append the replies to the model's history datastore (kept locally under the cache folder).",
+)
 
 
 def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool = False):
@@ -81,8 +106,20 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
     return SamplingConfig(temp, top_p, min_p, top_k)
 
 
-def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, dtype=None, adaptive=False,
-             lookup=None, announce=True, tree=None, datastore=None, history=False):
+def _runtime(
+    model,
+    drafter,
+    no_draft=False,
+    beam_width=None,
+    beam_length=None,
+    dtype=None,
+    adaptive=False,
+    lookup=None,
+    announce=True,
+    tree=None,
+    datastore=None,
+    history=False,
+):
     """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
     from ..doctor import slow_blas_warning
     from ..runtime import load_runtime
@@ -90,8 +127,19 @@ def _runtime(model, drafter, no_draft=False, beam_width=None, beam_length=None, 
     warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
     if warning:
         err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
-    rt = load_runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree,
-                      datastore=datastore, history=history)
+    rt = load_runtime(
+        model,
+        drafter,
+        no_draft,
+        beam_width,
+        beam_length,
+        dtype,
+        adaptive,
+        lookup,
+        tree,
+        datastore=datastore,
+        history=history,
+    )
     if announce:
         rt.announce(err)
     return rt

@@ -9,8 +9,31 @@ import typer
 from rich.markup import escape
 
 from ..errors import RedrafterError
-from .options import (AdaptiveOpt, BeamLengthOpt, BeamWidthOpt, DatastoreOpt, DrafterOpt, DtypeOpt, LookupOpt, MinPOpt, ModelOpt, NoDraftOpt,
-               NoHistoryOpt, SeedOpt, SystemOpt, TempOpt, TopKOpt, TopPOpt, TreeOpt, _runtime, _sampling, app, err, format_prompt, read_prompt)
+from .options import (
+    AdaptiveOpt,
+    BeamLengthOpt,
+    BeamWidthOpt,
+    DatastoreOpt,
+    DrafterOpt,
+    DtypeOpt,
+    LookupOpt,
+    MinPOpt,
+    ModelOpt,
+    NoDraftOpt,
+    NoHistoryOpt,
+    SeedOpt,
+    SystemOpt,
+    TempOpt,
+    TopKOpt,
+    TopPOpt,
+    TreeOpt,
+    _runtime,
+    _sampling,
+    app,
+    err,
+    format_prompt,
+    read_prompt,
+)
 
 
 @app.command()
@@ -35,7 +58,9 @@ def generate(
     dtype: Optional[str] = DtypeOpt,
     adaptive: bool = AdaptiveOpt,
     json_any: bool = typer.Option(False, "--json", help="Constrain the reply to a JSON object."),
-    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the reply to this JSON Schema (a file)."),
+    json_schema: Optional[Path] = typer.Option(
+        None, "--json-schema", help="Constrain the reply to this JSON Schema (a file)."
+    ),
     tree: Optional[str] = TreeOpt,
     datastore: Optional[str] = DatastoreOpt,
 ):
@@ -50,18 +75,32 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore)
+    rt = _runtime(
+        model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore
+    )
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
-    for r in stream_generate(rt.model, rt.tokenizer, full, max_tokens=max_tokens, seed=seed, stop=stop,
-                             draft=rt.draft, sampling=sampling, grammar=grammar):
+    for r in stream_generate(
+        rt.model,
+        rt.tokenizer,
+        full,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=stop,
+        draft=rt.draft,
+        sampling=sampling,
+        grammar=grammar,
+    ):
         print(r.text, end="", flush=True)
         tally.add(r)
     print()
     cut = tally.last is not None and tally.last.incomplete
     if cut:
-        err.print(f"[bold red]Error:[/bold red] the reply stopped ({tally.last.finish_reason}) before the "
-                  f"JSON was complete: it will not parse. Raise --max-tokens (now {max_tokens}).", soft_wrap=True)
+        err.print(
+            f"[bold red]Error:[/bold red] the reply stopped ({tally.last.finish_reason}) before the "
+            f"JSON was complete: it will not parse. Raise --max-tokens (now {max_tokens}).",
+            soft_wrap=True,
+        )
     err.print(f"[dim]{tally.summary()}[/dim]")
     if cut:  # a script reading the JSON learns it from the exit status, not from its parser
         raise typer.Exit(1)
@@ -74,21 +113,24 @@ def _grammar(json_any: bool, schema_file: Optional[Path]):
     from ..step.grammar import check_grammar
 
     if json_any and schema_file is not None:
-        raise RedrafterError("Give either --json or --json-schema, not both.",
-                             "--json-schema FILE already makes the reply JSON.")
+        raise RedrafterError(
+            "Give either --json or --json-schema, not both.", "--json-schema FILE already makes the reply JSON."
+        )
     if schema_file is None:
         return "json" if json_any else None
     try:
         schema = json.loads(Path(schema_file).read_text())
     except OSError as e:
-        raise RedrafterError(f"Cannot read the JSON Schema file {schema_file}: {e.strerror}.",
-                             "Check the --json-schema path.") from None
+        raise RedrafterError(
+            f"Cannot read the JSON Schema file {schema_file}: {e.strerror}.", "Check the --json-schema path."
+        ) from None
     except ValueError as e:
-        raise RedrafterError(f"The JSON Schema file {schema_file} is not valid JSON: {e}.",
-                             "Fix the file.") from None
+        raise RedrafterError(f"The JSON Schema file {schema_file} is not valid JSON: {e}.", "Fix the file.") from None
     if not isinstance(schema, dict):
-        raise RedrafterError(f"The JSON Schema in {schema_file} is not an object (it is {type(schema).__name__}).",
-                             'Give a schema such as {"type": "object", "properties": {...}}.')
+        raise RedrafterError(
+            f"The JSON Schema in {schema_file} is not an object (it is {type(schema).__name__}).",
+            'Give a schema such as {"type": "object", "properties": {...}}.',
+        )
     check_grammar(schema)
     return schema
 
@@ -109,7 +151,9 @@ def chat(
     seed: Optional[int] = SeedOpt,
     system: Optional[str] = SystemOpt,
     show_drafts: bool = typer.Option(False, "--show-drafts", help="Colour the tokens that came from accepted drafts."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."),
+    max_context: Optional[int] = typer.Option(
+        None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."
+    ),
     adaptive: bool = AdaptiveOpt,
     tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
@@ -128,8 +172,19 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore,
-                  history=not no_history)
+    rt = _runtime(
+        model,
+        drafter,
+        no_draft,
+        beam_width,
+        beam_length,
+        dtype,
+        adaptive,
+        lookup,
+        tree=tree,
+        datastore=datastore,
+        history=not no_history,
+    )
     if seed is not None:
         import mlx.core as mx
 
@@ -151,8 +206,9 @@ def _check_port(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise RedrafterError(f"Cannot listen on {host}:{port}: {e.strerror or e}.",
-                                 "Pick another --port (or stop what is using it).") from None
+            raise RedrafterError(
+                f"Cannot listen on {host}:{port}: {e.strerror or e}.", "Pick another --port (or stop what is using it)."
+            ) from None
 
 
 def _cache_bytes(text: Optional[str]) -> int:
@@ -177,17 +233,34 @@ def serve(
     no_draft: bool = NoDraftOpt,
     beam_width: Optional[int] = BeamWidthOpt,
     beam_length: Optional[int] = BeamLengthOpt,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens the server to your network)."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens the server to your network)."
+    ),
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
     min_p: float = MinPOpt,
-    queue_size: int = typer.Option(16, "--queue-size", help="Requests that may wait while --max-batch others decode; past both the server answers 503 with Retry-After."),
-    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted)."),
-    prompt_cache_size: int = typer.Option(10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."),
-    prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."),
+    queue_size: int = typer.Option(
+        16,
+        "--queue-size",
+        help="Requests that may wait while --max-batch others decode; "
+        "past both the server answers 503 with Retry-After.",
+    ),
+    max_batch: int = typer.Option(
+        8,
+        "--max-batch",
+        help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted).",
+    ),
+    prompt_cache_size: int = typer.Option(
+        10,
+        "--prompt-cache-size",
+        help="Conversations whose KV cache is kept (the least recently stored dropped first).",
+    ),
+    prompt_cache_bytes: Optional[str] = typer.Option(
+        None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."
+    ),
     adaptive: bool = AdaptiveOpt,
     tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
@@ -195,13 +268,29 @@ def serve(
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
     datastore: Optional[str] = DatastoreOpt,
     no_history: bool = NoHistoryOpt,
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require this key on every route but the chat page and /health, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $MLX_REDRAFTER_API_KEY, else no key)."),
-    allow_host: List[str] = typer.Option([], "--allow-host", help="Also answer to this Host name (repeatable; '*.lan': a domain, '*': any). Always answered: localhost, 127.0.0.1, [::1] and the --host address."),
-    allow_origin: List[str] = typer.Option([], "--allow-origin", help="Let web pages from this origin use the server, with CORS (repeatable, e.g. http://localhost:3000; '*': any page; also $MLX_REDRAFTER_ORIGINS, comma-separated). The chat page's own origin always may."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        help="Require this key on every route but the chat page and /health, "
+        "as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $MLX_REDRAFTER_API_KEY, else no key).",
+    ),
+    allow_host: List[str] = typer.Option(
+        [],
+        "--allow-host",
+        help="Also answer to this Host name (repeatable; '*.lan': a domain, '*': any). "
+        "Always answered: localhost, 127.0.0.1, [::1] and the --host address.",
+    ),
+    allow_origin: List[str] = typer.Option(
+        [],
+        "--allow-origin",
+        help="Let web pages from this origin use the server, with CORS (repeatable, e.g. http://localhost:3000; "
+        "'*': any page; also $MLX_REDRAFTER_ORIGINS, comma-separated). "
+        "The chat page's own origin always may.",
+    ),
 ):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /.
 
-    Other Host names and web pages' origins are refused (403) unless allowed; --api-key guards every route but the page."""
+    Other Host names and web pages' origins are refused (403) unless allowed; --api-key guards every route but the page."""  # noqa: E501 (typer shows newlines)
     # Every check before the slow imports and the model load.
     if queue_size < 1:
         raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
@@ -221,17 +310,36 @@ def serve(
         from ..serve.app import create_app
         from ..serve.security import SecurityConfig
     except ImportError as e:
-        raise RedrafterError(f"The server needs packages that are not installed ({e.name}).",
-                             "pip install 'mlx-redrafter[server]'") from None
+        raise RedrafterError(
+            f"The server needs packages that are not installed ({e.name}).", "pip install 'mlx-redrafter[server]'"
+        ) from None
     security = SecurityConfig.resolve(host, api_key, allow_host, allow_origin)
     for warning in security.warnings():
         err.print(f"[bold yellow]Warning:[/bold yellow] {escape(warning)}", soft_wrap=True)
     from ..serve import Engine
 
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore,
-                  history=not no_history)
-    engine = Engine(rt, max_tokens=max_tokens, sampling=sampling, queue_size=queue_size, max_batch=max_batch,
-                    prompt_cache_size=prompt_cache_size, prompt_cache_bytes=cache_bytes)
+    rt = _runtime(
+        model,
+        drafter,
+        no_draft,
+        beam_width,
+        beam_length,
+        dtype,
+        adaptive,
+        lookup,
+        tree=tree,
+        datastore=datastore,
+        history=not no_history,
+    )
+    engine = Engine(
+        rt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        queue_size=queue_size,
+        max_batch=max_batch,
+        prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=cache_bytes,
+    )
     app_ = create_app(engine, ui=not no_ui, security=security)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
     err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
@@ -240,7 +348,12 @@ def serve(
 
 @app.command()
 def doctor(
-    calibrate: bool = typer.Option(False, "--calibrate", help="Measure this device's verify-cost curve c(N) for --tree auto and its batched-decoding gains for serve (<= 40 s), and store them."),
+    calibrate: bool = typer.Option(
+        False,
+        "--calibrate",
+        help="Measure this device's verify-cost curve c(N) for --tree auto "
+        "and its batched-decoding gains for serve (<= 40 s), and store them.",
+    ),
     model: str = ModelOpt,
     dtype: Optional[str] = DtypeOpt,
 ):
@@ -276,5 +389,7 @@ def _show_curve(model_spec: str, dtype: Optional[str], calibrate: bool) -> None:
     curve = curve_for(model, model_spec)
     print(format_curve(curve))
     if curve.builtin:
-        print("  (no curve measured on this device for this model: --tree auto uses the built-in one; "
-              "measure it with `mlx-redrafter doctor --calibrate`)")
+        print(
+            "  (no curve measured on this device for this model: --tree auto uses the built-in one; "
+            "measure it with `mlx-redrafter doctor --calibrate`)"
+        )

@@ -17,28 +17,64 @@ def sweep(
     model: str = ModelOpt,
     drafter: Optional[str] = NeededDrafterOpt,
     widths: str = typer.Option("1,2,3,4", "--widths", help="Beam widths: a list or a range, e.g. 1,2,3,4 or 1-4."),
-    lengths: str = typer.Option("2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5."),
-    prompts: str = typer.Option("mt_bench", "--prompts", help="mt_bench | spec_bench | alpaca_eval | a .jsonl/.json/.txt file."),
-    num_prompts: int = typer.Option(8, "--num-prompts", help="Prompts per cell (first turns, round-robin over categories)."),
+    lengths: str = typer.Option(
+        "2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5."
+    ),
+    prompts: str = typer.Option(
+        "mt_bench", "--prompts", help="mt_bench | spec_bench | alpaca_eval | a .jsonl/.json/.txt file."
+    ),
+    num_prompts: int = typer.Option(
+        8, "--num-prompts", help="Prompts per cell (first turns, round-robin over categories)."
+    ),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
-    out: Path = typer.Option(Path("sweep-results"), "--out", "-o", help="Output folder; an interrupted sweep resumes there."),
+    out: Path = typer.Option(
+        Path("sweep-results"), "--out", "-o", help="Output folder; an interrupted sweep resumes there."
+    ),
     baseline_every: int = typer.Option(4, "--baseline-every", help="Measure plain decoding again after every k cells."),
-    save_profile: bool = typer.Option(False, "--save-profile", help="Store the best (W, L) for this device + model + drafter; generate and chat use it."),
-    memory_limit: Optional[float] = typer.Option(None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."),
-    timings: bool = typer.Option(False, "--timings/--no-timings", "--profile/--no-profile", help="Split each step into draft / pack / verify / accept: a sync per phase, in the synchronous step loop, so the speedups are that loop's (--profile: the old name)."),
+    save_profile: bool = typer.Option(
+        False,
+        "--save-profile",
+        help="Store the best (W, L) for this device + model + drafter; generate and chat use it.",
+    ),
+    memory_limit: Optional[float] = typer.Option(
+        None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."
+    ),
+    timings: bool = typer.Option(
+        False,
+        "--timings/--no-timings",
+        "--profile/--no-profile",
+        help="Split each step into draft / pack / verify / accept: a sync per phase, "
+        "in the synchronous step loop, so the speedups are that loop's (--profile: the old name).",
+    ),
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the results in --out."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     seed: int = typer.Option(0, "--seed", help="With --temp > 0, prompt i is sampled from seed + i in every pass."),
-    adaptive: bool = typer.Option(False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."),
-    lookup: Optional[bool] = typer.Option(None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."),
+    adaptive: bool = typer.Option(
+        False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."
+    ),
+    lookup: Optional[bool] = typer.Option(
+        None,
+        "--lookup/--no-lookup",
+        help="Measure every cell with lookup drafts only, or only without (default: both).",
+    ),
     dtype: Optional[str] = DtypeOpt,
     tree: Optional[str] = typer.Option(
-        None, "--tree", help="fixed: the fixed W x L grid only; auto: every cell runs the cost-aware selection "
-        "(W and L become caps); default: the fixed grid and an auto column beside it (caps W x the longest L)."),
+        None,
+        "--tree",
+        help="fixed: the fixed W x L grid only; auto: every cell runs the cost-aware selection "
+        "(W and L become caps); default: the fixed grid and an auto column beside it (caps W x the longest L).",
+    ),
 ):
-    """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""  # noqa: E501 (one line: typer shows newlines)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from ..config import LOOKUP_LENGTH
     from ..prompts import first_turn_ids, load_prompt_set, select_conversations
@@ -48,8 +84,18 @@ def sweep(
 
     # Every check that needs no model comes before the slow load.
     lookups = [0, 1] if lookup is None else [int(lookup)]
-    config = sw.SweepConfig(sw.parse_grid(widths, "--widths"), sw.parse_grid(lengths, "--lengths"), max_tokens,
-                            baseline_every, timings, memory_limit, temp, top_p, seed, lookups)
+    config = sw.SweepConfig(
+        sw.parse_grid(widths, "--widths"),
+        sw.parse_grid(lengths, "--lengths"),
+        max_tokens,
+        baseline_every,
+        timings,
+        memory_limit,
+        temp,
+        top_p,
+        seed,
+        lookups,
+    )
     config.tree, config.auto_column = tree or "fixed", tree is None
     config.check()
     if num_prompts < 1:
@@ -62,20 +108,43 @@ def sweep(
         check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
     s = _runtime(model, str(drafter_path), dtype=dtype, adaptive=adaptive, announce=False, tree=tree)
     config.curve = _sweep_curve(s, model, config.has_auto(), save_profile)
-    err.print(f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
-              f"{max_tokens} tokens each[/dim]")
-    ids, dropped = sw.fit_prompts(first_turn_ids(s.tokenizer, convs), s.model, max_tokens,
-                                  1 + max(config.widths) * max(config.lengths) + max(lookups) * LOOKUP_LENGTH)
+    err.print(
+        f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
+        f"{max_tokens} tokens each[/dim]"
+    )
+    ids, dropped = sw.fit_prompts(
+        first_turn_ids(s.tokenizer, convs),
+        s.model,
+        max_tokens,
+        1 + max(config.widths) * max(config.lengths) + max(lookups) * LOOKUP_LENGTH,
+    )
     if dropped:
-        err.print(f"[yellow]{dropped} prompts do not fit the model's context with --max-tokens {max_tokens}; left out.[/yellow]")
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+        err.print(
+            f"[yellow]{dropped} prompts do not fit the model's context "
+            f"with --max-tokens {max_tokens}; left out.[/yellow]"
+        )
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=err) as bar:
         task = bar.add_task("sweep", total=None)
         try:
             results = sw.run_sweep(
-                s.model, ids, s.drafter, config, out, meta, eos_ids=sorted(s.tokenizer.eos_token_ids),
+                s.model,
+                ids,
+                s.drafter,
+                config,
+                out,
+                meta,
+                eos_ids=sorted(s.tokenizer.eos_token_ids),
                 progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label),
-                fresh=fresh, controller=s.controller,
+                fresh=fresh,
+                controller=s.controller,
             )
         except KeyboardInterrupt:
             err.print(f"Interrupted: finished cells are saved in {out}/results.json; rerun the same command to resume.")
@@ -109,7 +178,9 @@ def _save_profile(sw, results, model, drafter_path, out) -> None:
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="Drafter folder (safetensors or pytorch_model.bin, sharded too), a weights file, or a Hub repo id."),
+    src: str = typer.Argument(
+        ..., help="Drafter folder (safetensors or pytorch_model.bin, sharded too), a weights file, or a Hub repo id."
+    ),
     dst: Path = typer.Argument(..., help="Output drafter folder (config.json + model.safetensors)."),
     dtype: str = typer.Option("float16", "--dtype", help="float32 | float16 | bfloat16."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Check that the drafter fits this LLM."),
@@ -124,13 +195,16 @@ def convert(
 @app.command("inspect")
 def inspect_cmd(
     drafter: str = typer.Argument(..., help="Drafter folder (MLX or PyTorch format) or Hub repo id."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Also show the cost of a draft step relative to this LLM."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Also show the cost of a draft step relative to this LLM."
+    ),
     dtype: Optional[str] = DtypeOpt,
 ):
     """Print a drafter's config, parameter count, size and dtype (and its cost per step with --model)."""
     from ..converters.drafter import inspect_drafter
 
     print("\n".join(inspect_drafter(drafter, model=model, dtype=dtype).lines()))
+
 
 @app.command("convert-gguf")
 def convert_gguf_cmd(

@@ -33,26 +33,42 @@ def _feature_layers(spec: str, model: str) -> list:
 @app.command()
 def distill(
     model: str = ModelOpt,
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL(.gz) of conversations (default: the ShareGPT prompts shipped with the package)."),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="JSONL(.gz) of conversations (default: the ShareGPT prompts shipped with the package)."
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Data folder (resumable)."),
     turns: int = typer.Option(1, "--turns", help="User turns answered per conversation."),
     batch_size: int = typer.Option(48, "--batch-size"),
     max_new_tokens: int = typer.Option(192, "--max-new-tokens"),
     max_prompt_tokens: int = typer.Option(384, "--max-prompt-tokens"),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget in minutes, over all runs into --out (a rerun resumes within it)."),
+    minutes: Optional[float] = typer.Option(
+        None, "--minutes", help="Time budget in minutes, over all runs into --out (a rerun resumes within it)."
+    ),
     max_conversations: Optional[int] = typer.Option(None, "--max-conversations"),
     system: Optional[str] = SystemOpt,
     seed: int = typer.Option(0, "--seed"),
-    stop_loops: int = typer.Option(12, "--stop-loops", help="End a reply after N tokens in a row that repeat its own text (0 = never)."),
+    stop_loops: int = typer.Option(
+        12, "--stop-loops", help="End a reply after N tokens in a row that repeat its own text (0 = never)."
+    ),
     top_k: int = typer.Option(16, "--top-k", help="Keep the LLM's top-k logits per token as soft targets (0 = none)."),
-    feature_layers: str = typer.Option("none", "--feature-layers", help="Also keep these layers' hidden states for feature fusion: 'none', 'default' (a low and a middle layer) or indices like 2,15."),
-    prompt_positions: bool = typer.Option(True, "--prompt-positions/--no-prompt-positions", help="Also keep the prompts' positions (computed by the prefill anyway; needs --top-k for their labels)."),
+    feature_layers: str = typer.Option(
+        "none",
+        "--feature-layers",
+        help="Also keep these layers' hidden states for feature fusion: "
+        "'none', 'default' (a low and a middle layer) or indices like 2,15.",
+    ),
+    prompt_positions: bool = typer.Option(
+        True,
+        "--prompt-positions/--no-prompt-positions",
+        help="Also keep the prompts' positions (computed by the prefill anyway; needs --top-k for their labels).",
+    ),
 ):
     """Answer training prompts with the LLM (greedy) and keep its tokens and hidden states."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from ..prompts import default_training_prompts
-    from ..train.distill import DistillConfig, distill as run_distill
+    from ..train.distill import DistillConfig
+    from ..train.distill import distill as run_distill
     from ..train.world import world
 
     if turns < 1 or batch_size < 1 or max_new_tokens < 1:
@@ -62,14 +78,34 @@ def distill(
     layers = _feature_layers(feature_layers, model)
     prompts = prompts or default_training_prompts()
     if prompts is None:
-        raise RedrafterError("No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).", "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
-    cfg = DistillConfig(turns, batch_size, max_new_tokens, max_prompt_tokens, minutes, max_conversations,
-                        system=system, seed=seed, stop_loops=stop_loops, top_k=top_k, feature_layers=layers,
-                        prompt_positions=prompt_positions and top_k > 0)
+        raise RedrafterError(
+            "No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).",
+            "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.",
+        )
+    cfg = DistillConfig(
+        turns,
+        batch_size,
+        max_new_tokens,
+        max_prompt_tokens,
+        minutes,
+        max_conversations,
+        system=system,
+        seed=seed,
+        stop_loops=stop_loops,
+        top_k=top_k,
+        feature_layers=layers,
+        prompt_positions=prompt_positions and top_k > 0,
+    )
     w = world()
     if w.size > 1:  # under mlx.launch: rank 0 shows the bar, every rank says where it is
         err.print(f"{w.label}: distilling its share of the prompts into {out}")
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=err, disable=w.rank != 0) as bar:
         task = bar.add_task("distilling" + (f" ({w.label})" if w.size > 1 else ""), total=None, info="loading")
         t0 = [None, 0]
@@ -82,9 +118,12 @@ def distill(
             done_tokens = m.tokens + running
             rate = (done_tokens - t0[1]) / max(_t.perf_counter() - t0[0], 1e-9)
             total = None if minutes else cfg.max_conversations
-            bar.update(task, completed=len(m.done) if not minutes else min(_t.perf_counter() - t0[0], 60 * minutes),
-                       total=(60 * minutes) if minutes else total,
-                       info=f"{len(m.done)} conversations, {done_tokens} tokens, {rate:.0f} tok/s")
+            bar.update(
+                task,
+                completed=len(m.done) if not minutes else min(_t.perf_counter() - t0[0], 60 * minutes),
+                total=(60 * minutes) if minutes else total,
+                info=f"{len(m.done)} conversations, {done_tokens} tokens, {rate:.0f} tok/s",
+            )
 
         try:
             m = run_distill(model, prompts, out, cfg, progress=progress)
@@ -94,7 +133,9 @@ def distill(
     if w.rank != 0:
         err.print(f"{w.label}: done")
         return
-    err.print(f"{out}: {m.sequences} replies, {m.tokens} tokens, {len(m.done)} conversations done, {m.elapsed / 60:.1f} min")
+    err.print(
+        f"{out}: {m.sequences} replies, {m.tokens} tokens, {len(m.done)} conversations done, {m.elapsed / 60:.1f} min"
+    )
 
 
 @app.command()
@@ -108,55 +149,120 @@ def train(
     rnn: bool = typer.Option(True, "--rnn/--no-rnn"),
     draft_vocab_size: Optional[int] = typer.Option(None, "--draft-vocab-size", help="0 = the full vocabulary."),
     depth: int = typer.Option(5, "--depth", help="Tokens predicted per example (T)."),
-    skip_repeats: Optional[int] = typer.Option(None, "--skip-repeats", help="Leave out positions whose next N tokens repeat earlier in the reply (0 = keep all)."),
+    skip_repeats: Optional[int] = typer.Option(
+        None,
+        "--skip-repeats",
+        help="Leave out positions whose next N tokens repeat earlier in the reply (0 = keep all).",
+    ),
     batch_size: int = typer.Option(256, "--batch-size"),
     lr: float = typer.Option(1e-3, "--lr"),
-    epochs: Optional[float] = typer.Option(None, "--epochs", help="Passes over the data (default 2; with --minutes, the time budget decides)."),
+    epochs: Optional[float] = typer.Option(
+        None, "--epochs", help="Passes over the data (default 2; with --minutes, the time budget decides)."
+    ),
     max_steps: Optional[int] = typer.Option(None, "--max-steps"),
     minutes: Optional[float] = typer.Option(None, "--minutes"),
     eval_every: int = typer.Option(500, "--eval-every"),
     checkpoint_every: int = typer.Option(500, "--checkpoint-every"),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint."),
     seed: int = typer.Option(0, "--seed"),
-    soft_weight: float = typer.Option(1.0, "--soft-weight", help="Weight of the KL to the LLM's top-k probabilities, when the data holds them (0 = hard labels only)."),
-    depth_decay: float = typer.Option(0.8, "--depth-decay", help="Loss weight of depth d is DECAY**d (1 = equal weights)."),
-    fuse_features: bool = typer.Option(False, "--fuse-features", help="Fuse the intermediate-layer features the data holds (distill --feature-layers) into the context."),
-    prompt_positions: bool = typer.Option(True, "--prompt-positions/--no-prompt-positions", help="Train on the prompts' positions too, when the data holds them."),
+    soft_weight: float = typer.Option(
+        1.0,
+        "--soft-weight",
+        help="Weight of the KL to the LLM's top-k probabilities, when the data holds them (0 = hard labels only).",
+    ),
+    depth_decay: float = typer.Option(
+        0.8, "--depth-decay", help="Loss weight of depth d is DECAY**d (1 = equal weights)."
+    ),
+    fuse_features: bool = typer.Option(
+        False,
+        "--fuse-features",
+        help="Fuse the intermediate-layer features the data holds (distill --feature-layers) into the context.",
+    ),
+    prompt_positions: bool = typer.Option(
+        True,
+        "--prompt-positions/--no-prompt-positions",
+        help="Train on the prompts' positions too, when the data holds them.",
+    ),
 ):
     """Train a drafter on distilled data (the LLM stays frozen)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from ..llm.load import load_model
-    from ..train.trainer import TrainConfig, train as run_train
+    from ..train.trainer import TrainConfig
+    from ..train.trainer import train as run_train
     from ..train.world import world
 
     base = dict(PRESETS.get(preset or "default", {}))
     if preset is not None and preset not in PRESETS:
         raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(PRESETS)}.")
-    for k, v in (("exit_dim", exit_dim), ("num_draft_layers", num_draft_layers), ("draft_vocab_size", draft_vocab_size), ("skip_repeats", skip_repeats)):
+    for k, v in (
+        ("exit_dim", exit_dim),
+        ("num_draft_layers", num_draft_layers),
+        ("draft_vocab_size", draft_vocab_size),
+        ("skip_repeats", skip_repeats),
+    ):
         if v is not None:
             base[k] = v if (k != "draft_vocab_size" or v > 0) else None
     epochs = epochs if epochs is not None else (1000.0 if minutes else 2.0)
-    cfg = TrainConfig(**base, rnn=rnn, depth=depth, batch_size=batch_size, lr=lr, epochs=epochs,
-                      max_steps=max_steps, minutes=minutes, eval_every=eval_every,
-                      checkpoint_every=checkpoint_every, seed=seed, soft_weight=soft_weight,
-                      depth_decay=depth_decay, fuse_features=fuse_features, prompt_positions=prompt_positions)
+    cfg = TrainConfig(
+        **base,
+        rnn=rnn,
+        depth=depth,
+        batch_size=batch_size,
+        lr=lr,
+        epochs=epochs,
+        max_steps=max_steps,
+        minutes=minutes,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+        soft_weight=soft_weight,
+        depth_decay=depth_decay,
+        fuse_features=fuse_features,
+        prompt_positions=prompt_positions,
+    )
     if soft_weight < 0 or not 0 < depth_decay <= 1:
-        raise RedrafterError(f"--soft-weight must be >= 0 and --depth-decay in (0, 1] (got {soft_weight}, {depth_decay}).")
+        raise RedrafterError(
+            f"--soft-weight must be >= 0 and --depth-decay in (0, 1] (got {soft_weight}, {depth_decay})."
+        )
     if not data.is_dir():
         raise RedrafterError(f"Data folder does not exist: {data}", "Run `mlx-redrafter distill --out DIR` first.")
     llm, tok = load_model(model)
     w = world()
     if w.size > 1:  # under mlx.launch: rank 0 shows the bar and writes OUT, every rank says where it is
-        err.print(f"{w.label}: training on its slice of each batch of {batch_size}" + (f", rank 0 writes {out}" if w.rank else ""))
+        err.print(
+            f"{w.label}: training on its slice of each batch of {batch_size}"
+            + (f", rank 0 writes {out}" if w.rank else "")
+        )
     label = "training" + (f" ({w.label})" if w.size > 1 else "")
-    columns = [TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=err, disable=w.rank != 0) as bar:
         task = bar.add_task("train", total=None, loss=float("nan"))
         try:
-            run_train(llm, data, out, cfg, resume=resume, eos_ids=sorted(tok.eos_token_ids),
-                      progress=lambda s, n, loss: bar.update(task, completed=s, total=n, loss=loss),
-                      log_console=lambda line: bar.console.print(f"[dim]{line}[/dim]"))
+            run_train(
+                llm,
+                data,
+                out,
+                cfg,
+                resume=resume,
+                eos_ids=sorted(tok.eos_token_ids),
+                progress=lambda s, n, loss: bar.update(task, completed=s, total=n, loss=loss),
+                log_console=lambda line: bar.console.print(f"[dim]{line}[/dim]"),
+            )
         except KeyboardInterrupt:
             err.print(f"Interrupted: checkpoint saved in {out}/checkpoint; resume with --resume.")
             raise typer.Exit(130)
@@ -170,7 +276,9 @@ def train(
 def train_controller_cmd(
     model: str = ModelOpt,
     drafter: Optional[str] = NeededDrafterOpt,
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Training prompts, JSONL (default: held-out ShareGPT conversations)."),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="Training prompts, JSONL (default: held-out ShareGPT conversations)."
+    ),
     num_prompts: int = typer.Option(48, "--num-prompts"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     beam_width: Optional[int] = BeamWidthOpt,
@@ -182,7 +290,14 @@ def train_controller_cmd(
     """Train the adaptive-depth controller for a drafter on this device (saved next to the drafter)."""
     import random
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from ..prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
     from ..step.curve import load_curve
@@ -193,7 +308,10 @@ def train_controller_cmd(
         raise RedrafterError("--num-prompts, --max-tokens and --epochs must be at least 1.")
     source = prompts or default_training_prompts()
     if source is None:
-        raise RedrafterError("No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).", "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
+        raise RedrafterError(
+            "No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).",
+            "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.",
+        )
     convs = read_conversations(source)
     refuse_eval_set(source, convs)
     if prompts is None:  # ShareGPT: the conversations held out from drafter training
@@ -205,15 +323,38 @@ def train_controller_cmd(
     s.announce(err)
     ids = first_turn_ids(s.tokenizer, convs)
     ids = [p for p in ids if len(p) <= 512][:num_prompts]
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=err) as bar:
         task = bar.add_task("recording", total=len(ids))
-        fit = fit_and_save(s.model, s.drafter, s.drafter_path, ids, s.beam_width, s.beam_length, max_tokens,
-                           eos_ids=s.tokenizer.eos_token_ids, epochs=epochs, alpha=alpha, seed=seed,
-                           curve=load_curve(s.model, model),  # doctor --calibrate's; None: the latencies timed here
-                           progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total))
-    err.print(f"{fit.steps} steps recorded; offline tokens per plain-step time: "
-              + ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items()) + f", adaptive: {fit.learned:.2f}")
+        fit = fit_and_save(
+            s.model,
+            s.drafter,
+            s.drafter_path,
+            ids,
+            s.beam_width,
+            s.beam_length,
+            max_tokens,
+            eos_ids=s.tokenizer.eos_token_ids,
+            epochs=epochs,
+            alpha=alpha,
+            seed=seed,
+            curve=load_curve(s.model, model),  # doctor --calibrate's; None: the latencies timed here
+            progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total),
+        )
+    err.print(
+        f"{fit.steps} steps recorded; offline tokens per plain-step time: "
+        + ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items())
+        + f", adaptive: {fit.learned:.2f}"
+    )
     if not fit.beats_fixed:
-        err.print(f"[yellow]The controller does not beat the fixed depth L={fit.best_depth} on the recorded steps; keep using fixed (W, L).[/yellow]")
+        err.print(
+            f"[yellow]The controller does not beat the fixed depth L={fit.best_depth} on the recorded steps; "
+            "keep using fixed (W, L).[/yellow]"
+        )
     err.print(f"saved {fit.path} (use it with --adaptive)")

@@ -98,13 +98,11 @@ def beam_search(
         path_scores = mx.concatenate([path_scores[parent], scores[:, None]], axis=1)
         if return_logprobs:
             step_lp = logp[parent][:, None]
-            lp_history = step_lp if lp_history is None else mx.concatenate(
-                [lp_history[parent], step_lp], axis=1
-            )
+            lp_history = step_lp if lp_history is None else mx.concatenate([lp_history[parent], step_lp], axis=1)
         if confidences:
             top = mx.sort(mx.topk(logp, confidences, axis=-1), axis=-1)[:, ::-1]
             step_conf = mx.exp(top[parent])[:, None]
-            conf_history = step_conf if conf_history is None else mx.concatenate(
-                [conf_history[parent], step_conf], axis=1
+            conf_history = (
+                step_conf if conf_history is None else mx.concatenate([conf_history[parent], step_conf], axis=1)
             )
     return Beams(history, scores, lp_history, conf_history, path_scores)

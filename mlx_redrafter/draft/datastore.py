@@ -35,10 +35,10 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..config import PAD
 from ..errors import RedrafterError
 from ..files import cache_root
 from ..profiles import model_id
-from ..config import PAD
 from .datastore_file import read_store, write_store
 
 log = logging.getLogger(__name__)
@@ -293,8 +293,14 @@ class Datastore:
 
     # -- matching ----------------------------------------------------------
 
-    def match(self, history: Sequence[int], max_match: int = DEPTH, max_continuations: int = 4, length: int = 4,
-              scan: int = SCAN) -> Match:
+    def match(
+        self,
+        history: Sequence[int],
+        max_match: int = DEPTH,
+        max_continuations: int = 4,
+        length: int = 4,
+        scan: int = SCAN,
+    ) -> Match:
         """The longest suffix of ``history`` (up to ``max_match`` tokens) that
         occurs in the store with a token after it, and its
         ``max_continuations`` most frequent continuations of up to ``length``
@@ -343,8 +349,9 @@ def default_path(model_spec, kind: str = "history") -> Path:
 # -- proposing -----------------------------------------------------------------
 
 
-def propose(store: Datastore, history: Sequence[int], length: int, min_match: int = MIN_MATCH,
-            max_match: int = DEPTH) -> Tuple[np.ndarray, int, int]:
+def propose(
+    store: Datastore, history: Sequence[int], length: int, min_match: int = MIN_MATCH, max_match: int = DEPTH
+) -> Tuple[np.ndarray, int, int]:
     """One draft row for a step: ``(tokens [length] int32, match length, count)``.
 
     ``tokens`` is the most frequent continuation of the longest matched
@@ -370,8 +377,9 @@ class StoreLookup:
     the latest proposal's match length and counts, for scoring and stats.
     """
 
-    def __init__(self, store: Datastore, tokens: Iterable[int] = (), min_match: int = MIN_MATCH,
-                 max_match: int = DEPTH):
+    def __init__(
+        self, store: Datastore, tokens: Iterable[int] = (), min_match: int = MIN_MATCH, max_match: int = DEPTH
+    ):
         self.store, self.min_match = store, min_match
         self.max_match = min(max_match, store.depth)
         self.history: deque = deque(maxlen=self.max_match)

@@ -250,7 +250,7 @@ def read_drafter(path, dtype=None) -> Drafter:
     the LLM policy (float16 on a GPU, float32 on the CPU). Parameters are
     evaluated before returning. :func:`~mlx_redrafter.draft.load.load_drafter`
     also takes names (a model's, the store's, a Hub repo's)."""
-    from ..llm.load import parse_dtype, default_dtype
+    from ..llm.load import default_dtype, parse_dtype
 
     path = Path(path).expanduser()
     if not path.exists():
@@ -306,8 +306,10 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
     return path
 
 
-FIT_FIX = ("Use a drafter trained for this model (`mlx-redrafter make-drafter --model M` makes one), "
-           "or load the model it was trained for.")
+FIT_FIX = (
+    "Use a drafter trained for this model (`mlx-redrafter make-drafter --model M` makes one), "
+    "or load the model it was trained for."
+)
 
 
 def fit_problem(config: DrafterConfig, hidden: int, vocab: int, num_layers: int) -> Optional[str]:

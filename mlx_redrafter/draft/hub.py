@@ -128,9 +128,15 @@ def _convert(repo: str, snapshot: Path, identity, meta: dict, say) -> Path:
     with tempfile.TemporaryDirectory(dir=store.store_root(), prefix=".convert-") as tmp:
         # float32: every source dtype widens to it exactly; the drafter loads at the device's dtype.
         report = convert_drafter(snapshot, Path(tmp) / "drafter", dtype="float32")
-        path = store.install(report.dst, identity, {**meta, "source": f"converted from hub:{repo}",
-                                                    "conversion": {"format": report.format,
-                                                                   "source_dtypes": report.source_dtypes}},
-                             name=store.slug(repo))
+        path = store.install(
+            report.dst,
+            identity,
+            {
+                **meta,
+                "source": f"converted from hub:{repo}",
+                "conversion": {"format": report.format, "source_dtypes": report.source_dtypes},
+            },
+            name=store.slug(repo),
+        )
     say(f"Converted {repo} ({report.format}) -> {path}")
     return path

@@ -42,25 +42,30 @@ def _hub_id(text) -> bool:
 def _front_matter(base: dict) -> str:
     from huggingface_hub import ModelCardData
 
-    data = ModelCardData(library_name="mlx-redrafter", tags=TAGS,
-                         base_model=base.get("id") if _hub_id(base.get("id")) else None)
+    data = ModelCardData(
+        library_name="mlx-redrafter", tags=TAGS, base_model=base.get("id") if _hub_id(base.get("id")) else None
+    )
     return f"---\n{data.to_yaml()}\n---\n"
 
 
 def _base_lines(base: dict) -> List[str]:
     if not base:
         return ["Not recorded (a drafter made by hand)."]
-    return [f"- model: `{base.get('id', '?')}`",
-            f"- fingerprint of the copy it was trained on: `{base.get('fingerprint', '?')}` "
-            f"(family `{base.get('family', '?')}`: any copy of the model with the same family fits)",
-            f"- hidden size {base.get('hidden_size', '?')}, vocabulary {base.get('vocab_size', '?')}"]
+    return [
+        f"- model: `{base.get('id', '?')}`",
+        f"- fingerprint of the copy it was trained on: `{base.get('fingerprint', '?')}` "
+        f"(family `{base.get('family', '?')}`: any copy of the model with the same family fits)",
+        f"- hidden size {base.get('hidden_size', '?')}, vocabulary {base.get('vocab_size', '?')}",
+    ]
 
 
 def _data_lines(data: dict) -> List[str]:
     if not data:
         return ["Not recorded."]
     names = {"conversations": "conversations", "positions": "training positions", "tokens": "tokens generated"}
-    lines = [f"- prompts: {data.get('prompts', '?')}" + (" (the user's own conversations)" if data.get("private") else "")]
+    lines = [
+        f"- prompts: {data.get('prompts', '?')}" + (" (the user's own conversations)" if data.get("private") else "")
+    ]
     return lines + [f"- {label}: {data[k]:,}" for k, label in names.items() if isinstance(data.get(k), int)]
 
 
@@ -91,17 +96,23 @@ def _acceptance_lines(acceptance: dict) -> List[str]:
 def _verdict_lines(v: dict) -> List[str]:
     if not v:
         return ["Not measured."]
-    lines = [f"Measured on {v.get('device', '?')}, {v.get('date', '?')} (commit {v.get('commit', '?')}), "
-             f"{v.get('prompts', '?')} held-out prompts x {v.get('max_tokens', '?')} tokens, greedy:", "",
-             "| decoding | tokens/s | speed-up | tokens/step |", "|---|---|---|---|"]
+    lines = [
+        f"Measured on {v.get('device', '?')}, {v.get('date', '?')} (commit {v.get('commit', '?')}), "
+        f"{v.get('prompts', '?')} held-out prompts x {v.get('max_tokens', '?')} tokens, greedy:",
+        "",
+        "| decoding | tokens/s | speed-up | tokens/step |",
+        "|---|---|---|---|",
+    ]
     plain = v.get("plain") or {}
     lines.append(f"| plain | {plain.get('tokens_per_second', '?')} | 1.00x | 1.00 |")
     for name in ("lookup", "drafter"):
         row = v.get(name) or {}
         if row:
             shape = f" (W={row['beam_width']} L={row['beam_length']})" if "beam_width" in row else ""
-            lines.append(f"| {name}{shape} | {row.get('tokens_per_second', '')} | {row.get('speedup', '?')}x | "
-                         f"{row.get('tokens_per_step', '?')} |")
+            lines.append(
+                f"| {name}{shape} | {row.get('tokens_per_second', '')} | {row.get('speedup', '?')}x | "
+                f"{row.get('tokens_per_step', '?')} |"
+            )
     if "identical" in v:
         lines += ["", f"Output identical to plain decoding: {'yes' if v['identical'] else 'NO'}."]
     if v.get("reason"):
@@ -114,11 +125,25 @@ def model_card(meta: dict, repo: str) -> str:
     base = meta.get("base_model") or {}
     model = base.get("id", "MODEL")
     sections = [
-        (f"# {repo}", [f"A [ReDrafter](https://arxiv.org/abs/2403.09919) draft head for `{model}`, made with "
-                       "mlx-redrafter (speculative decoding on MLX: the same tokens as the model alone, fewer model "
-                       "calls)."]),
-        ("## Use", ["```bash", "pip install mlx-redrafter", f"mlx-redrafter chat --model {model} --drafter {repo}",
-                    "```", "", "From Python: `load_drafter(\"" + repo + "\")`."]),
+        (
+            f"# {repo}",
+            [
+                f"A [ReDrafter](https://arxiv.org/abs/2403.09919) draft head for `{model}`, made with "
+                "mlx-redrafter (speculative decoding on MLX: the same tokens as the model alone, fewer model "
+                "calls)."
+            ],
+        ),
+        (
+            "## Use",
+            [
+                "```bash",
+                "pip install mlx-redrafter",
+                f"mlx-redrafter chat --model {model} --drafter {repo}",
+                "```",
+                "",
+                'From Python: `load_drafter("' + repo + '")`.',
+            ],
+        ),
         ("## Base model", _base_lines(base)),
         ("## Data", _data_lines(meta.get("data") or {})),
         ("## Recipe", _recipe_lines(meta.get("recipe") or {})),
@@ -153,16 +178,28 @@ def upload(folder: Path, repo: str, private: bool = False) -> str:
     api = HfApi()
     try:
         api.create_repo(repo_id=repo, repo_type="model", private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model",
-                          commit_message="Upload a ReDrafter drafter (mlx-redrafter upload)")
+        api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo,
+            repo_type="model",
+            commit_message="Upload a ReDrafter drafter (mlx-redrafter upload)",
+        )
     except Exception as e:  # network, authentication, permissions: all the user's to fix
-        raise RedrafterError(f"Cannot upload to {repo}: {e}",
-                             "Log in with `hf auth login` (a token with write access), and check the repo id.") from None
+        raise RedrafterError(
+            f"Cannot upload to {repo}: {e}",
+            "Log in with `hf auth login` (a token with write access), and check the repo id.",
+        ) from None
     return f"https://huggingface.co/{repo}"
 
 
-def publish(drafter: Path, repo: str, *, private: bool = False, include_private_data: bool = False,
-            dry_run: Optional[Path] = None) -> str:
+def publish(
+    drafter: Path,
+    repo: str,
+    *,
+    private: bool = False,
+    include_private_data: bool = False,
+    dry_run: Optional[Path] = None,
+) -> str:
     """Stage and upload the drafter (``dry_run``: only stage it there); returns the address or the folder."""
     import tempfile
 

@@ -33,8 +33,14 @@ META = "redrafter.json"
 FORMAT = 1
 # The files a drafter folder may hold that the store keeps (nothing else is copied:
 # a work folder's distilled data stays where it is).
-DRAFTER_FILES = ("config.json", "model.safetensors", "controller.json", "controller.safetensors",
-                 "train_log.jsonl", "README.md")
+DRAFTER_FILES = (
+    "config.json",
+    "model.safetensors",
+    "controller.json",
+    "controller.safetensors",
+    "train_log.jsonl",
+    "README.md",
+)
 # The folder of drafters whose base model is not known (an official drafter from the Hub):
 # used when named (--drafter org/name), never found for a model by itself.
 UNKNOWN_FAMILY = "any-model"
@@ -89,10 +95,12 @@ class Found:
         """The one-line note for a drafter trained on another copy of the model."""
         if self.exact:
             return None
-        base = (self.meta.get("base_model") or {})
-        return (f"the drafter was trained for {base.get('id', '?')} (fingerprint {str(base.get('fingerprint', '?'))[:8]}), "
-                f"another copy of this model ({identity.id}, {identity.short}): it fits and the output is the same, "
-                f"its speed-up may differ")
+        base = self.meta.get("base_model") or {}
+        return (
+            f"the drafter was trained for {base.get('id', '?')} (fingerprint {str(base.get('fingerprint', '?'))[:8]}), "
+            f"another copy of this model ({identity.id}, {identity.short}): it fits and the output is the same, "
+            f"its speed-up may differ"
+        )
 
 
 def store_root() -> Path:
@@ -135,7 +143,9 @@ def install(folder, identity: Optional[ModelIdentity], meta: dict, name: Optiona
     src = Path(folder)
     config = read_config(src)
     if not (src / "model.safetensors").is_file():
-        raise RedrafterError(f"No model.safetensors in {src}.", "Install a drafter folder (config.json + model.safetensors).")
+        raise RedrafterError(
+            f"No model.safetensors in {src}.", "Install a drafter folder (config.json + model.safetensors)."
+        )
     if identity is not None:
         problem = fit_problem(config, identity.hidden_size, identity.vocab_size, identity.num_layers or 1 << 30)
         if problem:
@@ -220,7 +230,8 @@ def find(identity: ModelIdentity) -> Optional[Found]:
         if e.problem is None:
             base = e.meta.get("base_model") or {}
             exact = base.get("fingerprint") == identity.fingerprint or (
-                e.shipped and SHIPPED_DRAFTERS.get(identity.id) == e.name)
+                e.shipped and SHIPPED_DRAFTERS.get(identity.id) == e.name
+            )
             return Found(e.path, e.meta, exact, e.shipped)
     return None
 
@@ -239,12 +250,16 @@ def remove(spec: str) -> List[Path]:
     hits = [e for e in entries() if spec in (e.name, e.model_id, str(e.path))]
     shipped = [e for e in hits if e.shipped]
     if shipped and len(shipped) == len(hits):
-        raise RedrafterError(f"{shipped[0].path} ships with the package and cannot be removed.",
-                             "Pass --no-draft or --drafter none to run without it.")
+        raise RedrafterError(
+            f"{shipped[0].path} ships with the package and cannot be removed.",
+            "Pass --no-draft or --drafter none to run without it.",
+        )
     gone = [e.path for e in hits if not e.shipped]
     if not gone:
-        raise RedrafterError(f"No drafter {spec!r} in the store ({store_root()}).",
-                             "`mlx-redrafter drafters list` shows the stored drafters.")
+        raise RedrafterError(
+            f"No drafter {spec!r} in the store ({store_root()}).",
+            "`mlx-redrafter drafters list` shows the stored drafters.",
+        )
     for path in gone:
         shutil.rmtree(path)
     return gone

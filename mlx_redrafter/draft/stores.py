@@ -55,8 +55,9 @@ class Stores:
     def match(self, history, max_match: int = 16, max_continuations: int = 4, length: int = 4, **kw) -> Match:
         best = NO_MATCH
         for s in self.stores:
-            m = s.match(history, max_match=min(max_match, s.depth), max_continuations=max_continuations,
-                        length=length, **kw)
+            m = s.match(
+                history, max_match=min(max_match, s.depth), max_continuations=max_continuations, length=length, **kw
+            )
             if (m.length, m.occurrences) > (best.length, best.occurrences):
                 best = m
         return best

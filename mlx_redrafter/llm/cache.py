@@ -27,7 +27,12 @@ from typing import List, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
-    KVCache, LRUPromptCache, QuantizedKVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache,
+    KVCache,
+    LRUPromptCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
 )
 
 from ..errors import RedrafterError
@@ -83,8 +88,10 @@ class PromptCache:
 
     def __init__(self, model, max_size: int = 1, max_bytes: int = 1 << 63):
         if max_size < 1 or max_bytes < 1:
-            raise RedrafterError(f"A prompt cache needs room for an entry (got {max_size} entries, {max_bytes} bytes).",
-                                 "Give --prompt-cache-size and --prompt-cache-bytes positive values.")
+            raise RedrafterError(
+                f"A prompt cache needs room for an entry (got {max_size} entries, {max_bytes} bytes).",
+                "Give --prompt-cache-size and --prompt-cache-bytes positive values.",
+            )
         self.model = model
         self.lru = LRUPromptCache(max_size, max_bytes)
         self.cache = None

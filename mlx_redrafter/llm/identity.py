@@ -71,7 +71,13 @@ def digest(*parts) -> str:
     """A short stable hash of strings, bytes and numpy arrays."""
     h = hashlib.sha256()
     for p in parts:
-        h.update(p if isinstance(p, bytes) else np.ascontiguousarray(p).tobytes() if isinstance(p, np.ndarray) else str(p).encode())
+        h.update(
+            p
+            if isinstance(p, bytes)
+            else np.ascontiguousarray(p).tobytes()
+            if isinstance(p, np.ndarray)
+            else str(p).encode()
+        )
         h.update(b"\0")
     return h.hexdigest()[:16]
 
@@ -150,7 +156,7 @@ def model_name(spec: Optional[str]) -> Optional[str]:
     path = path.resolve()
     parts = path.parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return parts[-3][len("models--"):].replace("--", "/", 1)
+        return parts[-3][len("models--") :].replace("--", "/", 1)
     return path.stem if path.is_file() else path.name
 
 

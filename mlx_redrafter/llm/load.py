@@ -55,9 +55,7 @@ def parse_dtype(dtype) -> Optional[mx.Dtype]:
     if dtype is None or isinstance(dtype, mx.Dtype):
         return dtype
     if dtype not in DTYPES:
-        raise RedrafterError(
-            f"Unknown dtype {dtype!r}.", f"Use one of: {', '.join(DTYPES)}."
-        )
+        raise RedrafterError(f"Unknown dtype {dtype!r}.", f"Use one of: {', '.join(DTYPES)}.")
     return DTYPES[dtype]
 
 
@@ -112,8 +110,7 @@ def resolve_model_path(spec: str) -> Path:
     if is_path_like(spec) or spec.count("/") != 1:
         raise RedrafterError(
             f"Model path does not exist: {spec}",
-            "Check the path, or give a Hugging Face repo id such as "
-            "mlx-community/SmolLM2-135M-Instruct, or 'default'.",
+            "Check the path, or give a Hugging Face repo id such as mlx-community/SmolLM2-135M-Instruct, or 'default'.",
         )
     return hub_snapshot(spec)
 

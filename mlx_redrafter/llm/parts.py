@@ -53,7 +53,9 @@ def _layer_list(model) -> list:
     backbone = getattr(model, "model", None) or getattr(model, "language_model", None)
     layers = getattr(backbone, "layers", None)
     if not isinstance(layers, list):
-        raise RedrafterError(f"Model type {type(model).__module__} has no `model.layers` list to capture features from.")
+        raise RedrafterError(
+            f"Model type {type(model).__module__} has no `model.layers` list to capture features from."
+        )
     return layers
 
 
@@ -61,7 +63,10 @@ def check_layers(model, layers: Sequence[int]) -> None:
     n = len(_layer_list(model))
     bad = [i for i in layers if not 0 <= i < n]
     if bad:
-        raise RedrafterError(f"Feature layers {bad} do not exist: the model has layers 0-{n - 1}.", "Pick layer indices inside that range.")
+        raise RedrafterError(
+            f"Feature layers {bad} do not exist: the model has layers 0-{n - 1}.",
+            "Pick layer indices inside that range.",
+        )
 
 
 @contextmanager

@@ -35,13 +35,31 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .anthropic_reply import CountOut, MessageOut, MessageReply
 from .engine import Engine, GenParams
-from .streaming import (MISSING, UNSUPPORTED, Failure, check_model, client_left, grammar, render, sampling,
-                        refuse_nested_extras, submit, unsupported)
+from .streaming import (
+    MISSING,
+    UNSUPPORTED,
+    Failure,
+    check_model,
+    client_left,
+    grammar,
+    refuse_nested_extras,
+    render,
+    sampling,
+    submit,
+    unsupported,
+)
 
 # Anthropic's error types by HTTP status (its API answers 529 where this server answers 503).
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 # Top-level fields accepted although they do not change the reply.
 ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo"}
 
@@ -148,14 +166,15 @@ def check_supported(req: CountRequest) -> None:
         if name not in ACCEPTED:
             raise unsupported(name)
     if req.thinking is not None and req.thinking.type != "disabled":
-        raise unsupported("thinking", "the served model does not think; drop it or send {\"type\": \"disabled\"}")
+        raise unsupported("thinking", 'the served model does not think; drop it or send {"type": "disabled"}')
     config = getattr(req, "output_config", None)
     if config is not None and config.effort is not None:
         raise unsupported("output_config.effort")
     if req.messages[-1].role == "assistant":
-        raise unsupported(f"messages.{len(req.messages) - 1}",
-                          "a final assistant message (a prefill to continue) cannot be continued here; "
-                          "end with a user message")
+        raise unsupported(
+            f"messages.{len(req.messages) - 1}",
+            "a final assistant message (a prefill to continue) cannot be continued here; end with a user message",
+        )
 
 
 def _blocks(content: Union[str, List[Block]]) -> List[Block]:
@@ -166,8 +185,13 @@ def _text(blocks: List[Block], where: str) -> str:
     """The text of blocks that may only be text (a system prompt, a tool result)."""
     for j, b in enumerate(blocks):
         if b.type != "text":
-            raise Failure(400, f"'{where}.{j}' is a '{b.type}' block, which mlx-redrafter serve does not support "
-                          "there; send text blocks.", UNSUPPORTED, f"{where}.{j}")
+            raise Failure(
+                400,
+                f"'{where}.{j}' is a '{b.type}' block, which mlx-redrafter serve does not support "
+                "there; send text blocks.",
+                UNSUPPORTED,
+                f"{where}.{j}",
+            )
     return "".join(b.text or "" for b in blocks)
 
 
@@ -192,13 +216,19 @@ def chat_messages(req: CountRequest) -> List[dict]:
                 texts.append(b.text or "")
             elif b.type == "tool_use" and m.role == "assistant":
                 arguments = json.dumps(b.input or {}, ensure_ascii=False)
-                calls.append({"id": b.id or "", "type": "function", "function": {"name": b.name or "", "arguments": arguments}})
+                calls.append(
+                    {"id": b.id or "", "type": "function", "function": {"name": b.name or "", "arguments": arguments}}
+                )
             elif b.type == "tool_result" and m.role == "user":
                 results.append(_result(b, where))
             else:
-                raise Failure(400, f"'{where}' is a '{b.type}' block, which mlx-redrafter serve does not support in "
-                              f"{m.role} messages; send text, tool_use (assistant) and tool_result (user) blocks.",
-                              UNSUPPORTED, where)
+                raise Failure(
+                    400,
+                    f"'{where}' is a '{b.type}' block, which mlx-redrafter serve does not support in "
+                    f"{m.role} messages; send text, tool_use (assistant) and tool_result (user) blocks.",
+                    UNSUPPORTED,
+                    where,
+                )
         out += results  # they answer the previous turn's calls
         if m.role == "assistant":
             out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
@@ -212,8 +242,13 @@ def openai_tools(tools: Optional[List[ToolIn]]) -> Optional[list]:
     out = []
     for i, t in enumerate(tools or []):
         if t.type not in (None, "custom"):
-            raise Failure(400, f"'tools.{i}' is the server tool '{t.type}', which mlx-redrafter serve does not "
-                          "have; send custom tools (name, description, input_schema).", UNSUPPORTED, f"tools.{i}")
+            raise Failure(
+                400,
+                f"'tools.{i}' is the server tool '{t.type}', which mlx-redrafter serve does not "
+                "have; send custom tools (name, description, input_schema).",
+                UNSUPPORTED,
+                f"tools.{i}",
+            )
         if t.input_schema is None:
             raise Failure(400, f"'tools.{i}.input_schema': Field required.", MISSING, f"tools.{i}.input_schema")
         function = {"name": t.name, "parameters": t.input_schema}
@@ -239,8 +274,15 @@ def tool_choice(choice: Optional[ToolChoice]):
 def _render(engine: Engine, req: CountRequest, content=None):
     check_supported(req)
     choice, parallel = tool_choice(req.tool_choice)
-    rendered = render(engine, chat_messages(req), openai_tools(req.tools), choice, content_param="output_config.format",
-                      parallel_tool_calls=parallel, content=content)
+    rendered = render(
+        engine,
+        chat_messages(req),
+        openai_tools(req.tools),
+        choice,
+        content_param="output_config.format",
+        parallel_tool_calls=parallel,
+        content=content,
+    )
     refuse_nested_extras(req)
     return rendered
 

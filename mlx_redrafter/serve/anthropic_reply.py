@@ -80,8 +80,12 @@ def stop_reason(res: Result, calls: List[ToolCall]) -> str:
 
 
 def tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-            "input": call.arguments_object()}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call.id.removeprefix("call_"),
+        "name": call.name,
+        "input": call.arguments_object(),
+    }
 
 
 class MessageReply:
@@ -102,14 +106,25 @@ class MessageReply:
     def usage(self, res: Optional[Result]) -> dict:
         reused = res.reused_tokens if res is not None else 0
         prompt = res.prompt_tokens if res is not None else self.prompt_tokens
-        return {"input_tokens": prompt - reused, "output_tokens": res.completion_tokens if res is not None else 0,
-                "cache_read_input_tokens": reused, "cache_creation_input_tokens": 0}
+        return {
+            "input_tokens": prompt - reused,
+            "output_tokens": res.completion_tokens if res is not None else 0,
+            "cache_read_input_tokens": reused,
+            "cache_creation_input_tokens": 0,
+        }
 
     def _message(self, content: list, res: Optional[Result]) -> dict:
         done = res is not None
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.engine.model_id,
-                "content": content, "stop_reason": stop_reason(res, self._calls()) if done else None,
-                "stop_sequence": res.stop_sequence if done else None, "usage": self.usage(res)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.engine.model_id,
+            "content": content,
+            "stop_reason": stop_reason(res, self._calls()) if done else None,
+            "stop_sequence": res.stop_sequence if done else None,
+            "usage": self.usage(res),
+        }
 
     def whole(self, res: Result) -> JSONResponse:
         content: List[dict] = []
@@ -120,8 +135,9 @@ class MessageReply:
                 content[-1]["text"] += e
             else:
                 content.append({"type": "text", "text": e})
-        return JSONResponse({**self._message(content or [{"type": "text", "text": ""}], res),
-                             "redrafter": self.engine.stats(res)})
+        return JSONResponse(
+            {**self._message(content or [{"type": "text", "text": ""}], res), "redrafter": self.engine.stats(res)}
+        )
 
     async def sse(self, events: AsyncIterator[Tuple[str, object]]) -> AsyncIterator[str]:
         """The reply's server-sent events (see the module)."""
@@ -143,8 +159,9 @@ class MessageReply:
                 for out in blocks.close(empty_text=True):
                     yield out
                 delta = {"stop_reason": stop_reason(value, self._calls()), "stop_sequence": value.stop_sequence}
-                yield _event("message_delta", {"delta": delta, "usage": self.usage(value),
-                                               "redrafter": self.engine.stats(value)})
+                yield _event(
+                    "message_delta", {"delta": delta, "usage": self.usage(value), "redrafter": self.engine.stats(value)}
+                )
                 yield _event("message_stop", {})
 
 
@@ -159,12 +176,16 @@ class _Blocks:
         if isinstance(event, str):
             out = [] if self.open_text else self._start({"type": "text", "text": ""})
             self.open_text = True
-            return out + [_event("content_block_delta", {"index": self.count - 1,
-                                                         "delta": {"type": "text_delta", "text": event}})]
+            return out + [
+                _event("content_block_delta", {"index": self.count - 1, "delta": {"type": "text_delta", "text": event}})
+            ]
         block = {**tool_use(event), "input": {}}
         delta = {"type": "input_json_delta", "partial_json": event.arguments}
-        return self.close() + self._start(block) + [
-            _event("content_block_delta", {"index": self.count - 1, "delta": delta}), self._stop()]
+        return (
+            self.close()
+            + self._start(block)
+            + [_event("content_block_delta", {"index": self.count - 1, "delta": delta}), self._stop()]
+        )
 
     def close(self, empty_text: bool = False) -> List[str]:
         """Close the open text block (``empty_text``: send an empty one if the reply had no block)."""

@@ -174,13 +174,21 @@ class BatchDecoder:
     def _insert(self, row: Row, cache, held: int) -> None:
         """Put ``row`` into the batch: ``cache`` holds its first ``held`` known tokens, the rest is prefilled."""
         if self.gen is None:
-            self.gen = BatchGenerator(self.model, completion_batch_size=self.max_batch,
-                                      prefill_batch_size=self.max_batch, prefill_step_size=PREFILL_STEP)
+            self.gen = BatchGenerator(
+                self.model,
+                completion_batch_size=self.max_batch,
+                prefill_batch_size=self.max_batch,
+                prefill_step_size=PREFILL_STEP,
+            )
         known, p = row.known, row.job.params
         (row.uid,) = self.gen.insert(
-            [known[held:]], max_tokens=[row.remaining() + 2],  # past the text path's own end: it ends the row
-            caches=[cache], all_tokens=[known[:held]], samplers=[row_sampler(p.sampling, p.seed)],
-            logits_processors=[row_processors(p.grammar, row.job.ids)])
+            [known[held:]],
+            max_tokens=[row.remaining() + 2],  # past the text path's own end: it ends the row
+            caches=[cache],
+            all_tokens=[known[:held]],
+            samplers=[row_sampler(p.sampling, p.seed)],
+            logits_processors=[row_processors(p.grammar, row.job.ids)],
+        )
         self.by_uid[row.uid] = row
 
     def _leave_batch(self, row: Row):

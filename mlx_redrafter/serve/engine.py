@@ -48,9 +48,16 @@ class Engine:
     :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
     step decoded, ``queue.shed_listeners`` for each request turned away."""
 
-    def __init__(self, runtime, max_tokens: int = 512, sampling: Optional[SamplingConfig] = None,
-                 queue_size: int = 16, prompt_cache_size: int = 10, prompt_cache_bytes: int = 1 << 63,
-                 max_batch: int = 8):
+    def __init__(
+        self,
+        runtime,
+        max_tokens: int = 512,
+        sampling: Optional[SamplingConfig] = None,
+        queue_size: int = 16,
+        prompt_cache_size: int = 10,
+        prompt_cache_bytes: int = 1 << 63,
+        max_batch: int = 8,
+    ):
         self.rt = runtime
         self.model_id = runtime.model_spec
         self.max_tokens = max_tokens
@@ -80,8 +87,13 @@ class Engine:
         """What ``/v1/models`` says of the model beside its id (whether a
         grammar constrains its tool calls: ``tool_calls_constrained``)."""
         fmt = tool_format(self.rt.tokenizer)
-        return {"context_length": context_limit(self.rt.model) or None, "tools": True,
-                "tool_format": fmt.name, "tool_calls_constrained": fmt.constrained}
+        return {
+            "context_length": context_limit(self.rt.model) or None,
+            "tools": True,
+            "tool_format": fmt.name,
+            "tool_calls_constrained": fmt.constrained,
+        }
+
     def grammar(self, spec):
         """``spec`` (a JSON Schema, ``"json"``...) compiled for the model; a
         :class:`RedrafterError` names what is wrong with it."""
@@ -167,21 +179,36 @@ class Engine:
         }
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model_id, "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
-                "queue": self.queue.status(), "prompt_cache": self.cache_status(), "memory": memory_status()}
+        return {
+            "status": "ok",
+            "model": self.model_id,
+            "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
+            "queue": self.queue.status(),
+            "prompt_cache": self.cache_status(),
+            "memory": memory_status(),
+        }
 
     def cache_status(self) -> dict:
         c = self.cache
-        return {"entries": c.entries, "bytes": c.nbytes, "hits": c.hits, "reused_tokens": c.reused_tokens,
-                "bound": c.lru.max_size, "bound_bytes": c.lru.max_bytes}
+        return {
+            "entries": c.entries,
+            "bytes": c.nbytes,
+            "hits": c.hits,
+            "reused_tokens": c.reused_tokens,
+            "bound": c.lru.max_size,
+            "bound_bytes": c.lru.max_bytes,
+        }
 
 
 def memory_status() -> dict:
     """MLX's memory in MB: arrays alive, freed buffers it keeps for reuse
     (its cache), and the peak since start."""
     mb = lambda n: round(n / 2**20, 1)
-    return {"active_mb": mb(mx.get_active_memory()), "cache_mb": mb(mx.get_cache_memory()),
-            "peak_mb": mb(mx.get_peak_memory())}
+    return {
+        "active_mb": mb(mx.get_active_memory()),
+        "cache_mb": mb(mx.get_cache_memory()),
+        "peak_mb": mb(mx.get_peak_memory()),
+    }
 
 
 def first_stop(text: str, stop: Sequence[str]) -> Optional[str]:

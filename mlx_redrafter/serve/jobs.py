@@ -73,9 +73,14 @@ class Piece:
         return cls(text, sources, t.tokens, t.steps, t.last.generation_tps, res.prompt_tokens, res.reused_tokens)
 
     def extension(self) -> dict:
-        return {"sources": self.sources, "tokens": self.tokens, "steps": self.steps,
-                "tokens_per_second": round(self.tokens_per_second, 2), "prompt_tokens": self.prompt_tokens,
-                "prompt_tokens_reused": self.prompt_tokens_reused}
+        return {
+            "sources": self.sources,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_reused": self.prompt_tokens_reused,
+        }
 
 
 def token_source(r) -> str:

@@ -40,30 +40,43 @@ class Metrics:
         self.requests = Counter("redrafter_requests", "HTTP requests answered.", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("redrafter_prompt_tokens", "Prompt tokens of generations.", registry=r)
         self.generated = Counter("redrafter_generated_tokens", "Tokens generated.", registry=r)
-        self.per_step = Histogram("redrafter_tokens_per_step", "Tokens emitted by one step (1 + accepted drafts).",
-                                  buckets=STEP_BUCKETS, registry=r)
-        self.accepted = Counter("redrafter_draft_tokens_accepted", "Emitted tokens that were accepted drafts.",
-                                ["source"], registry=r)
+        self.per_step = Histogram(
+            "redrafter_tokens_per_step",
+            "Tokens emitted by one step (1 + accepted drafts).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.accepted = Counter(
+            "redrafter_draft_tokens_accepted", "Emitted tokens that were accepted drafts.", ["source"], registry=r
+        )
         for source in DRAFT_SOURCES:
             self.accepted.labels(source)
-        self.hits = Counter("redrafter_prompt_cache_hits", "Generations that reused a cached prompt prefix.",
-                            registry=r)
-        self.reused = Counter("redrafter_prompt_cache_reused_tokens", "Prompt tokens whose KV came from the cache.",
-                              registry=r)
+        self.hits = Counter(
+            "redrafter_prompt_cache_hits", "Generations that reused a cached prompt prefix.", registry=r
+        )
+        self.reused = Counter(
+            "redrafter_prompt_cache_reused_tokens", "Prompt tokens whose KV came from the cache.", registry=r
+        )
         cache, queue = engine.cache, engine.queue
-        Gauge("redrafter_prompt_cache_entries", "Sequences in the prompt cache.",
-              registry=r).set_function(lambda: cache.entries)
-        Gauge("redrafter_prompt_cache_bytes", "Bytes of the prompt cache's KV.",
-              registry=r).set_function(lambda: cache.nbytes)
-        Gauge("redrafter_queue_waiting", "Requests waiting for the model.",
-              registry=r).set_function(lambda: queue.status()["waiting"])
-        Gauge("redrafter_queue_running", "Requests being generated.",
-              registry=r).set_function(lambda: queue.status()["running"])
-        Gauge("redrafter_requests_active", "Requests decoding (at most --max-batch).",
-              registry=r).set_function(lambda: queue.status()["active"])
+        Gauge("redrafter_prompt_cache_entries", "Sequences in the prompt cache.", registry=r).set_function(
+            lambda: cache.entries
+        )
+        Gauge("redrafter_prompt_cache_bytes", "Bytes of the prompt cache's KV.", registry=r).set_function(
+            lambda: cache.nbytes
+        )
+        Gauge("redrafter_queue_waiting", "Requests waiting for the model.", registry=r).set_function(
+            lambda: queue.status()["waiting"]
+        )
+        Gauge("redrafter_queue_running", "Requests being generated.", registry=r).set_function(
+            lambda: queue.status()["running"]
+        )
+        Gauge("redrafter_requests_active", "Requests decoding (at most --max-batch).", registry=r).set_function(
+            lambda: queue.status()["active"]
+        )
         self.shed = Counter("redrafter_requests_shed", "Requests refused with a 503: the queue was full.", registry=r)
-        self.batch = Histogram("redrafter_batch_size", "Requests decoded by one step.", buckets=BATCH_BUCKETS,
-                               registry=r)
+        self.batch = Histogram(
+            "redrafter_batch_size", "Requests decoded by one step.", buckets=BATCH_BUCKETS, registry=r
+        )
         engine.listeners.append(self.observe)
         queue.step_listeners.append(self.batch.observe)
         queue.shed_listeners.append(self.shed.inc)
@@ -82,7 +95,6 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
 
 
 class RequestCounter:

@@ -28,8 +28,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GenParams
 from .ollama_reply import ModelFacts, OllamaReply, line
-from .streaming import (CRASH, INVALID, NO_MODEL, Failure, client_left, generation_failure, grammar, render, sampling,
-                        submit)
+from .streaming import (
+    CRASH,
+    INVALID,
+    NO_MODEL,
+    Failure,
+    client_left,
+    generation_failure,
+    grammar,
+    render,
+    sampling,
+    submit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +47,34 @@ log = logging.getLogger(__name__)
 OLLAMA_VERSION = "0.12.0"
 
 # Options that tune Ollama's runtime, not the reply: ignored here, with a warning.
-RUNTIME_OPTIONS = {"num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap",
-                   "use_mlock", "numa", "low_vram", "vocab_only", "f16_kv", "logits_all"}
+RUNTIME_OPTIONS = {
+    "num_ctx",
+    "num_keep",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "num_thread",
+    "use_mmap",
+    "use_mlock",
+    "numa",
+    "low_vram",
+    "vocab_only",
+    "f16_kv",
+    "logits_all",
+}
 # Sampling options not implemented here, accepted at the value that changes nothing.
-NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
-                   "typical_p": 1.0, "tfs_z": 1.0, "repeat_last_n": None, "penalize_newline": None,
-                   "mirostat_tau": None, "mirostat_eta": None}
+NEUTRAL_OPTIONS = {
+    "repeat_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "mirostat": 0,
+    "typical_p": 1.0,
+    "tfs_z": 1.0,
+    "repeat_last_n": None,
+    "penalize_newline": None,
+    "mirostat_tau": None,
+    "mirostat_eta": None,
+}
 
 
 def error_response(f: Failure) -> JSONResponse:
@@ -182,13 +214,15 @@ def ollama_router(engine: Engine) -> APIRouter:
         _check_model(engine, model_facts(), body.model)
         reply_only = not body.messages
         rendered = None if reply_only else _render(engine, body)
-        return await _answer(engine, body, request, rendered.ids if rendered else [], OllamaReply(engine, True, rendered),
-                             rendered)
+        return await _answer(
+            engine, body, request, rendered.ids if rendered else [], OllamaReply(engine, True, rendered), rendered
+        )
 
     @router.post("/api/generate")
     async def generate(body: GenerateBody, request: Request):
-        _unsupported(body, {"images": body.images, "suffix": body.suffix, "template": body.template,
-                            "context": body.context})
+        _unsupported(
+            body, {"images": body.images, "suffix": body.suffix, "template": body.template, "context": body.context}
+        )
         _check_model(engine, model_facts(), body.model)
         return await _answer(engine, body, request, _generate_ids(engine, body), OllamaReply(engine, False))
 
@@ -211,16 +245,18 @@ def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:
     return engine.chat_ids(system + [{"role": "user", "content": body.prompt}])
 
 
-async def _answer(engine: Engine, body: _Generation, request: Request, ids: List[int], reply: OllamaReply,
-                  rendered=None):
+async def _answer(
+    engine: Engine, body: _Generation, request: Request, ids: List[int], reply: OllamaReply, rendered=None
+):
     """Queue the request and answer it, as NDJSON lines or one object (a
     chat's grammar comes with its ``rendered`` prompt)."""
     if not ids:  # Ollama's way to load a model: nothing to generate
         return reply.loaded()
     spec = rendered.grammar if rendered is not None else _format(body.format)
     compiled = await grammar(engine, spec, "tools" if rendered is not None and rendered.tools else "format")
-    queued = submit(engine, ids, _params(engine, body.options, compiled),
-                    "messages" if isinstance(body, ChatBody) else "prompt")
+    queued = submit(
+        engine, ids, _params(engine, body.options, compiled), "messages" if isinstance(body, ChatBody) else "prompt"
+    )
     lines = _lines(reply, queued.events(request), body.stream)
     if body.stream:
         return queued.stream(lines, media_type="application/x-ndjson")

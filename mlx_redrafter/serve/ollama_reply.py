@@ -29,7 +29,6 @@ from .engine import Engine, Result
 from .streaming import reply_events
 from .tools import Rendered, ToolCall, ToolCallStream, ollama_message, ollama_tool_call, tool_format
 
-
 # Ollama's names for unquantized weights.
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -65,9 +64,15 @@ class ModelFacts:
         floats = [str(v.dtype).rsplit(".", 1)[-1] for v in leaves if mx.issubdtype(v.dtype, mx.floating)]
         dtype = _DTYPES.get(floats[0], floats[0].upper()) if floats else ""
         name = engine.model_id if ":" in engine.model_id else engine.model_id + ":latest"
-        return cls(name, sum(v.nbytes for v in leaves), sum(v.size for v in leaves),
-                   str(getattr(args, "model_type", "") or ""), f"Q{quant}" if quant else dtype,
-                   context_limit(model), tool_format(engine.rt.tokenizer).name)
+        return cls(
+            name,
+            sum(v.nbytes for v in leaves),
+            sum(v.size for v in leaves),
+            str(getattr(args, "model_type", "") or ""),
+            f"Q{quant}" if quant else dtype,
+            context_limit(model),
+            tool_format(engine.rt.tokenizer).name,
+        )
 
     @property
     def digest(self) -> str:
@@ -75,34 +80,60 @@ class ModelFacts:
         return hashlib.sha256(self.name.encode()).hexdigest()
 
     def details(self) -> dict:
-        return {"parent_model": "", "format": "mlx", "family": self.family, "families": [self.family],
-                "parameter_size": _short(self.parameters), "quantization_level": self.quantization}
+        return {
+            "parent_model": "",
+            "format": "mlx",
+            "family": self.family,
+            "families": [self.family],
+            "parameter_size": _short(self.parameters),
+            "quantization_level": self.quantization,
+        }
 
     def tag(self) -> dict:
         """One entry of ``/api/tags``."""
-        return {"name": self.name, "model": self.name, "modified_at": self.modified_at, "size": self.size,
-                "digest": self.digest, "details": self.details()}
+        return {
+            "name": self.name,
+            "model": self.name,
+            "modified_at": self.modified_at,
+            "size": self.size,
+            "digest": self.digest,
+            "details": self.details(),
+        }
 
     def running(self) -> dict:
         """One entry of ``/api/ps``: loaded for as long as the server runs."""
         forever = (datetime.now(timezone.utc) + timedelta(days=365)).isoformat().replace("+00:00", "Z")
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
-        return {**self.tag(), "expires_at": forever, "size_vram": self.size if on_gpu else 0,
-                "context_length": self.context_length}
+        return {
+            **self.tag(),
+            "expires_at": forever,
+            "size_vram": self.size if on_gpu else 0,
+            "context_length": self.context_length,
+        }
 
     def show(self, engine: Engine) -> dict:
         """``/api/show``: details, context length, and tool support (every
         model: its template's format or the generic one)."""
         arch = self.family or "model"
-        info = {"general.architecture": arch, "general.parameter_count": self.parameters,
-                f"{arch}.context_length": self.context_length, "redrafter.tool_format": self.tool_format,
-                "redrafter.drafter": str(engine.rt.drafter_path) if engine.rt.drafter_path else None}
+        info = {
+            "general.architecture": arch,
+            "general.parameter_count": self.parameters,
+            f"{arch}.context_length": self.context_length,
+            "redrafter.tool_format": self.tool_format,
+            "redrafter.drafter": str(engine.rt.drafter_path) if engine.rt.drafter_path else None,
+        }
         template = getattr(engine.rt.tokenizer, "chat_template", None)
         params = f"temperature {engine.sampling.temp}\nnum_predict {engine.max_tokens}"
-        return {"modelfile": f"FROM {engine.model_id}\n", "parameters": params,
-                "template": template if isinstance(template, str) else "", "license": "",
-                "details": self.details(), "model_info": info, "capabilities": ["completion", "tools"],
-                "modified_at": self.modified_at}
+        return {
+            "modelfile": f"FROM {engine.model_id}\n",
+            "parameters": params,
+            "template": template if isinstance(template, str) else "",
+            "license": "",
+            "details": self.details(),
+            "model_info": info,
+            "capabilities": ["completion", "tools"],
+            "modified_at": self.modified_at,
+        }
 
 
 def _short(n: int) -> str:
@@ -160,8 +191,14 @@ class OllamaReply:
             body = {"message": ollama_message("".join(self.content), self.calls)}
         else:
             body = {"response": "".join(self.content)}
-        return {**self._head(), **body, "done": True, "done_reason": res.finish_reason or "stop",
-                **self.counts(res), "redrafter": self.engine.stats(res)}
+        return {
+            **self._head(),
+            **body,
+            "done": True,
+            "done_reason": res.finish_reason or "stop",
+            **self.counts(res),
+            "redrafter": self.engine.stats(res),
+        }
 
     def counts(self, res: Result) -> dict:
         total = time.perf_counter() - self.start
@@ -171,8 +208,14 @@ class OllamaReply:
         n = res.completion_tokens
         eval_s = n / last.generation_tps if last is not None and last.generation_tps > 0 else total - prompt_s
         ns = lambda s: max(int(s * 1e9), 0)  # noqa: E731
-        return {"total_duration": ns(total), "load_duration": 0, "prompt_eval_count": res.prompt_tokens,
-                "prompt_eval_duration": ns(prompt_s), "eval_count": n, "eval_duration": ns(eval_s)}
+        return {
+            "total_duration": ns(total),
+            "load_duration": 0,
+            "prompt_eval_count": res.prompt_tokens,
+            "prompt_eval_duration": ns(prompt_s),
+            "eval_count": n,
+            "eval_duration": ns(eval_s),
+        }
 
     def loaded(self) -> dict:
         """Ollama's answer to a request with nothing to generate: the model is loaded."""

@@ -28,8 +28,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GenParams
 from .openai_reply import Reply
-from .streaming import (CRASH, INVALID, MISSING, UNSUPPORTED, Failure, check_model, client_left,
-                        generation_failure, grammar, render, sampling, submit)
+from .streaming import (
+    CRASH,
+    INVALID,
+    MISSING,
+    UNSUPPORTED,
+    Failure,
+    check_model,
+    client_left,
+    generation_failure,
+    grammar,
+    render,
+    sampling,
+    submit,
+)
 from .tools import Rendered
 
 # --------------------------------------------------------------------------- request models
@@ -104,8 +116,12 @@ class ResponseFormat(_Request):
         if self.type == "json_object":
             return "json"
         if self.json_schema is None:
-            raise Failure(400, "response_format of type 'json_schema' needs a 'json_schema' object.", MISSING,
-                          "response_format.json_schema")
+            raise Failure(
+                400,
+                "response_format of type 'json_schema' needs a 'json_schema' object.",
+                MISSING,
+                "response_format.json_schema",
+            )
         return self.json_schema.schema_ if self.json_schema.schema_ is not None else "json"
 
 
@@ -143,7 +159,9 @@ class CompletionRequest(_Generation):
 def error_body(f: Failure) -> dict:
     """OpenAI's error object for ``f``."""
     kind = "server_error" if f.status >= 500 else "invalid_request_error"
-    return {"error": {"message": f.message, "type": kind, "param": f.param, "code": None if f.kind == CRASH else f.kind}}
+    return {
+        "error": {"message": f.message, "type": kind, "param": f.param, "code": None if f.kind == CRASH else f.kind}
+    }
 
 
 def error_response(f: Failure) -> JSONResponse:
@@ -155,8 +173,9 @@ def validation_failure(exc: RequestValidationError) -> Failure:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return Failure(400, f"The body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}.",
-                       "invalid_json")
+        return Failure(
+            400, f"The body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}.", "invalid_json"
+        )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     where = f"'{param}': " if param else ""
@@ -174,8 +193,12 @@ def check_supported(req: _Generation) -> None:
     }
     for name, asked in unsupported.items():
         if asked:
-            raise Failure(400, f"'{name}' is not supported by mlx-redrafter serve yet; drop it from the request.",
-                          UNSUPPORTED, name)
+            raise Failure(
+                400,
+                f"'{name}' is not supported by mlx-redrafter serve yet; drop it from the request.",
+                UNSUPPORTED,
+                name,
+            )
 
 
 # --------------------------------------------------------------------------- the routes
@@ -193,14 +216,22 @@ def openai_router(engine: Engine) -> APIRouter:
     async def chat_completions(req: ChatRequest, request: Request):
         check_supported(req)
         spec = req.response_format.grammar() if req.response_format is not None else None
-        rendered = render(engine, [m.plain() for m in req.messages], req.tools, req.tool_choice, "response_format",
-                          parallel_tool_calls=req.parallel_tool_calls, content=spec)
+        rendered = render(
+            engine,
+            [m.plain() for m in req.messages],
+            req.tools,
+            req.tool_choice,
+            "response_format",
+            parallel_tool_calls=req.parallel_tool_calls,
+            content=spec,
+        )
         check_model(engine, req.model)  # before the grammar's compilation, which may take a second
         # The reply's grammar: the tool calls' (the content's schema within), or the schema alone.
         compiled = await grammar(engine, rendered.grammar, "tools" if rendered.tools else "response_format")
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _serve(engine, req, request, rendered.ids, max_tokens, chat=True, compiled=compiled,
-                            rendered=rendered)
+        return await _serve(
+            engine, req, request, rendered.ids, max_tokens, chat=True, compiled=compiled, rendered=rendered
+        )
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -229,8 +260,16 @@ def _params(engine: Engine, req: _Generation, max_tokens: Optional[int], grammar
     return GenParams(max_tokens or engine.max_tokens, sampled, req.seed, stop, grammar)
 
 
-async def _serve(engine: Engine, req: _Generation, request: Request, ids: List[int], max_tokens, chat: bool,
-                 compiled, rendered: Optional[Rendered] = None):
+async def _serve(
+    engine: Engine,
+    req: _Generation,
+    request: Request,
+    ids: List[int],
+    max_tokens,
+    chat: bool,
+    compiled,
+    rendered: Optional[Rendered] = None,
+):
     """Queue the request (its model checked, its grammar ``compiled``) and answer it, streamed or whole."""
     queued = submit(engine, ids, _params(engine, req, max_tokens, compiled), "messages" if chat else "prompt")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -28,8 +28,15 @@ class Reply:
     """Builds the response objects of one request (chat or completion).
     ``error(exception) -> dict``: the error object of a failed generation."""
 
-    def __init__(self, engine: Engine, job: Job, chat: bool, include_usage: bool,
-                 rendered: Optional[Rendered], error: Callable[[BaseException], dict]):
+    def __init__(
+        self,
+        engine: Engine,
+        job: Job,
+        chat: bool,
+        include_usage: bool,
+        rendered: Optional[Rendered],
+        error: Callable[[BaseException], dict],
+    ):
         self.engine, self.job, self.chat, self.error = engine, job, chat, error
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -59,8 +66,7 @@ class Reply:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason}
-        return {**self._head(False), "choices": [choice], "usage": self.usage(res),
-                "redrafter": self.engine.stats(res)}
+        return {**self._head(False), "choices": [choice], "usage": self.usage(res), "redrafter": self.engine.stats(res)}
 
     def _chunk(self, delta: Optional[dict] = None, finish: Optional[str] = None) -> dict:
         if self.chat:

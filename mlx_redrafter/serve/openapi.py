@@ -69,8 +69,9 @@ def _document_operation(schema: dict, path: str, op: dict, refuse: Refuse, secur
             errors["401"] = "The API key is missing or wrong."
     error_schema = _error_schema(refuse, path)
     for status, description in errors.items():
-        responses.setdefault(status, {"description": description,
-                                      "content": {"application/json": {"schema": error_schema}}})
+        responses.setdefault(
+            status, {"description": description, "content": {"application/json": {"schema": error_schema}}}
+        )
 
 
 def _body_properties(schema: dict, op: dict) -> dict:

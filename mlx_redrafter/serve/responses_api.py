@@ -29,12 +29,29 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GenParams
 from .responses_reply import ResponseOut, ResponsesReply
-from .streaming import (UNSUPPORTED, Failure, check_model, client_left, grammar, refuse_nested_extras, render, sampling,
-                        submit, unsupported)
+from .streaming import (
+    UNSUPPORTED,
+    Failure,
+    check_model,
+    client_left,
+    grammar,
+    refuse_nested_extras,
+    render,
+    sampling,
+    submit,
+    unsupported,
+)
 
 # Fields accepted although they do not change the reply (the prompt cache needs no key).
-ACCEPTED = {"metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier",
-            "stream_options"}
+ACCEPTED = {
+    "metadata",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "service_tier",
+    "stream_options",
+}
 # What ``include`` may ask for: this server's replies hold no reasoning to include.
 INCLUDABLE = {"reasoning.encrypted_content"}
 STATELESS = "mlx-redrafter serve is stateless (it keeps no responses or conversations)"
@@ -141,8 +158,13 @@ def _text(content: Union[str, List[Part], None], where: str) -> str:
         return content or ""
     for j, p in enumerate(content):
         if p.type not in ("input_text", "output_text", "text"):
-            raise Failure(400, f"'{where}.{j}' is an '{p.type}' part, which mlx-redrafter serve does not support; "
-                          "send input_text or output_text parts.", UNSUPPORTED, f"{where}.{j}")
+            raise Failure(
+                400,
+                f"'{where}.{j}' is an '{p.type}' part, which mlx-redrafter serve does not support; "
+                "send input_text or output_text parts.",
+                UNSUPPORTED,
+                f"{where}.{j}",
+            )
     return "".join(p.text or "" for p in content)
 
 
@@ -150,7 +172,11 @@ def _add_call(out: List[dict], item: Item, where: str) -> None:
     """A ``function_call`` item joins the assistant turn before it (a new one if there is none)."""
     if not item.name or item.call_id is None:
         raise Failure(400, f"'{where}': a function_call item needs its 'name' and 'call_id'.", param=where)
-    call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+    call = {
+        "id": item.call_id,
+        "type": "function",
+        "function": {"name": item.name, "arguments": item.arguments or "{}"},
+    }
     if out and out[-1]["role"] == "assistant":
         out[-1].setdefault("tool_calls", []).append(call)
     else:
@@ -174,10 +200,17 @@ def chat_messages(req: ResponsesRequest) -> List[dict]:
         elif item.type == "function_call":
             _add_call(out, item, where)
         elif item.type == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.call_id or "", "content": _text(item.output, f"{where}.output")})
+            out.append(
+                {"role": "tool", "tool_call_id": item.call_id or "", "content": _text(item.output, f"{where}.output")}
+            )
         else:
-            raise Failure(400, f"'{where}' is a '{item.type}' item, which mlx-redrafter serve does not support; "
-                          "send messages, function_call and function_call_output items.", UNSUPPORTED, where)
+            raise Failure(
+                400,
+                f"'{where}' is a '{item.type}' item, which mlx-redrafter serve does not support; "
+                "send messages, function_call and function_call_output items.",
+                UNSUPPORTED,
+                where,
+            )
     return out
 
 
@@ -186,8 +219,13 @@ def chat_tools(tools: Optional[List[FunctionTool]]) -> Optional[list]:
     out = []
     for i, t in enumerate(tools or []):
         if t.type != "function" or not t.name:
-            raise Failure(400, f"'tools.{i}' is a '{t.type}' tool, which mlx-redrafter serve does not have; send "
-                          "function tools with a name.", UNSUPPORTED, f"tools.{i}")
+            raise Failure(
+                400,
+                f"'tools.{i}' is a '{t.type}' tool, which mlx-redrafter serve does not have; send "
+                "function tools with a name.",
+                UNSUPPORTED,
+                f"tools.{i}",
+            )
         function = {"name": t.name, "parameters": t.parameters or {"type": "object", "properties": {}}}
         if t.description:
             function["description"] = t.description
@@ -209,12 +247,22 @@ def content_spec(req: ResponsesRequest):
 
 def _echo(req: ResponsesRequest, parallel: bool) -> dict:
     """The request's fields a response repeats."""
-    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
-    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "parallel_tool_calls": parallel, "temperature": req.temperature, "top_p": req.top_p,
-            "text": {"format": fmt}, "metadata": (req.model_extra or {}).get("metadata") or {}}
+    fmt = (
+        req.text.format.model_dump(by_alias=True, exclude_none=True)
+        if req.text and req.text.format
+        else {"type": "text"}
+    )
+    return {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "parallel_tool_calls": parallel,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "text": {"format": fmt},
+        "metadata": (req.model_extra or {}).get("metadata") or {},
+    }
 
 
 # --------------------------------------------------------------------------- the route
@@ -229,12 +277,24 @@ def responses_router(engine: Engine) -> APIRouter:
         check_supported(req)
         check_model(engine, req.model)
         spec = content_spec(req)
-        rendered = render(engine, chat_messages(req), chat_tools(req.tools), req.tool_choice, content_param="text.format",
-                          parallel_tool_calls=req.parallel_tool_calls, content=spec)
+        rendered = render(
+            engine,
+            chat_messages(req),
+            chat_tools(req.tools),
+            req.tool_choice,
+            content_param="text.format",
+            parallel_tool_calls=req.parallel_tool_calls,
+            content=spec,
+        )
         refuse_nested_extras(req)
         compiled = await grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
-        params = GenParams(req.max_output_tokens or engine.max_tokens,
-                           sampling(engine, temp=req.temperature, top_p=req.top_p), None, [], compiled)
+        params = GenParams(
+            req.max_output_tokens or engine.max_tokens,
+            sampling(engine, temp=req.temperature, top_p=req.top_p),
+            None,
+            [],
+            compiled,
+        )
         queued = submit(engine, rendered.ids, params, "input")
         reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel))
         if req.stream:

@@ -95,9 +95,13 @@ class ResponseOut(BaseModel):
 
 
 def usage(res: Result) -> dict:
-    return {"input_tokens": res.prompt_tokens, "input_tokens_details": {"cached_tokens": res.reused_tokens},
-            "output_tokens": res.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": res.prompt_tokens + res.completion_tokens}
+    return {
+        "input_tokens": res.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": res.reused_tokens},
+        "output_tokens": res.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": res.prompt_tokens + res.completion_tokens,
+    }
 
 
 class ResponsesReply:
@@ -117,10 +121,21 @@ class ResponsesReply:
 
     def response(self, status: str, res: Optional[Result] = None, error: Optional[dict] = None) -> dict:
         """The response object in ``status`` (with ``res``: its output, usage and stats)."""
-        out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-               "model": self.engine.model_id, "output": self.items.output, "usage": None, "error": error,
-               "incomplete_details": None, "previous_response_id": None, "store": False, "truncation": "disabled",
-               **self.echo}
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.engine.model_id,
+            "output": self.items.output,
+            "usage": None,
+            "error": error,
+            "incomplete_details": None,
+            "previous_response_id": None,
+            "store": False,
+            "truncation": "disabled",
+            **self.echo,
+        }
         if res is not None:
             out.update(usage=usage(res), redrafter=self.engine.stats(res))
             if res.finish_reason == "length":
@@ -189,28 +204,46 @@ class _Items:
         if isinstance(event, str):
             out = [] if self.text is not None else self._open_text()
             self.text["content"][0]["text"] += event
-            return out + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": event,
-                                                          "logprobs": []})]
+            return out + [
+                ("response.output_text.delta", {**self._where(), "content_index": 0, "delta": event, "logprobs": []})
+            ]
         out = self.close()
-        item = {"id": "fc_" + uuid.uuid4().hex[:24], "type": "function_call", "call_id": event.id, "name": event.name,
-                "arguments": "", "status": "in_progress"}
+        item = {
+            "id": "fc_" + uuid.uuid4().hex[:24],
+            "type": "function_call",
+            "call_id": event.id,
+            "name": event.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
         self.output.append(item)
         out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": dict(item)}))
         item.update(arguments=event.arguments, status="completed")
-        out += [("response.function_call_arguments.delta", {**self._where(), "delta": event.arguments}),
-                ("response.function_call_arguments.done", {**self._where(), "arguments": event.arguments,
-                                                           "name": event.name}),
-                ("response.output_item.done", {"output_index": len(self.output) - 1, "item": item})]
+        out += [
+            ("response.function_call_arguments.delta", {**self._where(), "delta": event.arguments}),
+            (
+                "response.function_call_arguments.done",
+                {**self._where(), "arguments": event.arguments, "name": event.name},
+            ),
+            ("response.output_item.done", {"output_index": len(self.output) - 1, "item": item}),
+        ]
         return out
 
     def _open_text(self) -> List[Tuple[str, dict]]:
-        self.text = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
-                     "status": "in_progress", "content": [{"type": "output_text", "text": "", "annotations": []}]}
+        self.text = {
+            "id": "msg_" + uuid.uuid4().hex[:24],
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [{"type": "output_text", "text": "", "annotations": []}],
+        }
         self.output.append(self.text)
         added = {**self.text, "content": []}
         part = {"type": "output_text", "text": "", "annotations": []}
-        return [("response.output_item.added", {"output_index": len(self.output) - 1, "item": added}),
-                ("response.content_part.added", {**self._where(), "content_index": 0, "part": part})]
+        return [
+            ("response.output_item.added", {"output_index": len(self.output) - 1, "item": added}),
+            ("response.content_part.added", {**self._where(), "content_index": 0, "part": part}),
+        ]
 
     def close(self, empty_text: bool = False) -> List[Tuple[str, dict]]:
         """Close the open message item (``empty_text``: open an empty one first if the reply has no item)."""
@@ -219,8 +252,10 @@ class _Items:
             self.text["status"] = "completed"
             part = self.text["content"][0]
             where = {"item_id": self.text["id"], "output_index": self.output.index(self.text)}
-            out += [("response.output_text.done", {**where, "content_index": 0, "text": part["text"], "logprobs": []}),
-                    ("response.content_part.done", {**where, "content_index": 0, "part": dict(part)}),
-                    ("response.output_item.done", {"output_index": where["output_index"], "item": self.text})]
+            out += [
+                ("response.output_text.done", {**where, "content_index": 0, "text": part["text"], "logprobs": []}),
+                ("response.content_part.done", {**where, "content_index": 0, "part": dict(part)}),
+                ("response.output_item.done", {"output_index": where["output_index"], "item": self.text}),
+            ]
             self.text = None
         return out

@@ -97,8 +97,9 @@ class Row:
         cache, the rest is prefilled (what ``stream_generate`` would be given)."""
         p = self.job.params
         self.res.reused_tokens = reused
-        self.text = stream_text(self.tokenizer, self._steps(), len(self.job.ids) - reused, p.max_tokens, p.stop,
-                                p.grammar is not None)
+        self.text = stream_text(
+            self.tokenizer, self._steps(), len(self.job.ids) - reused, p.max_tokens, p.stop, p.grammar is not None
+        )
 
     @property
     def known(self) -> List[int]:
@@ -157,8 +158,15 @@ class Row:
         if p.seed is not None:  # as stream_generate seeds a generation
             mx.random.seed(p.seed)
         self.cache, self.on_step = cache, on_step
-        self.loop = token_steps(model, mx.array(prompt, mx.int32), cache, draft=draft, sampling=p.sampling,
-                                history=history, grammar=p.grammar)
+        self.loop = token_steps(
+            model,
+            mx.array(prompt, mx.int32),
+            cache,
+            draft=draft,
+            sampling=p.sampling,
+            history=history,
+            grammar=p.grammar,
+        )
 
     def step_alone(self) -> None:
         """Read one step of the loop (stops early when the reply ends or its client leaves)."""

@@ -83,8 +83,11 @@ class Scheduler:
             full = len(self._live) >= self.max_batch + self.size
             if full:
                 self.shed += 1
-                error = QueueFull(f"{self.decoder.active} requests are decoding and {len(self._waiting)} waiting "
-                                  f"(the bounds are {self.max_batch} and {self.size}).", self.retry_after())
+                error = QueueFull(
+                    f"{self.decoder.active} requests are decoding and {len(self._waiting)} waiting "
+                    f"(the bounds are {self.max_batch} and {self.size}).",
+                    self.retry_after(),
+                )
             else:
                 self._live.add(job)
                 self._waiting.append(job)
@@ -123,9 +126,18 @@ class Scheduler:
     def status(self) -> dict:
         with self._cond:
             active = self.decoder.active
-            return {"waiting": len(self._waiting), "running": active, "active": active, "max_batch": self.max_batch,
-                    "bound": self.size, "served": self.served, "cancelled": self.cancelled, "shed": self.shed,
-                    "batch": self.batch, "seconds_per_request": round(self.request_s, 3)}
+            return {
+                "waiting": len(self._waiting),
+                "running": active,
+                "active": active,
+                "max_batch": self.max_batch,
+                "bound": self.size,
+                "served": self.served,
+                "cancelled": self.cancelled,
+                "shed": self.shed,
+                "batch": self.batch,
+                "seconds_per_request": round(self.request_s, 3),
+            }
 
     # ------------------------------------------------------------------ the worker
 
@@ -178,7 +190,9 @@ class Scheduler:
                 self.cancelled += int(res is not None and res.cancelled)
                 if started is not None and res is not None and not res.cancelled:
                     s = now - started
-                    self.request_s = s if not self.request_s else (1 - REQUEST_WEIGHT) * self.request_s + REQUEST_WEIGHT * s
+                    self.request_s = (
+                        s if not self.request_s else (1 - REQUEST_WEIGHT) * self.request_s + REQUEST_WEIGHT * s
+                    )
         if advanced:
             for listener in self.step_listeners:
                 listener(advanced)

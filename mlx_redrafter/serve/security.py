@@ -75,8 +75,14 @@ class SecurityConfig:
     bind: str = "127.0.0.1"
 
     @classmethod
-    def resolve(cls, bind: str = "127.0.0.1", api_key: Optional[str] = None, allow_hosts: Sequence[str] = (),
-                allow_origins: Sequence[str] = (), environ: Mapping[str, str] = os.environ) -> "SecurityConfig":
+    def resolve(
+        cls,
+        bind: str = "127.0.0.1",
+        api_key: Optional[str] = None,
+        allow_hosts: Sequence[str] = (),
+        allow_origins: Sequence[str] = (),
+        environ: Mapping[str, str] = os.environ,
+    ) -> "SecurityConfig":
         """The config of ``--host BIND --api-key KEY --allow-host H... --allow-origin O...``
         (the key and more origins also from ``environ``); a bad value is a
         :class:`RedrafterError` naming its flag."""
@@ -86,15 +92,22 @@ class SecurityConfig:
             raise RedrafterError("--api-key is empty.", f"Give a key (or unset {KEY_ENV}), or leave the flag out.")
         origins = list(allow_origins) + [o for o in environ.get(ORIGINS_ENV, "").split(",") if o.strip()]
         hosts = _bound_names(bind) + tuple(_host_pattern(h) for h in allow_hosts)
-        return cls(hosts=hosts, ip_hosts=_is_wildcard(bind), origins=tuple(_origin(o) for o in origins),
-                   api_key=api_key, bind=bind)
+        return cls(
+            hosts=hosts,
+            ip_hosts=_is_wildcard(bind),
+            origins=tuple(_origin(o) for o in origins),
+            api_key=api_key,
+            bind=bind,
+        )
 
     def warnings(self) -> List[str]:
         """What this config opens that the user should know of (printed at start)."""
         out = []
         if not _is_loopback(self.bind) and self.api_key is None:
-            out.append(f"serving on {self.bind} without --api-key: anyone who can reach this address can use the "
-                       f"model. Give --api-key KEY (or set {KEY_ENV}).")
+            out.append(
+                f"serving on {self.bind} without --api-key: anyone who can reach this address can use the "
+                f"model. Give --api-key KEY (or set {KEY_ENV})."
+            )
         if "*" in self.hosts:
             out.append("--allow-host '*' accepts any Host header: a web page can reach this server by DNS rebinding.")
         if "*" in self.origins:
@@ -116,8 +129,14 @@ def secure(app, config: SecurityConfig, refuse: Refuse) -> None:
         app.add_middleware(KeyGuard, key=config.api_key, refuse=refuse)
     # allow_private_network: Chrome asks before a public page's request to a local address;
     # an origin the user allowed may make it.
-    app.add_middleware(OriginGuard, refuse=refuse, allow_methods=["*"], allow_headers=["*"],
-                       allow_private_network=True, **config.cors())
+    app.add_middleware(
+        OriginGuard,
+        refuse=refuse,
+        allow_methods=["*"],
+        allow_headers=["*"],
+        allow_private_network=True,
+        **config.cors(),
+    )
     app.add_middleware(HostGuard, config=config, refuse=refuse)
 
 
@@ -138,8 +157,10 @@ class HostGuard:
         if scope["type"] == "http" and not await self._allowed(scope, receive):
             host = Headers(scope=scope).get("host", "")
             name = urlsplit("//" + host).hostname or host
-            message = (f"This server does not answer to the Host '{host}' (a web page may be trying DNS rebinding). "
-                       f"If you reach it by that name, start it with --allow-host {name}.")
+            message = (
+                f"This server does not answer to the Host '{host}' (a web page may be trying DNS rebinding). "
+                f"If you reach it by that name, start it with --allow-host {name}."
+            )
             return await self.refuse(scope["path"], Failure(403, message, FORBIDDEN))(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -170,10 +191,15 @@ class OriginGuard(CORSMiddleware):
         if scope["type"] == "http":
             headers = Headers(scope=scope)
             origin = headers.get("origin")
-            if origin is not None and not _same_origin(origin, headers.get("host", "")) \
-                    and not self.is_allowed_origin(origin):
-                message = (f"Requests from the web page at '{origin}' are refused. To let that page use this "
-                           f"server, start it with --allow-origin {origin} (or add it to {ORIGINS_ENV}).")
+            if (
+                origin is not None
+                and not _same_origin(origin, headers.get("host", ""))
+                and not self.is_allowed_origin(origin)
+            ):
+                message = (
+                    f"Requests from the web page at '{origin}' are refused. To let that page use this "
+                    f"server, start it with --allow-origin {origin} (or add it to {ORIGINS_ENV})."
+                )
                 return await self.refuse(scope["path"], Failure(403, message, FORBIDDEN))(scope, receive, send)
         await super().__call__(scope, receive, send)
 
@@ -190,8 +216,10 @@ class KeyGuard:
             # compare_digest: the time taken says nothing about how much of the key was right.
             if given is None or not hmac.compare_digest(given.encode(), self.key):
                 problem = "needs an API key" if given is None else "was given a wrong API key"
-                message = (f"This server {problem}: send the --api-key it was started with as "
-                           "'Authorization: Bearer KEY' (or 'x-api-key: KEY').")
+                message = (
+                    f"This server {problem}: send the --api-key it was started with as "
+                    "'Authorization: Bearer KEY' (or 'x-api-key: KEY')."
+                )
                 response = self.refuse(scope["path"], Failure(401, message, UNAUTHORIZED))
                 response.headers["WWW-Authenticate"] = 'Bearer realm="mlx-redrafter"'
                 return await response(scope, receive, send)
@@ -246,8 +274,10 @@ def _host_pattern(host: str) -> str:
         value = urlsplit("//" + value).hostname or ""
         value = f"[{value}]" if ":" in value else value
     if not value or "*" in value[1:] or (value.startswith("*") and value != "*" and not value.startswith("*.")):
-        raise RedrafterError(f"--allow-host {host!r} is not a host name.",
-                             "Give a name (my-mac.local), an address (192.168.1.5), '*.example.com', or '*' (any).")
+        raise RedrafterError(
+            f"--allow-host {host!r} is not a host name.",
+            "Give a name (my-mac.local), an address (192.168.1.5), '*.example.com', or '*' (any).",
+        )
     return value
 
 
@@ -257,9 +287,10 @@ def _origin(origin: str) -> str:
     value = origin.strip().lower().rstrip("/")
     parts = urlsplit(value)
     if value != "*" and (not parts.scheme or not parts.netloc or parts.path or parts.query):
-        raise RedrafterError(f"--allow-origin {origin!r} is not an origin.",
-                             "Give scheme://host[:port], e.g. http://localhost:3000 (a '*' matches any part), "
-                             "or '*' (any web page).")
+        raise RedrafterError(
+            f"--allow-origin {origin!r} is not an origin.",
+            "Give scheme://host[:port], e.g. http://localhost:3000 (a '*' matches any part), or '*' (any web page).",
+        )
     return value
 
 

@@ -50,8 +50,14 @@ class Failure(Exception):
     and the request field at fault (``param``, dotted); ``headers`` go on
     the answer whatever its shape (a 503's ``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, kind: str = INVALID, param: Optional[str] = None,
-                 headers: Optional[dict] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = INVALID,
+        param: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.headers = dict(headers or {})
@@ -103,8 +109,9 @@ def check_model(engine: Engine, model: Optional[str], also: Sequence[str] = ()) 
     """A 404 for a request naming a model this server does not serve
     (``also``: other names it answers to, such as Ollama's ``name:latest``)."""
     if model and model not in (engine.model_id, *also):
-        raise Failure(404, f"The model '{model}' does not exist here; this server serves '{engine.model_id}'.",
-                      NO_MODEL, "model")
+        raise Failure(
+            404, f"The model '{model}' does not exist here; this server serves '{engine.model_id}'.", NO_MODEL, "model"
+        )
 
 
 def sampling(engine: Engine, **asked) -> SamplingConfig:
@@ -113,8 +120,14 @@ def sampling(engine: Engine, **asked) -> SamplingConfig:
     return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
 
 
-def render(engine: Engine, messages: List[dict], tools: Optional[list] = None, tool_choice=None,
-           content_param: str = "content", **options) -> Rendered:
+def render(
+    engine: Engine,
+    messages: List[dict],
+    tools: Optional[list] = None,
+    tool_choice=None,
+    content_param: str = "content",
+    **options,
+) -> Rendered:
     """A chat request's prompt through the chat template, with its tools
     (OpenAI's function shape) and the reply's grammar spec
     (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included). Tools,
@@ -200,8 +213,12 @@ def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "mess
     try:
         engine.submit(job)
     except QueueFull as e:  # Retry-After: the engine's estimate from the measured time per request
-        raise Failure(503, f"The server is busy: {e} Retry in {e.retry_after} s.", BUSY,
-                      headers={"Retry-After": str(e.retry_after)}) from None
+        raise Failure(
+            503,
+            f"The server is busy: {e} Retry in {e.retry_after} s.",
+            BUSY,
+            headers={"Retry-After": str(e.retry_after)},
+        ) from None
     return Queued(job, events)
 
 

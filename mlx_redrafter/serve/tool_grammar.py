@@ -108,8 +108,11 @@ class Lark:
         except RedrafterError as strict:
             schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
             check_grammar(schema)  # still wrong: raises
-            log.warning("The tool %r's schema asks for what the grammar cannot enforce (%s); the rest is enforced.",
-                        self.tool, strict.problem)
+            log.warning(
+                "The tool %r's schema asks for what the grammar cannot enforce (%s); the rest is enforced.",
+                self.tool,
+                strict.problem,
+            )
         return self.rule("%json " + json.dumps(schema, ensure_ascii=False))
 
     def text(self, start: str) -> str:
@@ -123,8 +126,16 @@ def _object(params) -> Tuple[dict, List[str]]:
     """The properties of a parameters schema (in order) and the required ones,
     for formats that write one argument at a time."""
     params = params or {}
-    extra = set(params) - {"type", "properties", "required", "additionalProperties", "description", "title",
-                           "$schema", "strict"}
+    extra = set(params) - {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "description",
+        "title",
+        "$schema",
+        "strict",
+    }
     if extra or params.get("type", "object") != "object":
         raise NotExpressible(f"its parameters use {sorted(extra) or params.get('type')}")
     props, required = params.get("properties") or {}, list(params.get("required") or [])
@@ -172,7 +183,7 @@ def _arguments(lark: Lark, params, item: Callable[[str, dict], str], sep: str = 
 
     def head(i):  # items i.., the first one present without a separator, the others after one
         body, req = items[i]
-        tail = " ".join(f"({sep} {b})" + ("" if r else "?") for b, r in items[i + 1:])
+        tail = " ".join(f"({sep} {b})" + ("" if r else "?") for b, r in items[i + 1 :])
         alt = f"{body} {tail}".strip()
         if req or i + 1 == len(items):
             return alt
@@ -214,9 +225,11 @@ def _check(pattern, name: str, what: str) -> str:
 
 def _json_call(newline: str) -> Callable:
     """``{"name": NAME, "arguments": ARGS}`` (generic, json_tools, mistral_json)."""
+
     def call(lark, name, params):
         head = newline + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
         return f"{lark.lit(head)} {lark.json(params)} {lark.lit('}' + newline)}"
+
     return call
 
 
@@ -246,8 +259,10 @@ def _glm_call(lark, name, params):
         else:
             value = f"{lark.json(schema)} {lark.lit('</arg_value>')}"  # the parser reads the others as JSON
         key = json.dumps(_check(_NAME, key, "parameter"), ensure_ascii=False)
-        return f"{newline} {lark.lit('<arg_key>')} {key} {lark.lit('</arg_key>')} {newline} " \
-               f"{lark.lit('<arg_value>')} {value}"
+        return (
+            f"{newline} {lark.lit('<arg_key>')} {key} {lark.lit('</arg_key>')} {newline} "
+            f"{lark.lit('<arg_value>')} {value}"
+        )
 
     args, _ = _arguments(lark, params, item)
     return f"{lark.lit(_check(_NAME, name, 'name'))} {args or ''} {newline}"
@@ -304,8 +319,7 @@ SYNTAXES: Dict[str, CallSyntax] = {
     "qwen3_coder": CallSyntax(_qwen3_call, "<tool_call>", "</tool_call>"),
     "glm47": CallSyntax(_glm_call, "<tool_call>", "</tool_call>"),
     "function_gemma": CallSyntax(_gemma_call, "<start_function_call>", "<end_function_call>", block_sep=""),
-    "pythonic": CallSyntax(_pythonic_call, "<|tool_call_start|>", "<|tool_call_end|>", call_sep=", ",
-                           inner=("[", "]")),
+    "pythonic": CallSyntax(_pythonic_call, "<|tool_call_start|>", "<|tool_call_end|>", call_sep=", ", inner=("[", "]")),
     "mistral": CallSyntax(_mistral_call, "[TOOL_CALLS]", "", block_sep=""),
     "mistral_json": CallSyntax(_json_call(""), "[TOOL_CALLS]", "", call_sep=", ", inner=("[", "]")),
 }
@@ -318,8 +332,7 @@ def _name(tool: dict) -> str:
     return (tool.get("function") or {}).get("name")
 
 
-def tool_grammar(tokenizer, syntax: str, tools: Sequence[dict], choice, parallel: bool = True,
-                 content=None) -> str:
+def tool_grammar(tokenizer, syntax: str, tools: Sequence[dict], choice, parallel: bool = True, content=None) -> str:
     """The Lark grammar of a reply to ``tools`` in format ``syntax`` (a
     :data:`SYNTAXES` key) under ``choice`` (``"auto"``, ``"required"`` or a
     tool's name). :class:`NotExpressible` when the format cannot spell a tool."""
@@ -366,8 +379,7 @@ def _checked(spec, param: str) -> None:
         raise ToolError(e.problem, e.fix, param) from None
 
 
-def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: bool = True,
-                  content=None):
+def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: bool = True, content=None):
     """The grammar spec of a reply (see :func:`~mlx_redrafter.serve.tools.render`): the content's
     schema alone without tools; None in a format (or for a tool) that a
     grammar cannot express, where the calls are parsed only (logged), unless
@@ -382,7 +394,10 @@ def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: 
         return tool_grammar(tokenizer, fmt.syntax, tools, choice, parallel, content)
     except NotExpressible as e:
         if content is not None:
-            raise ToolError(f"{e} So the reply cannot be held to both the tools and the content's schema.",
-                            "Drop the schema (response_format) or the tools.", "content") from None
+            raise ToolError(
+                f"{e} So the reply cannot be held to both the tools and the content's schema.",
+                "Drop the schema (response_format) or the tools.",
+                "content",
+            ) from None
         log.warning("%s Its calls are parsed, not constrained.", e)
         return None

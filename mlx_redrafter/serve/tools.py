@@ -42,7 +42,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools
 
-from ..errors import RedrafterError
 from ..llm.text import encode_prompt
 from ..prompts import render_messages
 from .tool_grammar import SYNTAXES, ToolError, reply_grammar
@@ -103,8 +102,15 @@ class ToolFormat:
         return self.opening.format(name=function)
 
 
-GENERIC_FORMAT = ToolFormat(GENERIC, json_tools.tool_call_start, json_tools.tool_call_end,
-                            json_tools.parse_tool_call, native=False, opening=_OPENINGS[GENERIC], syntax=GENERIC)
+GENERIC_FORMAT = ToolFormat(
+    GENERIC,
+    json_tools.tool_call_start,
+    json_tools.tool_call_end,
+    json_tools.parse_tool_call,
+    native=False,
+    opening=_OPENINGS[GENERIC],
+    syntax=GENERIC,
+)
 
 
 def parser_format(name: str, opening: Optional[str] = None) -> ToolFormat:
@@ -112,8 +118,15 @@ def parser_format(name: str, opening: Optional[str] = None) -> ToolFormat:
     (``opening``: the _OPENINGS key, when it is not ``name``)."""
     module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
     key = opening or name
-    return ToolFormat(name, module.tool_call_start, module.tool_call_end or "", module.parse_tool_call,
-                      native=True, opening=_OPENINGS.get(key), syntax=key if key in SYNTAXES else None)
+    return ToolFormat(
+        name,
+        module.tool_call_start,
+        module.tool_call_end or "",
+        module.parse_tool_call,
+        native=True,
+        opening=_OPENINGS.get(key),
+        syntax=key if key in SYNTAXES else None,
+    )
 
 
 def tool_format(tokenizer) -> ToolFormat:
@@ -161,8 +174,10 @@ def tool_names(tools: Optional[list]) -> List[str]:
     for t in tools or []:
         name = (t.get("function") or {}).get("name") if isinstance(t, dict) else None
         if not isinstance(name, str) or not name:
-            raise ToolError(f"The tool {str(t)[:80]!r} is not a function with a name.",
-                            'Send tools as {"type": "function", "function": {"name": ..., "parameters": {...}}}.')
+            raise ToolError(
+                f"The tool {str(t)[:80]!r} is not a function with a name.",
+                'Send tools as {"type": "function", "function": {"name": ..., "parameters": {...}}}.',
+            )
         names.append(name)
     return names
 
@@ -179,23 +194,39 @@ def check_tool_choice(tools: Optional[list], tool_choice) -> Optional[str]:
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
         if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise ToolError(f"tool_choice {tool_choice!r} is not a function choice.",
-                            'Use {"type": "function", "function": {"name": ...}}.', "tool_choice")
+            raise ToolError(
+                f"tool_choice {tool_choice!r} is not a function choice.",
+                'Use {"type": "function", "function": {"name": ...}}.',
+                "tool_choice",
+            )
         if name not in names:
-            raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools {names}.",
-                            "Name one of the functions sent in 'tools'.", "tool_choice")
+            raise ToolError(
+                f"tool_choice names the function {name!r}, which is not among the tools {names}.",
+                "Name one of the functions sent in 'tools'.",
+                "tool_choice",
+            )
         return name
     if tool_choice not in ("auto", "none", "required"):
-        raise ToolError(f"tool_choice {tool_choice!r} is not supported.",
-                        'Use "auto", "none", "required" or a named function.', "tool_choice")
+        raise ToolError(
+            f"tool_choice {tool_choice!r} is not supported.",
+            'Use "auto", "none", "required" or a named function.',
+            "tool_choice",
+        )
     if tool_choice == "required" and not names:
-        raise ToolError('tool_choice is "required" but no tools were sent.', "Send 'tools', or drop tool_choice.",
-                        "tool_choice")
+        raise ToolError(
+            'tool_choice is "required" but no tools were sent.', "Send 'tools', or drop tool_choice.", "tool_choice"
+        )
     return tool_choice
 
 
-def render(tokenizer, messages: Sequence[Message], tools: Optional[list] = None, tool_choice=None,
-           parallel_tool_calls: Optional[bool] = None, content=None) -> Rendered:
+def render(
+    tokenizer,
+    messages: Sequence[Message],
+    tools: Optional[list] = None,
+    tool_choice=None,
+    parallel_tool_calls: Optional[bool] = None,
+    content=None,
+) -> Rendered:
     """The prompt for ``messages`` and ``tools`` under ``tool_choice``
     (``"auto"``, ``"none"``, ``"required"`` or a named function, see
     :func:`check_tool_choice`), with the grammar of the reply: one call
@@ -263,7 +294,11 @@ def generic_messages(messages: Sequence[Message], tools: Optional[list]) -> List
         role, content = m.get("role"), m.get("content") or ""
         if role == "tool":
             name = m.get("tool_name") or m.get("name") or names.get(m.get("tool_call_id"), "")
-            line = "<tool_response>" + json.dumps({"name": name, "content": content}, ensure_ascii=False) + "</tool_response>"
+            line = (
+                "<tool_response>"
+                + json.dumps({"name": name, "content": content}, ensure_ascii=False)
+                + "</tool_response>"
+            )
             if out and out[-1].get("tool_results"):  # consecutive results share one turn
                 out[-1]["content"] += "\n" + line
             else:
@@ -381,8 +416,13 @@ class ToolCallStream:
         try:
             calls = _calls(self.format.parser(body, self.tools))
         except Exception as e:  # mlx-lm's parsers raise ValueError, JSONDecodeError, IndexError, ...
-            log.warning("Could not parse a %s tool call (%s: %s); returning it as content: %r",
-                        self.format.name, type(e).__name__, e, body)
+            log.warning(
+                "Could not parse a %s tool call (%s: %s); returning it as content: %r",
+                self.format.name,
+                type(e).__name__,
+                e,
+                body,
+            )
             return [body] if body else []
         for c in calls:
             c.index = len(self.calls)

@@ -35,9 +35,7 @@ def accept_greedy(beams: mx.array, node_index: mx.array, logits: mx.array) -> Ac
     (lowest beam index on ties, like the official code). Padding (a negative
     token) never equals an argmax, so it ends a run."""
     pred = mx.argmax(logits, axis=-1).astype(mx.int32)  # [N+1]
-    parents = mx.concatenate(
-        [mx.zeros((beams.shape[0], 1), mx.int32), node_index[:, :-1]], axis=1
-    )
+    parents = mx.concatenate([mx.zeros((beams.shape[0], 1), mx.int32), node_index[:, :-1]], axis=1)
     correct = (beams == pred[parents]).astype(mx.int32)
     run = mx.cumprod(correct, axis=1).sum(axis=1)  # [W]
     beam = mx.argmax(run).astype(mx.int32)

@@ -25,8 +25,23 @@ import mlx.core as mx
 import numpy as np
 
 from .curve import builtin_curve
-from .select import (DEPTHS, PRIOR_Q, SOURCES, Calibration, Observed, Q_MIN, Selection, Structure, best_subset,
-                     bucket_of, decode_codes, path_p, pick_bucket, row_structure, select_device)
+from .select import (
+    DEPTHS,
+    PRIOR_Q,
+    Q_MIN,
+    SOURCES,
+    Calibration,
+    Observed,
+    Selection,
+    Structure,
+    best_subset,
+    bucket_of,
+    decode_codes,
+    path_p,
+    pick_bucket,
+    row_structure,
+    select_device,
+)
 from .tree import PAD, unique_mask
 
 DRAFTER, LOOKUP = SOURCES.index("drafter"), SOURCES.index("lookup")
@@ -115,8 +130,9 @@ class AutoTree:
         score = None if score is None or len(score) != structure.size else score  # host numbers, NaN = unknown
         return pick_bucket(self.cal.estimate(structure, score), structure, self.curve)
 
-    def select(self, structure: Structure, ancestors, beams: mx.array, lay, scores: mx.array, k: int,
-               dedup: bool) -> Tuple[Selection, mx.array, mx.array]:
+    def select(
+        self, structure: Structure, ancestors, beams: mx.array, lay, scores: mx.array, k: int, dedup: bool
+    ) -> Tuple[Selection, mx.array, mx.array]:
         """The device's top-``k`` of the rows ``beams [R, L]`` laid out as ``lay``:
         ``(selection, rows, node_index)``, rows and node index ``[R, L]``
         over the selection's packed tree (not verified: ``PAD``).
@@ -138,8 +154,14 @@ class AutoTree:
         """Learn from a pipelined step's read: its codes and accepted path."""
         self.cal.observe(decode_codes(codes, structure), path)
 
-    def observe_unverified(self, rows: Sequence[Sequence[int]], scores: Sequence[float], source: str,
-                           before: Sequence[int], emitted: Sequence[int]) -> None:
+    def observe_unverified(
+        self,
+        rows: Sequence[Sequence[int]],
+        scores: Sequence[float],
+        source: str,
+        before: Sequence[int],
+        emitted: Sequence[int],
+    ) -> None:
         """Learn from host rows the step did not verify (greedy decoding only).
 
         A lookup or datastore row left out of the tree would be a row that
@@ -168,8 +190,9 @@ class AutoTree:
 
     # ------------------------------------------------------------------ synchronous
 
-    def trim(self, rows: List[List[int]], sources: Sequence[str], buckets: Sequence[int],
-             max_size: Optional[int] = None) -> List[List[int]]:
+    def trim(
+        self, rows: List[List[int]], sources: Sequence[str], buckets: Sequence[int], max_size: Optional[int] = None
+    ) -> List[List[int]]:
         """The best parent-closed subset of host ``rows`` (PAD-padded, equal
         lengths) as rows cut short with ``PAD``. ``buckets`` holds each
         row-major node's score bucket (-1: padding)."""

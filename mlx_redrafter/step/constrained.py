@@ -75,8 +75,13 @@ def _consume(matcher, out: StepTokens, eos: set) -> StepTokens:
 
 
 def constrained_steps(
-    model, prompt: mx.array, cache, draft: DraftConfig, sampling: Optional[SamplingConfig] = None,
-    grammar: Grammar = None, history: Sequence[int] = ()
+    model,
+    prompt: mx.array,
+    cache,
+    draft: DraftConfig,
+    sampling: Optional[SamplingConfig] = None,
+    grammar: Grammar = None,
+    history: Sequence[int] = (),
 ) -> Iterator[StepTokens]:
     """Yield each step's tokens under ``grammar`` (a compiled
     :class:`~mlx_redrafter.step.grammar.Grammar`), like

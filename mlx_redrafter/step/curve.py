@@ -45,10 +45,23 @@ MAX_CONTEXT_STRETCH = 3.0  # CostCurve.at extrapolates at most this many times t
 # SmolLM2-135M float32, synchronous forward after 220 tokens of context,
 # median of 15 calls. Sizes 9, 11 and 13-15 were not measured; the built-in
 # curve interpolates them linearly between their measured neighbours.
-BUILTIN_MEASURED = {1: 1.00, 2: 1.07, 3: 1.19, 4: 1.51, 5: 1.57, 6: 1.65, 7: 1.80, 8: 1.62,
-                    10: 1.79, 12: 2.02, 16: 2.52}
-BUILTIN_SOURCE = ("built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M float32 "
-                  "(DESIGN.md section 10); sizes 9, 11, 13-15 interpolated")
+BUILTIN_MEASURED = {
+    1: 1.00,
+    2: 1.07,
+    3: 1.19,
+    4: 1.51,
+    5: 1.57,
+    6: 1.65,
+    7: 1.80,
+    8: 1.62,
+    10: 1.79,
+    12: 2.02,
+    16: 2.52,
+}
+BUILTIN_SOURCE = (
+    "built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M float32 "
+    "(DESIGN.md section 10); sizes 9, 11, 13-15 interpolated"
+)
 
 
 def _interpolated(measured) -> Tuple[float, ...]:
@@ -69,8 +82,10 @@ BATCH_SIZES = (1, 2, 4, 8)  # the batch sizes a calibration times (``serve --max
 # 13 tokens/s at batch 1, 59 at 8, 85 at 16, 92 at 32, 113 at 64; as a gain
 # over batch 1, the sizes between interpolated linearly.
 BUILTIN_BATCH_MEASURED = {1: 13.0, 8: 59.0, 16: 85.0, 32: 92.0, 64: 113.0}
-BUILTIN_BATCH_SOURCE = ("built-in: batched greedy decoding measured on a 2-core Linux CPU with BLIS, "
-                        "SmolLM2-135M float32 (DESIGN.md section 6); sizes 2-7 interpolated")
+BUILTIN_BATCH_SOURCE = (
+    "built-in: batched greedy decoding measured on a 2-core Linux CPU with BLIS, "
+    "SmolLM2-135M float32 (DESIGN.md section 6); sizes 2-7 interpolated"
+)
 
 
 @dataclass
@@ -147,10 +162,27 @@ class CostCurve:
 # 2 rounds, 2026-12-01, quiet machine, 141 ms at N=1): the quantized matmul
 # over N rows costs about N single-row ones here, so no draft pays
 # (bench/RESULTS.md section 18).
-BUILTIN_QUANTIZED_MEASURED = {1: 1.00, 2: 2.09, 3: 2.97, 4: 3.88, 5: 4.85, 6: 5.82, 7: 6.89, 8: 7.91, 9: 8.84,
-                              10: 9.82, 11: 10.92, 12: 11.58, 13: 12.99, 14: 13.56, 15: 14.51, 16: 15.32}
-BUILTIN_QUANTIZED_SOURCE = ("built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M quantized to "
-                            "4 bits (group 64)")
+BUILTIN_QUANTIZED_MEASURED = {
+    1: 1.00,
+    2: 2.09,
+    3: 2.97,
+    4: 3.88,
+    5: 4.85,
+    6: 5.82,
+    7: 6.89,
+    8: 7.91,
+    9: 8.84,
+    10: 9.82,
+    11: 10.92,
+    12: 11.58,
+    13: 12.99,
+    14: 13.56,
+    15: 14.51,
+    16: 15.32,
+}
+BUILTIN_QUANTIZED_SOURCE = (
+    "built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M quantized to 4 bits (group 64)"
+)
 
 
 def builtin_curve(variant: str = "") -> CostCurve:
@@ -158,10 +190,16 @@ def builtin_curve(variant: str = "") -> CostCurve:
     its own: the quantized model's for a quantized ``variant``
     (:func:`model_variant`, e.g. ``"q4g64-float32"``), else the float one's."""
     if variant.startswith("q"):
-        return CostCurve(_interpolated(BUILTIN_QUANTIZED_MEASURED), variant=variant, builtin=True,
-                         source=BUILTIN_QUANTIZED_SOURCE)
-    return CostCurve(BUILTIN_COSTS, builtin=True, source=BUILTIN_SOURCE, long_costs=_interpolated(BUILTIN_LONG_MEASURED),
-                     long_context=LONG_CONTEXT_TOKENS)
+        return CostCurve(
+            _interpolated(BUILTIN_QUANTIZED_MEASURED), variant=variant, builtin=True, source=BUILTIN_QUANTIZED_SOURCE
+        )
+    return CostCurve(
+        BUILTIN_COSTS,
+        builtin=True,
+        source=BUILTIN_SOURCE,
+        long_costs=_interpolated(BUILTIN_LONG_MEASURED),
+        long_context=LONG_CONTEXT_TOKENS,
+    )
 
 
 def builtin_batch(variant: str = "") -> Tuple[Tuple[int, ...], Tuple[float, ...]]:
@@ -258,15 +296,19 @@ def format_curve(curve: CostCurve) -> str:
     if curve.builtin:
         head = f"verify cost c(N) ({curve.source})"
     else:
-        head = (f"verify cost c(N), measured: {curve.model} {curve.variant} on {curve.device}, "
-                f"{curve.base_ms:.1f} ms at N=1, {curve.rounds} rounds")
+        head = (
+            f"verify cost c(N), measured: {curve.model} {curve.variant} on {curve.device}, "
+            f"{curve.base_ms:.1f} ms at N=1, {curve.rounds} rounds"
+        )
     guessed = set(range(1, curve.max_size + 1)) - set(curve.measured) if curve.measured else set()
     sizes = "  ".join(f"{n}:{'~' if n in guessed else ''}{c:.2f}" for n, c in enumerate(curve.costs, start=1))
     note = "  (~ interpolated)" if guessed else ""
     text = f"{head}{note}\n  after {curve.context} tokens: {sizes}"
     if curve.long_costs:
         timed = [n for n in BUCKET_SIZES if n <= len(curve.long_costs)]
-        text += f"\n  after {curve.long_context} tokens: " + "  ".join(f"{n}:{curve.long_costs[n - 1]:.2f}" for n in timed)
+        text += f"\n  after {curve.long_context} tokens: " + "  ".join(
+            f"{n}:{curve.long_costs[n - 1]:.2f}" for n in timed
+        )
     where = "measured" if curve.batch_sizes else BUILTIN_BATCH_SOURCE
     sizes = curve.batch_sizes or BATCH_SIZES
     gains = "  ".join(f"{n}:{curve.batch_gain(n):.2f}" for n in sizes)

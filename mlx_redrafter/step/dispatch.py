@@ -79,12 +79,14 @@ def redrafter_steps(
     if draft.pipelined and can_pipeline(cache, draft, timings):
         yield from pipelined_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
     else:
-        yield from synchronous_steps(model, prompt, cache, draft=draft, sampling=sampling, timings=timings,
-                                     history=history)
+        yield from synchronous_steps(
+            model, prompt, cache, draft=draft, sampling=sampling, timings=timings, history=history
+        )
 
 
-def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None,
-                grammar: Optional[Grammar] = None) -> Iterator[StepTokens]:
+def plain_steps(
+    model, prompt: mx.array, cache, sampling: Optional[SamplingConfig] = None, grammar: Optional[Grammar] = None
+) -> Iterator[StepTokens]:
     """Plain mlx-lm decoding (``generate_step``), one token per step; with a
     ``grammar``, its mask is a logits processor (plain constrained decoding,
     the reference the constrained loop equals) and the stream ends after
@@ -96,8 +98,9 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
     processors = [grammar_logits_processor(grammar)] if grammar is not None else None
     eos = set(grammar.eos_ids) if grammar is not None else ()
     tic = time.perf_counter()
-    for i, (token, _) in enumerate(generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache,
-                                                 logits_processors=processors)):
+    for i, (token, _) in enumerate(
+        generate_step(prompt, model, max_tokens=-1, sampler=sampler, prompt_cache=cache, logits_processors=processors)
+    ):
         now = time.perf_counter()
         yield StepTokens([int(token)], [False], StepStats(i, 0, 1, now - tic, i + 1))
         tic = now
@@ -105,9 +108,17 @@ def plain_steps(model, prompt: mx.array, cache, sampling: Optional[SamplingConfi
             return
 
 
-def token_steps(model, prompt: mx.array, prompt_cache, *, draft: DraftConfig, sampling: SamplingConfig,
-                timings: bool = False, history: Sequence[int] = (),
-                grammar: Optional[Grammar] = None) -> Iterator[StepTokens]:
+def token_steps(
+    model,
+    prompt: mx.array,
+    prompt_cache,
+    *,
+    draft: DraftConfig,
+    sampling: SamplingConfig,
+    timings: bool = False,
+    history: Sequence[int] = (),
+    grammar: Optional[Grammar] = None,
+) -> Iterator[StepTokens]:
     """The step iterator of a generation: ReDrafter's, or plain decoding's
     when nothing drafts. ``prompt_cache=None``: a fresh cache. A compiled
     ``grammar`` constrains the output: plain constrained decoding when

@@ -56,8 +56,10 @@ def _ll_tokenizer(tokenizer):
     try:
         ll = llg.hf.from_tokenizer(hf, eos_token=eos)
     except ValueError as e:
-        raise RedrafterError(f"Structured output cannot use this tokenizer: {e}.",
-                             "Use a model with a fast (tokenizer.json) Hugging Face tokenizer.") from e
+        raise RedrafterError(
+            f"Structured output cannot use this tokenizer: {e}.",
+            "Use a model with a fast (tokenizer.json) Hugging Face tokenizer.",
+        ) from e
     _LLTOKENIZERS[hf] = ll
     return ll
 
@@ -121,9 +123,11 @@ def check_grammar(spec, tokenizer=None) -> str:
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(definition, tokenizer)
     if is_error:
         what = "JSON Schema" if isinstance(spec, dict) or spec == "json" else "grammar"
-        raise RedrafterError(f"Invalid {what}: {'; '.join(m.strip() for m in messages)}.",
-                             f"Fix the {what}; supported JSON Schema features: "
-                             "https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md")
+        raise RedrafterError(
+            f"Invalid {what}: {'; '.join(m.strip() for m in messages)}.",
+            f"Fix the {what}; supported JSON Schema features: "
+            "https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md",
+        )
     return definition
 
 
@@ -131,7 +135,8 @@ def compile_grammar(tokenizer, spec, vocab_size: int = None) -> Grammar:
     """Compile ``spec`` for ``tokenizer`` (mlx-lm, Hugging Face or llguidance).
 
     ``spec``: a JSON Schema (dict), ``"json"`` (any JSON object), an
-    llguidance grammar string (Lark, or the JSON of ``llguidance.grammar_from``), or a :class:`Grammar` (returned as is).
+    llguidance grammar string (Lark, or the JSON of ``llguidance.grammar_from``),
+    or a :class:`Grammar` (returned as is).
     ``vocab_size``: the model's vocabulary (default: the tokenizer's).
     An invalid schema or an unsupported feature raises :class:`RedrafterError`
     naming it.

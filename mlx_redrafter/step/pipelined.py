@@ -116,8 +116,9 @@ class _Pipeline:
         if self.lookup is not None or self.store is not None:
             # Whether to verify lookup rows is decided from what the host has
             # read (a row costs its tokens' compute even when it matches nothing).
-            proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length + prev.depth + 1,
-                                                 cfg.lookup)
+            proposals, source = context_or_store(
+                self.lookup, self.store, cfg.lookup_length + prev.depth + 1, cfg.lookup
+            )
             if proposals:
                 host = self._host_scores(source)
                 self.host_rows = (proposals, host, source)
@@ -131,8 +132,9 @@ class _Pipeline:
                 self.scores.append(mx.broadcast_to(matched, rows.shape).astype(mx.float32))
                 lengths += [cfg.lookup_length] * rows.shape[0]
                 # The host's own match (one step late) stands for the device's in the bucket's estimate.
-                self.host_scores += [host[min(i, len(host) - 1)] for i in range(rows.shape[0])
-                                     for _ in range(cfg.lookup_length)]
+                self.host_scores += [
+                    host[min(i, len(host) - 1)] for i in range(rows.shape[0]) for _ in range(cfg.lookup_length)
+                ]
         return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
 
     def _host_scores(self, source: str) -> List[int]:
@@ -185,8 +187,17 @@ class _Pipeline:
         kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
         self.kv.append(lay.size, kept)
         row = beams[acc.beam]
-        return _Queued(step_read(acc, row), acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, lay.size,
-                       sources=sources)
+        return _Queued(
+            step_read(acc, row),
+            acc.next_token,
+            hidden[acc.last],
+            prev.real + 1 + acc.n,
+            row,
+            acc.n,
+            depth,
+            lay.size,
+            sources=sources,
+        )
 
     def _queue_auto(self, prev: _Queued, beams: mx.array, lay, sources) -> _Queued:
         """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
@@ -199,8 +210,9 @@ class _Pipeline:
             return queued
         depth = beams.shape[1]
         scores = mx.concatenate([mx.pad(x, [(0, 0), (0, depth - x.shape[1])]) for x in self.scores])
-        sel, rows, index = self.auto.select(structure, ancestors, beams, lay, scores, size - 1,
-                                            dedup=not self.sampling.greedy)
+        sel, rows, index = self.auto.select(
+            structure, ancestors, beams, lay, scores, size - 1, dedup=not self.sampling.greedy
+        )
         tree = sel.tree(beams[lay.node_row, lay.node_pos], prev.g0)
         # One row of candidates: the selection is a prefix of it (parents
         # first, ties to the shallower), a single path that the model's own
@@ -210,14 +222,26 @@ class _Pipeline:
         if self.sampling.greedy:
             acc = accept_greedy(rows, index, logits)
         else:
-            acc = accept_sampling(rows, Tree(tree.tokens, tree.depth, tree.parent, index, tree.mask), logits,
-                                  self.sampling)
+            acc = accept_sampling(
+                rows, Tree(tree.tokens, tree.depth, tree.parent, index, tree.mask), logits, self.sampling
+            )
         on_path = mx.arange(depth + 1) <= acc.n
         self.kv.append(size, ((mx.arange(size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1))
         row = rows[acc.beam]
         read = mx.concatenate([step_read(acc, row), sel.codes])
-        return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, depth, size,
-                       structure=structure, sources=sources, host_rows=host_rows)
+        return _Queued(
+            read,
+            acc.next_token,
+            hidden[acc.last],
+            prev.real + 1 + acc.n,
+            row,
+            acc.n,
+            depth,
+            size,
+            structure=structure,
+            sources=sources,
+            host_rows=host_rows,
+        )
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
@@ -242,7 +266,9 @@ class _Pipeline:
             return self.backbone(tokens, cache=self.cache)[0]
 
 
-def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+def pipelined_steps(
+    model, prompt: mx.array, cache, *, draft, sampling, history: Sequence[int] = ()
+) -> Iterator[StepTokens]:
     """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, pipelined (see the module doc)."""
     install_tree_hooks(model)  # refuses unsupported positions before any work
     pipe = _Pipeline(model, cache, draft, sampling, list(history) + host_read(prompt))
@@ -250,7 +276,9 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
     logits, context = prefill(pipe.backbone, pipe.head, cache, prompt)
     pipe.kv = HoleyCache(cache)
     if pipe.auto is not None:
-        pipe.auto.advance(getattr(cache[0], "offset", 0))  # the prompt (and any cached turns): trees are priced at their context
+        pipe.auto.advance(
+            getattr(cache[0], "offset", 0)
+        )  # the prompt (and any cached turns): trees are priced at their context
     g0 = sample_first(logits, sampling)
     zero = mx.array(0, mx.int32)
     queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1)
@@ -275,8 +303,15 @@ def pipelined_steps(model, prompt: mx.array, cache, *, draft, sampling, history:
             if queued.structure is not None:
                 pipe.learn(queued, read)
             pipe.emitted(read.emitted)
-            yield read.tokens(step, queued.size, time.perf_counter() - tic, syncs, queued.depth, draft.drafter_rows,
-                              sources=queued.sources)
+            yield read.tokens(
+                step,
+                queued.size,
+                time.perf_counter() - tic,
+                syncs,
+                queued.depth,
+                draft.drafter_rows,
+                sources=queued.sources,
+            )
             queued = following
     finally:
         pipe.kv.compact(drop_unread=True)

@@ -59,8 +59,9 @@ def first_step(g0: int, elapsed: float, syncs: int) -> StepTokens:
 
 def draft_beams(draft, embed, context: mx.array, g0: mx.array, confidences: int = 0):
     """The drafter's beams from ``(g0, context)``, lazily (:class:`~mlx_redrafter.draft.beam.Beams`)."""
-    return draft.drafter.draft(embed, context, g0, draft.beam_width, draft.beam_length, warp=draft.warp,
-                               confidences=confidences)
+    return draft.drafter.draft(
+        embed, context, g0, draft.beam_width, draft.beam_length, warp=draft.warp, confidences=confidences
+    )
 
 
 def step_read(acc, row: mx.array) -> mx.array:
@@ -95,8 +96,17 @@ class StepRead:
         """Whether the accepted nodes already sit in order after ``g0`` (no cache rows to move)."""
         return self.path[: self.n + 1] == list(range(self.n + 1))
 
-    def tokens(self, step: int, tree_size: int, elapsed: float, syncs: int, depth: int, drafter_rows: int,
-               times: Optional[dict] = None, sources: Optional[Sequence[str]] = None) -> StepTokens:
+    def tokens(
+        self,
+        step: int,
+        tree_size: int,
+        elapsed: float,
+        syncs: int,
+        depth: int,
+        drafter_rows: int,
+        times: Optional[dict] = None,
+        sources: Optional[Sequence[str]] = None,
+    ) -> StepTokens:
         """The :class:`StepTokens` of this step; ``sources`` names each row's
         source (without it, beams from ``drafter_rows`` on are lookup rows)."""
         source = ""
@@ -104,9 +114,18 @@ class StepRead:
             source = sources[self.beam] if sources else ("drafter" if self.beam < drafter_rows else "lookup")
         times = times or {}
         stats = StepStats(
-            step, self.n, tree_size, elapsed, syncs, self.beam, depth, source=source,
-            draft_time=times.get("draft", 0.0), pack_time=times.get("pack", 0.0),
-            verify_time=times.get("verify", 0.0), accept_time=times.get("accept", 0.0),
+            step,
+            self.n,
+            tree_size,
+            elapsed,
+            syncs,
+            self.beam,
+            depth,
+            source=source,
+            draft_time=times.get("draft", 0.0),
+            pack_time=times.get("pack", 0.0),
+            verify_time=times.get("verify", 0.0),
+            accept_time=times.get("accept", 0.0),
         )
         return StepTokens(self.emitted, [True] * self.n + [False], stats)
 

@@ -50,11 +50,14 @@ MAX_WEIGHT = 2000.0  # observations kept per cell: older ones fade, so the rates
 # drafter: the node's draft log-probability given its parent (probability
 # 0.1, 0.25, 0.5, 0.75); lookup: the matched suffix length (1, 2, 3, 4, 5+);
 # datastore: the continuation's count (1, 2-3, 4-7, 8-15, 16+).
-EDGES = np.array([
-    np.log([0.1, 0.25, 0.5, 0.75]),
-    [1.5, 2.5, 3.5, 4.5],
-    [1.5, 3.5, 7.5, 15.5],
-], dtype=np.float32)
+EDGES = np.array(
+    [
+        np.log([0.1, 0.25, 0.5, 0.75]),
+        [1.5, 2.5, 3.5, 4.5],
+        [1.5, 3.5, 7.5, 15.5],
+    ],
+    dtype=np.float32,
+)
 N_BUCKETS = EDGES.shape[1] + 1
 
 
@@ -293,8 +296,14 @@ class Selection:
         return mx.where(chosen, beams, PAD), mx.where(chosen, idx, 0).astype(mx.int32)
 
 
-def select_device(structure: Structure, score: mx.array, valid: mx.array, table: mx.array, k: int,
-                  ancestors: Optional[mx.array] = None) -> Selection:
+def select_device(
+    structure: Structure,
+    score: mx.array,
+    valid: mx.array,
+    table: mx.array,
+    k: int,
+    ancestors: Optional[mx.array] = None,
+) -> Selection:
     """The top-``k`` candidates by p, ties to the shallower (parent-closed,
     see the module doc), with fixed shapes and no host sync.
 
@@ -317,8 +326,15 @@ def select_device(structure: Structure, score: mx.array, valid: mx.array, table:
     mask = anc[ext][:, ext]
     b = bucket[nodes]
     codes = mx.where(b >= 0, nodes * N_BUCKETS + b, -1).astype(mx.int32)
-    return Selection(nodes, position, mx.concatenate([zero, depth[nodes]]),
-                     mx.concatenate([zero, packed_parent.astype(mx.int32)]), mask, codes, p)
+    return Selection(
+        nodes,
+        position,
+        mx.concatenate([zero, depth[nodes]]),
+        mx.concatenate([zero, packed_parent.astype(mx.int32)]),
+        mask,
+        codes,
+        p,
+    )
 
 
 # --------------------------------------------------------------------------- calibration
@@ -357,8 +373,13 @@ class Calibration:
     observations so that it follows a change of text.
     """
 
-    def __init__(self, prior: np.ndarray = PRIOR_Q, weight: float = PRIOR_WEIGHT, max_weight: float = MAX_WEIGHT,
-                 slot_prior: np.ndarray = PRIOR_SLOTS):
+    def __init__(
+        self,
+        prior: np.ndarray = PRIOR_Q,
+        weight: float = PRIOR_WEIGHT,
+        max_weight: float = MAX_WEIGHT,
+        slot_prior: np.ndarray = PRIOR_SLOTS,
+    ):
         self.prior, self.weight, self.max_weight = np.asarray(prior, np.float64), weight, max_weight
         self.hits = np.zeros_like(self.prior)
         self.trials = np.zeros_like(self.prior)
@@ -414,8 +435,12 @@ class Calibration:
         m = structure.size
         score = np.full(m, np.nan, np.float32) if score is None else np.asarray(score, np.float32)
         known = ~np.isnan(score)
-        q = np.array([self.marginal(int(s), int(d), int(r))
-                      for s, d, r in zip(structure.source, structure.depth, structure.rank())])
+        q = np.array(
+            [
+                self.marginal(int(s), int(d), int(r))
+                for s, d, r in zip(structure.source, structure.depth, structure.rank())
+            ]
+        )
         if known.any():
             b = bucket_of(np, structure.source, np.where(known, score, 0.0))
             table = self.table()[structure.source, np.minimum(structure.depth, DEPTHS) - 1, b]

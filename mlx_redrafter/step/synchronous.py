@@ -30,8 +30,8 @@ from ..llm.cache import compact_cache, set_cache_length, verify_starts
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .auto import AutoTree, drafter_scores, lookup_buckets
-from .select import bucket_of
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
+from .select import bucket_of
 from .tree import count_nodes, count_rows, pack
 from .verify import verify
 
@@ -145,13 +145,24 @@ class _JoinedBeams(_DrafterBeams):
         out = self.auto.trim(rows, self.sources, flat)
         dropped = [i for i in range(min(extra, len(raw))) if all(t < 0 for t in out[len(buckets) + i])]
         if self.greedy and dropped:
-            self.left_out = ([[t for t in rows[len(buckets) + i] if t >= 0] for i in dropped],
-                             [raw[i] for i in dropped], source)
+            self.left_out = (
+                [[t for t in rows[len(buckets) + i] if t >= 0] for i in dropped],
+                [raw[i] for i in dropped],
+                source,
+            )
         return out
 
 
-def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sampling: SamplingConfig,
-                      timings: bool = False, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+def synchronous_steps(
+    model,
+    prompt: mx.array,
+    cache,
+    *,
+    draft: DraftConfig,
+    sampling: SamplingConfig,
+    timings: bool = False,
+    history: Sequence[int] = (),
+) -> Iterator[StepTokens]:
     """:func:`~mlx_redrafter.step.dispatch.redrafter_steps`, one step at a time (see the module doc)."""
     embed, backbone, head = model_parts(model, draft.feature_layers)
     if draft.lookup_rows or draft.tree == "auto":
@@ -173,8 +184,9 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
         times = {}
         offsets, starts = [c.offset for c in cache], verify_starts(cache)
         beams = beams[:, :d_val]
-        logits, hidden, acc, tree_size = _verify_and_accept(model, backbone, head, cache, beams, n_val, d_val, g0,
-                                                            drafts.padded, sampling, timings, times, tic)
+        logits, hidden, acc, tree_size = _verify_and_accept(
+            model, backbone, head, cache, beams, n_val, d_val, g0, drafts.padded, sampling, timings, times, tic
+        )
         g0 = acc.next_token
         pending = drafts.start(hidden[acc.last], g0)
         _lap(timings, times, "draft", tic, *pending)
@@ -186,8 +198,16 @@ def synchronous_steps(model, prompt: mx.array, cache, *, draft: DraftConfig, sam
         if not read.in_place:
             compact_cache(cache, starts, acc.path)
         set_cache_length(cache, starts, offsets, 1 + read.n)
-        out = read.tokens(step, tree_size, time.perf_counter() - tic, syncs, d_val, draft.drafter_rows, times,
-                          sources=getattr(drafts, "sources", None))
+        out = read.tokens(
+            step,
+            tree_size,
+            time.perf_counter() - tic,
+            syncs,
+            d_val,
+            draft.drafter_rows,
+            times,
+            sources=getattr(drafts, "sources", None),
+        )
         beams, n_val, d_val = drafts.finish(read.rest, read.emitted)
         yield out
 

@@ -113,9 +113,7 @@ def pack(beams: mx.array, n_nodes: int, g0: mx.array, order: str = "depth", padd
     node_pos = (perm % length).astype(mx.int32)
     depth = mx.concatenate([mx.zeros((1,), mx.int32), node_pos + 1])
     parent_pos = mx.maximum(node_pos - 1, 0)
-    parent = mx.where(
-        node_pos > 0, node_index[node_beam[1:], parent_pos], 0
-    )
+    parent = mx.where(node_pos > 0, node_index[node_beam[1:], parent_pos], 0)
     parent = mx.concatenate([mx.zeros((1,), mx.int32), parent.astype(mx.int32)])
     mask = ancestor_mask(node_index, node_beam, depth)
     return Tree(tokens, depth, parent, node_index, mask)
@@ -190,8 +188,15 @@ def layout(lengths: tuple) -> Layout:
     parent = np.array([0] + [node_index[r, j - 1] if j else 0 for r, j in zip(rows, pos)], np.int32)
     node_beam = mx.array([0] + rows, mx.int32)
     ni, dep = mx.array(node_index), mx.array(depth)
-    return Layout(tuple(lengths), mx.array(rows, mx.int32), mx.array(pos, mx.int32), ni, dep, mx.array(parent),
-                  ancestor_mask(ni, node_beam, dep))
+    return Layout(
+        tuple(lengths),
+        mx.array(rows, mx.int32),
+        mx.array(pos, mx.int32),
+        ni,
+        dep,
+        mx.array(parent),
+        ancestor_mask(ni, node_beam, dep),
+    )
 
 
 def merged_parent(lay: Layout, beams: mx.array) -> mx.array:

@@ -115,8 +115,9 @@ def tree_attention_mask(
 
 
 @contextmanager
-def tree_hooks(model, cache, tree, base: Optional[mx.array] = None, valid: Optional[mx.array] = None,
-               chain: bool = False):
+def tree_hooks(
+    model, cache, tree, base: Optional[mx.array] = None, valid: Optional[mx.array] = None, chain: bool = False
+):
     """Inside the block, a model call on ``tree.tokens`` runs as a tree.
 
     ``base`` and ``valid`` (the pipelined loop): the position of ``g0`` as a

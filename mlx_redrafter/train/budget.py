@@ -76,17 +76,22 @@ def fit_sizes(budget_s: float, step_s: float, base: Optional[Sizes] = None) -> S
     root = math.sqrt(scale)
     # A calibration round times every size from 1 to 16 in short bursts: about 100 plain steps.
     rounds_s = min(base.calibrate_s, 2 * 100 * step_s)
-    return Sizes(max(2, round(base.controller_prompts * root)), max(16, round(base.controller_tokens * root)),
-                 max(2, round(base.verdict_prompts * root)), max(16, round(base.verdict_tokens * root)),
-                 max(1.0, rounds_s, base.calibrate_s * scale))
+    return Sizes(
+        max(2, round(base.controller_prompts * root)),
+        max(16, round(base.controller_tokens * root)),
+        max(2, round(base.verdict_prompts * root)),
+        max(16, round(base.verdict_tokens * root)),
+        max(1.0, rounds_s, base.calibrate_s * scale),
+    )
 
 
 def train_seconds_per_position(rates: Rates, batch_size: int, held_out: float) -> float:
     return PASSES * (1 - held_out) / (batch_size * max(rates.train_steps_per_s, 1e-9))
 
 
-def more_distill_s(left_s: float, positions: int, train_spent_s: float, rates: Rates, batch_size: int,
-                   held_out: float) -> float:
+def more_distill_s(
+    left_s: float, positions: int, train_spent_s: float, rates: Rates, batch_size: int, held_out: float
+) -> float:
     """Seconds more of distillation, out of ``left_s`` for distillation and
     training together, so that training keeps pace with the data: with
     ``x`` more seconds of distilling, training's total ``train_spent_s + (left_s
@@ -153,11 +158,17 @@ def measure_train_rate(model, cfg, steps: int = 4, top_k: int = 16, positions: i
     embed, _, _ = model_parts(model)
     vocab, hidden = int(embed.weight.shape[0]), int(model.args.hidden_size)
     rng = np.random.default_rng(0)
-    corpus = Corpus(rng.integers(0, vocab, positions).astype(np.int32),
-                    rng.standard_normal((positions, hidden)).astype(np.float16), np.array([0, positions]), ["probe"])
+    corpus = Corpus(
+        rng.integers(0, vocab, positions).astype(np.int32),
+        rng.standard_normal((positions, hidden)).astype(np.float16),
+        np.array([0, positions]),
+        ["probe"],
+    )
     if top_k:
-        corpus.extra = {"topk_ids": rng.integers(0, vocab, (positions, top_k)).astype(np.int32),
-                        "topk_logits": rng.standard_normal((positions, top_k)).astype(np.float32)}
+        corpus.extra = {
+            "topk_ids": rng.integers(0, vocab, (positions, top_k)).astype(np.int32),
+            "topk_logits": rng.standard_normal((positions, top_k)).astype(np.float32),
+        }
     probe = replace(cfg, init_head_from_llm=False)  # the step costs the same; no copy of the LLM's head
     drafter = new_drafter(model, corpus, probe)
     examples = Examples(np.arange(positions - cfg.depth - 1), np.full(positions, positions))

@@ -24,7 +24,6 @@ from ..config import DraftConfig
 from ..draft.controller import WEIGHTS, Controller, ControllerConfig, save_controller
 from ..step.dispatch import redrafter_steps
 
-
 # --------------------------------------------------------------------------- recording
 
 
@@ -54,8 +53,17 @@ class Episodes:
     tree_sizes: np.ndarray  # [n, L] tokens verified (g0 included) at depth 1..L
 
 
-def record_episodes(model, drafter, prompts: List[List[int]], width: int, length: int, max_tokens: int,
-                    eos_ids=(), top_k: int = ControllerConfig.top_k, progress: Optional[Callable[[int], None]] = None) -> Episodes:
+def record_episodes(
+    model,
+    drafter,
+    prompts: List[List[int]],
+    width: int,
+    length: int,
+    max_tokens: int,
+    eos_ids=(),
+    top_k: int = ControllerConfig.top_k,
+    progress: Optional[Callable[[int], None]] = None,
+) -> Episodes:
     """Run ReDrafter (greedy) on tokenized training prompts; one episode per step."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -85,8 +93,9 @@ def record_episodes(model, drafter, prompts: List[List[int]], width: int, length
 # --------------------------------------------------------------------------- cost model
 
 
-def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats: int = 5,
-                    top_k: int = ControllerConfig.top_k) -> Dict[str, float]:
+def measure_latency(
+    model, drafter, width: int, length: int, sizes=None, repeats: int = 5, top_k: int = ControllerConfig.top_k
+) -> Dict[str, float]:
     """Device latencies in ms: one plain decode step, the verify call for each
     tree size, one full beam search (returning ``top_k`` confidences per
     depth, as the controller reads them), and the controller itself."""
@@ -111,7 +120,9 @@ def measure_latency(model, drafter, width: int, length: int, sizes=None, repeats
     out = {f"verify_{n}": timed(forward(n)) for n in sizes}
     # A fused drafter reads wider hidden states; any other drafter, the LLM's own.
     ctx = mx.random.normal((getattr(drafter, "context_size", embed.weight.shape[-1]),))
-    out["draft"] = timed(lambda: mx.eval(drafter.draft(embed, ctx, mx.array(1), width, length, confidences=top_k).tokens))
+    out["draft"] = timed(
+        lambda: mx.eval(drafter.draft(embed, ctx, mx.array(1), width, length, confidences=top_k).tokens)
+    )
     probe = Controller(ControllerConfig(top_k=top_k))
     mx.eval(probe.parameters())
     conf = mx.random.uniform(shape=(length, top_k))
@@ -142,8 +153,15 @@ def step_cost(latency: Dict[str, float], tree_size: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- training
 
 
-def train_controller(episodes: Episodes, config: ControllerConfig, epochs: int = 100, batch_size: int = 256,
-                     lr: float = 1e-3, seed: int = 0, progress: Optional[Callable[[int, float], None]] = None) -> Controller:
+def train_controller(
+    episodes: Episodes,
+    config: ControllerConfig,
+    epochs: int = 100,
+    batch_size: int = 256,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> Controller:
     """Policy gradient on recorded episodes (no live interaction with the LLM).
 
     The return of stopping at depth ``D`` is ``(min(a, D) + 1) / (T(D) /
@@ -223,9 +241,21 @@ class FitReport:
         return self.learned > self.fixed[self.best_depth]
 
 
-def fit_and_save(model, drafter, drafter_path, prompts: List[List[int]], width: int, length: int, max_tokens: int,
-                 eos_ids=(), epochs: int = 100, alpha: float = 0.05, seed: int = 0,
-                 progress: Optional[Callable[[str, int, Optional[int]], None]] = None, curve=None) -> FitReport:
+def fit_and_save(
+    model,
+    drafter,
+    drafter_path,
+    prompts: List[List[int]],
+    width: int,
+    length: int,
+    max_tokens: int,
+    eos_ids=(),
+    epochs: int = 100,
+    alpha: float = 0.05,
+    seed: int = 0,
+    progress: Optional[Callable[[str, int, Optional[int]], None]] = None,
+    curve=None,
+) -> FitReport:
     """Record greedy ReDrafter steps on ``prompts`` (token ids), measure this
     device's latencies, train the controller and save it next to the
     drafter. ``progress(stage, done, total)`` follows the three stages.
@@ -234,15 +264,25 @@ def fit_and_save(model, drafter, drafter_path, prompts: List[List[int]], width: 
     tell = progress or (lambda stage, done, total: None)
     config = ControllerConfig(beam_width=width, beam_length=length, alpha=alpha)
     tell("recording", 0, len(prompts))
-    episodes = record_episodes(model, drafter, prompts, width, length, max_tokens, eos_ids=eos_ids,
-                               top_k=config.top_k, progress=lambda i: tell("recording", i, len(prompts)))
+    episodes = record_episodes(
+        model,
+        drafter,
+        prompts,
+        width,
+        length,
+        max_tokens,
+        eos_ids=eos_ids,
+        top_k=config.top_k,
+        progress=lambda i: tell("recording", i, len(prompts)),
+    )
     tell("measuring latency", 0, None)
     config.latency = measure_latency(model, drafter, width, length, top_k=config.top_k)
     if curve is not None:
         config.latency = curve_latency(config.latency, curve)
     tell("training", 0, epochs)
-    controller = train_controller(episodes, config, epochs=epochs, seed=seed,
-                                  progress=lambda e, _: tell("training", e, epochs))
+    controller = train_controller(
+        episodes, config, epochs=epochs, seed=seed, progress=lambda e, _: tell("training", e, epochs)
+    )
     path = save_controller(controller, drafter_path) / WEIGHTS
     fixed = {d: expected_speedup(d, episodes, config.latency) for d in range(1, length + 1)}
     learned = expected_speedup(controller, episodes, config.latency)

@@ -278,7 +278,8 @@ def _open_manifest(folder: Path, model_spec, prompts_path: Path, cfg: DistillCon
                     )
             if m.world_size != w.size:
                 raise RedrafterError(
-                    f"{where} was distilled by {m.world_size} process(es), this run has {w.size}: the prompt shares would differ.",
+                    f"{where} was distilled by {m.world_size} process(es), "
+                    f"this run has {w.size}: the prompt shares would differ.",
                     f"Resume with `mlx.launch -n {m.world_size}` (or without mlx.launch for 1), or pick a new --out.",
                 )
     except RedrafterError as e:
@@ -336,8 +337,13 @@ class _ShardWriter:
         self.open_turns = {}  # conv id -> replies still to come
         self.start = time.perf_counter()
         self.base_elapsed = manifest.elapsed
-        self.run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sequences": 0, "tokens": 0, "prompt_tokens": 0,
-                    "seconds": 0.0}
+        self.run = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "sequences": 0,
+            "tokens": 0,
+            "prompt_tokens": 0,
+            "seconds": 0.0,
+        }
         manifest.runs.append(self.run)
 
     def flush(self) -> None:
@@ -391,8 +397,17 @@ def _check_share(convs: list, cfg: DistillConfig, w: World) -> None:
         )
 
 
-def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, tokenizer=None, progress=None,
-            stop=None, drain=None) -> Manifest:
+def distill(
+    model_spec: str,
+    prompts_path,
+    out,
+    cfg: DistillConfig,
+    model=None,
+    tokenizer=None,
+    progress=None,
+    stop=None,
+    drain=None,
+) -> Manifest:
     """Answer training prompts with the LLM and write resumable shards to ``out``.
 
     Under ``mlx.launch`` each rank answers its share of the prompts into
@@ -419,11 +434,13 @@ def distill(model_spec: str, prompts_path, out, cfg: DistillConfig, model=None, 
     manifest = _open_manifest(folder, model_spec, prompts_path, cfg, w)
     if model is None:
         model, tokenizer = load_model(model_spec)
-    w.agree({
-        "model": model_fingerprint(model),
-        "prompt file": digest(prompts_path.read_bytes()),
-        "distill settings": digest(json.dumps(asdict(cfg), sort_keys=True)),
-    })
+    w.agree(
+        {
+            "model": model_fingerprint(model),
+            "prompt file": digest(prompts_path.read_bytes()),
+            "distill settings": digest(json.dumps(asdict(cfg), sort_keys=True)),
+        }
+    )
     _check_share(convs, cfg, w)
     queue = deque((c, 0, []) for c in _my_share(convs, set(manifest.done), cfg, w))
     distiller = Distiller(model, tokenizer, cfg)

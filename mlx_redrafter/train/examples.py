@@ -121,8 +121,15 @@ def reply_tokens(corpus: Corpus) -> np.ndarray:
 class Batcher:
     """Gathers :class:`Batch` es from the corpus."""
 
-    def __init__(self, corpus: Corpus, examples: Examples, depth: int, vocab_map: np.ndarray,
-                 soft: bool = False, fuse: bool = False):
+    def __init__(
+        self,
+        corpus: Corpus,
+        examples: Examples,
+        depth: int,
+        vocab_map: np.ndarray,
+        soft: bool = False,
+        fuse: bool = False,
+    ):
         context = corpus.hidden
         if fuse:  # [features..., last]: the layout Drafter.context expects
             context = np.concatenate([corpus.extra["features"], corpus.hidden], axis=1)
@@ -148,8 +155,13 @@ class Batcher:
         valid = at[:, 1:] < self.examples.seq_end[pos][:, None]
         targets = self.vocab_map[self.labels[at[:, 1:]]]
         mask = valid & (targets >= 0)
-        out = Batch(self.hidden[mx.array(pos)].astype(mx.float32), mx.array(ids[:, :-1]),
-                    mx.array(np.maximum(targets, 0)), mx.array(mask), mx.array(valid))
+        out = Batch(
+            self.hidden[mx.array(pos)].astype(mx.float32),
+            mx.array(ids[:, :-1]),
+            mx.array(np.maximum(targets, 0)),
+            mx.array(mask),
+            mx.array(valid),
+        )
         if self.soft is not None:
             sid, sp = soft_targets(self.soft[0][at[:, 1:]], self.soft[1][at[:, 1:]], self.vocab_map)
             out.soft_ids, out.soft_p = mx.array(sid), mx.array(sp * mask[..., None])

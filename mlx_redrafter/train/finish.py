@@ -43,8 +43,10 @@ def held_prompts(run) -> List[Tuple[str, List[int]]]:
             if len(run._held_ids) >= want:
                 break
     if not run._held_ids:
-        raise RedrafterError(f"None of the prompts in {run.source.path} is held out (or short enough) to measure the drafter on.",
-                             "Give more prompts (the verdict holds out a share of them by id).")
+        raise RedrafterError(
+            f"None of the prompts in {run.source.path} is held out (or short enough) to measure the drafter on.",
+            "Give more prompts (the verdict holds out a share of them by id).",
+        )
     return run._held_ids
 
 
@@ -92,15 +94,36 @@ def controller_stage(run) -> None:
         run.tell(_status(run, "controller", tic, fraction, f"{stage} {done}/{total or '?'}", after))
 
     with run.state.timed("controller"):
-        fit = fit_and_save(run.model, load_drafter(run.drafter_dir), run.drafter_dir, ids, DEFAULT_WIDTH, CONTROLLER_DEPTH,
-                           run.sizes.controller_tokens, eos_ids=run.tokenizer.eos_token_ids, seed=run.cfg.seed,
-                           curve=load_curve(run.model, run.cfg.model), progress=progress)
-    run.state["controller"] = {"prompts": len(ids), "steps": fit.steps, "best_depth": fit.best_depth,
-                               "fixed": {str(d): round(v, 4) for d, v in fit.fixed.items()},
-                               "learned": round(fit.learned, 4), "beats_fixed": fit.beats_fixed}
+        fit = fit_and_save(
+            run.model,
+            load_drafter(run.drafter_dir),
+            run.drafter_dir,
+            ids,
+            DEFAULT_WIDTH,
+            CONTROLLER_DEPTH,
+            run.sizes.controller_tokens,
+            eos_ids=run.tokenizer.eos_token_ids,
+            seed=run.cfg.seed,
+            curve=load_curve(run.model, run.cfg.model),
+            progress=progress,
+        )
+    run.state["controller"] = {
+        "prompts": len(ids),
+        "steps": fit.steps,
+        "best_depth": fit.best_depth,
+        "fixed": {str(d): round(v, 4) for d, v in fit.fixed.items()},
+        "learned": round(fit.learned, 4),
+        "beats_fixed": fit.beats_fixed,
+    }
     line = ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items())
-    run.tell(Status("controller", 1.0, line=f"depth controller: {fit.steps} steps recorded; offline tokens per "
-                    f"plain-step time {line}, adaptive {fit.learned:.2f}"))
+    run.tell(
+        Status(
+            "controller",
+            1.0,
+            line=f"depth controller: {fit.steps} steps recorded; offline tokens per "
+            f"plain-step time {line}, adaptive {fit.learned:.2f}",
+        )
+    )
     run.state.finish("controller", stamp)
 
 
@@ -115,13 +138,24 @@ def calibrate_stage(run) -> None:
     with run.state.timed("calibrate"):
         curve = measure_curve(run.model, run.cfg.model, budget_s=run.sizes.calibrate_s)
     if not curve.rounds:  # c(N) = N, as if drafting never paid: never stored (a larger budget measures it)
-        run.tell(Status("calibrate", 1.0, line=f"verify-cost curve: {run.sizes.calibrate_s:.0f} s timed no full "
-                        "round on this device, so none is stored (`mlx-redrafter doctor --calibrate` measures it)"))
+        run.tell(
+            Status(
+                "calibrate",
+                1.0,
+                line=f"verify-cost curve: {run.sizes.calibrate_s:.0f} s timed no full "
+                "round on this device, so none is stored (`mlx-redrafter doctor --calibrate` measures it)",
+            )
+        )
         run.state.finish("calibrate", True)
         return
     path = save_curve(curve, run.model, run.cfg.model)
-    run.tell(Status("calibrate", 1.0, line=f"verify-cost curve: c(2) {curve(2):.2f}, c(4) {curve(4):.2f} "
-                    f"({curve.rounds} rounds), saved {path}"))
+    run.tell(
+        Status(
+            "calibrate",
+            1.0,
+            line=f"verify-cost curve: c(2) {curve(2):.2f}, c(4) {curve(4):.2f} ({curve.rounds} rounds), saved {path}",
+        )
+    )
     run.state.finish("calibrate", True)
 
 
@@ -144,8 +178,10 @@ def verdict_settings(run) -> dict:
     def shape(drafter):
         return DraftConfig(drafter, DEFAULT_WIDTH, DEFAULT_LENGTH, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)
 
-    settings = {LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve),
-                DRAFTER: shape(load_drafter(run.drafter_dir))}
+    settings = {
+        LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve),
+        DRAFTER: shape(load_drafter(run.drafter_dir)),
+    }
     run.existing = find(run.identity)
     if run.existing is not None:
         settings[EXISTING] = shape(load_drafter(run.existing.path))
@@ -173,7 +209,15 @@ def verdict_stage(run) -> None:
     def tick():
         fraction = (where["pass"] + where["prompt"] / len(prompts)) / where["of"]
         where["prompt"] += 1
-        run.tell(_status(run, "verdict", tic, fraction, f"{where.get('name', '')}: prompt {min(where['prompt'], len(prompts))}/{len(prompts)}"))
+        run.tell(
+            _status(
+                run,
+                "verdict",
+                tic,
+                fraction,
+                f"{where.get('name', '')}: prompt {min(where['prompt'], len(prompts))}/{len(prompts)}",
+            )
+        )
 
     def save(passes):
         run.state["verdict_passes"] = {"stamp": stamp, "prompts": cids, "passes": passes}
@@ -184,10 +228,22 @@ def verdict_stage(run) -> None:
         passes = run_verdict(settings, prompts, run.sizes.verdict_tokens, measure, done, save, on_pass)
     summary = summarize(passes)
     install, reason = decide(summary)
-    verdict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device_line(), "commit": commit(),
-               "max_tokens": run.sizes.verdict_tokens, "prompt_ids": cids, **summary, "installed": install, "reason": reason}
-    verdict[DRAFTER].update(beam_width=settings[DRAFTER].beam_width, beam_length=settings[DRAFTER].beam_length,
-                            lookup=settings[DRAFTER].lookup, tree=settings[DRAFTER].tree)
+    verdict = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": device_line(),
+        "commit": commit(),
+        "max_tokens": run.sizes.verdict_tokens,
+        "prompt_ids": cids,
+        **summary,
+        "installed": install,
+        "reason": reason,
+    }
+    verdict[DRAFTER].update(
+        beam_width=settings[DRAFTER].beam_width,
+        beam_length=settings[DRAFTER].beam_length,
+        lookup=settings[DRAFTER].lookup,
+        tree=settings[DRAFTER].tree,
+    )
     if EXISTING in verdict:
         verdict[EXISTING]["path"] = str(run.existing.path)
     if not install:
@@ -208,11 +264,20 @@ def learning_need(run, summary):
     record = training_record(run.drafter_dir)
     accuracy = (record.get("eval_acc") or [points[-1][1] if points else 0.0])[0]
     per_position = 1 / max(run.rates.positions_per_s, 1e-9) + train_seconds_per_position(
-        run.rates, run.train_cfg.batch_size, run.source.held_out)
+        run.rates, run.train_cfg.batch_size, run.source.held_out
+    )
     d = summary[DRAFTER]
     warmup = run.train_cfg.warmup_steps * run.train_cfg.batch_size
-    return data_needed(points, accuracy, d["tokens_per_step"], d["speedup"], target_speedup(summary),
-                       positions(Manifest.load(run.data)), per_position, warmup)
+    return data_needed(
+        points,
+        accuracy,
+        d["tokens_per_step"],
+        d["speedup"],
+        target_speedup(summary),
+        positions(Manifest.load(run.data)),
+        per_position,
+        warmup,
+    )
 
 
 def training_record(drafter_dir: Path) -> dict:
@@ -245,8 +310,12 @@ def commit() -> str:
         release = "unknown"
     package = Path(__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5).stdout.split()
+        out = subprocess.run(
+            ["git", "-C", str(package), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return release
     # Only this project's checkout: an installed package may sit inside some other repository.
@@ -288,19 +357,50 @@ def build_meta(run) -> dict:
     return {
         "source": "make-drafter",
         "base_model": run.identity.to_dict(),
-        "data": {"prompts": run.source.label, "private": run.source.private, "conversations": len(m.done),
-                 "positions": positions(m), "tokens": m.tokens, "prompt_positions": m.prompt_tokens,
-                 "held_out": run.source.held_out},
-        "recipe": {"command": run.cfg.command, "minutes": run.cfg.minutes, "runs": len(run.state["runs"]),
-                   "stages": stages, "rates": run.state["rates"],
-                   "distill": {k: getattr(distill, k) for k in ("batch_size", "max_new_tokens", "max_prompt_tokens",
-                                                                 "top_k", "prompt_positions", "raw")},
-                   "train": {k: getattr(train, k) for k in ("exit_dim", "num_draft_layers", "rnn", "draft_vocab_size",
-                                                             "depth", "batch_size", "lr", "skip_repeats",
-                                                             "soft_weight", "depth_decay")},
-                   "controller": run.state["controller"]},
-        "acceptance": {"held_out": {"positions": record.get("eval_examples"), "step": record.get("step"),
-                                    "by_depth": record.get("eval_acc"), "accepted_w1": accepted,
-                                    "tokens_per_step": None if accepted is None else round(1 + accepted, 4)}},
+        "data": {
+            "prompts": run.source.label,
+            "private": run.source.private,
+            "conversations": len(m.done),
+            "positions": positions(m),
+            "tokens": m.tokens,
+            "prompt_positions": m.prompt_tokens,
+            "held_out": run.source.held_out,
+        },
+        "recipe": {
+            "command": run.cfg.command,
+            "minutes": run.cfg.minutes,
+            "runs": len(run.state["runs"]),
+            "stages": stages,
+            "rates": run.state["rates"],
+            "distill": {
+                k: getattr(distill, k)
+                for k in ("batch_size", "max_new_tokens", "max_prompt_tokens", "top_k", "prompt_positions", "raw")
+            },
+            "train": {
+                k: getattr(train, k)
+                for k in (
+                    "exit_dim",
+                    "num_draft_layers",
+                    "rnn",
+                    "draft_vocab_size",
+                    "depth",
+                    "batch_size",
+                    "lr",
+                    "skip_repeats",
+                    "soft_weight",
+                    "depth_decay",
+                )
+            },
+            "controller": run.state["controller"],
+        },
+        "acceptance": {
+            "held_out": {
+                "positions": record.get("eval_examples"),
+                "step": record.get("step"),
+                "by_depth": record.get("eval_acc"),
+                "accepted_w1": accepted,
+                "tokens_per_step": None if accepted is None else round(1 + accepted, 4),
+            }
+        },
         "verdict": run.state["verdict"],
     }

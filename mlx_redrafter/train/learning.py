@@ -78,8 +78,16 @@ class Need:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def data_needed(points, accuracy: float, tokens_per_step: float, speedup: float, target: float,
-                data_positions: int, seconds_per_position: float, warmup: int = 0) -> Need:
+def data_needed(
+    points,
+    accuracy: float,
+    tokens_per_step: float,
+    speedup: float,
+    target: float,
+    data_positions: int,
+    seconds_per_position: float,
+    warmup: int = 0,
+) -> Need:
     """How many distilled positions the drafter would need to beat ``target``
     (a speed-up), from its learning curve (:func:`fit_log`; ``warmup``: the
     positions seen in the learning rate's warm-up), and the budget that takes
@@ -87,25 +95,40 @@ def data_needed(points, accuracy: float, tokens_per_step: float, speedup: float,
     fit = fit_log(points, warmup)
     if fit is None:
         used = len(fit_points(points, warmup))
-        return Need(f"its learning curve has {used} held-out evaluation(s) past the warm-up, too few to "
-                    f"extrapolate (it takes {MIN_POINTS}): a larger budget trains longer and tells more")
+        return Need(
+            f"its learning curve has {used} held-out evaluation(s) past the warm-up, too few to "
+            f"extrapolate (it takes {MIN_POINTS}): a larger budget trains longer and tells more"
+        )
     a, b = fit
-    shape = (f"held-out first-draft accuracy = {a:.3f} + {b:.4f} ln(positions), over "
-             f"{len(fit_points(points, warmup))} evaluations")
+    shape = (
+        f"held-out first-draft accuracy = {a:.3f} + {b:.4f} ln(positions), over "
+        f"{len(fit_points(points, warmup))} evaluations"
+    )
     if b <= 0 or tokens_per_step <= 1 or accuracy <= 0 or speedup <= 0:
         return Need(f"its learning curve is flat ({shape}): more data alone is not predicted to make it pay")
     cost = tokens_per_step / speedup  # one step in plain steps
     want = (target * cost - 1) / ((tokens_per_step - 1) / accuracy)
     if want >= 1:
-        return Need(f"it would need a first-draft accuracy of {want:.2f} or more ({shape}): "
-                    "more data alone cannot make it pay at this step cost", want)
+        return Need(
+            f"it would need a first-draft accuracy of {want:.2f} or more ({shape}): "
+            "more data alone cannot make it pay at this step cost",
+            want,
+        )
     if want <= accuracy:
-        return Need(f"its accuracy ({accuracy:.3f}) is already what the step cost calls for ({want:.3f}), "
-                    "so more data is not what it lacks: the verify cost on this device is", want)
+        return Need(
+            f"its accuracy ({accuracy:.3f}) is already what the step cost calls for ({want:.3f}), "
+            "so more data is not what it lacks: the verify cost on this device is",
+            want,
+        )
     seen = points[-1][0]
     needed = math.exp((want - a) / b)
     total = data_positions * max(needed / max(seen, 1), 1.0)
     more = max(total - data_positions, 0.0) * seconds_per_position / 60
-    return Need(f"its learning curve ({shape}) reaches the {want:.3f} it needs at about {needed:,.0f} positions: "
-                f"about {total:,.0f} distilled positions in all, {total - data_positions:,.0f} more "
-                f"(about {more:.0f} more minutes at this run's rates)", want, total, more)
+    return Need(
+        f"its learning curve ({shape}) reaches the {want:.3f} it needs at about {needed:,.0f} positions: "
+        f"about {total:,.0f} distilled positions in all, {total - data_positions:,.0f} more "
+        f"(about {more:.0f} more minutes at this run's rates)",
+        want,
+        total,
+        more,
+    )

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from .budget import LiveRate, Rates, Sizes, fit_sizes, more_distill_s, measure_step_s, measure_train_rate
+from .budget import LiveRate, Rates, Sizes, fit_sizes, measure_step_s, measure_train_rate, more_distill_s
 from .recipe_state import STAGES, State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
@@ -81,7 +81,9 @@ def make_drafter(cfg: RecipeConfig, progress: Optional[Callable[[Status], None]]
     from ..errors import RedrafterError
 
     if not cfg.minutes or cfg.minutes <= 0:
-        raise RedrafterError(f"The budget must be more than 0 minutes (got {cfg.minutes}).", "Use e.g. --minutes 90 or --hours 1.5.")
+        raise RedrafterError(
+            f"The budget must be more than 0 minutes (got {cfg.minutes}).", "Use e.g. --minutes 90 or --hours 1.5."
+        )
     label = source_label(cfg.prompts)
     out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model, label)
     state = State.open(out, cfg.model, label)
@@ -106,8 +108,8 @@ class _Run:
     # -- set-up --------------------------------------------------------------
 
     def load(self) -> None:
-        from ..llm.load import load_model
         from ..llm.identity import model_identity
+        from ..llm.load import load_model
         from ..prompts import has_chat_template
 
         self.tell(Status("loading", info=f"model {self.cfg.model}"))
@@ -116,8 +118,9 @@ class _Run:
         self.source = open_source(self.cfg.prompts, self.cfg.model, self.tokenizer, self.out, self.state["held_out"])
         self.state["held_out"] = self.source.held_out
         self.raw = not has_chat_template(self.tokenizer)
-        self.state["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": self.cfg.minutes,
-                                   "command": self.cfg.command})
+        self.state["runs"].append(
+            {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": self.cfg.minutes, "command": self.cfg.command}
+        )
         self.distill_cfg, self.train_cfg = self._settings()
         self.held = held_out_conversations(self.source, self.cfg.seed)
         self.rates = Rates.from_dict(self.state["rates"])
@@ -130,18 +133,31 @@ class _Run:
         from .distill import DistillConfig
         from .trainer import BUDGET_FIELDS, TrainConfig
 
-        distill = asdict(DistillConfig(batch_size=80, raw=self.raw, seed=self.cfg.seed,
-                                       max_prompt_tokens=1024 if self.source.label == HISTORY else 384))
+        distill = asdict(
+            DistillConfig(
+                batch_size=80,
+                raw=self.raw,
+                seed=self.cfg.seed,
+                max_prompt_tokens=1024 if self.source.label == HISTORY else 384,
+            )
+        )
         distill = {k: v for k, v in distill.items() if k not in ("minutes", "max_conversations")}
         distill = self.state.pin("distill", {**distill, **self.cfg.distill}, self.cfg.distill)
-        train = asdict(TrainConfig(**head_settings(self.identity.hidden_size, self.identity.vocab_size),
-                                   eval_fraction=self.source.held_out, seed=self.cfg.seed))
+        train = asdict(
+            TrainConfig(
+                **head_settings(self.identity.hidden_size, self.identity.vocab_size),
+                eval_fraction=self.source.held_out,
+                seed=self.cfg.seed,
+            )
+        )
         train = {k: v for k, v in train.items() if k not in BUDGET_FIELDS}
         fixed = {k: v for k, v in self.cfg.train.items() if k not in BUDGET_FIELDS}
         budget = {"epochs": 1000.0, **{k: v for k, v in self.cfg.train.items() if k in BUDGET_FIELDS}}
         train = self.state.pin("train", {**train, **fixed}, fixed)
-        return (DistillConfig(**{**distill, "max_conversations": self.cfg.max_conversations}),
-                TrainConfig(**{**train, **budget}))
+        return (
+            DistillConfig(**{**distill, "max_conversations": self.cfg.max_conversations}),
+            TrainConfig(**{**train, **budget}),
+        )
 
     def _measure_rates(self) -> None:
         from ..prompts import conversation_ids
@@ -188,8 +204,12 @@ class _Run:
 
     def all_finished(self) -> bool:
         stamp = self.stamp()
-        return self.data_final() and stamp is not None and all(
-            self.state.finished(s, stamp) for s in ("controller", "verdict")) and self.state.finished("calibrate", True)
+        return (
+            self.data_final()
+            and stamp is not None
+            and all(self.state.finished(s, stamp) for s in ("controller", "verdict"))
+            and self.state.finished("calibrate", True)
+        )
 
     # -- distillation ------------------------------------------------------------
 
@@ -211,9 +231,16 @@ class _Run:
         def progress(m, running):
             live.update(positions(m) + running)
             plan = planned()
-            self.tell(Status("distill", min(live.elapsed / max(plan, 1e-9), 1.0), plan - live.elapsed,
-                             left - live.elapsed + self.fixed_todo_s(),
-                             f"{live.now:.0f} positions/s, {positions(m) + running:,} positions, {len(m.done)} conversations saved"))
+            self.tell(
+                Status(
+                    "distill",
+                    min(live.elapsed / max(plan, 1e-9), 1.0),
+                    plan - live.elapsed,
+                    left - live.elapsed + self.fixed_todo_s(),
+                    f"{live.now:.0f} positions/s, {positions(m) + running:,} positions, "
+                    f"{len(m.done)} conversations saved",
+                )
+            )
 
         def past(replies: int, slack: float) -> bool:
             # At least one finished reply, whatever the budget: training needs data.
@@ -221,13 +248,28 @@ class _Run:
             return late and (replies > 0 or start > 0)
 
         with self.state.timed("distill"):  # no new prompt once the last replies take the rest of the plan
-            m = distill(self.cfg.model, self.source.path, self.data, self.distill_cfg, self.model, self.tokenizer,
-                        progress=progress, drain=lambda n: past(n, -1.0), stop=lambda n: past(n, 1.0))
+            m = distill(
+                self.cfg.model,
+                self.source.path,
+                self.data,
+                self.distill_cfg,
+                self.model,
+                self.tokenizer,
+                progress=progress,
+                drain=lambda n: past(n, -1.0),
+                stop=lambda n: past(n, 1.0),
+            )
         if live.elapsed > 0 and positions(m) > start:
             self.rates.positions_per_s = (positions(m) - start) / live.elapsed
             self.state["rates"] = asdict(self.rates)
-        self.tell(Status("distill", 1.0, line=f"distilled {positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
-                         f"({len(m.done)} conversations, {positions(m):,} positions in all)"))
+        self.tell(
+            Status(
+                "distill",
+                1.0,
+                line=f"distilled {positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
+                f"({len(m.done)} conversations, {positions(m):,} positions in all)",
+            )
+        )
         self.state.finish("distill", self.budget)
 
     # -- training ------------------------------------------------------------
@@ -246,15 +288,21 @@ class _Run:
         left = max(self.left_s(), TRAIN_FLOOR * self.budget - done, 0.0)
         steps = max(int(left * self.rates.train_steps_per_s), 1)
         every = self.train_cfg.eval_every if "eval_every" in self.cfg.train else max(10, steps // 8)
-        cfg = replace(self.train_cfg, minutes=(done + left) / 60, eval_every=every,
-                      checkpoint_every=every)
+        cfg = replace(self.train_cfg, minutes=(done + left) / 60, eval_every=every, checkpoint_every=every)
         tic = time.perf_counter()
 
         def progress(step, total, loss):
             e = time.perf_counter() - tic
             acc = "" if self.held_acc is None else f", held-out first-draft accuracy {self.held_acc:.3f}"
-            self.tell(Status("train", min(e / max(left, 1e-9), 1.0), left - e, left - e + self.fixed_todo_s(),
-                             f"step {step}, loss {loss:.3f}{acc}"))
+            self.tell(
+                Status(
+                    "train",
+                    min(e / max(left, 1e-9), 1.0),
+                    left - e,
+                    left - e + self.fixed_todo_s(),
+                    f"step {step}, loss {loss:.3f}{acc}",
+                )
+            )
 
         def log_console(line: str) -> None:
             rec = json.loads(line)
@@ -262,14 +310,25 @@ class _Run:
                 self.held_acc = rec["eval_acc"][0]
 
         with self.state.timed("train"):
-            train(self.model, self.data, self.drafter_dir, cfg, resume=bool(ck), extend=True,
-                  eos_ids=sorted(self.tokenizer.eos_token_ids), progress=progress, log_console=log_console)
+            train(
+                self.model,
+                self.data,
+                self.drafter_dir,
+                cfg,
+                resume=bool(ck),
+                extend=True,
+                eos_ids=sorted(self.tokenizer.eos_token_ids),
+                progress=progress,
+                log_console=log_console,
+            )
         after = checkpoint_state(self.drafter_dir)
         added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
         if added > 1 and secs > 0:
             self.rates.train_steps_per_s = added / secs
             self.state["rates"] = asdict(self.rates)
-        self.tell(Status("train", 1.0, line=f"trained {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"))
+        self.tell(
+            Status("train", 1.0, line=f"trained {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)")
+        )
         self.state.finish("train", self.budget)
 
     # -- the stages after training (finish.py) ----------------------------------
@@ -295,5 +354,11 @@ class _Run:
         install_stage(self)
 
     def report(self, already_done: bool) -> Report:
-        return Report(self.out, self.drafter_dir, self.state["installed"] and Path(self.state["installed"]),
-                      self.state["verdict"] or {}, self.state["meta"] or {}, already_done)
+        return Report(
+            self.out,
+            self.drafter_dir,
+            self.state["installed"] and Path(self.state["installed"]),
+            self.state["verdict"] or {},
+            self.state["meta"] or {},
+            already_done,
+        )

@@ -61,12 +61,24 @@ class State:
         or prompt source is refused (before any slow work)."""
         path = Path(out) / STATE
         if not path.is_file():
-            return cls(path, {"format": FORMAT, "model": model_id(model_spec), "prompts": prompts_label,
-                              "seconds": {}, "last": {}, "done": {}, "runs": []})
+            return cls(
+                path,
+                {
+                    "format": FORMAT,
+                    "model": model_id(model_spec),
+                    "prompts": prompts_label,
+                    "seconds": {},
+                    "last": {},
+                    "done": {},
+                    "runs": [],
+                },
+            )
         try:
             data = json.loads(path.read_text())
         except ValueError as e:
-            raise RedrafterError(f"{path} is corrupt: {e}", "Delete it (the data and drafter stay) or pick a new --out.") from None
+            raise RedrafterError(
+                f"{path} is corrupt: {e}", "Delete it (the data and drafter stay) or pick a new --out."
+            ) from None
         if data.get("model") != model_id(model_spec) or data.get("prompts") != prompts_label:
             raise RedrafterError(
                 f"{out} holds a make-drafter run for {data.get('model')} on {data.get('prompts')} prompts.",
@@ -92,7 +104,8 @@ class State:
         changed = {k: v for k, v in overrides.items() if k in pinned and pinned[k] != v}
         if changed:
             raise RedrafterError(
-                f"{self.path.parent} was made with {key} settings {({k: pinned[k] for k in changed})}, not {changed}.",
+                f"{self.path.parent} was made with {key} settings "
+                f"{ ({k: pinned[k] for k in changed}) }, not {changed}.",
                 "Rerun with the folder's settings, or pick another --out.",
             )
         return pinned

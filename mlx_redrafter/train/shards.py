@@ -132,7 +132,9 @@ def read_corpus(folder) -> Corpus:
             base = offsets[-1]
             offsets.extend((np.array(arrays.pop("offsets"))[1:] + base).tolist())
         except Exception as e:
-            raise RedrafterError(f"Shard {folder / name} cannot be read: {e}", "Delete it from progress.json and rerun distill.") from None
+            raise RedrafterError(
+                f"Shard {folder / name} cannot be read: {e}", "Delete it from progress.json and rerun distill."
+            ) from None
         extra.append(arrays)
     # Optional arrays count only when every shard has them (a folder may mix runs).
     names = set.intersection(*(set(a) for a in extra))
@@ -140,6 +142,12 @@ def read_corpus(folder) -> Corpus:
     reply = np.ones(offsets[-1], bool)
     for a, start in zip(offsets[:-1], starts):
         reply[a : a + start] = False
-    return Corpus(np.concatenate(tokens), np.concatenate(hidden), offsets, ids,
-                  {n: np.concatenate([np.array(a[n]) for a in extra]) for n in sorted(names)},
-                  list(manifest.config.get("feature_layers", [])), reply)
+    return Corpus(
+        np.concatenate(tokens),
+        np.concatenate(hidden),
+        offsets,
+        ids,
+        {n: np.concatenate([np.array(a[n]) for a in extra]) for n in sorted(names)},
+        list(manifest.config.get("feature_layers", [])),
+        reply,
+    )

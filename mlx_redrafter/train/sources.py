@@ -56,8 +56,10 @@ def open_source(spec: Optional[str], model_spec: str, tokenizer, out: Path, held
     if label == SHAREGPT:
         path = default_training_prompts()
         if path is None:
-            raise RedrafterError("The ShareGPT prompts are missing from the package (mlx_redrafter/data).",
-                                 "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.")
+            raise RedrafterError(
+                "The ShareGPT prompts are missing from the package (mlx_redrafter/data).",
+                "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.",
+            )
         return Source(label, path, False, HELD_OUT if held_out is None else held_out)
     if label == HISTORY:
         path = write_history_prompts(model_spec, tokenizer, Path(out) / HISTORY_FILE)

@@ -69,8 +69,15 @@ def _queue(convs, done: set, cfg: BuildConfig) -> deque:
     return deque((c, 0, []) for c in todo)
 
 
-def build_store(model_spec, prompts_path, cfg: BuildConfig = BuildConfig(), out=None, model=None, tokenizer=None,
-                progress: Optional[Callable[[int, int, int], None]] = None) -> BuildReport:
+def build_store(
+    model_spec,
+    prompts_path,
+    cfg: BuildConfig = BuildConfig(),
+    out=None,
+    model=None,
+    tokenizer=None,
+    progress: Optional[Callable[[int, int, int], None]] = None,
+) -> BuildReport:
     """Answer the first turns of ``prompts_path`` with the model and add the
     replies to the store at ``out`` (default: the model's built store).
     ``progress(answered, to_answer, store_tokens)`` follows each reply.
@@ -88,9 +95,18 @@ def build_store(model_spec, prompts_path, cfg: BuildConfig = BuildConfig(), out=
         from ..llm.load import load_model
 
         model, tokenizer = load_model(model_spec)
-    distiller = Distiller(model, tokenizer, DistillConfig(
-        batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-        top_k=0, prompt_positions=False, keep_hidden=False))
+    distiller = Distiller(
+        model,
+        tokenizer,
+        DistillConfig(
+            batch_size=cfg.batch_size,
+            max_new_tokens=cfg.max_new_tokens,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            top_k=0,
+            prompt_positions=False,
+            keep_hidden=False,
+        ),
+    )
     eos, state = set(tokenizer.eos_token_ids), {"replies": 0, "unsaved": 0}
     start = time.perf_counter()
     deadline = None if cfg.minutes is None else start + 60 * cfg.minutes
@@ -123,4 +139,6 @@ def check_build_args(minutes: Optional[float], batch_size: int, max_new_tokens: 
     if minutes is not None and minutes <= 0:
         raise RedrafterError(f"--minutes must be positive (got {minutes}).")
     if batch_size < 1 or max_new_tokens < 1:
-        raise RedrafterError(f"--batch-size and --max-new-tokens must be at least 1 (got {batch_size}, {max_new_tokens}).")
+        raise RedrafterError(
+            f"--batch-size and --max-new-tokens must be at least 1 (got {batch_size}, {max_new_tokens})."
+        )

@@ -29,7 +29,6 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..draft.drafter import Drafter, DrafterConfig, read_drafter, save_drafter
-
 from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
 from ..llm.parts import model_parts
@@ -146,7 +145,12 @@ class Writer:
     def drafter(self, drafter, steps: int, record: Optional[dict] = None) -> None:
         """The usable drafter (float16) in the output folder."""
         if self.enabled:
-            save_drafter(drafter, self.out, dtype="float16", extra_config={"training": {**self.meta, "steps": steps, **(record or {})}})
+            save_drafter(
+                drafter,
+                self.out,
+                dtype="float16",
+                extra_config={"training": {**self.meta, "steps": steps, **(record or {})}},
+            )
 
     def checkpoint(self, drafter, optimizer, step: int, seconds: float) -> None:
         """Everything ``--resume`` needs: float32 weights, optimizer state, step."""
@@ -177,8 +181,12 @@ def new_drafter(model, corpus: Corpus, cfg: TrainConfig, eos_ids=()) -> Drafter:
     mx.random.seed(cfg.seed)
     drafter = Drafter(
         DrafterConfig(
-            vocab_size=vocab, hidden_size=hidden, exit_dim=cfg.exit_dim,
-            num_draft_layers=cfg.num_draft_layers, rnn=cfg.rnn, draft_vocab_size=dv,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            exit_dim=cfg.exit_dim,
+            num_draft_layers=cfg.num_draft_layers,
+            rnn=cfg.rnn,
+            draft_vocab_size=dv,
             feature_layers=list(corpus.feature_layers) if cfg.fuse_features else None,
         )
     )
@@ -226,10 +234,12 @@ def _check_inputs(model, corpus: Corpus, data_dir, cfg: TrainConfig, w: World) -
         )
     w.check(error)
     h = corpus.hidden
-    w.agree({
-        "model": model_fingerprint(model),
-        "training data": digest(corpus.tokens, corpus.offsets, json.dumps(corpus.ids), h.shape, h[:4], h[-4:]),
-    })
+    w.agree(
+        {
+            "model": model_fingerprint(model),
+            "training data": digest(corpus.tokens, corpus.offsets, json.dumps(corpus.ids), h.shape, h[:4], h[-4:]),
+        }
+    )
 
 
 # What ``train(extend=True)`` takes from its own config when it resumes a checkpoint.
@@ -305,7 +315,9 @@ def _batchers(corpus: Corpus, cfg: TrainConfig, vmap: np.ndarray, data_dir):
     """Training and held-out batchers (sharing the hidden states on device).
     Held-out batches carry no soft targets: the held-out metrics are the hard
     labels', comparable between runs with and without them."""
-    train_ex, eval_ex = split_examples(corpus, cfg.eval_fraction, cfg.skip_repeats, cfg.data_fraction, cfg.prompt_positions)
+    train_ex, eval_ex = split_examples(
+        corpus, cfg.eval_fraction, cfg.skip_repeats, cfg.data_fraction, cfg.prompt_positions
+    )
     if len(train_ex.positions) == 0:
         raise RedrafterError(f"No training examples in {data_dir}.", "Distill more data.")
     soft = bool(cfg.soft_weight) and corpus.soft_targets
@@ -378,13 +390,19 @@ def train(
     meta = _run_meta(data_dir, corpus, vmap, train_b, eval_b, total)
     writer = Writer(out, cfg, meta, enabled=w.rank == 0, best=start.best_accepted, log_console=log_console)
     if start.step == 0:
-        writer.log({"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params(), "world_size": w.size})
+        writer.log(
+            {"event": "start", "config": asdict(cfg), **meta, "params": drafter.num_params(), "world_size": w.size}
+        )
 
     rng = np.random.default_rng(cfg.seed + start.step)
     step, running, elapsed, tic = start.step, [], start.seconds, time.perf_counter()
 
     def log_eval():
-        rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(time.perf_counter() - tic, 1)}
+        rec = {
+            "step": step,
+            "train_loss": round(float(np.mean(running)), 4),
+            "seconds": round(time.perf_counter() - tic, 1),
+        }
         running.clear()
         if w.rank == 0:  # the others go on to the next step's collectives
             log_evaluation(writer, drafter, embed, eval_b, cfg, rec)

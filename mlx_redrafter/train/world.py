@@ -23,8 +23,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import RedrafterError
+
 # The digests that runs agree on: the drafter store keys models by the same fingerprint.
-from ..llm.identity import digest, weights_fingerprint as model_fingerprint  # noqa: F401 (re-exported)
+from ..llm.identity import digest  # noqa: F401 (re-exported)
+from ..llm.identity import weights_fingerprint as model_fingerprint  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class World:
         everyone = self.gather_json(found) if self.size > 1 else [found]
         for rank, errs in enumerate(everyone):
             if errs:
-                (message, fix), = errs
+                ((message, fix),) = errs
                 where = "" if self.size == 1 or rank == self.rank else f"Rank {rank}: "
                 raise RedrafterError(where + message, fix)
 

@@ -16,8 +16,6 @@ from ..step.curve import BATCH_SIZES, BUCKET_SIZES, CONTEXT_TOKENS, LONG_CONTEXT
 BASE_REPEATS = 3  # N = 1 bursts per round
 
 
-
-
 def _tree_for(n: int):
     """A tree of ``n`` tokens shaped like the loop's: g0, then rows of up to 4 tokens."""
     from ..step.tree import Tree, layout
@@ -146,10 +144,19 @@ def _fill(sizes, ratios: Dict[int, float]) -> Tuple[float, ...]:
     return tuple(out)
 
 
-def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_SIZE, budget_s: float = 30.0,
-                  calls: int = 2, max_rounds: int = 15, context: int = CONTEXT_TOKENS, seed: int = 0,
-                  long_context: int = LONG_CONTEXT_TOKENS, long_share: float = 1 / 3,
-                  batch_s: Optional[float] = None) -> CostCurve:
+def measure_curve(
+    model,
+    model_spec: Optional[str] = None,
+    max_size: int = MAX_SIZE,
+    budget_s: float = 30.0,
+    calls: int = 2,
+    max_rounds: int = 15,
+    context: int = CONTEXT_TOKENS,
+    seed: int = 0,
+    long_context: int = LONG_CONTEXT_TOKENS,
+    long_share: float = 1 / 3,
+    batch_s: Optional[float] = None,
+) -> CostCurve:
     """Measure c(N) for ``N = 1..max_size`` in at most about ``budget_s`` seconds,
     then the batch curve (:func:`measure_batch`) in ``batch_s`` more (None: a
     quarter of ``budget_s``; 0: not measured, the built-in gains serve).
@@ -193,15 +200,32 @@ def measure_curve(model, model_spec: Optional[str] = None, max_size: int = MAX_S
     batch_s = budget_s / 4 if batch_s is None else batch_s
     gains = measure_batch(model, budget_s=batch_s, context=context, calls=calls, max_rounds=max_rounds, rng=rng)
     device, ident, variant = curve_key(model, model_spec)
-    return CostCurve(_fill(sizes, ratios), device, ident, variant, base_ms=base_ms,
-                     source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
-                     rounds=rounds, measured=tuple(sorted(ratios)), context=context,
-                     long_costs=long_costs, long_context=long_context,
-                     batch_sizes=tuple(sorted(gains)), batch_gains=tuple(gains[n] for n in sorted(gains)))
+    return CostCurve(
+        _fill(sizes, ratios),
+        device,
+        ident,
+        variant,
+        base_ms=base_ms,
+        source=f"measured {time.strftime('%Y-%m-%d %H:%M')}, {rounds} rounds of {calls} calls",
+        rounds=rounds,
+        measured=tuple(sorted(ratios)),
+        context=context,
+        long_costs=long_costs,
+        long_context=long_context,
+        batch_sizes=tuple(sorted(gains)),
+        batch_gains=tuple(gains[n] for n in sorted(gains)),
+    )
 
 
-def measure_batch(model, sizes=BATCH_SIZES, budget_s: float = 8.0, context: int = CONTEXT_TOKENS, calls: int = 2,
-                  max_rounds: int = 15, rng=None) -> Dict[int, float]:
+def measure_batch(
+    model,
+    sizes=BATCH_SIZES,
+    budget_s: float = 8.0,
+    context: int = CONTEXT_TOKENS,
+    calls: int = 2,
+    max_rounds: int = 15,
+    rng=None,
+) -> Dict[int, float]:
     """``{batch size: gain}``: plain batched decoding's aggregate tokens/s at
     each size over one sequence's (``size / t(size) * t(1)``), after
     ``context`` cached tokens, in at most about ``budget_s`` seconds. As for

@@ -77,8 +77,14 @@ def measure(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     tokens, steps = generate_tokens(
-        model, list(prompt), draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
-        temp=temp, top_p=top_p, timings=timings,
+        model,
+        list(prompt),
+        draft=draft,
+        max_tokens=max_tokens,
+        eos_ids=eos_ids,
+        temp=temp,
+        top_p=top_p,
+        timings=timings,
     )
     wall = time.perf_counter() - tic
     return Run(tokens, steps, wall, mx.get_peak_memory())
@@ -133,8 +139,18 @@ def run_pass(
     for i, p in enumerate(prompts):
         if temp > 0:
             mx.random.seed(seed + i)
-        runs.append(measure(model, p, draft=draft, max_tokens=max_tokens, eos_ids=eos_ids,
-                            timings=timings and drafting, temp=temp, top_p=top_p))
+        runs.append(
+            measure(
+                model,
+                p,
+                draft=draft,
+                max_tokens=max_tokens,
+                eos_ids=eos_ids,
+                timings=timings and drafting,
+                temp=temp,
+                top_p=top_p,
+            )
+        )
         if tick:
             tick()
     return Pass(runs)

@@ -30,7 +30,9 @@ def kv_bytes_per_token(model) -> int:
     return sum(a.nbytes // a.shape[-2] for a in arrays)
 
 
-def estimate_cell_bytes(model, drafter, width: int, length: int, prompt_tokens: int, max_tokens: int, kv_per_token: Optional[int] = None) -> int:
+def estimate_cell_bytes(
+    model, drafter, width: int, length: int, prompt_tokens: int, max_tokens: int, kv_per_token: Optional[int] = None
+) -> int:
     """An upper estimate of the memory one cell needs: the weights, the KV
     cache for prompt + max_tokens + one tree, the tree's logits (N x V,
     float32, plus as much again for the acceptance temporaries) and the

@@ -26,10 +26,28 @@ HEATMAPS = {
 
 
 CSV_FIELDS = [
-    "kind", "width", "length", "lookup", "tree", "status", "seq", "tokens", "tokens_per_s", "baseline_tokens_per_s",
-    "speedup", "tokens_per_step", "tree_size", "compression", "verified_depth",
-    *[f"{p}_ms" for p in PHASES], "ttft_s", "peak_memory_gb", "memory_overhead_gb",
-    "estimated_memory_gb", "identical_outputs", "note",
+    "kind",
+    "width",
+    "length",
+    "lookup",
+    "tree",
+    "status",
+    "seq",
+    "tokens",
+    "tokens_per_s",
+    "baseline_tokens_per_s",
+    "speedup",
+    "tokens_per_step",
+    "tree_size",
+    "compression",
+    "verified_depth",
+    *[f"{p}_ms" for p in PHASES],
+    "ttft_s",
+    "peak_memory_gb",
+    "memory_overhead_gb",
+    "estimated_memory_gb",
+    "identical_outputs",
+    "note",
 ]
 
 
@@ -61,8 +79,10 @@ def write_csv(results: dict, path: Path) -> None:
 
 def markdown_table(results: dict) -> str:
     """The cells as a Markdown table (for reports such as bench/RESULTS.md)."""
-    head = ("| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
-            "| draft / pack / verify / accept / other ms | peak GB | lookup beams | tree |")
+    head = (
+        "| W | L | speedup | tok/s | tokens/step | acceptance by depth | packed size | compression "
+        "| draft / pack / verify / accept / other ms | peak GB | lookup beams | tree |"
+    )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for c in sorted(results["cells"], key=cell_order):
         if c["status"] != "ok":
@@ -75,7 +95,8 @@ def markdown_table(results: dict) -> str:
             split = f"step {sum(c.get('time_split_ms', {}).values()):.1f}"
         lines.append(
             f"| {c['width']} | {c['length']} | {sp} | {c['tokens_per_s']:.1f} | {c['tokens_per_step']:.2f} | {acc} "
-            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} | {c['peak_memory_gb']:.2f} | {c.get('lookup', 0)} "
+            f"| {c['tree_size']:.1f} | {c['compression']:.2f} | {split} "
+            f"| {c['peak_memory_gb']:.2f} | {c.get('lookup', 0)} "
             f"| {c.get('tree', 'fixed')} |"
         )
     base = [f"{b['tokens_per_s']:.1f}" for b in results["baselines"]]
@@ -105,7 +126,9 @@ def _figsize(n_widths: int, n_lengths: int) -> Tuple[float, float]:
     return 3.0 + 1.0 * n_lengths, 1.5 + 0.75 * n_widths
 
 
-def plot_heatmap(matrix: np.ndarray, widths, lengths, title: str, path, fmt: str = "{:.2f}", center: Optional[float] = None) -> np.ndarray:
+def plot_heatmap(
+    matrix: np.ndarray, widths, lengths, title: str, path, fmt: str = "{:.2f}", center: Optional[float] = None
+) -> np.ndarray:
     """An annotated width x length heatmap (like the paper's Figure 7) as a
     PNG; returns the matrix that was drawn (read back from the image artist)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -118,8 +118,12 @@ def save_results(out_dir: Path, results: dict) -> None:
     attach_speedups(results)
     results["cells"].sort(key=cell_order)
     best = best_cell(results)
-    results["best"] = None if best is None else {
-        **{k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")},
-        "lookup": best.get("lookup", 0),
-    }
+    results["best"] = (
+        None
+        if best is None
+        else {
+            **{k: best[k] for k in ("width", "length", "speedup", "tokens_per_s", "tokens_per_step")},
+            "lookup": best.get("lookup", 0),
+        }
+    )
     write_json_atomic(Path(out_dir) / "results.json", results)

@@ -78,7 +78,9 @@ class SweepConfig:
 
     def check(self) -> None:
         if not self.widths or not self.lengths:
-            raise RedrafterError("The grid is empty.", "Give at least one width and one length, e.g. --widths 1,2 --lengths 2,4.")
+            raise RedrafterError(
+                "The grid is empty.", "Give at least one width and one length, e.g. --widths 1,2 --lengths 2,4."
+            )
         if min(self.widths) < 1 or min(self.lengths) < 1:
             raise RedrafterError(
                 f"Beam widths and lengths must be at least 1 (got widths {self.widths}, lengths {self.lengths}).",
@@ -92,7 +94,9 @@ class SweepConfig:
         if not self.lookups or min(self.lookups) < 0:
             raise RedrafterError(f"Lookup beams must be at least 0 (got {self.lookups}).")
         if self.tree not in TREES:
-            raise RedrafterError(f"The sweep's tree must be fixed or auto (got {self.tree!r}).", "Use --tree fixed or --tree auto.")
+            raise RedrafterError(
+                f"The sweep's tree must be fixed or auto (got {self.tree!r}).", "Use --tree fixed or --tree auto."
+            )
 
 
 def parse_grid(text: str, flag: str = "--widths") -> List[int]:
@@ -157,7 +161,9 @@ def summarize_cell(p: Pass, width: int, length: int, seq: int, reference: Option
         "tokens_per_s": p.tokens_per_s,
         "tokens_per_step": p.tokens_per_step,
         # Fraction of steps whose accepted run reached depth d (d = 1..L).
-        "acceptance_by_depth": [float(np.mean([s.accepted >= d for s in steps])) if steps else 0.0 for d in range(1, length + 1)],
+        "acceptance_by_depth": [
+            float(np.mean([s.accepted >= d for s in steps])) if steps else 0.0 for d in range(1, length + 1)
+        ],
         "tree_size": tree,
         "compression": (tree - 1) / (width * length),
         # Drafted depth actually verified (= length unless a controller picks it).
@@ -227,6 +233,7 @@ def run_sweep(
             progress(state["done"], units, label)
 
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
+
     def draft(w, l, k, tree):
         return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
 
@@ -238,8 +245,9 @@ def run_sweep(
             reference, seq = _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick)
         stage(cell_label(w, l, k, tree))
         p = _pass(model, prompts, draft(w, l, k, tree), config, eos_ids, tick)
-        results["cells"].append({**summarize_cell(p, w, l, seq, reference if config.temp == 0 else None),
-                                 "lookup": k, "tree": tree})
+        results["cells"].append(
+            {**summarize_cell(p, w, l, seq, reference if config.temp == 0 else None), "lookup": k, "tree": tree}
+        )
         seq += 1
         save_results(out_dir, results)
     if todo:
@@ -249,8 +257,18 @@ def run_sweep(
 
 
 def _pass(model, prompts, draft: Optional[DraftConfig], config: SweepConfig, eos_ids, tick) -> Pass:
-    return run_pass(model, prompts, draft, max_tokens=config.max_tokens, eos_ids=eos_ids, temp=config.temp,
-                    top_p=config.top_p, seed=config.seed, timings=config.timings, tick=tick)
+    return run_pass(
+        model,
+        prompts,
+        draft,
+        max_tokens=config.max_tokens,
+        eos_ids=eos_ids,
+        temp=config.temp,
+        top_p=config.top_p,
+        seed=config.seed,
+        timings=config.timings,
+        tick=tick,
+    )
 
 
 def _baseline(model, prompts, config, eos_ids, results, out_dir, seq, stage, tick):
@@ -271,11 +289,17 @@ def skip_oversized(model, drafter, cells, prompts, config: SweepConfig, results:
     for w, l, k, tree in cells:
         need = estimate_cell_bytes(model, drafter, w, l, longest, config.max_tokens, kv)
         if need > budget:
-            results["cells"].append({
-                "width": w, "length": l, "lookup": k, "tree": tree, "status": "skipped",
-                "estimated_memory_gb": _gb(need),
-                "note": f"skipped: needs about {need / 1e9:.2f} GB, the budget is {budget / 1e9:.2f} GB",
-            })
+            results["cells"].append(
+                {
+                    "width": w,
+                    "length": l,
+                    "lookup": k,
+                    "tree": tree,
+                    "status": "skipped",
+                    "estimated_memory_gb": _gb(need),
+                    "note": f"skipped: needs about {need / 1e9:.2f} GB, the budget is {budget / 1e9:.2f} GB",
+                }
+            )
         else:
             keep.append((w, l, k, tree))
     return keep
@@ -336,8 +360,15 @@ def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.n
     drawn = {}
     lengths, matrices = heatmap_matrices(results, config, HEATMAPS)
     for key, (name, title, fmt) in HEATMAPS.items():
-        drawn[key] = plot_heatmap(matrices[key], config.widths, lengths, _title(title, config), out_dir / name, fmt,
-                                  center=1.0 if key == "speedup" else None)
+        drawn[key] = plot_heatmap(
+            matrices[key],
+            config.widths,
+            lengths,
+            _title(title, config),
+            out_dir / name,
+            fmt,
+            center=1.0 if key == "speedup" else None,
+        )
     return drawn
 
 
@@ -373,7 +404,7 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
     """What identifies the measured system, stored with the results (and
     matched when a sweep resumes)."""
     from ..llm.load import default_dtype, parse_dtype
-    from ..profiles import drafter_id, device_id
+    from ..profiles import device_id, drafter_id
 
     return {
         "model": str(model_spec),
@@ -390,24 +421,40 @@ def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
     lengths, matrices = heatmap_matrices(results, config, keys)
     for key in keys:
         _, title, fmt = HEATMAPS[key]
-        console.print(heatmap_table(matrices[key], config.widths, lengths, _title(title, config), fmt,
-                                    center=1.0 if key == "speedup" else None))
+        console.print(
+            heatmap_table(
+                matrices[key],
+                config.widths,
+                lengths,
+                _title(title, config),
+                fmt,
+                center=1.0 if key == "speedup" else None,
+            )
+        )
     if config.auto_column_on():
-        console.print(f"[dim]{AUTO}: the cost-aware selection (--tree auto) with W x L={max(config.lengths)} as caps[/dim]")
+        console.print(
+            f"[dim]{AUTO}: the cost-aware selection (--tree auto) with W x L={max(config.lengths)} as caps[/dim]"
+        )
     base = [b["tokens_per_s"] for b in results["baselines"]]
     if base:
-        console.print(f"plain mlx-lm decoding: {np.mean(base):.1f} tok/s (mean of {len(base)} passes, "
-                      f"{min(base):.1f}-{max(base):.1f})")
+        console.print(
+            f"plain mlx-lm decoding: {np.mean(base):.1f} tok/s (mean of {len(base)} passes, "
+            f"{min(base):.1f}-{max(base):.1f})"
+        )
     for c in results["cells"]:
         if c["status"] != "ok":
             console.print(f"[yellow]{cell_label(*cell_key(c))}: {c['note']}[/yellow]")
         elif c.get("identical_outputs") is not None and c["identical_outputs"] < results["config"]["num_prompts"]:
-            console.print(f"[yellow]{cell_label(*cell_key(c))}: {c['identical_outputs']}/{results['config']['num_prompts']} "
-                          "outputs equal plain greedy decoding (expected all in float32)[/yellow]")
+            console.print(
+                f"[yellow]{cell_label(*cell_key(c))}: {c['identical_outputs']}/{results['config']['num_prompts']} "
+                "outputs equal plain greedy decoding (expected all in float32)[/yellow]"
+            )
     best = results.get("best")
     if best:
-        console.print(f"best: {cell_label(*cell_key(best))}, {best['speedup']:.2f}x, "
-                      f"{best['tokens_per_s']:.1f} tok/s, {best['tokens_per_step']:.2f} tokens/step")
+        console.print(
+            f"best: {cell_label(*cell_key(best))}, {best['speedup']:.2f}x, "
+            f"{best['tokens_per_s']:.1f} tok/s, {best['tokens_per_step']:.2f} tokens/step"
+        )
     names = ["results.json", "results.csv", "results.md"] + [v[0] for v in HEATMAPS.values()]
     console.print(f"wrote {', '.join(str(Path(out_dir) / n) for n in names)}")
 
@@ -420,7 +467,14 @@ def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> 
     if best is None:
         return None
     return save_profile(
-        model_spec, drafter_path, best["width"], best["length"], lookup=best.get("lookup", 0),
-        tree=best.get("tree", "fixed"), speedup=best["speedup"], tokens_per_s=best["tokens_per_s"],
-        sweep=str((Path(out_dir) / "results.json").resolve()), saved_at=time.time(),
+        model_spec,
+        drafter_path,
+        best["width"],
+        best["length"],
+        lookup=best.get("lookup", 0),
+        tree=best.get("tree", "fixed"),
+        speedup=best["speedup"],
+        tokens_per_s=best["tokens_per_s"],
+        sweep=str((Path(out_dir) / "results.json").resolve()),
+        saved_at=time.time(),
     )

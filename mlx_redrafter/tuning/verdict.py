@@ -40,9 +40,15 @@ def real_measure(model, eos_ids=(), tick: Optional[Callable[[], None]] = None) -
     return measure
 
 
-def run_verdict(settings: Dict[str, Optional[DraftConfig]], prompts: List[List[int]], max_tokens: int,
-                measure: Measure, done: Optional[dict] = None, save: Optional[Callable[[dict], None]] = None,
-                on_pass: Optional[Callable[[str, int, int], None]] = None) -> dict:
+def run_verdict(
+    settings: Dict[str, Optional[DraftConfig]],
+    prompts: List[List[int]],
+    max_tokens: int,
+    measure: Measure,
+    done: Optional[dict] = None,
+    save: Optional[Callable[[dict], None]] = None,
+    on_pass: Optional[Callable[[str, int, int], None]] = None,
+) -> dict:
     """Measure plain decoding, each of ``settings`` (name -> draft) and plain
     decoding again, skipping the passes ``done`` already holds; returns every
     pass's record by name."""
@@ -70,13 +76,18 @@ def summarize(passes: dict) -> dict:
         if name in (PLAIN, PLAIN_AFTER):
             continue
         same = sum(a == b for a, b in zip(rec["tokens"], reference))
-        out[name] = {"speedup": round(rec["tokens_per_s"] / plain_tps, 4) if plain_tps else 0.0,
-                     "tokens_per_step": round(rec["tokens_per_step"], 4),
-                     "tokens_per_second": round(rec["tokens_per_s"], 3),
-                     "identical_outputs": same}
+        out[name] = {
+            "speedup": round(rec["tokens_per_s"] / plain_tps, 4) if plain_tps else 0.0,
+            "tokens_per_step": round(rec["tokens_per_step"], 4),
+            "tokens_per_second": round(rec["tokens_per_s"], 3),
+            "identical_outputs": same,
+        }
     out["prompts"] = len(reference)
-    out["identical"] = all(v["identical_outputs"] == len(reference) for v in out.values()
-                           if isinstance(v, dict) and "identical_outputs" in v)
+    out["identical"] = all(
+        v["identical_outputs"] == len(reference)
+        for v in out.values()
+        if isinstance(v, dict) and "identical_outputs" in v
+    )
     return out
 
 
