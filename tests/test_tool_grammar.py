@@ -19,8 +19,9 @@ import logging
 import jsonschema_rs
 import pytest
 
+from mlx_redrafter.serve.tool_calls import parse
 from mlx_redrafter.serve.tool_grammar import SYNTAXES, NotExpressible, ToolError, reply_grammar, tool_grammar
-from mlx_redrafter.serve.tools import GENERIC_FORMAT, parse, parser_format, render
+from mlx_redrafter.serve.tools import GENERIC_FORMAT, parser_format, render
 from mlx_redrafter.step.grammar import compile_grammar
 
 WEATHER = {
