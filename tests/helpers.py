@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
 from mlx_redrafter.draft.beam import Beams
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.step.dispatch import redrafter_steps
 

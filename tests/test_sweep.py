@@ -474,7 +474,7 @@ def test_cli_sweep_bad_input_is_one_clear_error(tmp_path, tiny_folder, drafter_f
 
 
 def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch, tmp_path):
-    import mlx_redrafter.draft.store as store
+    import mlx_redrafter.hub.store as store
 
     monkeypatch.setattr(store, "shipped_root", lambda: tmp_path)  # the package ships none, the store holds none
     with pytest.raises(RedrafterError, match="No drafter given") as e:
@@ -577,8 +577,8 @@ def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatc
 
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft
-    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
 
@@ -600,7 +600,7 @@ def test_a_profile_from_an_auto_cell_sets_the_tree(tmp_path, tiny_folder):
     """A sweep's best cell may be an auto one: its profile says so, and the
     tree is then the profile's unless one is given."""
     from mlx_redrafter.config import library_draft
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
     from mlx_redrafter.runtime import load_runtime, tree_kw

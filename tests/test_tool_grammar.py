@@ -284,8 +284,8 @@ CITY = {
 @pytest.mark.parametrize("choice,parallel", [("required", False), ({"name": "get_weather"}, True), ("auto", True)])
 def test_default_model_greedy_under_drafting_equals_constrained_plain_decoding(default_model, choice, parallel):
     from mlx_redrafter.config import DraftConfig
-    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.runtime import shipped_drafter_path
 
     llm, tok = default_model

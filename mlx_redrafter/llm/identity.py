@@ -1,5 +1,5 @@
 """What a loaded model is, for what is kept per model (the drafter store,
-draft/store.py): its name, a fingerprint of this exact copy, and its family.
+hub/store.py): its name, a fingerprint of this exact copy, and its family.
 
 Two copies of one model (4-bit and 8-bit, a GGUF and an mlx-community
 folder) share a *family*: architecture, widths, layer count and vocabulary,

@@ -25,7 +25,7 @@ step t (the one sync per step), which has usually finished by then.
   the host, one step longer than needed, and lined up on the device with
   what the step in flight accepts; a draft that does not line up is padding.
   Where the host's lookup finds nothing, one datastore row
-  (:mod:`~mlx_redrafter.draft.stores`) is proposed and lined up the same way.
+  (:mod:`~mlx_redrafter.draft.datastore.use`) is proposed and lined up the same way.
 
 Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
 the adaptive-depth controller nor timings are on, and the drafter's tree
@@ -42,9 +42,9 @@ from typing import Iterator, List, Sequence
 
 import mlx.core as mx
 
-from ..draft.datastore import StoreLookup
+from ..draft.datastore.index import StoreLookup
+from ..draft.datastore.use import DATASTORE, context_or_store, row_sources
 from ..draft.lookup import DeviceLookup, Lookup
-from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
@@ -68,7 +68,7 @@ class _Queued:
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
     structure: object = None  # tree="auto": the candidates' Structure (the read ends with Selection.codes)
-    sources: tuple = ()  # each row's source (draft/stores.py's row_sources)
+    sources: tuple = ()  # each row's source (draft/datastore/use.py's row_sources)
     host_rows: tuple = ()  # tree="auto", greedy: (proposals, scores, source) the host proposed for this step
 
 

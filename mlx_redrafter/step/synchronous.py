@@ -23,9 +23,9 @@ from typing import Iterator, List, Sequence
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
-from ..draft.datastore import StoreLookup
+from ..draft.datastore.index import StoreLookup
+from ..draft.datastore.use import DATASTORE, context_or_store, row_sources
 from ..draft.lookup import Lookup, join_beams
-from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import compact_cache, set_cache_length, verify_starts
 from ..llm.parts import model_parts
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first

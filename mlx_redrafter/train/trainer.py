@@ -28,7 +28,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..draft.drafter import Drafter, DrafterConfig, read_drafter, save_drafter
+from ..draft.redrafter import Drafter, DrafterConfig, read_drafter, save_drafter
 from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
 from ..llm.parts import model_parts
