@@ -47,12 +47,13 @@ from ..draft.lookup import DeviceLookup, Lookup
 from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
+from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .auto import AutoTree, drafter_scores
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .select import N_BUCKETS, SOURCES
 from .tree import PAD, Tree, layout, merged_parent
-from .verify import install_tree_hooks, tree_hooks
+from .verify import install_tree_hooks, needs_hooks, tree_hooks
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _Queued:
     structure: object = None  # tree="auto": the candidates' Structure (the read ends with Selection.codes)
     sources: tuple = ()  # each row's source (draft/stores.py's row_sources)
     host_rows: tuple = ()  # tree="auto", greedy: (proposals, scores, source) the host proposed for this step
+    before: list = None  # the recurrent layers' states before this step (put back if it is never read)
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -167,6 +169,12 @@ class _Pipeline:
 
     def queue(self, prev: _Queued) -> _Queued:
         """Build the step after ``prev`` (lazily)."""
+        before = recurrent_states(self.cache)
+        queued = self._queue(prev)
+        queued.before = before
+        return queued
+
+    def _queue(self, prev: _Queued) -> _Queued:
         parts, lengths, sources = self.rows(prev)
         if not lengths:
             return self._queue_g0(prev)
@@ -183,6 +191,7 @@ class _Pipeline:
         else:
             merged = Tree(tree.tokens, tree.depth, merged_parent(lay, beams), lay.node_index, tree.mask)
             acc = accept_sampling(beams, merged, logits, self.sampling)
+        take_tree_states(self.cache, acc.last)  # recurrent layers: the accepted node's state (lazy)
         on_path = mx.arange(depth + 1) <= acc.n
         kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
         self.kv.append(lay.size, kept)
@@ -214,6 +223,7 @@ class _Pipeline:
             structure, ancestors, beams, lay, scores, size - 1, dedup=not self.sampling.greedy
         )
         tree = sel.tree(beams[lay.node_row, lay.node_pos], prev.g0)
+        tree.levels = depth + 1  # the candidates' depth bounds the selection's
         # One row of candidates: the selection is a prefix of it (parents
         # first, ties to the shallower), a single path that the model's own
         # causal call verifies without the tree hooks (cheaper per step).
@@ -225,6 +235,7 @@ class _Pipeline:
             acc = accept_sampling(
                 rows, Tree(tree.tokens, tree.depth, tree.parent, index, tree.mask), logits, self.sampling
             )
+        take_tree_states(self.cache, acc.last)
         on_path = mx.arange(depth + 1) <= acc.n
         self.kv.append(size, ((mx.arange(size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1))
         row = rows[acc.beam]
@@ -248,6 +259,9 @@ class _Pipeline:
         one = Tree(prev.g0.reshape(1), mx.zeros((1,), mx.int32), None, None, mx.ones((1, 1), mx.bool_))
         hidden = self._forward(one, prev.real, chain=True)
         g0 = sample_first(self.head(hidden)[0], self.sampling)
+        take_tree_states(
+            self.cache, mx.array(0, mx.int32)
+        )  # a hooked call (holes in the cache) keeps g0's state pending
         self.kv.append(1, mx.ones((1,), mx.bool_))
         zero = mx.zeros((1,), mx.int32)
         read = step_read(Accepted(zero[0], zero[0], zero, zero[0], g0), zero[:0])
@@ -260,9 +274,9 @@ class _Pipeline:
         if self.kv.dirty:
             with tree_hooks(self.model, self.cache, tree, base=base, valid=self.kv.valid(), chain=chain):
                 return self.backbone(tokens, cache=self.cache)[0]
-        if chain:
+        if not needs_hooks(self.model, chain):
             return self.backbone(tokens, cache=self.cache)[0]
-        with tree_hooks(self.model, self.cache, tree):
+        with tree_hooks(self.model, self.cache, tree, chain=chain):
             return self.backbone(tokens, cache=self.cache)[0]
 
 
@@ -277,16 +291,17 @@ def pipelined_steps(
     pipe.kv = HoleyCache(cache)
     if pipe.auto is not None:
         pipe.auto.advance(
-            getattr(cache[0], "offset", 0)
+            cache_length(cache) or 0
         )  # the prompt (and any cached turns): trees are priced at their context
     g0 = sample_first(logits, sampling)
     zero = mx.array(0, mx.int32)
-    queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1)
+    queued = _Queued(None, g0, context, mx.array(cache_length(cache) or 0, mx.int32), zero.reshape(1)[:0], zero, 0, 1)
+    unread = None  # the step queued and not read: undone if the loop ends here
     try:
         # Read g0 before queueing step 1: a read queued behind a step waits for it.
         g0_val = host_read(g0)[0]
         syncs = 1
-        queued = pipe.queue(queued)
+        queued = unread = pipe.queue(queued)
         mx.async_eval(queued.read)
         pipe.emitted([g0_val])
         yield first_step(g0_val, time.perf_counter() - tic, syncs)
@@ -294,7 +309,7 @@ def pipelined_steps(
         while True:
             step += 1
             tic = time.perf_counter()
-            following = pipe.queue(queued)
+            following = unread = pipe.queue(queued)
             mx.async_eval(following.read)
             read = StepRead.parse(host_read(queued.read), queued.depth)
             syncs += 1
@@ -315,3 +330,5 @@ def pipelined_steps(
             queued = following
     finally:
         pipe.kv.compact(drop_unread=True)
+        if unread is not None:
+            restore_states(cache, unread.before)
