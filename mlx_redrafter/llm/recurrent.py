@@ -37,7 +37,7 @@ def recurrent_leaves(cache) -> List[ArraysCache]:
 
 def is_hybrid(cache) -> bool:
     """Whether any layer keeps a recurrent state (a cache that cannot be trimmed back)."""
-    return bool(recurrent_leaves(cache))
+    return len(recurrent_leaves(cache)) > 0
 
 
 def cache_length(cache) -> Optional[int]:
