@@ -176,3 +176,120 @@ def test_a_family_with_uncovered_recurrent_layers_decodes_plainly_and_says_why()
     with pytest.warns(UserWarning, match=r"JambaMambaMixer .*not cover.*Decoding without drafting"):
         out, stats = generate_tokens(model, PROMPT, draft=DraftConfig(lookup=1), max_tokens=8)
     assert out == plain and accepted(stats) == 0
+
+
+# --------------------------------------------------------------------------- across turns and requests
+
+
+def test_a_second_turn_reuses_the_first_from_its_boundary_state(family):
+    """A recurrent state cannot be trimmed back: the prompt cache keeps the
+    state at each prompt's last-but-one token, which the next turn's prompt
+    extends, and the reply's end when the cache holds exactly known tokens."""
+    from mlx_redrafter.llm.cache import PromptCache
+
+    name, model = family
+    cache = PromptCache(model)
+    first = PROMPT + [1, 2, 3]
+    reused = cache.reuse(first)
+    assert reused == len(first) - 1  # prefilled by the cache itself, up to its boundary
+    reply, stats = generate_tokens(
+        model, first[reused:], draft=DraftConfig(lookup=1), max_tokens=8, prompt_cache=cache.cache
+    )
+    assert reply == generate_tokens(model, first, max_tokens=8)[0]
+    cache.settle(first + reply)
+    second = first + reply + [4, 5, 6, 4, 5, 6]
+    oracle = OracleDrafter(model, second, 12, 2)
+    reused = cache.reuse(second)
+    assert reused == len(second) - 1 and cache.hits == 2
+    out, stats = generate_tokens(
+        model, second[reused:], draft=DraftConfig(oracle, 1, 2), max_tokens=12, prompt_cache=cache.cache
+    )
+    assert out == generate_tokens(model, second, max_tokens=12)[0], name
+    assert accepted(stats) > 0
+
+
+@pytest.fixture(scope="module")
+def chat_parts(tmp_path_factory):
+    from helpers import byte_tokenizer
+
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok = byte_tokenizer(tmp_path_factory.mktemp("hybrid-tok"), chat_template=template)
+    model = tiny_hybrid("qwen3_5", vocab_size=264)
+    mx.eval(model(mx.array([[1]])))  # lazily built arrays (RoPE frequencies) made on this thread
+    return model, tok
+
+
+def test_a_multi_turn_chat_reuses_its_cache_and_equals_plain_greedy(chat_parts):
+    from mlx_redrafter.chat.conversation import ChatSession
+    from mlx_redrafter.chat.settings import ChatSettings
+    from mlx_redrafter.generate import generate
+    from mlx_redrafter.prompts import build_messages, render_messages
+
+    model, tok = chat_parts
+    session = ChatSession(model, tok, None, ChatSettings(max_tokens=12, lookup=1))
+    t1 = session.reply("abcabcabc")
+    t2 = session.reply("abcabc again")
+    assert t2.reused_tokens >= t1.reused_tokens + t1.prefilled_tokens - 1  # turn 1 not recomputed
+    full = render_messages(tok, build_messages(None, [("abcabcabc", t1.reply)], "abcabc again"))
+    assert t2.reply == generate(model, tok, full, drafter=None, lookup=False, max_tokens=12)
+
+
+def test_serve_batches_hybrid_rows_and_a_row_alone_drafts(chat_parts):
+    """Concurrent hybrid requests are decoded together by mlx-lm's
+    BatchGenerator and equal each alone; a request alone drafts (accepted
+    drafts) and moves into the batch and back; a request that repeats
+    another's prompt reuses its cached prefix."""
+    from test_batching import Client, GenParams, _engine, _plain, _served
+
+    model, tok = chat_parts
+    prompts = [[40, 41, 42, 43, 40, 41, 42], [100, 7, 9, 200, 12], [5, 5, 60, 5, 5]]
+    engine = _engine(model, tok)
+    results = _served(engine, [Client(engine, p, GenParams(10)) for p in prompts])
+    for p, res in zip(prompts, results):
+        assert res.tokens == _plain(model, tok, p, 10) and res.batched_tokens > 0
+    oracle = OracleDrafter(model, prompts[0], 30, 2)
+    engine = _engine(model, tok, drafter=oracle, beam_width=1, beam_length=2)
+    other, joined = Client(engine, prompts[1], GenParams(6)), []
+
+    def join(client, piece):
+        if not joined:
+            joined.append(engine.submit(other.job))
+
+    first = Client(engine, prompts[0], GenParams(30), on_text=join)
+    res, res_other = _served(engine, [first], later=[other])
+    assert res.tokens == _plain(model, tok, prompts[0], 30) and res_other.tokens == _plain(model, tok, prompts[1], 6)
+    assert res.tally.drafted_tokens - res.tally.lookup_tokens > 0 and 0 < res.batched_tokens < len(res.tokens)
+    again = _served(engine, [Client(engine, prompts[0], GenParams(8))])[0]
+    assert again.tokens == _plain(model, tok, prompts[0], 8) and engine.cache.hits > 0
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def test_make_drafter_doctor_and_sweep_run_on_a_hybrid_folder(tmp_path, monkeypatch):
+    """A hybrid model's hidden states train a ReDrafter drafter like any
+    model's: make-drafter runs every stage and its verdict (identical
+    outputs); doctor measures its verify-cost curve; generate drafts on it."""
+    import json
+    import random
+
+    from helpers import cli, save_tiny_folder
+    from test_make_drafter import recipe
+
+    from mlx_redrafter.train.recipe import make_drafter
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_folder(tmp_path / "model", kind="qwen3_5")
+    rng, prompts = random.Random(0), tmp_path / "prompts.jsonl"
+    words = [f"w{i}" for i in range(5, 90)]
+    prompts.write_text(
+        "".join(json.dumps({"id": f"c{i}", "turns": [" ".join(rng.choices(words, k=8))]}) + "\n" for i in range(120))
+    )
+    report = make_drafter(recipe((folder, prompts), tmp_path / "work"))
+    assert report.verdict["identical"] and report.verdict["drafter"]["identical_outputs"] == report.verdict["prompts"]
+    assert (tmp_path / "work" / "drafter" / "model.safetensors").is_file()
+    assert cli(["doctor", "--model", str(folder), "--calibrate"]) == 0
+    assert cli(["generate", "--model", str(folder), "--prompt", "w5 w6 w7 w5 w6 w7 w5 w6", "-n", "12"]) == 0

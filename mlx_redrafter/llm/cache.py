@@ -37,7 +37,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import RedrafterError
-from .recurrent import cache_length, kv_leaves, leaves
+from .recurrent import cache_length, is_hybrid, kv_leaves, leaves, snapshot
 
 SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
 # Tokens per forward when a prompt is fed into a cache (bounded memory per call).

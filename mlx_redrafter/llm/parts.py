@@ -164,7 +164,7 @@ def model_parts(model: nn.Module, feature_layers=None):
 def _fused(model, backbone, head, layers):
     """A backbone that also returns ``layers``' outputs (:func:`capture_layers`), and the head for it."""
     check_layers(model, layers)
-    width = model.args.hidden_size
+    width = hidden_size(model)
 
     def fused_backbone(tokens, cache=None):
         with capture_layers(model, layers) as taps:
@@ -174,7 +174,18 @@ def _fused(model, backbone, head, layers):
     return fused_backbone, lambda x: head(x[..., -width:])
 
 
+def text_args(model):
+    """The args of the model's language part: ``model.args``, or for a model
+    that wraps one (Qwen3.5's ``language_model``) that one's."""
+    inner = getattr(model, "language_model", None)
+    return getattr(inner, "args", None) or getattr(model, "args", None)
+
+
+def hidden_size(model) -> int:
+    """The width of the model's hidden states."""
+    return int(text_args(model).hidden_size)
+
+
 def context_limit(model) -> Optional[int]:
     """The model's context in tokens (``max_position_embeddings``), if it says."""
-    args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None)
+    return getattr(text_args(model), "max_position_embeddings", None)
