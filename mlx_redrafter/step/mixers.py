@@ -80,15 +80,19 @@ class TreePaths:
 
 
 class _Gathered(nn.Module):
-    """A mixer's input projection, run once per node and gathered along the paths."""
+    """A mixer's input projection, run once per node and gathered along the paths
+    (``rows`` and ``path`` may change between the stepwise calls)."""
 
     def __init__(self, inner, rows: mx.array, nodes: mx.array, path: mx.array):
         super().__init__()
         self.inner, self._rows, self._nodes, self._path = inner, rows, nodes, path
+        self._projected = None
 
     def __call__(self, x):
         if x is self._rows:  # the mixer's own input: project the N nodes, not the N x T positions
-            return self.inner(self._nodes)[self._path]
+            if self._projected is None:
+                self._projected = self.inner(self._nodes)
+            return self._projected[self._path]
         return self.inner(x)
 
 
@@ -165,13 +169,21 @@ class TreeMixer(nn.Module):
         depth; a row past its node's depth keeps its state."""
         paths = self._paths
         out = None
-        for t in range(paths.path.shape[1]):
-            step = nodes[paths.path[:, t]][:, None]  # [N, 1, h]
-            before = list(proxy.cache)
-            y = self.inner(step, mask=None, cache=proxy)[:, 0]
-            real = paths.real[:, t]
-            proxy.cache = [_where_rows(real, new, old) for new, old in zip(proxy.cache, before)]
-            out = y if out is None else _where_rows(paths.depth == t, y, out)
+        gathered = {
+            name: _Gathered(child, None, nodes, None)
+            for name, child in self.inner.children().items()
+            if isinstance(child, (nn.Linear, nn.QuantizedLinear)) and name != "out_proj"
+        }
+        with _projections(self.inner, gathered):
+            for t in range(paths.path.shape[1]):
+                step = nodes[paths.path[:, t]][:, None]  # [N, 1, h]
+                for wrapper in gathered.values():
+                    wrapper._rows, wrapper._path = step, paths.path[:, t : t + 1]
+                before = list(proxy.cache)
+                y = self.inner(step, mask=None, cache=proxy)[:, 0]
+                real = paths.real[:, t]
+                proxy.cache = [_where_rows(real, new, old) for new, old in zip(proxy.cache, before)]
+                out = y if out is None else _where_rows(paths.depth == t, y, out)
         return out
 
 
