@@ -210,6 +210,12 @@ def _load_drafting(
     if no_draft:
         rt.plain_reason = "--no-draft"
         return rt
+    from .step.verify import tree_support
+
+    why_not = tree_support(model)
+    if why_not:  # said before anything announces drafting
+        rt.plain_reason = f"{why_not.rstrip('.')}; no drafting for it yet"
+        return rt
     located = located or (None if no_drafter else _store_drafter(model, model_spec))
     if located is None:
         if adaptive:

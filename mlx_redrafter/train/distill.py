@@ -18,9 +18,9 @@ from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..llm.parts import model_parts
+from ..llm.parts import hidden_size, model_parts
 from ..prompts import chat_prompt_ids, conversation_ids, read_conversations, refuse_eval_set
 from .distill_folder import ShardWriter, check_share, merge_parts, my_share, open_manifest, part_folder
 from .shards import Manifest, Sequence
@@ -111,7 +111,7 @@ class Distiller:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         # With feature layers the backbone also returns their outputs, before the last state.
         self.embed, self.backbone, self.head = model_parts(model, cfg.feature_layers)
-        self.width = model.args.hidden_size
+        self.width = hidden_size(model)
         self.eos = set(tokenizer.eos_token_ids)
         self.rows: List[_Row] = []
         self.cache = None
@@ -168,8 +168,11 @@ class Distiller:
         group, firsts = None, []
         for conv, turn, msgs in items:
             prompt = self.prompt_ids(conv, turn, msgs)
-            cache = [BatchKVCache([0]) for _ in self.model.layers]
+            # Each layer's own cache, then its batch form (a BatchKVCache, or a
+            # hybrid layer's ArraysCache), as mlx-lm's batch generation merges them.
+            cache = make_prompt_cache(self.model)
             first, arrays = self._forward(mx.array([prompt], dtype=mx.int32), cache, every=self.cfg.prompt_positions)
+            cache = [c.merge([c]) for c in cache]
             row = _Row(conv, turn, msgs, len(prompt))
             if self.cfg.prompt_positions:
                 # Position j predicts prompt[j + 1]: the sequence starts with
