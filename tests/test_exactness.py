@@ -10,6 +10,7 @@ from mlx_lm.utils import load_model as mlx_load_model
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
+from mlx_redrafter.step.verify import install_tree_hooks
 
 GRID = [(w, l) for w in (1, 2, 4) for l in (1, 3, 5)]
 N_PROMPTS, N_TOKENS = 5, 64
@@ -271,5 +272,9 @@ def test_unsupported_rope_is_named():
         model = tiny_model("llama_dyn")
     finally:
         del TINY_CONFIGS["llama_dyn"]
+    # Never an error once drafting was asked for: one line that names the positions, then plain decoding.
+    with pytest.warns(UserWarning, match="DynamicNTKScalingRoPE.*Decoding without drafting"):
+        out, stats = generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(), 2, 2), max_tokens=4)
+    assert out == generate_tokens(model, [1, 2, 3], max_tokens=4)[0] and all(s.tree_size == 1 for s in stats)
     with pytest.raises(RedrafterError, match="DynamicNTKScalingRoPE"):
-        generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(), 2, 2), max_tokens=4)
+        install_tree_hooks(model)
