@@ -111,7 +111,7 @@ class PromptCache:
                 "Give --prompt-cache-size and --prompt-cache-bytes positive values.",
             )
         self.model = model
-        self.hybrid = is_hybrid(make_prompt_cache(model))
+        self.hybrid = model is not None and is_hybrid(make_prompt_cache(model))
         self.lru = LRUPromptCache(max(max_size, 2) if self.hybrid else max_size, max_bytes)
         self.cache = None
         self.ids: List[int] = []
