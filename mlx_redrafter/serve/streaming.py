@@ -25,7 +25,8 @@ from pydantic import BaseModel
 from ..config import SamplingConfig
 from ..errors import RedrafterError
 from .engine import Engine, GenParams, Job, PromptTooLong, QueueFull, Result
-from .tools import Event, Rendered, ToolCallStream
+from .tool_calls import Event, ToolCallStream
+from .tools import Rendered
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
