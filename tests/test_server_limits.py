@@ -117,10 +117,14 @@ def _head(path: str, *lines: str) -> bytes:
 
 
 def _answer(sock: socket.socket) -> tuple:
-    """``(status, headers, body)`` of the answer, read until the server closes."""
+    """``(status, headers, body)`` of the answer, read until the server closes
+    (a reset ends it too: a server that leaves a body unread may close with one)."""
     data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
@@ -137,12 +141,12 @@ def test_a_declared_length_over_the_bound_is_refused_before_the_body_is_sent(ser
 
 
 def test_a_chunked_body_is_cut_off_as_it_streams_in(server):
-    """Chunks past the bound, and no last chunk: the server answers 413 while
-    the body has not ended, then closes the connection."""
+    """Chunks up to the one that passes the bound, and no last chunk: the
+    server answers 413 while the body has not ended, then closes the connection."""
     chunk = b"x" * 16384
     with _connect(server) as sock:
         sock.sendall(_head("/api/chat", f"Authorization: Bearer {KEY}", "Transfer-Encoding: chunked"))
-        for _ in range(BOUND // len(chunk) + 2):
+        for _ in range(BOUND // len(chunk) + 1):
             sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         status, headers, body = _answer(sock)  # the body never ended: only the server's refusal ends this
     assert status == 413 and headers["connection"] == "close"
