@@ -212,9 +212,12 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _cache_bytes(text: Optional[str]) -> int:
-    """--prompt-cache-bytes as a number (mlx_lm.server's sizes: 100, 512MB, 2GB)."""
-    if text is None:
-        return 1 << 63
+    """--prompt-cache-bytes as a number (no bound when not given)."""
+    return 1 << 63 if text is None else _size(text, "--prompt-cache-bytes")
+
+
+def _size(text: str, flag: str) -> int:
+    """A size flag's value as a number of bytes (mlx_lm.server's sizes: 100, 512MB, 2GB)."""
     from mlx_lm.utils import _parse_size
 
     try:
@@ -222,7 +225,7 @@ def _cache_bytes(text: Optional[str]) -> int:
     except (ArithmeticError, KeyError, ValueError):  # not digits, or an unknown unit
         size = 0
     if size < 1:
-        raise RedrafterError(f"--prompt-cache-bytes {text!r} is not a size.", "Give bytes, or e.g. 512MB or 2GB.")
+        raise RedrafterError(f"{flag} {text!r} is not a size.", "Give bytes, or e.g. 512MB or 2GB.")
     return size
 
 
@@ -243,6 +246,12 @@ PromptCacheSizeOpt = typer.Option(
 )
 PromptCacheBytesOpt = typer.Option(
     None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."
+)
+MaxBodyBytesOpt = typer.Option(
+    None,
+    "--max-body-bytes",
+    help="Largest request body read, e.g. 4MB; a larger one is a 413, its body unread "
+    "(default: 64 bytes per token of the model's context, at least 1MB).",
 )
 ApiKeyOpt = typer.Option(
     None,
@@ -283,6 +292,7 @@ def serve(
     max_batch: int = MaxBatchOpt,
     prompt_cache_size: int = PromptCacheSizeOpt,
     prompt_cache_bytes: Optional[str] = PromptCacheBytesOpt,
+    max_body_bytes: Optional[str] = MaxBodyBytesOpt,
     adaptive: bool = AdaptiveOpt,
     tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
@@ -301,6 +311,7 @@ def serve(
     cache_bytes = _check_serve_flags(
         host, port, max_tokens, queue_size, max_batch, prompt_cache_size, prompt_cache_bytes
     )
+    body_bytes = None if max_body_bytes is None else _size(max_body_bytes, "--max-body-bytes")
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     uvicorn, create_app, security = _server_parts(host, api_key, allow_host, allow_origin)
     from ..serve import Engine
@@ -327,7 +338,7 @@ def serve(
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=cache_bytes,
     )
-    app_ = create_app(engine, ui=not no_ui, security=security)
+    app_ = create_app(engine, ui=not no_ui, security=security, max_body_bytes=body_bytes)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
     err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")

@@ -11,6 +11,7 @@
   each API's error shape by path;
 * streaming.py: what every route shares: queueing a job, the worker's
   events on the event loop, streamed replies, the neutral ``Failure``;
+* limits.py: how large a request's body may be (a 413 before it is parsed);
 * openai_api.py, openai_reply.py: OpenAI's API;
 * ollama_api.py, ollama_reply.py: Ollama's native API on the same engine;
 * anthropic_api.py, anthropic_reply.py: Anthropic's Messages API (Claude Code);

@@ -218,6 +218,7 @@ def render(
     tool_choice=None,
     parallel_tool_calls: Optional[bool] = None,
     content=None,
+    encode: Optional[Callable[[str], List[int]]] = None,
 ) -> Rendered:
     """The prompt for ``messages`` and ``tools`` under ``tool_choice``
     (``"auto"``, ``"none"``, ``"required"`` or a named function, see
@@ -226,7 +227,8 @@ def render(
     one in the generic format, whose models repeat a call until
     ``max_tokens``); ``content`` (a JSON Schema or
     ``"json"``, e.g. OpenAI's ``response_format``): what the reply is when
-    it is not a call.
+    it is not a call. ``encode``: the prompt text into ids (by default as
+    ``generate`` encodes it).
 
     Without tools (or with ``"none"``) and without tool history, the ids are
     exactly :func:`~mlx_redrafter.prompts.chat_prompt_ids`'.
@@ -247,7 +249,8 @@ def render(
     forced = choice not in ("auto", "none") and grammar is None  # unconstrained: prefill the opening
     prefill = fmt.prefill(None if choice == "required" else choice) if forced else ""
     text += prefill
-    return Rendered(list(encode_prompt(tokenizer, text)), text, prefill, fmt, shown, grammar, parallel)
+    ids = encode(text) if encode is not None else list(encode_prompt(tokenizer, text))
+    return Rendered(ids, text, prefill, fmt, shown, grammar, parallel)
 
 
 def _arguments(args) -> Any:
