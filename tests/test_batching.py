@@ -165,7 +165,7 @@ def _joined_mid_reply(engine, first_params, prompt=PROMPTS[0]):
 def test_a_structured_request_alone_moves_into_the_batch_with_its_parse(model, tokenizer):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
     engine = _engine(model, tokenizer, **LOOKUP)
-    grammar = engine.grammar(schema)
+    grammar = engine.compile_grammar(schema)
     res = _joined_mid_reply(engine, GenParams(30, grammar=grammar))
     assert res.tokens == _plain(model, tokenizer, PROMPTS[0], 30, grammar=grammar)
     assert 0 < res.batched_tokens < len(res.tokens)  # the grammar's state went along into the batch
@@ -200,7 +200,7 @@ def test_each_row_keeps_its_sampling_seed_stop_and_grammar(model, tokenizer):
 
     def batch(companions):
         engine = _engine(model, tokenizer)
-        grammar = engine.grammar(schema)
+        grammar = engine.compile_grammar(schema)
         seeded = Client(engine, PROMPTS[0], GenParams(12, SamplingConfig(temp=0.9, top_p=0.95), seed=5))
         clients = [seeded, Client(engine, PROMPTS[1], GenParams(12, grammar=grammar))]
         clients += [Client(engine, p, GenParams(12, SamplingConfig(temp=t, top_k=k))) for p, t, k in companions]

@@ -70,7 +70,7 @@ def generate(
     plain constrained decoding; drafting runs the synchronous loop); cut by
     --max-tokens before the JSON closes, it exits with status 1."""
     from ..generate import stream_generate
-    from ..responses import Tally
+    from ..output import Tally
 
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema

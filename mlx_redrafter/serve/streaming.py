@@ -121,7 +121,7 @@ def sampling(engine: Engine, **asked) -> SamplingConfig:
     return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
 
 
-def render(
+def request_prompt(
     engine: Engine,
     messages: List[dict],
     tools: Optional[list] = None,
@@ -131,12 +131,12 @@ def render(
 ) -> Rendered:
     """A chat request's prompt through the chat template, with its tools
     (OpenAI's function shape) and the reply's grammar spec
-    (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included). Tools,
+    (:func:`~mlx_redrafter.serve.tools.prompt_with_tools`, ``options`` included). Tools,
     a tool choice or a content schema that cannot be honoured are a 400 naming
     the field (the content's is ``content_param``), and so are messages the
     model's chat template refuses."""
     try:
-        return engine.render(messages, tools, tool_choice, **options)
+        return engine.chat_prompt(messages, tools, tool_choice, **options)
     except RedrafterError as e:
         param = getattr(e, "param", "tool_choice")
         raise Failure(400, e.problem, INVALID, content_param if param == "content" else param) from None
@@ -144,13 +144,13 @@ def render(
         raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
 
 
-async def grammar(engine: Engine, spec, param: str):
+async def request_grammar(engine: Engine, spec, param: str):
     """``spec`` (a JSON Schema, ``"json"``, ...) compiled for the model, or
     None without one; a bad spec is a 400 at ``param`` naming the problem."""
     if spec is None:
         return None
     try:  # off the event loop: the first compile builds the tokenizer's index (about a second)
-        return await asyncio.to_thread(engine.grammar, spec)
+        return await asyncio.to_thread(engine.compile_grammar, spec)
     except RedrafterError as e:
         raise Failure(400, e.problem, INVALID, param) from None
 
