@@ -185,8 +185,9 @@ def stream_generate(
     Each yielded :class:`~mlx_redrafter.output.RedrafterResponse` is one
     token: ``.text`` (the new text, possibly empty while a character is
     incomplete or a stop string may be starting), ``.token`` (its id),
-    ``.from_draft`` (``"drafter"``, ``"lookup"`` or ``None`` when the LLM
-    chose it), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
+    ``.from_draft`` (True when it came from an accepted draft, False when the
+    LLM chose it; ``.stats.source`` says which source: ``"drafter"``,
+    ``"lookup"`` or ``"datastore"``), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
     on the last one), ``.stats`` (the step's
     :class:`~mlx_redrafter.step.protocol.StepStats`: accepted drafts, tree
     size, timings) and mlx-lm's counters (``prompt_tokens``,

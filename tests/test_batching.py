@@ -332,5 +332,5 @@ def test_calibration_measures_the_batch_curve_and_stores_it(tmp_path, monkeypatc
     assert vc.curve_for(model).batch_gains == c.batch_gains  # stored with the verify-cost curve
     assert measure_curve(model, max_size=2, budget_s=0.0).batch_sizes == ()  # none timed: the built-in gains
     builtin = vc.builtin_curve()
-    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # DESIGN.md section 6
+    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # docs/tuning.md
     assert vc.builtin_curve("q4g64-float32").batch_gain(4) < 1.1  # quantized on this CPU: batching gains nothing

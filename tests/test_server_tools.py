@@ -101,7 +101,7 @@ def _valid_calls(message, tools=(WEATHER,)):
 
 
 def test_the_measured_failures_are_impossible_now(client):
-    """DESIGN.md section 10 measured, on these exact requests: a named
+    """Measured before tool calls were constrained (docs/tuning.md), on these exact requests: a named
     function echoed its schema as content; "required" called a function
     named "Paris". Now the call names a tool and its arguments validate; with
     parallel_tool_calls left out, the generic format (a template that knows

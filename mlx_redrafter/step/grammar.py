@@ -327,7 +327,8 @@ def accept_constrained(beams: mx.array, tree, logits: mx.array, masks: mx.array,
     Every node's logits are masked with its own grammar state, then the
     unconstrained acceptance runs unchanged: greedy keeps drafts equal to
     the masked argmax; sampling walks siblings with the residual
-    renormalized over the masked target distribution (DESIGN.md section 5),
+    renormalized over the masked target distribution (the rule of
+    :func:`~mlx_redrafter.step.accept.accept_sampling`),
     so the output is exactly plain constrained decoding's.
     """
     masked = apply_mask(logits, masks)
