@@ -186,10 +186,6 @@ class Matcher:
         if n and not self.inner.rollback(n):
             raise RedrafterError(f"The grammar matcher cannot roll back {n} tokens: {self.inner.get_error()}")
 
-    def fork(self) -> "Matcher":
-        """An independent copy of the current state."""
-        return Matcher(self.grammar, self.inner.deep_copy())
-
     def is_done(self) -> bool:
         """The output is complete: nothing but EOS may follow (or EOS was consumed)."""
         return self.inner.is_stopped()

@@ -162,12 +162,6 @@ def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
     return Structure(np.array(parent, np.int32), np.array(source, np.int32), np.array(depth, np.int32))
 
 
-def drafter_step_scores(cumulative: mx.array) -> mx.array:
-    """Per-node draft log-probabilities ``[W, L]`` from cumulative beam scores
-    ``[W, L]`` (the score of each beam's prefix): each node's own step."""
-    return mx.concatenate([cumulative[:, :1], cumulative[:, 1:] - cumulative[:, :-1]], axis=1)
-
-
 # --------------------------------------------------------------------------- probabilities (numpy or MLX)
 
 
