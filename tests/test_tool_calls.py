@@ -140,7 +140,7 @@ def test_malformed_call_comes_back_as_content(family, call, caplog):
     body = call[len(fmt.start) : len(call) - len(fmt.end)] if call.endswith(fmt.end) else call[len(fmt.start) :]
     for chunks in ([f"Hi {call} bye"], list(f"Hi {call} bye")):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tools"):
+        with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tool_calls"):
             _, content, calls = _run(fmt, chunks)
         assert calls == []
         assert content == "Hi " + body + " bye"  # no end marker in Mistral's format: " bye" is in its body
