@@ -219,7 +219,7 @@ def library_draft(
 ) -> DraftConfig:
     """The :class:`DraftConfig` of a public call: :func:`resolve`, with the
     tuned profile keyed by where :func:`~mlx_redrafter.llm.load.load_model` and
-    :func:`~mlx_redrafter.draft.redrafter.load_drafter` loaded the model and the
+    :func:`~mlx_redrafter.hub.load.load_drafter` loaded the model and the
     drafter from (they record it); a drafter built in code has no profile."""
     given = beam_width is not None and beam_length is not None and lookup is not None
     # Everything given: no profile to read (stream_generate runs this on every call).

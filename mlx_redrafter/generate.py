@@ -35,7 +35,7 @@ from .errors import RedrafterError
 from .llm.cache import trim_cache
 from .llm.parts import context_limit
 from .llm.text import prompt_array, wrap_tokenizer
-from .responses import RedrafterResponse, StopMatcher
+from .output import RedrafterResponse, StopMatcher
 from .runtime import tree_kw, with_curve
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
@@ -182,11 +182,12 @@ def stream_generate(
         for r in stream_generate(model, tokenizer, prompt):  # the drafter shipped for "default"
             print(r.text, end="", flush=True)
 
-    Each yielded :class:`~mlx_redrafter.responses.RedrafterResponse` is one
+    Each yielded :class:`~mlx_redrafter.output.RedrafterResponse` is one
     token: ``.text`` (the new text, possibly empty while a character is
     incomplete or a stop string may be starting), ``.token`` (its id),
-    ``.from_draft`` (``"drafter"``, ``"lookup"`` or ``None`` when the LLM
-    chose it), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
+    ``.from_draft`` (True when it came from an accepted draft, False when the
+    LLM chose it; ``.stats.source`` says which source: ``"drafter"``,
+    ``"lookup"`` or ``"datastore"``), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
     on the last one), ``.stats`` (the step's
     :class:`~mlx_redrafter.step.protocol.StepStats`: accepted drafts, tree
     size, timings) and mlx-lm's counters (``prompt_tokens``,

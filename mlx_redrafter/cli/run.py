@@ -64,13 +64,13 @@ def generate(
     tree: Optional[str] = TreeOpt,
     datastore: Optional[str] = DatastoreOpt,
 ):
-    """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter).
+    """Generate a reply and print tokens/s; it drafts by default (the model's drafter, else lookup; --no-draft: plain).
 
     With --json or --json-schema the reply is structured output (exactly
     plain constrained decoding; drafting runs the synchronous loop); cut by
     --max-tokens before the JSON closes, it exits with status 1."""
     from ..generate import stream_generate
-    from ..responses import Tally
+    from ..output import Tally
 
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
@@ -304,7 +304,7 @@ def serve(
     allow_host: List[str] = AllowHostOpt,
     allow_origin: List[str] = AllowOriginOpt,
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /.
+    """Serve the model over HTTP: OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), OpenAI's Responses API (/v1/responses), Anthropic's Messages API (/v1/messages), Ollama's API (/api/chat, /api/generate, /api/tags, ...), a chat page at /, and /health and /metrics.
 
     Other Host names and web pages' origins are refused (403) unless allowed; --api-key guards every route but the page."""  # noqa: E501 (typer shows newlines)
     # Every check before the slow imports and the model load.
