@@ -57,6 +57,23 @@ def test_greedy_with_drafts_equals_plain(family, pipelined, width, length):
     assert any(s.accepted == length for s in stats), "no step accepted a whole draft"
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])  # a padded scan and a stepwise one
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_tree_auto_on_a_hybrid_equals_plain(name, pipelined):
+    """tree="auto" verifies a selected subset, a tree whose shape the host does
+    not know: the recurrent layers then run it from the nodes' paths."""
+    from mlx_redrafter.step.curve import CostCurve
+
+    model = tiny_hybrid(name)
+    plain, _ = generate_tokens(model, PROMPT, max_tokens=N)
+    oracle = OracleDrafter(model, PROMPT, N, 3)
+    curve = CostCurve(tuple(1.0 + 0.05 * n for n in range(16)))  # drafts pay: the selection verifies several nodes
+    draft = DraftConfig(oracle, 3, 3, lookup=1, pipelined=pipelined, tree="auto", curve=curve)
+    out, stats, _ = run_steps(model, PROMPT, draft, N)
+    assert out == plain[:N] and accepted(stats) >= N // 3
+    assert any(s.tree_size > 2 for s in stats), "the selection verified no tree"
+
+
 def plain_cache(model, tokens):
     """The cache plain decoding leaves after the prompt then ``tokens`` one by one."""
     cache = make_prompt_cache(model)
