@@ -68,7 +68,7 @@ class TreePaths:
     path: mx.array
     real: mx.array
     depth: mx.array
-    host: Optional[Tuple[tuple, tuple]] = None  # (depths, parents) of every node, when the host knows them
+    host: Optional["DepthPlan"] = None  # the depth-by-depth plan, when the host knows the tree's shape
 
     @classmethod
     def of(cls, mask: mx.array, depth: mx.array, levels: int, host=None) -> "TreePaths":
@@ -79,7 +79,24 @@ class TreePaths:
         t = mx.arange(levels, dtype=mx.int32)
         at_depth = mask[:, None, :] & (depth[None, None, :] == t[None, :, None])  # [N, T, N]
         path = mx.argmax(at_depth.astype(mx.int32), axis=-1).astype(mx.int32)
-        return cls(path, t[None, :] <= depth[:, None], depth.astype(mx.int32), host)
+        plan = DepthPlan(*host) if host is not None else None
+        return cls(path, t[None, :] <= depth[:, None], depth.astype(mx.int32), plan)
+
+
+class DepthPlan:
+    """A tree's nodes depth by depth, from its shape on the host (built once per
+    verify call, shared by every recurrent layer): each depth's nodes, where
+    each node's parent sits in the depth above, and the way back to node order."""
+
+    def __init__(self, depths: tuple, parents: tuple):
+        levels = [[i for i, d in enumerate(depths) if d == t] for t in range(max(depths) + 1)]
+        where = {i: k for level in levels for k, i in enumerate(level)}  # node -> its place in its level
+        self.nodes = [mx.array(level, mx.int32) for level in levels]
+        self.up = [None] + [mx.array([where[parents[i]] for i in level], mx.int32) for level in levels[1:]]
+        order = [i for level in levels for i in level]
+        self.inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), mx.int32)
+        self.depth = mx.array(depths, mx.int32)
+        self.place = mx.array([where[i] for i in range(len(depths))], mx.int32)
 
 
 class _Gathered(nn.Module):
@@ -165,22 +182,16 @@ class TreeMixer(nn.Module):
         """Depth by depth (the tree's shape known on the host): each depth's
         nodes take one decode step together, each from its parent's state,
         so the whole tree costs N decode steps of the mixer, in depth + 1 calls."""
-        depths, parents = self._paths.host
-        levels = [[i for i, d in enumerate(depths) if d == t] for t in range(max(depths) + 1)]
-        where = {i: k for level in levels for k, i in enumerate(level)}  # node -> its place in its level
+        plan = self._paths.host
         states, outs = [list(cache.cache)], []  # per level: each entry's states, rows in level order
-        for t, level in enumerate(levels):
+        for level, up in zip(plan.nodes, plan.up):
             proxy = ArraysCache(len(cache.cache))
-            if t == 0:
+            proxy.cache = [None if e is None or up is None else e[up] for e in states[-1]]
+            if up is None:  # the root's state is the cache's
                 proxy.cache = list(cache.cache)
-            else:
-                up = mx.array([where[parents[i]] for i in level], mx.int32)
-                proxy.cache = [None if e is None else e[up] for e in states[-1]]
-            outs.append(self.inner(nodes[mx.array(level, mx.int32)][:, None], mask=None, cache=proxy)[:, 0])
+            outs.append(self.inner(nodes[level][:, None], mask=None, cache=proxy)[:, 0])
             states.append(list(proxy.cache))
-        order = [i for level in levels for i in level]
-        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), mx.int32)
-        return mx.concatenate(outs)[inverse], LevelStates(states[1:], depths, where)
+        return mx.concatenate(outs)[plan.inverse], LevelStates(states[1:], plan)
 
     def _padded(self, nodes: mx.array, proxy: ArraysCache) -> mx.array:
         """One call over every node's path, right-padded (the padding contract)."""
@@ -229,14 +240,11 @@ class LevelStates:
     """Every node's recurrent state after a depth-by-depth verify call, kept by
     depth (no copy of them all into one array: each can be a megabyte a layer)."""
 
-    def __init__(self, levels: List[list], depths: tuple, where: Dict[int, int]):
-        self.levels = levels
-        n = len(depths)
-        self.depth = mx.array(depths, mx.int32)
-        self.place = mx.array([where[i] for i in range(n)], mx.int32)
+    def __init__(self, levels: List[list], plan: DepthPlan):
+        self.levels, self.plan = levels, plan
 
     def take(self, node: mx.array) -> List[Optional[mx.array]]:
-        depth, place = self.depth[node], self.place[node]
+        depth, place = self.plan.depth[node], self.plan.place[node]
         out = None
         for t, entries in enumerate(self.levels):
             rows = [None if e is None else mx.take(e, mx.minimum(place, e.shape[0] - 1), axis=0) for e in entries]
