@@ -156,6 +156,158 @@ class OracleDrafter:
         return Beams(beams, mx.zeros((width,)), confidences=conf)
 
 
+# --------------------------------------------------------------------------- exactness under drafting
+
+# stream_generate's keywords that say how to draft: the plain baseline drops them.
+DRAFTING = ("drafter", "beam_width", "beam_length", "lookup", "lookup_context", "controller", "warp", "draft")
+DRAFTING += ("datastore", "tree")
+
+
+def accepted_drafts(responses, source=None) -> int:
+    """Drafted tokens among ``stream_generate``'s ``responses`` (only those of
+    ``source`` when given: ``"drafter"``, ``"lookup"``, ``"datastore"`` or a new
+    source's name, as its steps report it in ``stats.source``)."""
+    return sum(1 for r in responses if r.from_draft and (source is None or r.stats.source == source))
+
+
+def accepted_in_steps(stats, n_tokens: int, source=None) -> int:
+    """Drafted tokens among the first ``n_tokens`` emitted by steps with these
+    :class:`StepStats` (``generate_tokens``' or ``run_steps``'): a step emits its
+    accepted drafts, then the LLM's own token; drafts past ``n_tokens`` do not count."""
+    left, n = n_tokens, 0
+    for s in stats:
+        drafts = min(s.accepted, left)
+        n += drafts if source is None or s.source == source else 0
+        left -= s.accepted + 1
+        if left <= 0:
+            break
+    return n
+
+
+def _check_min(min_accepted: int) -> None:
+    if min_accepted < 1:
+        raise ValueError("min_accepted must be at least 1: equality with no draft accepted shows nothing")
+
+
+def plain_responses(model, tokenizer, prompt, **kw):
+    """``stream_generate`` with no drafter and no lookup (explicitly: ``drafter``'s
+    default would pick the store's), checked to have verified no draft."""
+    from mlx_redrafter.generate import stream_generate
+
+    kw = {**kw, "prompt_cache": kw["prompt_cache"]() if callable(kw.get("prompt_cache")) else kw.get("prompt_cache")}
+    rs = list(stream_generate(model, tokenizer, prompt, drafter=None, lookup=False, **kw))
+    assert not any(r.from_draft or r.stats.tree_size > 1 for r in rs), "the plain baseline drafted"
+    return rs
+
+
+def assert_exact_under_drafting(model, tokenizer, prompt, *, min_accepted: int, source=None, **drafted):
+    """The first law, shown to be tested: ``stream_generate(model, tokenizer,
+    prompt, **drafted)`` yields plain greedy decoding's tokens, and accepted
+    at least ``min_accepted`` drafted tokens (from ``source`` when given:
+    ``"drafter"``, ``"lookup"``, ``"datastore"``, or a new source's name in
+    ``stats.source``). Returns the drafted run's responses.
+
+    ``drafted``: any of ``stream_generate``'s keywords (``drafter=``,
+    ``draft=DraftConfig(...)``, ``lookup=``, ``datastore=``, ``grammar=``,
+    ``stop=``, ``max_tokens=`` ...). The plain run gets the same keywords
+    minus the drafting ones (``DRAFTING``), with ``drafter=None, lookup=False``
+    (so a grammar or a stop string applies to both). ``prompt_cache``: a
+    callable that makes a fresh cache (each run gets its own). Greedy only:
+    sampling with drafts is exact in distribution, not token for token
+    (check those runs' acceptance with :func:`accepted_drafts`).
+
+    Use a drafter that is right by construction (:class:`OracleDrafter`,
+    :func:`bigram_drafter` on a :func:`bigram_model`, lookup on a repeating
+    prompt): a random one is never accepted, and equality then shows nothing.
+    """
+    from mlx_redrafter.generate import stream_generate
+
+    _check_min(min_accepted)
+    sampling = drafted.get("sampling")
+    if drafted.get("temp", 0) or (sampling is not None and sampling.temp):
+        raise ValueError("greedy only: sampling with drafts equals plain decoding in distribution")
+    plain = plain_responses(model, tokenizer, prompt, **{k: v for k, v in drafted.items() if k not in DRAFTING})
+    if callable(drafted.get("prompt_cache")):
+        drafted["prompt_cache"] = drafted["prompt_cache"]()
+    got = list(stream_generate(model, tokenizer, prompt, **drafted))
+    assert [r.token for r in got] == [r.token for r in plain], "drafting changed the greedy output"
+    assert "".join(r.text for r in got) == "".join(r.text for r in plain)
+    assert got[-1].finish_reason == plain[-1].finish_reason
+    n = accepted_drafts(got, source)
+    assert n >= min_accepted, f"{n} drafted tokens accepted{f' from {source}' if source else ''}, want {min_accepted}"
+    return got
+
+
+def assert_tokens_exact(model, prompt, draft, *, min_accepted: int, source=None, max_tokens: int = 32, **kw):
+    """:func:`assert_exact_under_drafting` on token ids, without a tokenizer
+    (``generate_tokens``): ``draft`` (a ``DraftConfig``) gives plain greedy
+    decoding's ``max_tokens`` tokens and accepted ``min_accepted`` drafted
+    tokens (from ``source`` when given). ``kw``: ``generate_tokens``' other
+    keywords (``eos_ids``; ``prompt_cache`` as a callable that makes a fresh
+    one). Returns ``(tokens, step stats)``."""
+    _check_min(min_accepted)
+    caches = kw.pop("prompt_cache", None)
+    fresh = (lambda: caches()) if callable(caches) else (lambda: None)
+    ref, ref_stats = generate_tokens(model, prompt, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
+    assert all(s.tree_size == 1 for s in ref_stats), "the plain baseline drafted"
+    got, stats = generate_tokens(model, prompt, draft=draft, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
+    assert got == ref, "drafting changed the greedy output"
+    n = accepted_in_steps(stats, len(got), source)
+    assert n >= min_accepted, f"{n} drafted tokens accepted{f' from {source}' if source else ''}, want {min_accepted}"
+    return got, stats
+
+
+def drafted_share(stderr: str) -> float:
+    """The share of tokens from drafts a command printed (``"40% from drafts"``)."""
+    import re
+
+    shares = re.findall(r"(\d+)% from drafts", stderr)
+    assert shares, f"no '% from drafts' in:\n{stderr}"
+    return int(shares[-1]) / 100
+
+
+# --------------------------------------------------------------------------- a model a saved drafter can predict
+
+# The context's weight in bigram_model: small enough that the bigram drafter is
+# mostly right, large enough that it is sometimes wrong (partial acceptance).
+BIGRAM_CONTEXT = 0.02
+
+
+def bigram_model(seed: int = 0):
+    """A tiny llama whose next token mostly follows from the last one: its
+    attention and MLP outputs are scaled down to ``BIGRAM_CONTEXT``, its
+    embeddings are centred, and the special tokens (``SPECIALS``: EOS among
+    them) are never its argmax. :func:`bigram_drafter` predicts it."""
+    model = tiny_model("llama", seed=seed)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * BIGRAM_CONTEXT
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * BIGRAM_CONTEXT
+    e = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = e - e.mean(-1, keepdims=True)
+    w = model.lm_head.weight
+    model.lm_head.weight = mx.concatenate([mx.zeros((len(SPECIALS), w.shape[1])), w[len(SPECIALS) :]])
+    mx.eval(model.parameters())
+    return model
+
+
+def bigram_drafter(model) -> Drafter:
+    """A real (saveable) drafter, right by construction on :func:`bigram_model`:
+    with no hidden layer, ``rnn_w = I`` and ``rnn_u = 0`` with a bias of 30,
+    its state is ``silu(e + 30) = e + 30`` for the last token's embedding ``e``,
+    and its head ``[0 | W P]`` (``W``: the model's ``lm_head``, ``P`` removes the
+    mean, which the centred embeddings lack) gives ``W e``: the model's logits
+    up to the positive factor of its RMS norm, without the context."""
+    h = HIDDEN
+    d = Drafter(DrafterConfig(vocab_size=VOCAB, hidden_size=h, num_draft_layers=0))
+    d.rnn_w.weight = mx.eye(h)
+    d.rnn_u.weight = mx.zeros((h, h))
+    d.rnn_u.bias = mx.full((h,), 30.0)
+    centre = mx.eye(h) - mx.ones((h, h)) / h
+    d.lm_head[-1].weight = mx.concatenate([mx.zeros((VOCAB, h)), model.lm_head.weight @ centre], axis=1)
+    mx.eval(d.parameters())
+    return d
+
+
 def prompts(n: int, vocab: int = VOCAB, seed: int = 3, length: int = 6):
     mx.random.seed(seed)
     return [mx.random.randint(0, vocab, (length + i,)).tolist() for i in range(n)]
@@ -198,10 +350,11 @@ def squeeze(text: str) -> str:
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 
 
-def save_tiny_folder(path, seed: int = 0):
+def save_tiny_folder(path, seed: int = 0, bigram: bool = False):
     """A tiny llama as an mlx-lm folder, with a word-level tokenizer
     (``w0 w1 ...``), an EOS token and a chat template, all built here
-    (another ``seed``: another copy of the same model, same family)."""
+    (another ``seed``: another copy of the same model, same family;
+    ``bigram``: :func:`bigram_model`, which :func:`save_bigram_drafter` predicts)."""
     from pathlib import Path
 
     from mlx_lm.utils import save_config, save_model
@@ -210,7 +363,7 @@ def save_tiny_folder(path, seed: int = 0):
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_model(path, tiny_model("llama", seed=seed))
+    save_model(path, bigram_model(seed) if bigram else tiny_model("llama", seed=seed))
     save_config(dict(TINY_CONFIGS["llama"]), path / "config.json")
     words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -230,6 +383,13 @@ def save_random_drafter(path, seed: int = 1, **kw):
     from mlx_redrafter import save_drafter
 
     return save_drafter(random_drafter(seed=seed, **kw), path)
+
+
+def save_bigram_drafter(path, seed: int = 0):
+    """:func:`bigram_drafter` for ``save_tiny_folder(..., seed, bigram=True)``, saved to ``path``."""
+    from mlx_redrafter import save_drafter
+
+    return save_drafter(bigram_drafter(bigram_model(seed)), path)
 
 
 def byte_tokenizer(folder, chat_template=None, special_tokens=()):
