@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
@@ -119,9 +120,14 @@ class OracleDrafter:
     it for its first ``L - w`` tokens, so beams share prefixes and dedup,
     partial acceptance and every compaction length get exercised. Everything
     is lazy, like a real drafter.
+
+    ``inner``: a real :class:`Drafter` (a random one: it is never right) whose
+    beam search runs each step (fused features and all: its ``config`` is
+    this drafter's) and gives every beam but the first, which is the truth.
+    The tree then mixes the real drafter's beams with one that is accepted.
     """
 
-    def __init__(self, model, prompt, max_tokens: int, length: int):
+    def __init__(self, model, prompt, max_tokens: int, length: int, inner: Optional[Drafter] = None):
         from mlx_redrafter.llm.parts import model_parts
 
         embed, backbone, head = model_parts(model)
@@ -133,8 +139,21 @@ class OracleDrafter:
         mx.eval(self.hidden, self.next)
         self.vocab = int(embed.weight.shape[0])
         self.config = SimpleNamespace(hidden_size=int(hidden.shape[-1]), vocab_size=self.vocab)
+        self.inner = inner
+        if inner is not None:
+            self.config = inner.config
 
     def draft(self, embed, context, g0, width, length, warp=False, confidences=0):
+        if self.inner is not None:
+            real = self.inner.draft(embed, context, g0, width, length, warp=warp, confidences=confidences)
+            mine = self.draft_truth(context[..., -self.hidden.shape[-1] :], width, length, confidences)
+            rows = mx.concatenate([mine.tokens[:1], real.tokens[1:]])  # deterministic rows: no draft logprobs
+            conf = None if not confidences else mx.concatenate([mine.confidences[:1], real.confidences[1:]])
+            return Beams(rows, real.scores, confidences=conf)
+        return self.draft_truth(context, width, length, confidences)
+
+    def draft_truth(self, context, width, length, confidences=0):
+        """The beams described above, from the context alone."""
         d = ((self.hidden - context[None]) ** 2).sum(-1)
         pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
         idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
@@ -226,6 +245,8 @@ def assert_exact_under_drafting(model, tokenizer, prompt, *, min_accepted: int, 
     sampling = drafted.get("sampling")
     if drafted.get("temp", 0) or (sampling is not None and sampling.temp):
         raise ValueError("greedy only: sampling with drafts equals plain decoding in distribution")
+    if "prompt_cache" in drafted and not callable(drafted["prompt_cache"]):
+        raise ValueError("prompt_cache: pass a callable that makes a fresh cache (each run needs its own)")
     plain = plain_responses(model, tokenizer, prompt, **{k: v for k, v in drafted.items() if k not in DRAFTING})
     if callable(drafted.get("prompt_cache")):
         drafted["prompt_cache"] = drafted["prompt_cache"]()
@@ -238,18 +259,23 @@ def assert_exact_under_drafting(model, tokenizer, prompt, *, min_accepted: int, 
     return got
 
 
-def assert_tokens_exact(model, prompt, draft, *, min_accepted: int, source=None, max_tokens: int = 32, **kw):
+def assert_tokens_exact(
+    model, prompt, draft, *, min_accepted: int, source=None, max_tokens: int = 32, plain=None, **kw
+):
     """:func:`assert_exact_under_drafting` on token ids, without a tokenizer
     (``generate_tokens``): ``draft`` (a ``DraftConfig``) gives plain greedy
     decoding's ``max_tokens`` tokens and accepted ``min_accepted`` drafted
-    tokens (from ``source`` when given). ``kw``: ``generate_tokens``' other
-    keywords (``eos_ids``; ``prompt_cache`` as a callable that makes a fresh
-    one). Returns ``(tokens, step stats)``."""
+    tokens (from ``source`` when given). ``plain``: those tokens, when a
+    fixture already decoded them (``generate_tokens`` with no ``draft``).
+    ``kw``: ``generate_tokens``' other keywords (``eos_ids``; ``prompt_cache``
+    as a callable that makes a fresh one). Returns ``(tokens, step stats)``."""
     _check_min(min_accepted)
     caches = kw.pop("prompt_cache", None)
     fresh = (lambda: caches()) if callable(caches) else (lambda: None)
-    ref, ref_stats = generate_tokens(model, prompt, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
-    assert all(s.tree_size == 1 for s in ref_stats), "the plain baseline drafted"
+    ref = plain
+    if ref is None:
+        ref, ref_stats = generate_tokens(model, prompt, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
+        assert all(s.tree_size == 1 for s in ref_stats), "the plain baseline drafted"
     got, stats = generate_tokens(model, prompt, draft=draft, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
     assert got == ref, "drafting changed the greedy output"
     n = accepted_in_steps(stats, len(got), source)
