@@ -125,20 +125,30 @@ class OracleDrafter:
     beam search runs each step (fused features and all: its ``config`` is
     this drafter's) and gives every beam but the first, which is the truth.
     The tree then mixes the real drafter's beams with one that is accepted.
+
+    ``prompt`` may be a list of prompts (one drafter that knows each one's
+    reply: a server's several requests); ``replies``: the continuation of each
+    (e.g. plain decoding's under a grammar) instead of plain greedy decoding's.
     """
 
-    def __init__(self, model, prompt, max_tokens: int, length: int, inner: Optional[Drafter] = None):
+    def __init__(self, model, prompt, max_tokens: int, length: int, inner: Optional[Drafter] = None, replies=None):
         from mlx_redrafter.llm.parts import model_parts
 
         embed, backbone, head = model_parts(model)
-        tokens, _ = generate_tokens(model, prompt, max_tokens=max_tokens + length + 2)
-        full = mx.array(list(prompt) + tokens, dtype=mx.int32)
-        hidden = backbone(full[None])[0]  # [T, h]
-        self.hidden = hidden[len(prompt) - 1 :]  # hidden[i] produced full[len(prompt) + i]
-        self.next = full[len(prompt) :]  # next[i] = token produced by hidden[i]
-        mx.eval(self.hidden, self.next)
+        many = bool(len(prompt)) and not isinstance(prompt[0], int)
+        hidden, nexts, last = [], [], []
+        for i, p in enumerate(prompt if many else [prompt]):
+            p = list(p)
+            tokens = replies[i] if replies else generate_tokens(model, p, max_tokens=max_tokens + length + 2)[0]
+            full = mx.array(p + list(tokens), dtype=mx.int32)
+            hidden.append(backbone(full[None])[0][len(p) - 1 : -1])  # hidden[i] produced full[len(p) + i]
+            nexts.append(full[len(p) :])  # next[i] = token produced by hidden[i]
+            start = sum(n.shape[0] for n in nexts[:-1])
+            last.append(mx.full((len(tokens),), start + len(tokens) - 1, dtype=mx.int32))  # where a reply ends
+        self.hidden, self.next, self.last = mx.concatenate(hidden), mx.concatenate(nexts), mx.concatenate(last)
+        mx.eval(self.hidden, self.next, self.last)
         self.vocab = int(embed.weight.shape[0])
-        self.config = SimpleNamespace(hidden_size=int(hidden.shape[-1]), vocab_size=self.vocab)
+        self.config = SimpleNamespace(hidden_size=int(self.hidden.shape[-1]), vocab_size=self.vocab)
         self.inner = inner
         if inner is not None:
             self.config = inner.config
@@ -156,7 +166,7 @@ class OracleDrafter:
         """The beams described above, from the context alone."""
         d = ((self.hidden - context[None]) ** 2).sum(-1)
         pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
-        idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
+        idx = mx.minimum(pos + 1 + mx.arange(length), self.last[pos])
         truth = self.next[idx]
         corrupt_last = ((pos * 37 + 11) % 7) < 3  # irregular, so every run length occurs
         truth = mx.where(corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth)
