@@ -175,6 +175,7 @@ def _joined_mid_reply(engine, first_params, prompt=PROMPTS[0]):
 
 
 def test_a_structured_request_alone_moves_into_the_batch_with_its_parse(model, tokenizer):
+    """Batching's exactness under a grammar (the row stays in the batch: nothing is drafted after its first token)."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
     engine = _engine(model, tokenizer, **LOOKUP)
     grammar = engine.grammar(schema)
@@ -201,11 +202,13 @@ def test_a_seeded_request_alone_keeps_drafting_while_others_batch(model, tokeniz
 
 def test_batching_waits_where_it_does_not_pay(model, tokenizer):
     """On a curve where decoding together gains nothing, requests are drafted one at a time."""
-    engine = _engine(model, tokenizer, curve=BATCH_NEVER, **LOOKUP)
+    oracle = OracleDrafter(model, PROMPTS[:3], 8, 2)  # knows each reply: their drafts are accepted
+    engine = _engine(model, tokenizer, curve=BATCH_NEVER, drafter=oracle, beam_width=2, beam_length=2, **LOOKUP)
     clients = [Client(engine, p, GenParams(8)) for p in PROMPTS[:3]]
     results = _served(engine, clients)
     assert all(r.batched_tokens == 0 for r in results)
     assert [r.tokens for r in results] == [_plain(model, tokenizer, p, 8) for p in PROMPTS[:3]]
+    assert all(r.drafted_by_source["drafter"] >= 2 for r in results)
 
 
 def test_each_row_keeps_its_sampling_seed_stop_and_grammar(model, tokenizer):
