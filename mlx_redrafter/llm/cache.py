@@ -166,6 +166,45 @@ class PromptCache:
         return self.lru.nbytes
 
 
+# --------------------------------------------------------------------------- draft sources' caches
+
+
+def target_size(model) -> int:
+    """How many caches are the model's own (``make_prompt_cache(model)``): a
+    prompt cache may hold a draft source's caches after them, mlx-lm's layout
+    for a draft model (``make_prompt_cache(model) + make_prompt_cache(draft_model)``)."""
+    return len(make_prompt_cache(model))
+
+
+def attach_sources(cache: list, size: int, makers) -> List[list]:
+    """Each stateful draft source's caches, after the model's ``size``: the
+    ones ``cache`` holds (a prompt cache kept across turns), else new ones
+    appended to it in place. ``makers``: one function per source making its
+    empty caches. Caches left by other sources are refused."""
+    fresh = [make() for make in makers]
+    extra = cache[size:]
+    if not extra:
+        cache.extend(c for caches in fresh for c in caches)
+        return fresh
+    if [type(c) for c in extra] != [type(c) for caches in fresh for c in caches]:
+        raise RedrafterError(
+            f"The prompt cache holds {len(extra)} caches after the model's {size}, "
+            "not the ones these draft sources keep (it was used with other draft sources).",
+            "Make a new prompt cache (make_prompt_cache(model)) or keep the same MTP head and draft model.",
+        )
+    out, start = [], size
+    for caches in fresh:
+        out.append(cache[start : start + len(caches)])
+        start += len(caches)
+    return out
+
+
+def drop_sources(cache: list, size: int) -> None:
+    """Drop draft sources' caches after the model's ``size`` (in place): a
+    generation without them would leave them behind the model's."""
+    del cache[size:]
+
+
 # --------------------------------------------------------------------------- inside a step
 
 

@@ -143,11 +143,19 @@ def host_read(*arrays: mx.array) -> List[int]:
     return flat.tolist()
 
 
-def prefill(backbone, head, cache, prompt: mx.array):
-    """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy)."""
+def prefill(backbone, head, cache, prompt: mx.array, sink=None):
+    """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy).
+
+    ``sink(start, hidden)``: called with the hidden states ``[T, F]`` of each
+    chunk from prompt position ``start`` (a stateful draft source reads them,
+    step/sourced.py); they are evaluated with the chunk's cache."""
     for start in range(0, prompt.size - 1, PREFILL_STEP):
         chunk = prompt[start : min(start + PREFILL_STEP, prompt.size - 1)]
-        backbone(chunk[None], cache=cache)
-        mx.eval([c.state for c in cache])
-    hidden = backbone(prompt[-1:][None], cache=cache)[0, -1]
-    return head(hidden), hidden
+        hidden = backbone(chunk[None], cache=cache)[0]
+        if sink is not None:
+            sink(start, hidden)
+        mx.eval([c.state for c in cache] + ([hidden] if sink is not None else []))
+    hidden = backbone(prompt[-1:][None], cache=cache)[0]
+    if sink is not None:
+        sink(prompt.size - 1, hidden)
+    return head(hidden[-1]), hidden[-1]

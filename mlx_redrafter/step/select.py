@@ -39,7 +39,12 @@ import numpy as np
 from .curve import BUCKET_SIZES
 from .tree import PAD, Tree
 
-SOURCES = ("drafter", "lookup", "datastore")
+# Where candidates come from. The stateful sources (draft/chain.py: a native
+# MTP head, a draft model, an EAGLE-3 head) score their nodes as the drafter
+# does, by the draft's own probability, and start from its priors (none of
+# them could be measured on real weights here); the online calibration
+# learns their own rates within a generation.
+SOURCES = ("drafter", "lookup", "datastore", "mtp", "draft-model", "eagle3")
 BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
 DEPTHS = 8  # calibration depths; deeper nodes share the last
 Q_MIN = 0.01  # floor of q, so that p stays a normal float32 up to depth 16
@@ -55,7 +60,8 @@ EDGES = np.array(
         np.log([0.1, 0.25, 0.5, 0.75]),
         [1.5, 2.5, 3.5, 4.5],
         [1.5, 3.5, 7.5, 15.5],
-    ],
+    ]
+    + [np.log([0.1, 0.25, 0.5, 0.75])] * 3,
     dtype=np.float32,
 )
 N_BUCKETS = EDGES.shape[1] + 1
@@ -81,6 +87,7 @@ def _prior_table() -> np.ndarray:
     q[1, 1:] = [0.4, 0.55, 0.65, 0.7, 0.75]
     q[2, 0] = [0.2, 0.25, 0.3, 0.35, 0.4]
     q[2, 1:] = [0.4, 0.45, 0.5, 0.55, 0.6]
+    q[3:] = q[0]  # the stateful sources: the drafter's rates by probability (see SOURCES)
     return q
 
 
@@ -101,6 +108,7 @@ def _prior_slots() -> np.ndarray:
     q[0, 1:] = [0.5, 0.2, 0.15, 0.1]
     for s in (1, 2):
         q[s] = PRIOR_Q[s].mean(axis=1, keepdims=True) * np.array([1.0, 0.5, 0.4, 0.3])
+    q[3:] = q[0]
     return q
 
 
