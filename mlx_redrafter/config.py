@@ -124,6 +124,13 @@ class DraftConfig:
         return self.head is not None or self.draft_model is not None
 
     @property
+    def source_rows(self):
+        """``(source name, width, length)`` of each stateful source, as step stats name them."""
+        names = [getattr(self.head, "source", "mtp")] if self.head is not None else []
+        names += ["draft-model"] if self.draft_model is not None else []
+        return [(name, w, n) for name, (_, w, n) in zip(names, self.source_shapes)]
+
+    @property
     def source_shapes(self):
         """``(what, width, length)`` of each stateful source, head first (the order of their caches)."""
         out = []

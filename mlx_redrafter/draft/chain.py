@@ -67,7 +67,7 @@ class Chain:
     def extend(self, tokens: List[int], features: Optional[mx.array] = None) -> None:
         """``tokens`` entered the target's cache, in order; ``features [len, F]``
         (a layer head's) are the target's features at those positions."""
-        skip, self._fed = int(self._fed), False
+        skip, self._fed = (1 if self._fed else 0), False
         if not tokens:
             return
         if not self.reads_hidden:
@@ -87,7 +87,7 @@ class Chain:
     def draft(self, g0: int) -> Beams:
         """The next step's beams after ``g0`` (lazy): the pending tokens and
         ``g0`` fed, then the head chained to depth ``length``."""
-        self._tokens.append(int(g0))
+        self._tokens.append(g0)  # a host int: the loop read it
         if self.reads_hidden:
             self._feats.append(self._held[None])
             self._held = None

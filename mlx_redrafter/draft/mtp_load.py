@@ -233,3 +233,41 @@ def _check_split_config(found: Found, model) -> None:
                 f"The split MTP folder {found.path} has {name} {theirs} but the model has {ours}.",
                 "Give the split folder made from this model's checkpoint.",
             )
+
+
+class _Held:
+    """A plain holder: a head kept on the model must not become one of its modules."""
+
+    def __init__(self, head):
+        self.head = head
+
+
+def mtp_for(model):
+    """The MTP head the model ships (:func:`load_mtp` from its own folder),
+    read once and kept on the model; None when it ships none."""
+    held = getattr(model, "redrafter_mtp", None)
+    if isinstance(held, _Held):
+        return held.head
+    head = load_mtp(model)
+    model.redrafter_mtp = _Held(head)
+    return head
+
+
+def resolve_mtp(model, mtp):
+    """``mtp=`` of a call as a head or None: ``"auto"`` the model's own
+    (:func:`mtp_for`), None/False none, a path a checkpoint or split folder,
+    a head as it is."""
+    if mtp is None or mtp is False:
+        return None
+    if isinstance(mtp, str) and mtp == "auto":
+        return mtp_for(model)
+    if isinstance(mtp, str) and mtp.lower() == "none":
+        return None
+    if isinstance(mtp, (str, Path)):
+        return load_mtp(model, mtp)
+    if not (hasattr(mtp, "make_cache") and callable(mtp)):
+        raise RedrafterError(
+            f"mtp= must be 'auto', None, a folder or a layer head (got {type(mtp).__name__}).",
+            "Pass mtp='auto' (the model's own head), None, or the path of a checkpoint or split MTP folder.",
+        )
+    return mtp

@@ -47,7 +47,8 @@ COMPACT_HOLES = 48
 
 
 def trim_cache(cache, length: int) -> bool:
-    """Trim every layer so that it holds exactly ``length`` tokens.
+    """Trim every layer so that it holds exactly ``length`` tokens (the
+    model's; a draft source's caches after them lose as many).
 
     Returns False (and changes nothing) when a layer cannot be trimmed
     (a rotating window that has wrapped) or holds fewer tokens: rebuild the
@@ -56,8 +57,11 @@ def trim_cache(cache, length: int) -> bool:
     current = cache[0].offset
     if current < length or not can_trim_prompt_cache(cache):
         return current == length
+    # By the same count everywhere, as mlx-lm's trim_prompt_cache: a draft
+    # source's caches after the model's (a head's ends one entry earlier)
+    # keep ending where the model's does.
     for c in cache:
-        c.trim(c.offset - length)
+        c.trim(current - length)
     return True
 
 
@@ -138,6 +142,9 @@ class PromptCache:
         """Store ``cache``, which holds a prefix of ``known`` (see :meth:`settle`),
         trimmed to what is known; False (nothing stored) when it cannot be."""
         held = min(cache[0].offset, len(known))
+        size = target_size(self.model)
+        if len(cache) > size and not can_trim_prompt_cache(cache):  # a hybrid draft model's state: let it go
+            drop_sources(cache, size)
         if not trim_cache(cache, held) or held <= 0:
             return False
         # A cache taken out of the server's batch is a lazy slice of the whole

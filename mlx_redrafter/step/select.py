@@ -39,11 +39,8 @@ import numpy as np
 from .curve import BUCKET_SIZES
 from .tree import PAD, Tree
 
-# Where candidates come from. The stateful sources (draft/chain.py: a native
-# MTP head, a draft model, an EAGLE-3 head) score their nodes as the drafter
-# does, by the draft's own probability, and start from its priors (none of
-# them could be measured on real weights here); the online calibration
-# learns their own rates within a generation.
+# The stateful sources (an MTP head, a draft model, an EAGLE-3 head) score nodes by probability, as the
+# drafter does, and start from its priors (unmeasured on real weights): the calibration learns their rates.
 SOURCES = ("drafter", "lookup", "datastore", "mtp", "draft-model", "eagle3")
 BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
 DEPTHS = 8  # calibration depths; deeper nodes share the last
@@ -56,11 +53,7 @@ MAX_WEIGHT = 2000.0  # observations kept per cell: older ones fade, so the rates
 # 0.1, 0.25, 0.5, 0.75); lookup: the matched suffix length (1, 2, 3, 4, 5+);
 # datastore: the continuation's count (1, 2-3, 4-7, 8-15, 16+).
 EDGES = np.array(
-    [
-        np.log([0.1, 0.25, 0.5, 0.75]),
-        [1.5, 2.5, 3.5, 4.5],
-        [1.5, 3.5, 7.5, 15.5],
-    ]
+    [np.log([0.1, 0.25, 0.5, 0.75]), [1.5, 2.5, 3.5, 4.5], [1.5, 3.5, 7.5, 15.5]]
     + [np.log([0.1, 0.25, 0.5, 0.75])] * 3,
     dtype=np.float32,
 )

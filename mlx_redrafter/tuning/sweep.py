@@ -198,6 +198,7 @@ def run_sweep(
     progress: Optional[Progress] = None,
     fresh: bool = False,
     controller=None,
+    make_draft: Optional[Callable[[int, int, int, str], DraftConfig]] = None,
 ) -> dict:
     """Measure every cell of the grid not already in ``out_dir/results.json``
     (written after every pass, so an interrupted sweep resumes), interleaved
@@ -206,6 +207,8 @@ def run_sweep(
     ``prompts`` are token-id lists; ``meta`` (model, drafter, dtype, ...)
     goes into the config that a resumed sweep must match. With a
     ``controller`` (adaptive depth) each cell's length is the maximum depth.
+    ``make_draft(w, l, lookup, tree)``: each cell's draft when the grid is
+    another source's (an MTP head's depth, a draft model's length).
     """
     config.check()
     if not prompts:
@@ -235,6 +238,8 @@ def run_sweep(
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
 
     def draft(w, l, k, tree):
+        if make_draft is not None:
+            return make_draft(w, l, k, tree)
         return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
 
     if todo:
@@ -459,8 +464,9 @@ def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
     console.print(f"wrote {', '.join(str(Path(out_dir) / n) for n in names)}")
 
 
-def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> Optional[Path]:
-    """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter."""
+def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir, grid: str = "drafter") -> Optional[Path]:
+    """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter
+    (``grid``: whose W x L they are; an MTP head's or a draft model's are keyed by its folder)."""
     from ..profiles import save_profile
 
     best = results.get("best")
@@ -473,6 +479,7 @@ def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> 
         best["length"],
         lookup=best.get("lookup", 0),
         tree=best.get("tree", "fixed"),
+        grid=grid,
         speedup=best["speedup"],
         tokens_per_s=best["tokens_per_s"],
         sweep=str((Path(out_dir) / "results.json").resolve()),
