@@ -185,6 +185,11 @@ class DraftConfig:
                     f"{what}'s beams need a width and a length of at least 1 (got width {width}, length {length}).",
                     f"Use {flag} with values of at least 1.",
                 )
+        if self.controller is not None and self.stateful:
+            raise RedrafterError(
+                "The adaptive-depth controller does not run beside an MTP head or a draft model.",
+                "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
+            )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
         if self.lookup < 0 or self.lookup_length < 1:

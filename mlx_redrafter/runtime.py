@@ -205,8 +205,16 @@ def load_runtime(
 def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
     """The MTP head and the draft model join the runtime's draft; a model
     that ships an MTP head drafts with it (and lookup) by default."""
+    import dataclasses
+
     from .draft.stateful import load_sources
 
+    if rt.draft.controller is not None and flags.mtp is None:  # --adaptive: the model's own head stays out, said so
+        from .draft.mtp_load import locate_mtp
+
+        if locate_mtp(rt.model) is not None:
+            rt.source_labels = ("MTP head: left out (--adaptive drafts with the drafter alone)",)
+        flags = dataclasses.replace(flags, mtp="none")
     found = load_sources(rt.model, rt.tokenizer, flags, dtype)
     if found.head is None and found.draft_model is None:
         return

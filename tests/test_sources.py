@@ -239,3 +239,22 @@ def test_bad_source_shapes_are_refused(cycling):
         DraftConfig(head=head, head_length=0).check()
     with pytest.raises(RedrafterError, match="draft model's beams"):
         DraftConfig(draft_model=object(), draft_model_width=0).check()
+
+
+def test_long_prompts_are_fed_to_the_head_in_chunks(leaky, monkeypatch):
+    """Chunked prefill (the model's and the head's own chunks): the same
+    tokens, and the head's cache still equals a clean pass."""
+    import mlx_redrafter.draft.chain as chain
+    import mlx_redrafter.step.protocol as protocol
+
+    monkeypatch.setattr(protocol, "PREFILL_STEP", 3)
+    monkeypatch.setattr(chain, "CHUNK", 4)
+    target, head = leaky
+    prompt = [5, 9, 11, 3, 7, 2, 40, 41, 8, 9, 13]
+    plain, _ = run(target, None, n=30, prompt=prompt)
+    cache = make_prompt_cache(target)
+    tokens, _ = run(target, DraftConfig(head=head, head_length=2), n=12, prompt=prompt, cache=cache)
+    assert tokens == plain[:12]
+    held = cache[0].offset
+    want = head_reference_keys(target, head, (prompt + plain)[:held])
+    assert mx.allclose(cache[-1].keys[..., : held - 1, :], want, atol=1e-4, rtol=1e-4)

@@ -127,6 +127,7 @@ class _Sourced:
         proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length, cfg.lookup)
         if proposals:
             scores = self._host_scores(source)
+            scores = [scores[min(i, len(scores) - 1)] if scores else 0 for i in range(len(proposals))]
             self.host_rows = (proposals, scores, source)
             depth = max(len(p) for p in proposals)
             rows = mx.array([p + [PAD] * (depth - len(p)) for p in proposals], mx.int32)
