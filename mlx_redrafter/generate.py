@@ -36,7 +36,7 @@ from .keywords import AUTO, call_configs
 from .llm.cache import trim_cache
 from .llm.parts import context_limit
 from .llm.text import prompt_array, wrap_tokenizer
-from .responses import RedrafterResponse, StopMatcher
+from .output import RedrafterResponse, StopMatcher
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
 
@@ -77,7 +77,7 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
         )
     draft.check()
     if draft.drafter is not None:
-        from .draft.drafter import check_fits
+        from .draft.redrafter import check_fits
 
         check_fits(draft.drafter, model)
 
@@ -130,13 +130,13 @@ def stream_generate(
         for r in stream_generate(model, tokenizer, prompt):  # the drafter shipped for "default"
             print(r.text, end="", flush=True)
 
-    Each yielded :class:`~mlx_redrafter.responses.RedrafterResponse` is one
+    Each yielded :class:`~mlx_redrafter.output.RedrafterResponse` is one
     token: ``.text`` (the new text, possibly empty while a character is
     incomplete or a stop string may be starting), ``.token`` (its id),
     ``.from_draft`` (True when the token came from an accepted draft; the
     step's ``stats.source`` says which: ``"drafter"``, ``"mtp"``,
-    ``"draft-model"``, ``"lookup"``, ``"datastore"``), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
-    on the last one), ``.stats`` (the step's
+    ``"draft-model"``, ``"eagle3"``, ``"lookup"``, ``"datastore"``),
+    ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"`` on the last one), ``.stats`` (the step's
     :class:`~mlx_redrafter.step.protocol.StepStats`: accepted drafts, tree
     size, timings) and mlx-lm's counters (``prompt_tokens``,
     ``generation_tokens``, ``generation_tps``, ``peak_memory``).
@@ -148,7 +148,7 @@ def stream_generate(
             default): the drafter that fits this model in the drafter store
             (``mlx-redrafter drafters list``: installed by ``make-drafter``,
             fetched from the Hub, or shipped with the package, as
-            :func:`~mlx_redrafter.draft.store.find` picks it), else none.
+            :func:`~mlx_redrafter.hub.store.find` picks it), else none.
             The lookup is cached on the model: later calls cost a ``stat``.
         beam_width, beam_length: beams per step and tokens per beam
             (``beam_length`` counts drafted tokens, not ``g0``). Not given:
@@ -183,7 +183,7 @@ def stream_generate(
             in ``prompt_cache`` (after the model's layers, mlx-lm's layout).
         num_draft_tokens: tokens the draft model drafts per step (default 3).
             Under a grammar neither the MTP head nor the draft model drafts.
-        datastore: suffix-datastore drafts (draft/stores.py): a store file,
+        datastore: suffix-datastore drafts (draft/datastore/use.py): a store file,
             a ``Datastore``, ``"default"`` (the model's own stores, only when
             the call already drafts), or ``None``/``False`` (none, the default).
         draft: a resolved :class:`DraftConfig`, in place of the keywords above.

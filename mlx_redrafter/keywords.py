@@ -35,11 +35,11 @@ def call_configs(
 ):
     """``(SamplingConfig, DraftConfig)`` of a :func:`~mlx_redrafter.generate.stream_generate`
     call: the resolved ones given, else the loose keywords' with the store
-    that ``datastore=`` names (:func:`~mlx_redrafter.draft.stores.open_datastore`)
+    that ``datastore=`` names (:func:`~mlx_redrafter.draft.datastore.use.open_datastore`)
     and the stateful sources they name (``mtp=``, ``draft_model=``)."""
     from dataclasses import replace
 
-    from .draft.stores import open_datastore
+    from .draft.datastore.use import open_datastore
 
     _refuse_both(sampling, "sampling", **loose_sampling)
     sampling = sampling or SamplingConfig(**loose_sampling)
@@ -59,7 +59,7 @@ def call_configs(
         return sampling, with_curve(model, draft)
     d = dict(loose_draft)
     if auto:
-        from .draft.store import drafter_for
+        from .hub.store import drafter_for
 
         d["drafter"] = drafter_for(model)[0]
     elif isinstance(d["drafter"], str):

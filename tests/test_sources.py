@@ -245,9 +245,9 @@ def test_long_prompts_are_fed_to_the_head_in_chunks(leaky, monkeypatch):
     """Chunked prefill (the model's and the head's own chunks): the same
     tokens, and the head's cache still equals a clean pass."""
     import mlx_redrafter.draft.chain as chain
-    import mlx_redrafter.step.protocol as protocol
+    import mlx_redrafter.llm.cache as cache_ops
 
-    monkeypatch.setattr(protocol, "PREFILL_STEP", 3)
+    monkeypatch.setattr(cache_ops, "PREFILL_STEP", 3)
     monkeypatch.setattr(chain, "CHUNK", 4)
     target, head = leaky
     prompt = [5, 9, 11, 3, 7, 2, 40, 41, 8, 9, 13]

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-PREFILL_STEP = 512
+from ..llm.cache import PREFILL_STEP, feed  # noqa: F401  (PREFILL_STEP re-exported for the server's batch)
 
 
 @dataclass
@@ -149,12 +149,7 @@ def prefill(backbone, head, cache, prompt: mx.array, sink=None):
     ``sink(start, hidden)``: called with the hidden states ``[T, F]`` of each
     chunk from prompt position ``start`` (a stateful draft source reads them,
     step/sourced.py); they are evaluated with the chunk's cache."""
-    for start in range(0, prompt.size - 1, PREFILL_STEP):
-        chunk = prompt[start : min(start + PREFILL_STEP, prompt.size - 1)]
-        hidden = backbone(chunk[None], cache=cache)[0]
-        if sink is not None:
-            sink(start, hidden)
-        mx.eval([c.state for c in cache] + ([hidden] if sink is not None else []))
+    feed(backbone, cache, prompt[:-1], sink=sink)
     hidden = backbone(prompt[-1:][None], cache=cache)[0]
     if sink is not None:
         sink(prompt.size - 1, hidden)

@@ -28,13 +28,14 @@ import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
 from ..draft.chain import Chain
-from ..draft.datastore import StoreLookup
+from ..draft.datastore.index import StoreLookup
+from ..draft.datastore.use import DATASTORE, context_or_store
 from ..draft.draft_model import ModelHead
 from ..draft.lookup import Lookup
-from ..draft.stores import DATASTORE, context_or_store
-from ..llm.cache import attach_sources, compact_cache, set_cache_length, target_size, verify_starts
+from ..llm.cache import attach_sources, compact_cache, kv_offsets, set_cache_length, target_size, verify_starts
 from ..llm.identity import model_dims
 from ..llm.parts import model_parts
+from ..llm.recurrent import cache_length, take_tree_states
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .auto import AutoTree, drafter_scores
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
@@ -225,7 +226,7 @@ def sourced_steps(
 
     logits, context = prefill(run.backbone, run.head, run.cache, prompt, sink=sink)
     if run.auto is not None:
-        run.auto.advance(run.cache[0].offset)  # trees are priced at their context
+        run.auto.advance(cache_length(run.cache) or 0)  # trees are priced at their context
     g0 = sample_first(logits, sampling)
     try:
         g0_val, syncs = host_read(g0)[0], 1
@@ -235,8 +236,9 @@ def sourced_steps(
         while True:
             step, tic = step + 1, time.perf_counter()
             parts, lengths, sources, host = run.rows(context, g0, g0_val)
-            offsets, starts = [c.offset for c in run.cache], verify_starts(run.cache)
+            offsets, starts = kv_offsets(run.cache), verify_starts(run.cache)
             acc, hidden, read_array, depth, size, structure = run.verify(parts, lengths, sources, host, g0)
+            take_tree_states(run.cache, acc.last)  # recurrent layers: the accepted node's state (lazy)
             read = StepRead.parse(host_read(read_array), depth)
             syncs += 1
             if not read.in_place:
