@@ -4,6 +4,7 @@ distribution kept under sampling."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ from mlx_redrafter.draft.mtp import load_head
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
 from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.llm.recurrent import cache_length
 
 PROMPT = [5, 9, 11, 3]
 MIMO = dict(
@@ -257,4 +259,71 @@ def test_long_prompts_are_fed_to_the_head_in_chunks(leaky, monkeypatch):
     assert tokens == plain[:12]
     held = cache[0].offset
     want = head_reference_keys(target, head, (prompt + plain)[:held])
+    assert mx.allclose(cache[-1].keys[..., : held - 1, :], want, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- Qwen3.5: a hybrid target
+
+
+def repeating_qwen35(leak: float = 0.0, seed: int = 0):
+    """The MTP fixture's tiny Qwen3.5 (a gated-delta-net layer and an attention
+    layer, mlx-lm's classes) with random weights whose layers add only
+    ``leak`` times their outputs: with ``leak=0`` it repeats itself."""
+    from test_mtp import FIXTURE
+
+    config = json.loads((FIXTURE / "checkpoint" / "config.json").read_text())
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    for layer in model.layers:
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        out = mixer.out_proj if layer.is_linear else mixer.o_proj
+        out.weight = out.weight * leak
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * leak
+    mx.eval(model.parameters())
+    return model
+
+
+def qwen35_pass_through_head(target):
+    """A real Qwen3.5 MTP head (``mtp.*`` names, draft/mtp.py) that passes the
+    token through: ``fc`` keeps the embedding half, its full-attention layer
+    adds nothing, ``norm`` is the target's final norm."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    from mlx_redrafter.draft.mtp import text_args
+
+    args = text_args(target)
+    h = args.hidden_size
+    layer = DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
+    raw = {f"layers.0.{k}": v for k, v in tree_flatten(layer.parameters())}
+    raw["layers.0.self_attn.o_proj.weight"] = mx.zeros_like(raw["layers.0.self_attn.o_proj.weight"])
+    raw["layers.0.mlp.down_proj.weight"] = mx.zeros_like(raw["layers.0.mlp.down_proj.weight"])
+    raw["fc.weight"] = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)  # [token, hidden] -> token
+    raw["pre_fc_norm_embedding.weight"] = raw["pre_fc_norm_hidden.weight"] = mx.ones((h,))
+    raw["norm.weight"] = target.model.norm.weight
+    return load_head(target, "qwen3_5", raw, zero_centred=False)
+
+
+def test_an_mtp_head_drafts_on_a_qwen3_5_hybrid():
+    """The family the MTP heads ship with: recurrent states follow the
+    accepted path, the head's cache a clean pass, the output plain decoding's."""
+    target = repeating_qwen35(0.0)
+    head = qwen35_pass_through_head(target)
+    plain, _ = run(target, None, n=30)
+    for width, length in ((1, 2), (2, 3)):
+        tokens, stats = run(target, DraftConfig(head=head, head_width=width, head_length=length, lookup=1), n=30)
+        assert tokens == plain and per_step(tokens, stats) > 1.5
+        assert "mtp" in {s.source for s in stats if s.accepted}
+    leaky = repeating_qwen35(0.2)
+    head = qwen35_pass_through_head(leaky)
+    plain, _ = run(leaky, None, n=60)
+    cache = make_prompt_cache(leaky)
+    tokens, stats = run(leaky, DraftConfig(head=head, head_length=3), n=40, cache=cache)
+    assert tokens == plain[:40]
+    accepted = [s.accepted for s in stats[1:]]
+    assert 0 in accepted and any(0 < a < 3 for a in accepted) and 3 in accepted  # in part, whole, none
+    held = cache_length(cache[:-1])
+    assert cache[-1].offset == held - 1
+    want = head_reference_keys(leaky, head, (PROMPT + plain)[:held])
     assert mx.allclose(cache[-1].keys[..., : held - 1, :], want, atol=1e-4, rtol=1e-4)
