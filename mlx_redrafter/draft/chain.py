@@ -38,7 +38,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .beam import Beams
-from .head import head_beams
+from .head import head_beams, takes_last
 
 CHUNK = 512  # positions fed per call (as the target's prefill chunks); longer pending runs are fed early
 
@@ -55,6 +55,7 @@ class Chain:
         self.head, self.width, self.length = head, width, length
         self.source = head.source
         self.reads_hidden = getattr(head, "reads_hidden", True)
+        self.last = {"last": True} if takes_last(head) else {}
         self.cache: Optional[list] = None
         self._tokens: List[int] = []  # pending: tokens not fed yet
         self._feats: List[mx.array] = []  # a layer head's: the features paired with them, [k, F] each
@@ -117,4 +118,4 @@ class Chain:
             every = mx.concatenate(self._feats, axis=0) if len(self._feats) > 1 else self._feats[0]
             feats, rest = every[None, :n], every[n:]
             self._feats = [rest] if rest.shape[0] else []
-        return self.head(tokens, feats, self.cache, first=True)
+        return self.head(tokens, feats, self.cache, first=True, **self.last)

@@ -36,15 +36,19 @@ class ModelHead:
     reads_hidden = False
 
     def __init__(self, model, vocab: Optional[int] = None):
+        from ..llm.parts import model_parts
+
         self.model, self.vocab = model, vocab
+        _, self.backbone, self.lm_head = model_parts(model)
 
     def make_cache(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self.model)
 
-    def __call__(self, tokens: mx.array, features, cache: list, first: bool = True):
-        logits = self.model(tokens, cache=cache)
+    def __call__(self, tokens: mx.array, features, cache: list, first: bool = True, last: bool = False):
+        hidden = self.backbone(tokens, cache=cache)
+        logits = self.lm_head(hidden[:, -1:] if last else hidden)
         if self.vocab is not None and logits.shape[-1] > self.vocab:
             logits = logits[..., : self.vocab]
         return logits, None

@@ -29,7 +29,10 @@ the bookkeeping that keeps a head in step with the target
   cache's offsets: entry ``i`` sits at position ``i``, the position of the
   hidden state it read, as vLLM and mlx-vlm number them.
 * ``logits [B, T, Vd]`` over the head's vocabulary (``Vd`` = the target's,
-  or a reduced draft vocabulary mapped back by ``draft_to_target``).
+  or a reduced draft vocabulary mapped back by ``draft_to_target``). A head
+  whose ``__call__`` takes ``last=True`` returns the last position's alone,
+  ``[B, 1, Vd]``: a step's catch-up call feeds several positions and needs
+  one distribution, and the vocabulary projection is most of a head's cost.
 * ``hidden [B, T, h]``: what the next chained call reads as its features.
   Each family says which state that is: after the head's final norm for
   Qwen3.5/Qwen3-Next and MiMo, before the shared head's norm for
@@ -72,8 +75,19 @@ class LayerHead(Protocol):
 
     def __call__(self, tokens: mx.array, features: mx.array, cache: list, first: bool) -> Tuple[mx.array, mx.array]:
         """``(logits [B, T, Vd], hidden [B, T, h])`` for ``tokens [B, T]`` and
-        ``features [B, T, F]`` (see the module doc), advancing ``cache`` by ``T``."""
+        ``features [B, T, F]`` (see the module doc), advancing ``cache`` by ``T``
+        (an optional ``last=True``: the last position's logits only)."""
         ...
+
+
+def takes_last(head) -> bool:
+    """Whether ``head(...)`` accepts ``last=True`` (the last position's logits only)."""
+    import inspect
+
+    try:
+        return "last" in inspect.signature(head.__call__).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def target_ids(head, index: mx.array) -> mx.array:

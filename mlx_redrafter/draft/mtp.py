@@ -119,7 +119,7 @@ class MTPHead(nn.Module):
 
         return [KVCache() for _ in self.layers]
 
-    def __call__(self, tokens: mx.array, features: mx.array, cache: list, first: bool = True):
+    def __call__(self, tokens: mx.array, features: mx.array, cache: list, first: bool = True, last: bool = False):
         from mlx_lm.models.base import create_attention_mask
 
         emb = self._embed(tokens)
@@ -131,7 +131,8 @@ class MTPHead(nn.Module):
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask, c)
         normed = self.norm(x)
-        logits = self.head(normed) if self.style.own_head else self._lm_head(normed)
+        wanted = normed[:, -1:] if last else normed  # the catch-up call needs the last position's alone
+        logits = self.head(wanted) if self.style.own_head else self._lm_head(wanted)
         return logits, (normed if self.style.chain_normed else x)
 
 
