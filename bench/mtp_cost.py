@@ -7,18 +7,24 @@ layers, one full-attention layer in four: 8 query and 2 KV heads of 256,
 gated delta net 16 x 128 heads, MLP 3584, vocabulary 248,320, tied),
 float32; its MTP head (draft/mtp.py: ``fc``, two norms, one full-attention
 decoder layer, the norm, the shared LM head) with random weights. After a
-prompt of ``--context`` tokens, medians over ``--reps`` calls of:
+prompt of ``--context`` tokens, medians over ``--reps`` rounds (each round
+times every call once, interleaved, after two warm-up rounds) of:
 
 * **plain step**: the model's forward of one token (what plain decoding
   pays per token);
 * **MTP draft at depth L** (L = 1, 2, 3): one step's drafting as the sourced
   loop runs it (draft/chain.py): the head fed the step's accepted token and
-  ``g0`` with the model's hidden states (2 positions), then chained ``L - 1``
-  times on its own hidden state, one beam, its cache trimmed back;
-* **chain forward of 1 + L tokens**: the model's causal forward of ``g0``
-  and L drafts, the verify of one beam (a chain runs unhooked);
-* **step at depth L** = draft + chain forward: the step's device work
-  without acceptance and cache moves (small next to these).
+  ``g0`` with the model's hidden states (2 positions, the vocabulary
+  projected for the last only), then chained ``L - 1`` times on its own
+  hidden state, one beam, its cache trimmed back;
+* **verify of 1 + L tokens**: the step's verify of ``g0`` and one beam of L
+  drafts (step/verify.py, as the loops call it: through the hybrid's
+  recurrent layers node by node);
+* **causal forward of 1 + L tokens**: the same tokens as one plain forward,
+  without the tree hooks (what the verify would cost if a hybrid's recurrent
+  layers did not keep each node's state);
+* **step at depth L** = draft + verify: the step's device work without
+  acceptance and cache moves (small next to these).
 
 Every timed call starts from the same cache (the model's cache, recurrent
 state included, and the head's are put back after each call).
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +50,8 @@ from mlx_redrafter.doctor import report
 from mlx_redrafter.draft.head import head_beams
 from mlx_redrafter.draft.mtp import MTPHead
 from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.step.tree import layout
+from mlx_redrafter.step.verify import verify
 
 QWEN35_08B = {
     "model_type": "qwen3_5",
@@ -97,14 +106,12 @@ def snapshot(caches):
     return rewind
 
 
-def median_ms(fn, rewind, reps: int) -> float:
-    times = []
-    for _ in range(reps + 2):
-        rewind()
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - tic) * 1000)
-    return float(np.median(times[2:]))
+def time_ms(fn, rewind) -> float:
+    """One timed call of ``fn`` from the rewound cache, evaluated."""
+    rewind()
+    tic = time.perf_counter()
+    mx.eval(fn())
+    return (time.perf_counter() - tic) * 1000
 
 
 def main():
@@ -124,31 +131,56 @@ def main():
     g0 = mx.array([[7]], mx.int32)
     feats = hidden[:, -2:]
     out = {"machine": report(), "context": args.context, "reps": args.reps, "config": QWEN35_08B}
-    out["plain_ms"] = median_ms(lambda: lm_head(backbone(g0, cache=cache)), rewind, args.reps)
+    out["load_average"] = os.getloadavg()
 
     def draft(depth):
-        logits, hid = head(mx.array([[5, 7]], mx.int32), feats, head_cache, first=True)
+        logits, hid = head(mx.array([[5, 7]], mx.int32), feats, head_cache, first=True, last=True)
         beams, written = head_beams(head, logits[0, -1], hid[0, -1], head_cache, 1, depth)
         for c in head_cache if written else ():
             c.trim(written)
         return beams.tokens
 
-    rows = []
-    for depth in (1, 2, 3):
-        d = median_ms(lambda: draft(depth), rewind, args.reps)
-        chain = mx.array([[7] + [3] * depth], mx.int32)
-        f = median_ms(lambda: lm_head(backbone(chain, cache=cache)), rewind, args.reps)
-        rows.append({"depth": depth, "draft_ms": d, "chain_forward_ms": f, "step_ms": d + f})
-    out["rows"] = rows
+    def chain(depth):  # the step's verify of one beam, as the loops call it (hybrid layers included)
+        tree = layout((depth,)).tree(mx.array([[3] * depth], mx.int32), mx.array(7, mx.int32))
+        logits, _ = verify(model, backbone, lm_head, cache, tree, chain=True)
+        return logits
+
+    # Interleaved: every round times each call once, so a busy machine slows them alike.
+    calls = {"plain": lambda: lm_head(backbone(g0, cache=cache))}
+    calls.update({f"draft{d}": (lambda d=d: draft(d)) for d in (1, 2, 3)})
+    calls.update({f"chain{d}": (lambda d=d: chain(d)) for d in (1, 2, 3)})
+    calls.update(  # the same tokens as one causal forward (what a verify would cost without tree hooks)
+        {
+            f"forward{d}": (lambda d=d: lm_head(backbone(mx.array([[7] + [3] * d], mx.int32), cache=cache)))
+            for d in (1, 2, 3)
+        }
+    )
+    times = {k: [] for k in calls}
+    for round_ in range(args.reps + 2):
+        for name, fn in calls.items():
+            ms = time_ms(fn, rewind)
+            if round_ >= 2:  # two warm-up rounds
+                times[name].append(ms)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    out["plain_ms"] = med["plain"]
+    out["rows"] = [
+        {
+            "depth": d,
+            "draft_ms": med[f"draft{d}"],
+            "verify_ms": med[f"chain{d}"],
+            "causal_forward_ms": med[f"forward{d}"],
+            "step_ms": med[f"draft{d}"] + med[f"chain{d}"],
+        }
+        for d in (1, 2, 3)
+    ]
+    out["samples_ms"] = times
+    rows = out["rows"]
     plain = out["plain_ms"]
     print(f"plain step {plain:.1f} ms (context {args.context})")
-    print("depth | MTP draft ms (x plain) | chain forward 1+L ms (x plain) | step ms (x plain)")
+    print("depth | MTP draft ms (x plain) | verify 1+L ms (x plain) | causal forward 1+L (x plain) | step (x plain)")
     for r in rows:
-        print(
-            f"{r['depth']} | {r['draft_ms']:.1f} ({r['draft_ms'] / plain:.2f}) | "
-            f"{r['chain_forward_ms']:.1f} ({r['chain_forward_ms'] / plain:.2f}) | "
-            f"{r['step_ms']:.1f} ({r['step_ms'] / plain:.2f})"
-        )
+        cells = [r[k] for k in ("draft_ms", "verify_ms", "causal_forward_ms", "step_ms")]
+        print(f"{r['depth']} | " + " | ".join(f"{v:.1f} ({v / plain:.2f})" for v in cells))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
