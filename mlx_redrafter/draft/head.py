@@ -40,7 +40,12 @@ the bookkeeping that keeps a head in step with the target
   EAGLE-3.
 
 A head is built for one target: it holds references to what it shares with
-the target (embedding, LM head) without owning them as parameters.
+the target (embedding, LM head) without owning them as parameters. It drafts
+when it is a draft's ``head`` (``DraftConfig(head=..., head_width=...,
+head_length=...)``): the sourced step loop (step/sourced.py) asks the
+target's backbone for the ``taps`` it names, keeps the head in step with the
+accepted tokens (:class:`~mlx_redrafter.draft.chain.Chain`) and joins its
+beams to the tree; its ``source`` names its tokens in the step stats.
 """
 
 from __future__ import annotations
