@@ -327,3 +327,9 @@ def test_an_mtp_head_drafts_on_a_qwen3_5_hybrid():
     assert cache[-1].offset == held - 1
     want = head_reference_keys(leaky, head, (PROMPT + plain)[:held])
     assert mx.allclose(cache[-1].keys[..., : held - 1, :], want, atol=1e-4, rtol=1e-4)
+
+
+def test_timings_are_refused_with_a_stateful_source(cycling):
+    target, head = cycling
+    with pytest.raises(RedrafterError, match="does not split them"):
+        run(target, DraftConfig(head=head), n=4, timings=True)

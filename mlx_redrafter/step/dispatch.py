@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..config import DraftConfig, SamplingConfig
+from ..errors import RedrafterError
 from ..llm.cache import check_cache, drop_sources, target_size
 from ..llm.recurrent import leaves
 from .auto import can_pay
@@ -90,6 +91,12 @@ def redrafter_steps(
     size = target_size(model)
     check_cache(cache[:size])
     if draft.stateful:  # a head or a draft model keeps a cache in step with the model's
+        if timings:
+            raise RedrafterError(
+                "timings=True splits the synchronous loop's phases; a draft with an MTP head or a draft model "
+                "runs the sourced loop, which does not split them.",
+                "Drop timings (--timings), or the MTP head (--mtp none) and the draft model.",
+            )
         yield from sourced_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
         return
     drop_sources(cache, size)
