@@ -175,6 +175,9 @@ LOOP_FUNCTIONS = [
     ("mlx_redrafter.step.dispatch", "redrafter_steps"),
     ("mlx_redrafter.step.synchronous", None),  # the whole module
     ("mlx_redrafter.step.pipelined", None),
+    ("mlx_redrafter.step.sourced", None),
+    ("mlx_redrafter.draft.head", None),
+    ("mlx_redrafter.draft.chain", None),
     ("mlx_redrafter.step.auto", None),
     ("mlx_redrafter.step.accept", None),
     ("mlx_redrafter.step.verify", None),

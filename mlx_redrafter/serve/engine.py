@@ -207,6 +207,8 @@ class Engine:
             "status": "ok",
             "model": self.model_id,
             "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
+            # The stateful sources, named: "MTP head: ...", "draft model: ..." (a row alone drafts with them).
+            "sources": list(self.rt.source_labels),
             "queue": self.queue.status(),
             "prompt_cache": self.cache_status(),
             "memory": memory_status(),
