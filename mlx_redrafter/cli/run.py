@@ -17,11 +17,13 @@ from .options import (
     DrafterOpt,
     DtypeOpt,
     LookupOpt,
+    MaxTokensCapOpt,
     MinPOpt,
     ModelOpt,
     NoDraftOpt,
     NoHistoryOpt,
     SeedOpt,
+    ServedModelNameOpt,
     SystemOpt,
     TempOpt,
     TopKOpt,
@@ -238,6 +240,8 @@ def serve(
     ),
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
+    max_tokens_cap: Optional[int] = MaxTokensCapOpt,
+    served_model_name: List[str] = ServedModelNameOpt,
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
@@ -303,6 +307,10 @@ def serve(
     from ..chat.settings import check_setting
 
     check_setting("max_tokens", max_tokens, name="--max-tokens")
+    if max_tokens_cap is not None:
+        check_setting("max_tokens", max_tokens_cap, name="--max-tokens-cap")
+    if any(not n.strip() for n in served_model_name):
+        raise RedrafterError("--served-model-name cannot be empty.", "Give the name clients will send as 'model'.")
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     try:
         import uvicorn
@@ -339,10 +347,13 @@ def serve(
         max_batch=max_batch,
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=cache_bytes,
+        max_tokens_cap=max_tokens_cap,
+        served_names=served_model_name,
     )
     app_ = create_app(engine, ui=not no_ui, security=security)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
-    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
+    names = ", ".join(engine.names)
+    err.print(f"serving {names} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 

@@ -23,6 +23,7 @@ whatever a chat template does to earlier replies. The chat
 
 from __future__ import annotations
 
+import copy
 from typing import List, Sequence
 
 import mlx.core as mx
@@ -36,8 +37,11 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import RedrafterError
+from .parts import model_parts
 
 SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
+# Tokens per forward when the prompt cache prefills up to a checkpoint (as the step loops' prefill).
+CHECKPOINT_STEP = 512
 # Squeeze holes out of a HoleyCache once this many are known. Attention over a
 # hole costs a little every step; a compaction moves every cached row once.
 COMPACT_HOLES = 48
@@ -59,6 +63,12 @@ def trim_cache(cache, length: int) -> bool:
     for c in cache:
         c.trim(c.offset - length)
     return True
+
+
+def always_trimmable(cache) -> bool:
+    """Whether every layer of ``cache`` can be trimmed however long it grows
+    (a sliding window that has wrapped, or a recurrent state, cannot)."""
+    return all(isinstance(c, (KVCache, QuantizedKVCache)) for c in cache)
 
 
 def trim_to_known(cache, known: Sequence[int]):
@@ -123,6 +133,30 @@ class PromptCache:
         self.hits += 1 if keep > 0 else 0
         self.reused_tokens += keep
         return cache, keep
+
+    def checkpoint(self, cache, ids: Sequence[int], held: int, marks: Sequence[int] = ()) -> int:
+        """For a cache that cannot be trimmed once long (a sliding window's,
+        a recurrent state), which can only be reused up to where it was
+        stored: prefill ``cache`` (which holds ``ids[:held]``) up to each of
+        ``marks`` (e.g. the end of a system prompt every request shares) and
+        to all of ``ids`` but the last, storing a copy at each, so that the
+        next turn, or the next request with the same head, finds them (as
+        mlx-lm's server does: a mark's copy kept longest, as its "system"
+        segment, the prompt's as its "user" one). The length ``cache`` holds
+        then (``held`` for a cache that can always be trimmed: the stored
+        reply's cache serves every prefix of it)."""
+        if always_trimmable(cache):
+            return held
+        _, backbone, _ = model_parts(self.model)
+        ends = {m: "system" for m in marks if held < m < len(ids) - 1}
+        ends[len(ids) - 1] = "user"
+        for mark in sorted(m for m in ends if m > held):
+            for start in range(held, mark, CHECKPOINT_STEP):
+                backbone(mx.array(ids[start : min(start + CHECKPOINT_STEP, mark)])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            held = mark
+            self.lru.insert_cache(self.KEY, list(ids[:held]), copy.deepcopy(cache), cache_type=ends[mark])
+        return held
 
     def settle(self, known: List[int]) -> None:
         """After a generation: the cache holds a prefix of ``known`` (prompt +

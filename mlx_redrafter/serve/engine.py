@@ -21,13 +21,15 @@ resolved :class:`~mlx_redrafter.config.DraftConfig` with the job's own
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from ..llm.cache import PromptCache
+from ..llm.cache import PromptCache, always_trimmable
 from ..llm.parts import context_limit
 from ..llm.text import encode_prompt
 from ..prompts import chat_prompt_ids
@@ -38,15 +40,40 @@ from .scheduler import JobQueue, QueueFull, Scheduler  # noqa: F401
 from .tools import Rendered, render, tool_format
 
 
+class ContextOverflow(RedrafterError):
+    """A prompt of ``tokens`` tokens where at most ``maximum`` fit (the room for one reply token kept)."""
+
+    def __init__(self, tokens: int, limit: int, margin: int):
+        super().__init__(
+            f"The prompt has {tokens} tokens and the model's context is {limit} tokens "
+            f"(room for at least one reply token is needed).",
+            "Send a shorter prompt.",
+        )
+        self.tokens, self.maximum = tokens, limit - margin - 1
+
+
+def short_name(spec: str) -> str:
+    """The name a client can type for a model served as ``spec``: a file's or
+    folder's stem, a Hub id's last part (``./gemma-3-270m.gguf``:
+    ``gemma-3-270m``; ``mlx-community/Qwen3-0.6B-4bit``: ``Qwen3-0.6B-4bit``)."""
+    name = PurePath(spec.rstrip("/\\")).name or spec
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
 class Engine:
     """A :class:`~mlx_redrafter.runtime.Runtime` serving up to ``max_batch``
     requests at once (1: one at a time, each drafted, as before batching)
     with ``queue_size`` more waiting, and prompt caches shared across requests
     (at most ``prompt_cache_size`` sequences and ``prompt_cache_bytes``
     bytes). ``max_tokens`` and ``sampling``: what a request that does not say
-    gets. ``listeners`` are called on the worker thread with every job's
-    :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
-    step decoded, ``queue.shed_listeners`` for each request turned away."""
+    gets; ``max_tokens_cap``: the longest reply whatever a request asks (None:
+    the context's room). ``served_names``: the names the model answers to
+    (the first is the one the server reports, as vLLM's
+    ``--served-model-name``); besides, it always answers to the model as given
+    and its short name (:attr:`names`). ``listeners`` are called on the worker
+    thread with every job's :class:`Result` (metrics); ``queue.step_listeners``
+    with the rows each step decoded, ``queue.shed_listeners`` for each request
+    turned away."""
 
     def __init__(
         self,
@@ -57,12 +84,19 @@ class Engine:
         prompt_cache_size: int = 10,
         prompt_cache_bytes: int = 1 << 63,
         max_batch: int = 8,
+        max_tokens_cap: Optional[int] = None,
+        served_names: Sequence[str] = (),
     ):
         self.rt = runtime
-        self.model_id = runtime.model_spec
+        self.model_id = served_names[0] if served_names else runtime.model_spec
+        spec = runtime.model_spec
+        self.names = list(dict.fromkeys([self.model_id, *served_names, spec, short_name(spec)]))
         self.max_tokens = max_tokens
+        self.max_tokens_cap = max_tokens_cap
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
+        # Whether its caches are copied at checkpoints (they cannot be trimmed once long: PromptCache.checkpoint).
+        self.checkpoints = not always_trimmable(make_prompt_cache(runtime.model))
         decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
         self.queue = Scheduler(decoder, queue_size)
         self.listeners: List[Callable[[Result], None]] = []
@@ -104,20 +138,20 @@ class Engine:
         return self.rt.draft.margin
 
     def fit(self, ids: List[int], max_tokens: int) -> int:
-        """``max_tokens`` cut to what the context leaves after the prompt;
-        a :class:`RedrafterError` when the prompt alone does not fit."""
+        """``max_tokens`` cut to ``max_tokens_cap`` and to what the context
+        leaves after the prompt (a cap, as Anthropic's and OpenAI's APIs
+        take a ``max_tokens`` past the room left: the reply ends there with
+        ``length``); a :class:`ContextOverflow` when the prompt alone does not fit."""
         if not ids:
             raise RedrafterError("The prompt is empty.", "Send at least one token of prompt.")
+        if self.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.max_tokens_cap)
         limit = context_limit(self.rt.model)
         if not limit:
             return max_tokens
         room = limit - len(ids) - self._margin()
         if room < 1:
-            raise RedrafterError(
-                f"The prompt has {len(ids)} tokens and the model's context is {limit} tokens "
-                f"(room for at least one reply token is needed).",
-                "Send a shorter prompt.",
-            )
+            raise ContextOverflow(len(ids), limit, self._margin())
         return min(max_tokens, room)
 
     # ------------------------------------------------------------------ jobs
@@ -132,11 +166,22 @@ class Engine:
     def stop(self) -> None:
         self.queue.stop()
 
-    def job(self, ids: List[int], params: GenParams, emit: Callable[[str, object], None]) -> Job:
+    def job(self, ids: List[int], params: GenParams, emit: Callable[[str, object], None], head: int = 0) -> Job:
         """A job for ``ids``, its ``max_tokens`` cut to fit the context
-        (a :class:`RedrafterError` when the prompt alone does not fit)."""
+        (a :class:`RedrafterError` when the prompt alone does not fit);
+        ``head``: how many of its first tokens every request of its kind
+        shares (a system prompt and tools: kept in the prompt cache)."""
         params.max_tokens = self.fit(ids, params.max_tokens)
-        return Job(list(ids), params, emit)
+        return Job(list(ids), params, emit, head)
+
+    def cache_for(self, job: Job):
+        """``(cache, reused, held)``: the KV cache ``job`` starts from, the
+        prompt tokens it reused from the prompt cache, and those it holds
+        (more when a cache that cannot be trimmed was prefilled up to the
+        checkpoints the next requests reuse: :meth:`PromptCache.checkpoint`)."""
+        cache, reused = self.cache.fetch(job.ids)
+        marks = [job.head] if job.head else []
+        return cache, reused, self.cache.checkpoint(cache, job.ids, reused, marks)
 
     def finish(self, row, cache) -> None:
         """A row's reply ended (or its client left): store its KV cache (which

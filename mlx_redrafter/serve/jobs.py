@@ -100,6 +100,7 @@ class Job:
     ids: List[int]
     params: GenParams
     emit: Callable[[str, object], None]
+    head: int = 0  # the first tokens every request of its kind shares (system prompt, tools): kept cached
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

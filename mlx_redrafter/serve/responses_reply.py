@@ -55,10 +55,12 @@ class FunctionCallItem(BaseModel):
     name: str
     arguments: str
     status: str
+    namespace: Optional[str] = None
 
 
 class TokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int
 
 
 class OutputDetails(BaseModel):
@@ -97,7 +99,7 @@ class ResponseOut(BaseModel):
 def usage(res: Result) -> dict:
     return {
         "input_tokens": res.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": res.reused_tokens},
+        "input_tokens_details": {"cached_tokens": res.reused_tokens, "cache_write_tokens": 0},
         "output_tokens": res.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": res.prompt_tokens + res.completion_tokens,
@@ -107,14 +109,15 @@ def usage(res: Result) -> dict:
 class ResponsesReply:
     """Builds the response objects of one request; ``echo`` holds the
     request's fields a response repeats (instructions, tools, tool_choice,
-    text, temperature, ...)."""
+    text, temperature, ...); ``namespaces``: the namespace of each namespaced
+    function, which its calls carry."""
 
-    def __init__(self, engine: Engine, rendered: Rendered, echo: dict):
+    def __init__(self, engine: Engine, rendered: Rendered, echo: dict, namespaces: Optional[Dict[str, str]] = None):
         self.engine, self.echo = engine, echo
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.tools = rendered.stream() if rendered.tools is not None else None
-        self.items = _Items()
+        self.items = _Items(namespaces or {})
 
     def _events(self, text: str, last: bool = False) -> List[Union[str, ToolCall]]:
         return reply_events(self.tools, text, last)
@@ -193,9 +196,10 @@ class _Items:
     """The output items of a reply and the events that build them; a message
     item stays open while text comes."""
 
-    def __init__(self):
+    def __init__(self, namespaces: Dict[str, str]):
         self.output: List[dict] = []
         self.text: Optional[dict] = None  # the open message item
+        self.namespaces = namespaces
 
     def _where(self) -> dict:
         return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1}
@@ -216,6 +220,8 @@ class _Items:
             "arguments": "",
             "status": "in_progress",
         }
+        if event.name in self.namespaces:
+            item["namespace"] = self.namespaces[event.name]
         self.output.append(item)
         out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": dict(item)}))
         item.update(arguments=event.arguments, status="completed")

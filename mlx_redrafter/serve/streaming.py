@@ -24,7 +24,8 @@ from pydantic import BaseModel
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from .engine import Engine, GenParams, Job, QueueFull, Result
+from .engine import ContextOverflow, Engine, GenParams, Job, QueueFull, Result
+from .policy import fold_system, log_once
 from .tools import Event, Rendered, ToolCallStream
 
 # How often a request waiting for the model checks that its client is still there.
@@ -82,13 +83,14 @@ def extra_fields(model: BaseModel, path: str = "") -> Iterator[Tuple[str, object
         yield from _extras_in(getattr(model, name), f"{path}{name}.")
 
 
-def refuse_nested_extras(req: BaseModel) -> None:
+def refuse_nested_extras(req: BaseModel, skip: Sequence[str] = ()) -> None:
     """A 400 naming the first field sent inside the request's parts (a tool,
     a block, an item) that their models do not declare. Run after the parts'
     own checks, so that a part of a type this server refuses is named as
-    such; the top level's fields are each API's ``check_supported``'s."""
+    such; the top level's fields are each API's ``check_supported``'s.
+    ``skip``: parts left out of the prompt (``tools.3``), whose fields do not matter."""
     for name, _ in extra_fields(req):
-        if "." in name:
+        if "." in name and not any(name.startswith(s + ".") for s in skip):
             raise unsupported(name)
 
 
@@ -106,12 +108,12 @@ def unsupported(field: str, why: str = "drop it from the request") -> Failure:
 
 
 def check_model(engine: Engine, model: Optional[str], also: Sequence[str] = ()) -> None:
-    """A 404 for a request naming a model this server does not serve
-    (``also``: other names it answers to, such as Ollama's ``name:latest``)."""
-    if model and model not in (engine.model_id, *also):
-        raise Failure(
-            404, f"The model '{model}' does not exist here; this server serves '{engine.model_id}'.", NO_MODEL, "model"
-        )
+    """A 404 for a request naming a model this server does not serve: it
+    answers to :attr:`Engine.names` (the model as served, its short name,
+    ``--served-model-name``) and ``also`` (such as Ollama's ``name:latest``)."""
+    if model and model not in (*engine.names, *also):
+        names = " or ".join(f"'{n}'" for n in engine.names)
+        raise Failure(404, f"The model '{model}' does not exist here; this server serves {names}.", NO_MODEL, "model")
 
 
 def sampling(engine: Engine, **asked) -> SamplingConfig:
@@ -135,12 +137,48 @@ def render(
     the field (the content's is ``content_param``), and so are messages the
     model's chat template refuses."""
     try:
-        return engine.render(messages, tools, tool_choice, **options)
+        return _rendered(engine, messages, tools, tool_choice, **options)
     except RedrafterError as e:
         param = getattr(e, "param", "tool_choice")
         raise Failure(400, e.problem, INVALID, content_param if param == "content" else param) from None
     except Exception as e:  # e.g. a template that refuses a role or an order of roles
         raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
+
+
+def _rendered(engine: Engine, messages: List[dict], tools, tool_choice, **options) -> Rendered:
+    """The rendered prompt; a template that refuses a system message inside
+    the conversation gets it folded into the user turn beside it (logged once)."""
+    try:
+        return engine.render(messages, tools, tool_choice, **options)
+    except RedrafterError:
+        raise
+    except Exception as e:
+        folded = fold_system(messages)
+        if folded is None:
+            raise
+        rendered = engine.render(folded, tools, tool_choice, **options)
+        log_once(
+            engine,
+            ("system messages folded",),
+            f"The chat template refused a system message inside the conversation ({e}); "
+            "such messages are folded into the user turn beside them.",
+        )
+        return rendered
+
+
+def shared_head(engine: Engine, messages: List[dict], ids: List[int], tools=None, tool_choice=None) -> int:
+    """How many of ``ids`` (``messages`` rendered) are the system messages'
+    and the tools' alone, which every turn and request of an agent repeats,
+    for the prompt cache to keep; 0 where the cache needs no checkpoints (its
+    stored replies serve every prefix) or there is no system message."""
+    n = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    if not n or not getattr(engine, "checkpoints", False):
+        return 0
+    try:
+        probe = _rendered(engine, list(messages[:n]) + [{"role": "user", "content": ""}], tools, tool_choice).ids
+    except Exception:  # a template that wants more than a system message: no checkpoint, nothing else lost
+        return 0
+    return next((i for i, (a, b) in enumerate(zip(probe, ids)) if a != b), min(len(probe), len(ids)))
 
 
 async def grammar(engine: Engine, spec, param: str):
@@ -195,9 +233,13 @@ class Queued:
         return CancellingStream(self.job, body, media_type=media_type)
 
 
-def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "messages") -> Queued:
+def submit(
+    engine: Engine, ids: List[int], params: GenParams, param: str = "messages", too_long=None, head: int = 0
+) -> Queued:
     """Queue a job for ``ids`` (a 400 at ``param`` when the prompt is empty or
-    does not fit the context, a 503 when the queue is full)."""
+    does not fit the context, its message ``too_long(tokens, maximum)`` when
+    given: the words a client parses; a 503 when the queue is full).
+    ``head``: the prompt's first tokens every turn shares (kept in the prompt cache)."""
     if not ids:
         raise Failure(400, "The prompt is empty.", INVALID, param)
     loop = asyncio.get_running_loop()
@@ -207,7 +249,10 @@ def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "mess
         loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
     try:
-        job = engine.job(ids, params, emit)
+        job = engine.job(ids, params, emit, head)
+    except ContextOverflow as e:
+        message = too_long(e.tokens, e.maximum) if too_long else e.problem
+        raise Failure(400, message, TOO_LONG, param) from None
     except RedrafterError as e:
         raise Failure(400, e.problem, TOO_LONG, param) from None
     try:
