@@ -19,6 +19,7 @@ import copy
 import json
 import logging
 import re
+import time
 import typing
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from helpers import TINY_CONFIGS, bpe_tokenizer, tiny_model
 from mlx_lm.utils import save_config, save_model
 from openai.types.responses import Response, ResponseStreamEvent
 
+from mlx_redrafter.serve import anthropic_api, responses_api
 from mlx_redrafter.serve.app import create_app
 from mlx_redrafter.serve.engine import Engine, short_name
 from mlx_redrafter.serve.policy import fold_system
@@ -289,6 +291,33 @@ def test_namespaced_functions_are_called_with_their_namespace(served):
     call = r.json()["output"][0]
     assert call["type"] == "function_call" and call["name"] == "spawn_agent" and call["namespace"] == "multi_agent_v1"
     assert json.loads(call["arguments"]) == {}
+
+
+def test_a_long_prefill_keeps_the_stream_alive(served, monkeypatch):
+    """Claude Code and Codex drop a stream silent for minutes (a 12k-token
+    prefill on a slow CPU takes that long): while nothing comes, Anthropic's
+    stream sends ``ping`` and the Responses stream ``response.in_progress``."""
+    engine, http = served
+    monkeypatch.setattr(anthropic_api, "KEEPALIVE_S", 0.25)
+    monkeypatch.setattr(responses_api, "KEEPALIVE_S", 0.25)
+    cache_for = engine.cache_for
+
+    def slow(job):  # the prefill, on the worker thread, takes a while
+        time.sleep(2)
+        return cache_for(job)
+
+    monkeypatch.setattr(engine, "cache_for", slow)
+    ask = {"path": "/v1/messages", "query": "", "headers": {}}
+    body = {"model": "agent-model", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    events = replay(http, {**ask, "body": body})
+    first = next(i for i, (name, _) in enumerate(events) if name == "content_block_start")
+    assert [n for n, _ in events[:first]].count("ping") >= 3  # the usual one, then one every 0.25 s of silence
+    anthropic_message(events)
+    body = {"model": "agent-model", "input": "hi", "max_output_tokens": 4, "stream": True}
+    events = replay(http, {**ask, "path": "/v1/responses", "body": body})
+    first = next(i for i, (name, _) in enumerate(events) if name == "response.output_item.added")
+    assert [n for n, _ in events[:first]].count("response.in_progress") >= 3
+    response_of(events)
 
 
 # --------------------------------------------------------------------------- context, names

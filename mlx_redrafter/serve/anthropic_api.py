@@ -49,6 +49,7 @@ from .anthropic_reply import CountOut, MessageOut, MessageReply
 from .engine import Engine, GenParams
 from .policy import hosted_tool, note_once
 from .streaming import (
+    KEEPALIVE_S,
     MISSING,
     UNSUPPORTED,
     Failure,
@@ -372,7 +373,7 @@ def anthropic_router(engine: Engine) -> APIRouter:
         queued = submit(engine, rendered.ids, params, too_long=too_long, head=head)
         reply = MessageReply(engine, rendered, error_body)
         if req.stream:
-            return queued.stream(reply.sse(queued.events(request)))
+            return queued.stream(reply.sse(queued.events(request, KEEPALIVE_S)))
         result = await queued.result(request)
         return client_left() if result is None else reply.whole(result)
 

@@ -37,6 +37,7 @@ from .engine import Engine, GenParams
 from .policy import hosted_tool, note_once
 from .responses_reply import ResponseOut, ResponsesReply
 from .streaming import (
+    KEEPALIVE_S,
     UNSUPPORTED,
     Failure,
     check_model,
@@ -337,7 +338,7 @@ def responses_router(engine: Engine) -> APIRouter:
         queued = submit(engine, rendered.ids, params, "input", head=head)
         reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel), tools.namespaces)
         if req.stream:
-            return queued.stream(reply.sse(queued.events(request)))
+            return queued.stream(reply.sse(queued.events(request, KEEPALIVE_S)))
         result = await queued.result(request)
         return client_left() if result is None else reply.whole(result)
 

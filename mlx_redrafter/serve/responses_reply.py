@@ -13,7 +13,10 @@ one ``response.function_call_arguments.delta`` (the whole arguments, sent
 once the call is parsed), ``response.function_call_arguments.done``,
 ``response.output_item.done``; last ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut the reply, as the API
-does). A failure is an ``error`` event and ``response.failed``. The
+does). A failure is an ``error`` event and ``response.failed``. While
+nothing comes (a long prefill) ``response.in_progress`` is sent again every
+:data:`~.streaming.KEEPALIVE_S` seconds: the API has no ping, and Codex
+drops a stream that stays silent for minutes. The
 response carries ``redrafter``, the drafting stats the other routes carry.
 """
 
@@ -163,7 +166,9 @@ class ResponsesReply:
         yield seq.event("response.created", {"response": self.response("in_progress")})
         yield seq.event("response.in_progress", {"response": self.response("in_progress")})
         async for kind, value in events:
-            if kind == "text":
+            if kind == "wait":  # a long prefill: the API has no ping; the response is in progress, again
+                yield seq.event("response.in_progress", {"response": self.response("in_progress")})
+            elif kind == "text":
                 for e in self._events(value.text):
                     for name, data in self.items.add(e):
                         yield seq.event(name, data)

@@ -30,6 +30,9 @@ from .tools import Event, Rendered, ToolCallStream
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
+# A stream that asks for it hears from the server this often while nothing else comes (a long
+# prefill): agents drop a stream that is silent for minutes (Claude Code, Codex CLI: 5 by default).
+KEEPALIVE_S = 10.0
 log = logging.getLogger(__name__)
 
 # What a failure is, in OpenAI's ``code`` words; each API maps these to its own.
@@ -198,9 +201,12 @@ class Queued:
     def __init__(self, job: Job, events: "asyncio.Queue[Tuple[str, object]]"):
         self.job, self._events = job, events
 
-    async def events(self, request: Request) -> AsyncIterator[Tuple[str, object]]:
+    async def events(self, request: Request, keepalive: Optional[float] = None) -> AsyncIterator[Tuple[str, object]]:
         """``("text", Piece)`` ... then ``("done", Result)`` or ``("error",
-        exception)``; cancels the job when the client leaves."""
+        exception)``, and ``("wait", None)`` after each ``keepalive`` seconds
+        without any (for a stream to send its API's keep-alive event); cancels
+        the job when the client leaves."""
+        quiet = 0.0
         while True:
             try:
                 kind, value = await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_S)
@@ -210,7 +216,12 @@ class Queued:
                 self.job.cancel()
                 return
             if kind is None:
+                quiet += DISCONNECT_POLL_S
+                if keepalive is not None and quiet >= keepalive:
+                    quiet = 0.0
+                    yield "wait", None
                 continue
+            quiet = 0.0
             yield kind, value
             if kind in ("done", "error"):
                 return
