@@ -346,6 +346,22 @@ def test_past_the_context_the_clients_words(folders):
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_reply_cut_at_the_cap_may_end_the_turn(folders):
+    """A base model never ends a turn, and agents take a cut reply for an
+    error: with --cap-ends-turn the server's cap ends the turn (the stats
+    say it was cut); a request's own max_tokens is still reported as hit."""
+    engine = _engine(folders["llama"], max_tokens_cap=4, cap_ends_turn=True)
+    ask = {"model": engine.model_id, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(engine), base_url="http://127.0.0.1") as http:
+        m = http.post("/v1/messages", json={**ask, "max_tokens": 32000}).json()
+        assert m["usage"]["output_tokens"] == 4 and m["stop_reason"] == "end_turn"
+        assert m["redrafter"]["cut_at_cap"] is True
+        m = http.post("/v1/messages", json={**ask, "max_tokens": 2}).json()
+        assert m["stop_reason"] == "max_tokens" and m["redrafter"]["cut_at_cap"] is False
+        r = http.post("/v1/responses", json={"model": engine.model_id, "input": "hi"}).json()  # asks 8 (-n)
+        assert r["status"] == "completed" and r["usage"]["output_tokens"] == 4
+
+
 def test_a_model_answers_to_its_short_name_and_aliases(served, folders):
     engine, http = served
     ask = {"messages": [{"role": "user", "content": "hi"}]}

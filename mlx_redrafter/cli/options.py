@@ -85,6 +85,12 @@ MaxTokensCapOpt = typer.Option(
     help="Longest reply whatever a request asks (its max_tokens is cut to it; the reply ends with "
     "finish 'length'). Default: the room the context leaves.",
 )
+CapEndsTurnOpt = typer.Option(
+    False,
+    "--cap-ends-turn",
+    help="Report a reply cut by --max-tokens-cap as a finished turn (finish 'stop', 'end_turn'), not as cut: "
+    "for a base model, which never ends a turn, whose cut replies agents such as Claude Code take for errors.",
+)
 ServedModelNameOpt = typer.Option(
     [],
     "--served-model-name",

@@ -13,6 +13,7 @@ from .options import (
     AdaptiveOpt,
     BeamLengthOpt,
     BeamWidthOpt,
+    CapEndsTurnOpt,
     DatastoreOpt,
     DrafterOpt,
     DtypeOpt,
@@ -241,6 +242,7 @@ def serve(
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
     max_tokens_cap: Optional[int] = MaxTokensCapOpt,
+    cap_ends_turn: bool = CapEndsTurnOpt,
     served_model_name: List[str] = ServedModelNameOpt,
     temp: float = TempOpt,
     top_p: float = TopPOpt,
@@ -309,6 +311,8 @@ def serve(
     check_setting("max_tokens", max_tokens, name="--max-tokens")
     if max_tokens_cap is not None:
         check_setting("max_tokens", max_tokens_cap, name="--max-tokens-cap")
+    elif cap_ends_turn:
+        raise RedrafterError("--cap-ends-turn needs --max-tokens-cap.", "Give the cap, e.g. --max-tokens-cap 64.")
     if any(not n.strip() for n in served_model_name):
         raise RedrafterError("--served-model-name cannot be empty.", "Give the name clients will send as 'model'.")
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
@@ -349,6 +353,7 @@ def serve(
         prompt_cache_bytes=cache_bytes,
         max_tokens_cap=max_tokens_cap,
         served_names=served_model_name,
+        cap_ends_turn=cap_ends_turn,
     )
     app_ = create_app(engine, ui=not no_ui, security=security)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"

@@ -67,13 +67,20 @@ class Engine:
     (at most ``prompt_cache_size`` sequences and ``prompt_cache_bytes``
     bytes). ``max_tokens`` and ``sampling``: what a request that does not say
     gets; ``max_tokens_cap``: the longest reply whatever a request asks (None:
-    the context's room). ``served_names``: the names the model answers to
+    the context's room), and ``cap_ends_turn``: a reply that cap cuts is
+    reported as a finished turn (``stop``), for a model that never ends one
+    (a base model), whose cut replies agents take for errors. ``served_names``: the names the model answers to
     (the first is the one the server reports, as vLLM's
     ``--served-model-name``); besides, it always answers to the model as given
     and its short name (:attr:`names`). ``listeners`` are called on the worker
     thread with every job's :class:`Result` (metrics); ``queue.step_listeners``
     with the rows each step decoded, ``queue.shed_listeners`` for each request
     turned away."""
+
+    # The policies below, as set by __init__ (their defaults here serve test doubles that skip it).
+    max_tokens_cap: Optional[int] = None
+    cap_ends_turn = False
+    checkpoints = False  # whether the prompt cache copies caches at checkpoints (PromptCache.checkpoint)
 
     def __init__(
         self,
@@ -86,16 +93,17 @@ class Engine:
         max_batch: int = 8,
         max_tokens_cap: Optional[int] = None,
         served_names: Sequence[str] = (),
+        cap_ends_turn: bool = False,
     ):
         self.rt = runtime
         self.model_id = served_names[0] if served_names else runtime.model_spec
         spec = runtime.model_spec
         self.names = list(dict.fromkeys([self.model_id, *served_names, spec, short_name(spec)]))
         self.max_tokens = max_tokens
-        self.max_tokens_cap = max_tokens_cap
+        self.max_tokens_cap, self.cap_ends_turn = max_tokens_cap, cap_ends_turn
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
-        # Whether its caches are copied at checkpoints (they cannot be trimmed once long: PromptCache.checkpoint).
+        # Caches that cannot be trimmed once long are copied at checkpoints.
         self.checkpoints = not always_trimmable(make_prompt_cache(runtime.model))
         decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
         self.queue = Scheduler(decoder, queue_size)
@@ -171,7 +179,8 @@ class Engine:
         (a :class:`RedrafterError` when the prompt alone does not fit);
         ``head``: how many of its first tokens every request of its kind
         shares (a system prompt and tools: kept in the prompt cache)."""
-        params.max_tokens = self.fit(ids, params.max_tokens)
+        asked, params.max_tokens = params.max_tokens, self.fit(ids, params.max_tokens)
+        params.capped = self.max_tokens_cap is not None and params.max_tokens == self.max_tokens_cap < asked
         return Job(list(ids), params, emit, head)
 
     def cache_for(self, job: Job):
@@ -192,6 +201,8 @@ class Engine:
         ids = job.ids
         res.tokens = list(generated)
         res.cancelled = res.finish_reason is None
+        if res.finish_reason == "length" and job.params.capped and self.cap_ends_turn:
+            res.finish_reason, res.cut = "stop", True
         if res.finish_reason == "stop" and not row.eos and job.params.stop:
             res.stop_sequence = first_stop(self.rt.tokenizer.decode(generated), job.params.stop)
         if cache is not None:
@@ -221,6 +232,7 @@ class Engine:
             "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
             "structured": {"complete": not res.incomplete} if res.structured else None,
             "tokens_batched": res.batched_tokens,  # decoded together with other requests (plain decoding)
+            "cut_at_cap": res.cut,  # ended by --max-tokens-cap, reported as a finished turn (--cap-ends-turn)
         }
 
     def health(self) -> dict:

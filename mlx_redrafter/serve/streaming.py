@@ -175,7 +175,7 @@ def shared_head(engine: Engine, messages: List[dict], ids: List[int], tools=None
     for the prompt cache to keep; 0 where the cache needs no checkpoints (its
     stored replies serve every prefix) or there is no system message."""
     n = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
-    if not n or not getattr(engine, "checkpoints", False):
+    if not n or not engine.checkpoints:
         return 0
     try:
         probe = _rendered(engine, list(messages[:n]) + [{"role": "user", "content": ""}], tools, tool_choice).ids
