@@ -224,10 +224,8 @@ def gemma_gguf() -> Path:
 
 def measure(model: Path, cap: int, out: Optional[Path]) -> List[dict]:
     """Two turns of each client against ``serve --model MODEL --max-tokens-cap CAP``; one row a turn."""
-    from mlx_redrafter.serve.engine import short_name
-
     clients, rows = install_clients(), []
-    name = short_name(str(model))
+    name = model.name.removesuffix(".gguf")  # the short name serve answers to (a file's stem)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for d in ("work", "claude-home", "codex-home"):

@@ -165,7 +165,7 @@ def _joined_mid_reply(engine, first_params, prompt=PROMPTS[0]):
 def test_a_structured_request_alone_moves_into_the_batch_with_its_parse(model, tokenizer):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
     engine = _engine(model, tokenizer, **LOOKUP)
-    grammar = engine.grammar(schema)
+    grammar = engine.compile_grammar(schema)
     res = _joined_mid_reply(engine, GenParams(30, grammar=grammar))
     assert res.tokens == _plain(model, tokenizer, PROMPTS[0], 30, grammar=grammar)
     assert 0 < res.batched_tokens < len(res.tokens)  # the grammar's state went along into the batch
@@ -200,7 +200,7 @@ def test_each_row_keeps_its_sampling_seed_stop_and_grammar(model, tokenizer):
 
     def batch(companions):
         engine = _engine(model, tokenizer)
-        grammar = engine.grammar(schema)
+        grammar = engine.compile_grammar(schema)
         seeded = Client(engine, PROMPTS[0], GenParams(12, SamplingConfig(temp=0.9, top_p=0.95), seed=5))
         clients = [seeded, Client(engine, PROMPTS[1], GenParams(12, grammar=grammar))]
         clients += [Client(engine, p, GenParams(12, SamplingConfig(temp=t, top_k=k))) for p, t, k in companions]
@@ -332,5 +332,5 @@ def test_calibration_measures_the_batch_curve_and_stores_it(tmp_path, monkeypatc
     assert vc.curve_for(model).batch_gains == c.batch_gains  # stored with the verify-cost curve
     assert measure_curve(model, max_size=2, budget_s=0.0).batch_sizes == ()  # none timed: the built-in gains
     builtin = vc.builtin_curve()
-    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # DESIGN.md section 6
+    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # docs/tuning.md
     assert vc.builtin_curve("q4g64-float32").batch_gain(4) < 1.1  # quantized on this CPU: batching gains nothing

@@ -15,9 +15,9 @@ import pytest
 from mlx_redrafter import RedrafterError, generate
 from mlx_redrafter.chat import ChatSession, ChatSettings
 from mlx_redrafter.chat.terminal import _Output
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, save_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig, save_drafter
+from mlx_redrafter.output import RedrafterResponse
 from mlx_redrafter.prompts import build_messages, render_messages
-from mlx_redrafter.responses import RedrafterResponse
 from mlx_redrafter.step.protocol import StepStats
 
 TIMEOUT = 300  # seconds for one expect: the machine is shared and slow

@@ -16,8 +16,8 @@ from torch_format import BF16, write_legacy, write_zip
 
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.beam import beam_search, warp_logits
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
-from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost
 
 FIXTURES = ["drafter_rnn", "drafter_norn", "drafter_rnn_bin", "drafter_rnn_bf16", "drafter_rnn_distilled"]
@@ -497,7 +497,8 @@ def test_draft_step_cost(cfg):
 
 
 def test_draft_step_cost_of_the_default_head():
-    """DESIGN.md: SmolLM2-135M's default head (h=576, V=49152, E=1152, n=2) has 59.9M parameters."""
+    """SmolLM2-135M's default head (h=576, V=49152, E=1152, n=2) has 59.9M
+    parameters (docs/tuning.md, 'Measured facts the code is built on')."""
     c = draft_step_cost(DrafterConfig(vocab_size=49152, hidden_size=576), itemsize=4)
     assert c.bytes // 4 == 59_943_744
     assert c.macs == 2 * 576**2 + 2 * 1152**2 + 1152 * 49152

@@ -12,8 +12,8 @@ import sys
 import pytest
 from helpers import cli
 
-from mlx_redrafter.draft.datastore import Datastore, default_path, model_key
-from mlx_redrafter.draft.stores import read_session
+from mlx_redrafter.draft.datastore.index import Datastore, default_path, model_key
+from mlx_redrafter.draft.datastore.use import read_session
 
 SHAREGPT = "mlx_redrafter/data/sharegpt_train_prompts.jsonl.gz"
 
@@ -137,7 +137,7 @@ def test_chat_colours_datastore_drafts_and_the_tally_splits_them():
     from rich.console import Console
 
     from mlx_redrafter.chat.terminal import DATASTORE_STYLE, _Output
-    from mlx_redrafter.responses import RedrafterResponse, Tally
+    from mlx_redrafter.output import RedrafterResponse, Tally
     from mlx_redrafter.step.protocol import StepStats
 
     out = _Output(interactive=True)

@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from ..errors import RedrafterError
-from ..responses import RedrafterResponse
+from ..output import RedrafterResponse
 from .commands import CommandResult, status_line
 from .conversation import ChatSession, Turn
 

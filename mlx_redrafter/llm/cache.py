@@ -23,11 +23,11 @@ whatever a chat template does to earlier replies. The chat
 
 from __future__ import annotations
 
-import copy
 from typing import List, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    ArraysCache,
     KVCache,
     LRUPromptCache,
     QuantizedKVCache,
@@ -38,16 +38,25 @@ from mlx_lm.models.cache import (
 
 from ..errors import RedrafterError
 from .parts import model_parts
+from .recurrent import cache_length, kv_leaves, leaves, snapshot
 
 SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
-# Tokens per forward when the prompt cache prefills up to a checkpoint (as the step loops' prefill).
-CHECKPOINT_STEP = 512
+# Tokens per forward when a prompt is fed into a cache (bounded memory per call).
+PREFILL_STEP = 512
 # Squeeze holes out of a HoleyCache once this many are known. Attention over a
 # hole costs a little every step; a compaction moves every cached row once.
 COMPACT_HOLES = 48
 
 
 # --------------------------------------------------------------------------- across turns
+
+
+def feed(forward, cache, tokens: mx.array) -> None:
+    """Run ``tokens [T]`` through ``forward`` (a model or its backbone) into
+    ``cache``, ``PREFILL_STEP`` at a time, each chunk evaluated."""
+    for start in range(0, tokens.size, PREFILL_STEP):
+        forward(tokens[start : start + PREFILL_STEP][None], cache=cache)
+        mx.eval([c.state for c in cache])
 
 
 def trim_cache(cache, length: int) -> bool:
@@ -57,10 +66,10 @@ def trim_cache(cache, length: int) -> bool:
     (a rotating window that has wrapped) or holds fewer tokens: rebuild the
     cache from the tokens then.
     """
-    current = cache[0].offset
-    if current < length or not can_trim_prompt_cache(cache):
+    current = cache_length(cache)
+    if current is None or current < length or not can_trim_prompt_cache(cache):
         return current == length
-    for c in cache:
+    for c in kv_leaves(cache):
         c.trim(c.offset - length)
     return True
 
@@ -68,7 +77,16 @@ def trim_cache(cache, length: int) -> bool:
 def always_trimmable(cache) -> bool:
     """Whether every layer of ``cache`` can be trimmed however long it grows
     (a sliding window that has wrapped, or a recurrent state, cannot)."""
-    return all(isinstance(c, (KVCache, QuantizedKVCache)) for c in cache)
+    return all(isinstance(c, (KVCache, QuantizedKVCache)) for c in leaves(cache))
+
+
+def _prefill_forward(model):
+    """What feeds a prompt into a cache: the backbone (no logits over the
+    vocabulary for every token), or the model where it has none."""
+    try:
+        return model_parts(model)[1]
+    except RedrafterError:
+        return model
 
 
 def trim_to_known(cache, known: Sequence[int]):
@@ -78,7 +96,7 @@ def trim_to_known(cache, known: Sequence[int]):
     trimmed. For a generation that moves to another loop mid-reply."""
     if cache is None:
         return None, 0
-    held = min(cache[0].offset, len(known) - 1)
+    held = min(cache_length(cache) or 0, len(known) - 1)
     return (cache, held) if trim_cache(cache, held) else (None, 0)
 
 
@@ -90,6 +108,15 @@ class PromptCache:
 
     The chat keeps one entry (its one conversation); the server several, so
     that alternating conversations each reuse their own prefix.
+
+    A hybrid model's recurrent states, and a sliding window past its size
+    (Gemma 3's), cannot be trimmed back to a prefix, so for such a model
+    (``checkpoints``) :meth:`take` prefills all of a prompt but its last token
+    itself and stores that state (the turn boundary the next turn's prompt
+    extends), and a copy at each mark it is given (the server's: the end of
+    the system prompt and tools every request repeats): :meth:`checkpoint`;
+    :meth:`store` keeps a cache only when it holds exactly known tokens; such
+    a model keeps two entries at least (the boundary and the reply's end).
     ``cache`` and ``ids``: the working cache (mlx-lm's per-layer list, or
     ``None``) and the token ids whose KV it holds once settled.
     """
@@ -103,7 +130,8 @@ class PromptCache:
                 "Give --prompt-cache-size and --prompt-cache-bytes positive values.",
             )
         self.model = model
-        self.lru = LRUPromptCache(max_size, max_bytes)
+        self.checkpoints = model is not None and not always_trimmable(make_prompt_cache(model))
+        self.lru = LRUPromptCache(max(max_size, 2) if self.checkpoints else max_size, max_bytes)
         self.cache = None
         self.ids: List[int] = []
         self.hits = 0  # generations that reused a cached prefix
@@ -120,8 +148,18 @@ class PromptCache:
     def fetch(self, ids: Sequence[int]):
         """``(cache, length)``: a copy of the stored cache sharing the longest
         prefix with ``ids``, trimmed to that prefix (at most all of ``ids``
-        but the last), or a fresh cache and 0. Several generations at once
-        (the server's batch) each fetch their own."""
+        but the last), or a fresh cache and 0; ``checkpoints``: prefilled
+        up to the last token (:meth:`take`)."""
+        cache, _, held = self.take(ids)
+        return cache, held
+
+    def take(self, ids: Sequence[int], marks: Sequence[int] = ()):
+        """``(cache, reused, held)``: a copy of the stored cache sharing the
+        longest prefix with ``ids`` (its first ``reused`` tokens), or a fresh
+        cache, holding ``held`` tokens once a model with ``checkpoints`` has
+        prefilled the rest up to the last token (:meth:`checkpoint`, with
+        ``marks``). Several generations at once (the server's batch) each
+        take their own."""
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, list(ids))
         keep = len(ids) - len(rest)
         if cache is not None and not rest:  # an exact hit: stream_generate needs one prompt token
@@ -130,32 +168,28 @@ class PromptCache:
                 cache = None
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
-        self.hits += 1 if keep > 0 else 0
-        self.reused_tokens += keep
-        return cache, keep
+        held = self.checkpoint(cache, ids, keep, marks) if self.checkpoints and len(ids) - keep > 1 else keep
+        self.hits += 1 if held > 0 else 0
+        self.reused_tokens += held
+        return cache, keep, held
 
     def checkpoint(self, cache, ids: Sequence[int], held: int, marks: Sequence[int] = ()) -> int:
-        """For a cache that cannot be trimmed once long (a sliding window's,
-        a recurrent state), which can only be reused up to where it was
-        stored: prefill ``cache`` (which holds ``ids[:held]``) up to each of
-        ``marks`` (e.g. the end of a system prompt every request shares) and
-        to all of ``ids`` but the last, storing a copy at each, so that the
-        next turn, or the next request with the same head, finds them (as
+        """For a model whose cache cannot be trimmed back once long (a
+        recurrent state, a sliding window past its size), which can only be
+        reused up to where it was stored: prefill ``cache`` (which holds
+        ``ids[:held]``) up to each of ``marks`` (e.g. the end of a system
+        prompt every request shares) and to all of ``ids`` but the last,
+        storing a copy at each, so that the next turn (its prompt extends
+        this one) or the next request with the same head finds them (as
         mlx-lm's server does: a mark's copy kept longest, as its "system"
-        segment, the prompt's as its "user" one). The length ``cache`` holds
-        then (``held`` for a cache that can always be trimmed: the stored
-        reply's cache serves every prefix of it)."""
-        if always_trimmable(cache):
-            return held
-        _, backbone, _ = model_parts(self.model)
+        segment, the prompt's as its "user" one). The length ``cache`` holds then."""
         ends = {m: "system" for m in marks if held < m < len(ids) - 1}
         ends[len(ids) - 1] = "user"
+        forward = _prefill_forward(self.model)
         for mark in sorted(m for m in ends if m > held):
-            for start in range(held, mark, CHECKPOINT_STEP):
-                backbone(mx.array(ids[start : min(start + CHECKPOINT_STEP, mark)])[None], cache=cache)
-                mx.eval([c.state for c in cache])
+            feed(forward, cache, mx.array(ids[held:mark], mx.int32))
             held = mark
-            self.lru.insert_cache(self.KEY, list(ids[:held]), copy.deepcopy(cache), cache_type=ends[mark])
+            self.lru.insert_cache(self.KEY, list(ids[:held]), snapshot(cache), cache_type=ends[mark])
         return held
 
     def settle(self, known: List[int]) -> None:
@@ -164,14 +198,15 @@ class PromptCache:
         token or holding a few accepted drafts past EOS (stream_generate's
         contract); trim it to what we know and store it."""
         if self.store(self.cache, known):
-            self.ids = list(known[: self.cache[0].offset])
+            self.ids = list(known[: cache_length(self.cache)])
         else:
             self.discard()
 
     def store(self, cache, known: Sequence[int]) -> bool:
         """Store ``cache``, which holds a prefix of ``known`` (see :meth:`settle`),
         trimmed to what is known; False (nothing stored) when it cannot be."""
-        held = min(cache[0].offset, len(known))
+        length = cache_length(cache)
+        held = min(length or 0, len(known))
         if not trim_cache(cache, held) or held <= 0:
             return False
         # A cache taken out of the server's batch is a lazy slice of the whole
@@ -204,13 +239,18 @@ class PromptCache:
 
 
 def check_cache(cache) -> None:
-    for c in cache:
-        if not isinstance(c, SUPPORTED_CACHES):
+    for c in leaves(cache):
+        if not isinstance(c, SUPPORTED_CACHES + (ArraysCache,)):
             raise RedrafterError(
                 f"Cache type {type(c).__name__} is not supported by tree verification "
-                "(supported: KVCache, QuantizedKVCache, RotatingKVCache).",
+                "(supported: KVCache, QuantizedKVCache, RotatingKVCache, and ArraysCache of covered recurrent layers).",
                 "Decode this model without drafting (plain decoding: no drafter and no lookup).",
             )
+
+
+def kv_offsets(cache) -> List[int]:
+    """Each attention layer's offset (the recurrent layers count no tokens)."""
+    return [c.offset for c in kv_leaves(cache)]
 
 
 def cached_length(c) -> int:
@@ -222,8 +262,8 @@ def cached_length(c) -> int:
 
 
 def verify_starts(cache) -> List[int]:
-    """Row index of g0 in each layer's buffer after the verify update."""
-    return [cached_length(c) for c in cache]
+    """Row index of g0 in each attention layer's buffer after the verify update."""
+    return [cached_length(c) for c in kv_leaves(cache)]
 
 
 def map_rows(c, fn) -> None:
@@ -253,13 +293,13 @@ def compact_cache(cache, start_offsets: List[int], path: mx.array) -> None:
     """
     # A RotatingKVCache holds [old | new] in time order after a multi-token
     # update (start = len(old)), like a plain KVCache.
-    for c, start in zip(cache, start_offsets):
+    for c, start in zip(kv_leaves(cache), start_offsets):
         map_rows(c, lambda a, start=start: _move_rows(a, start, path))
 
 
 def set_cache_length(cache, starts: List[int], offsets: List[int], kept: int) -> None:
-    """After compaction: keep ``kept`` tree rows (g0 + accepted drafts)."""
-    for c, start, offset in zip(cache, starts, offsets):
+    """After compaction: keep ``kept`` tree rows (g0 + accepted drafts) in the attention layers."""
+    for c, start, offset in zip(kv_leaves(cache), starts, offsets):
         c.offset = offset + kept
         if isinstance(c, RotatingKVCache):
             # The buffer must end exactly at the last kept row: mlx-lm reads
@@ -282,7 +322,7 @@ class HoleyCache:
 
     def __init__(self, cache):
         self.cache = cache
-        self.solid = cache[0].offset
+        self.solid = cache_length(cache) or 0
         self.flags: List[bool] = []
         self.unread: List[int] = []  # sizes of the steps queued but not read
         self.tail = mx.zeros((0,), mx.bool_)
@@ -318,12 +358,12 @@ class HoleyCache:
         solid = self.solid + len(real)
         if all(self.flags):  # no holes: keeping a prefix is a trim
             length = solid + unread
-            for c in self.cache:
+            for c in kv_leaves(self.cache):
                 c.offset = length
         else:
             end = self.solid + len(self.flags)
             idx = mx.array(list(range(self.solid)) + real + list(range(end, end + unread)), mx.int32)
-            for c in self.cache:
+            for c in kv_leaves(self.cache):
                 map_rows(c, lambda a: mx.take(a, idx, axis=2))
                 c.offset = idx.size
         self.tail = mx.zeros((0,), mx.bool_) if drop_unread else self.tail[len(self.flags) :]
@@ -342,13 +382,17 @@ def rewinder(cache):
     buffer, which a multi-token call replaces by a longer one, and its write
     index: every one is put back (the rows a call wrote in place are only
     ever attended to by the timed calls, whose timing does not depend on them)."""
-    saved = [(c.offset, getattr(c, "_idx", None), c.keys, c.values) for c in cache]
+    kv = kv_leaves(cache)
+    saved = [(c.offset, getattr(c, "_idx", None), c.keys, c.values) for c in kv]
+    states = [(c, list(c.cache)) for c in leaves(cache) if isinstance(c, ArraysCache)]
 
     def rewind():
-        for c, (offset, idx, keys, values) in zip(cache, saved):
+        for c, (offset, idx, keys, values) in zip(kv, saved):
             c.offset, c.keys, c.values = offset, keys, values
             if idx is not None:
                 c._idx = idx
+        for c, entries in states:  # a recurrent state is replaced by each call, never written in place
+            c.cache, c.pending = list(entries), None
 
     return rewind
 

@@ -55,12 +55,13 @@ from .streaming import (
     Failure,
     check_model,
     client_left,
-    grammar,
     refuse_nested_extras,
-    render,
+    request_grammar,
+    request_prompt,
     sampling,
     shared_head,
     submit,
+    tokenized,
     unsupported,
 )
 from .tools import Rendered
@@ -89,9 +90,10 @@ THINKS_NOT = "the served model does not think: replies have no thinking blocks"
 
 
 def error_body(f: Failure) -> dict:
-    """Anthropic's error object for ``f``."""
+    """Anthropic's error object for ``f`` (a prompt past the context in Anthropic's words: :func:`too_long`)."""
     kind = ERROR_TYPES.get(f.status, "api_error" if f.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": f.message}}
+    message = too_long(*f.sizes) if f.sizes is not None else f.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(f: Failure) -> JSONResponse:
@@ -326,7 +328,7 @@ def openai_tools(engine: Engine, tools: Optional[List[ToolIn]]) -> Tuple[Optiona
 
 
 def tool_choice(choice: Optional[ToolChoice]):
-    """Anthropic's tool_choice in the neutral form :func:`~mlx_redrafter.serve.tools.render` takes,
+    """Anthropic's tool_choice in the neutral form :func:`~mlx_redrafter.serve.tools.prompt_with_tools` takes,
     and whether several calls may come (``disable_parallel_tool_use`` says no; None: the format's default)."""
     if choice is None:
         return None, None
@@ -338,16 +340,16 @@ def tool_choice(choice: Optional[ToolChoice]):
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def _render(engine: Engine, req: CountRequest, content=None) -> Tuple[Rendered, int]:
+async def _render(engine: Engine, req: CountRequest, content=None, bounded: bool = True) -> Tuple[Rendered, int]:
     """The request's prompt, and how many of its tokens are the head every turn repeats (:func:`shared_head`)."""
     check_supported(engine, req)
     choice, parallel = tool_choice(req.tool_choice)
     messages = chat_messages(req)
     tools, skipped = openai_tools(engine, req.tools)
-    options = dict(parallel_tool_calls=parallel, content=content)
-    rendered = render(engine, messages, tools, choice, content_param="output_config.format", **options)
+    options = dict(parallel_tool_calls=parallel, content=content, bounded=bounded)
+    rendered = await request_prompt(engine, messages, tools, choice, content_param="output_config.format", **options)
     refuse_nested_extras(req, skipped)
-    return rendered, shared_head(engine, messages, rendered.ids, tools, choice)
+    return rendered, await tokenized(shared_head, engine, messages, rendered.ids, tools, choice)
 
 
 def too_long(tokens: int, maximum: int) -> str:
@@ -366,11 +368,11 @@ def anthropic_router(engine: Engine) -> APIRouter:
     async def messages(req: MessagesRequest, request: Request):
         check_model(engine, req.model)
         fmt = req.output_config.format if req.output_config is not None else None
-        rendered, head = _render(engine, req, fmt.schema_ if fmt is not None else None)
-        compiled = await grammar(engine, rendered.grammar, "output_config.format" if fmt else "tools")
+        rendered, head = await _render(engine, req, fmt.schema_ if fmt is not None else None)
+        compiled = await request_grammar(engine, rendered.grammar, "output_config.format" if fmt else "tools")
         sampled = sampling(engine, temp=req.temperature, top_p=req.top_p, top_k=req.top_k)
         params = GenParams(req.max_tokens, sampled, None, list(req.stop_sequences or []), compiled)
-        queued = submit(engine, rendered.ids, params, too_long=too_long, head=head)
+        queued = submit(engine, rendered.ids, params, head=head)
         reply = MessageReply(engine, rendered, error_body)
         if req.stream:
             return queued.stream(reply.sse(queued.events(request, KEEPALIVE_S)))
@@ -380,6 +382,7 @@ def anthropic_router(engine: Engine) -> APIRouter:
     @router.post("/v1/messages/count_tokens", response_model=CountOut)
     async def count_tokens(req: CountRequest):
         check_model(engine, req.model)
-        return JSONResponse({"input_tokens": len(_render(engine, req)[0].ids)})
+        # Counted whatever the length (no early refusal): what a client decides on; the body bound limits the work.
+        return JSONResponse({"input_tokens": len((await _render(engine, req, bounded=False))[0].ids)})
 
     return router

@@ -18,7 +18,7 @@ its steps, its cache handed in; one left alone in the batch moves back to
 drafting the same way (not under a grammar: the constrained loop starts its
 parse at the prompt). Every row keeps its sampling, seed, stop strings and
 grammar (serve/rows.py). Greedy rows give the tokens they give alone, up to
-the rounding of batched matmuls (README: "Several clients at once").
+the rounding of batched matmuls (docs/server.md, "Several clients at once").
 """
 
 from __future__ import annotations

@@ -25,27 +25,29 @@ from pathlib import PurePath
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from ..llm.cache import PromptCache, always_trimmable
+from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
-from ..llm.text import encode_prompt
-from ..prompts import chat_prompt_ids
+from ..llm.text import encode_prompt, token_floor
+from ..prompts import render_messages
 from ..step.grammar import compile_for_model
 from .batch import BatchDecoder
 from .jobs import GenParams, Job, Piece, Result, token_source  # noqa: F401 (the engine's public names)
 from .scheduler import JobQueue, QueueFull, Scheduler  # noqa: F401
-from .tools import Rendered, render, tool_format
+from .tools import Rendered, prompt_with_tools, tool_format
 
 
-class ContextOverflow(RedrafterError):
-    """A prompt of ``tokens`` tokens where at most ``maximum`` fit (the room for one reply token kept)."""
+class PromptTooLong(RedrafterError):
+    """A prompt the model's context cannot hold (each API's
+    ``context_length_exceeded``): ``tokens`` (at least that many), where
+    ``maximum`` fit (room for one reply token kept), for an API to say in its
+    own words (Anthropic's ``prompt is too long: N tokens > M maximum``)."""
 
-    def __init__(self, tokens: int, limit: int, margin: int):
+    def __init__(self, size: str, tokens: int, limit: int, margin: int):
         super().__init__(
-            f"The prompt has {tokens} tokens and the model's context is {limit} tokens "
+            f"The prompt has {size} and the model's context is {limit} tokens "
             f"(room for at least one reply token is needed).",
             "Send a shorter prompt.",
         )
@@ -103,8 +105,7 @@ class Engine:
         self.max_tokens_cap, self.cap_ends_turn = max_tokens_cap, cap_ends_turn
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
-        # Caches that cannot be trimmed once long are copied at checkpoints.
-        self.checkpoints = not always_trimmable(make_prompt_cache(runtime.model))
+        self.checkpoints = self.cache.checkpoints
         decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
         self.queue = Scheduler(decoder, queue_size)
         self.listeners: List[Callable[[Result], None]] = []
@@ -113,17 +114,33 @@ class Engine:
 
     def chat_ids(self, messages: List[dict]) -> List[int]:
         """Token ids of ``messages`` through the chat template, exactly as
-        ``mlx-redrafter generate`` encodes its prompt."""
-        return chat_prompt_ids(self.rt.tokenizer, messages)
+        ``mlx-redrafter generate`` encodes its prompt (:meth:`encode`)."""
+        return self.encode(render_messages(self.rt.tokenizer, messages))
 
-    def render(self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None, **options) -> Rendered:
+    def chat_prompt(
+        self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None, bounded: bool = True, **options
+    ) -> Rendered:
         """``messages`` and ``tools`` through the chat template (see
-        :func:`~mlx_redrafter.serve.tools.render`, which takes ``options``);
-        without tools the ids are :meth:`chat_ids`'."""
-        return render(self.rt.tokenizer, messages, tools, tool_choice, **options)
+        :func:`~mlx_redrafter.serve.tools.prompt_with_tools`, which takes ``options``),
+        encoded by :meth:`encode` (``bounded``: refusing a prompt the context
+        provably cannot hold); without tools the ids are :meth:`chat_ids`'."""
+        return prompt_with_tools(
+            self.rt.tokenizer, messages, tools, tool_choice, encode=lambda text: self.encode(text, bounded), **options
+        )
 
     def text_ids(self, prompt: str) -> List[int]:
-        return encode_prompt(self.rt.tokenizer, prompt)
+        return self.encode(prompt)
+
+    def encode(self, text: str, bounded: bool = True) -> List[int]:
+        """A prompt's token ids, as ``generate`` encodes it. ``bounded``: a
+        prompt so long that the context provably cannot hold it
+        (:func:`~mlx_redrafter.llm.text.token_floor`) is a :class:`PromptTooLong`
+        before it is tokenized: 20 million words would take a minute and gigabytes."""
+        limit = context_limit(self.rt.model)
+        floor = token_floor(self.rt.tokenizer, text) if bounded and limit else 0
+        if floor and floor > limit - self._margin() - 1:  # fit()'s test, on a lower bound of the length
+            raise PromptTooLong(f"at least {floor} tokens ({len(text)} characters)", floor, limit, self._margin())
+        return list(encode_prompt(self.rt.tokenizer, text))
 
     def card(self) -> dict:
         """What ``/v1/models`` says of the model beside its id (whether a
@@ -136,7 +153,7 @@ class Engine:
             "tool_calls_constrained": fmt.constrained,
         }
 
-    def grammar(self, spec):
+    def compile_grammar(self, spec):
         """``spec`` (a JSON Schema, ``"json"``...) compiled for the model; a
         :class:`RedrafterError` names what is wrong with it."""
         return compile_for_model(self.rt.model, self.rt.tokenizer, spec)
@@ -149,7 +166,7 @@ class Engine:
         """``max_tokens`` cut to ``max_tokens_cap`` and to what the context
         leaves after the prompt (a cap, as Anthropic's and OpenAI's APIs
         take a ``max_tokens`` past the room left: the reply ends there with
-        ``length``); a :class:`ContextOverflow` when the prompt alone does not fit."""
+        ``length``); a :class:`PromptTooLong` when the prompt alone does not fit."""
         if not ids:
             raise RedrafterError("The prompt is empty.", "Send at least one token of prompt.")
         if self.max_tokens_cap is not None:
@@ -159,7 +176,7 @@ class Engine:
             return max_tokens
         room = limit - len(ids) - self._margin()
         if room < 1:
-            raise ContextOverflow(len(ids), limit, self._margin())
+            raise PromptTooLong(f"{len(ids)} tokens", len(ids), limit, self._margin())
         return min(max_tokens, room)
 
     # ------------------------------------------------------------------ jobs
@@ -186,11 +203,10 @@ class Engine:
     def cache_for(self, job: Job):
         """``(cache, reused, held)``: the KV cache ``job`` starts from, the
         prompt tokens it reused from the prompt cache, and those it holds
-        (more when a cache that cannot be trimmed was prefilled up to the
-        checkpoints the next requests reuse: :meth:`PromptCache.checkpoint`)."""
-        cache, reused = self.cache.fetch(job.ids)
-        marks = [job.head] if job.head else []
-        return cache, reused, self.cache.checkpoint(cache, job.ids, reused, marks)
+        (more for a model whose cache cannot be trimmed back: it is prefilled
+        up to the checkpoints the next requests reuse, ``job.head`` among
+        them: :meth:`~mlx_redrafter.llm.cache.PromptCache.take`)."""
+        return self.cache.take(job.ids, [job.head] if job.head else [])
 
     def finish(self, row, cache) -> None:
         """A row's reply ended (or its client left): store its KV cache (which

@@ -42,12 +42,13 @@ from .streaming import (
     Failure,
     check_model,
     client_left,
-    grammar,
     refuse_nested_extras,
-    render,
+    request_grammar,
+    request_prompt,
     sampling,
     shared_head,
     submit,
+    tokenized,
     unsupported,
 )
 
@@ -324,9 +325,17 @@ def responses_router(engine: Engine) -> APIRouter:
         spec = content_spec(req)
         messages, tools = chat_messages(req), Tools(engine, req.tools)
         options = dict(parallel_tool_calls=req.parallel_tool_calls, content=spec)
-        rendered = render(engine, messages, tools.functions, req.tool_choice, content_param="text.format", **options)
+        rendered = await request_prompt(
+            engine,
+            messages,
+            tools.functions,
+            req.tool_choice,
+            content_param="text.format",
+            prompt_param="input",
+            **options,
+        )
         refuse_nested_extras(req, tools.skipped)
-        compiled = await grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
+        compiled = await request_grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
         params = GenParams(
             req.max_output_tokens or engine.max_tokens,
             sampling(engine, temp=req.temperature, top_p=req.top_p),
@@ -334,7 +343,7 @@ def responses_router(engine: Engine) -> APIRouter:
             [],
             compiled,
         )
-        head = shared_head(engine, messages, rendered.ids, tools.functions, req.tool_choice)
+        head = await tokenized(shared_head, engine, messages, rendered.ids, tools.functions, req.tool_choice)
         queued = submit(engine, rendered.ids, params, "input", head=head)
         reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel), tools.namespaces)
         if req.stream:

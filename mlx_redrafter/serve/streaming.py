@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,9 +24,10 @@ from pydantic import BaseModel
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from .engine import ContextOverflow, Engine, GenParams, Job, QueueFull, Result
+from .engine import Engine, GenParams, Job, PromptTooLong, QueueFull, Result
 from .policy import fold_system, log_once
-from .tools import Event, Rendered, ToolCallStream
+from .tool_calls import Event, ToolCallStream
+from .tools import Rendered
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -40,6 +41,7 @@ INVALID = "invalid_value"
 MISSING = "missing_required_parameter"
 UNSUPPORTED = "unsupported_parameter"
 TOO_LONG = "context_length_exceeded"
+TOO_LARGE = "request_too_large"
 NO_MODEL = "model_not_found"
 NOT_FOUND = "not_found"
 BUSY = "queue_full"
@@ -52,7 +54,11 @@ class Failure(Exception):
     """A request that cannot be answered: an HTTP ``status``, a ``message``
     that says what to change, the ``kind`` of failure (the constants above)
     and the request field at fault (``param``, dotted); ``headers`` go on
-    the answer whatever its shape (a 503's ``Retry-After``)."""
+    the answer whatever its shape (a 503's ``Retry-After``); ``sizes``: a
+    prompt past the context's ``(tokens, most that fit)``, which an API may
+    say in its own words (:func:`prompt_too_long`)."""
+
+    sizes: Optional[Tuple[int, int]] = None
 
     def __init__(
         self,
@@ -65,6 +71,13 @@ class Failure(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.headers = dict(headers or {})
+
+
+def prompt_too_long(e: PromptTooLong, param: str) -> Failure:
+    """The 400 ``context_length_exceeded`` of a prompt past the context, with its sizes."""
+    failure = Failure(400, e.problem, TOO_LONG, param)
+    failure.sizes = (e.tokens, e.maximum)
+    return failure
 
 
 def generation_failure(e: BaseException) -> Failure:
@@ -125,22 +138,26 @@ def sampling(engine: Engine, **asked) -> SamplingConfig:
     return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
 
 
-def render(
+async def request_prompt(
     engine: Engine,
     messages: List[dict],
     tools: Optional[list] = None,
     tool_choice=None,
     content_param: str = "content",
+    prompt_param: str = "messages",
     **options,
 ) -> Rendered:
     """A chat request's prompt through the chat template, with its tools
     (OpenAI's function shape) and the reply's grammar spec
-    (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included). Tools,
-    a tool choice or a content schema that cannot be honoured are a 400 naming
-    the field (the content's is ``content_param``), and so are messages the
-    model's chat template refuses."""
+    (:func:`~mlx_redrafter.serve.tools.prompt_with_tools`, ``options`` included), on a
+    worker thread (:func:`tokenized`). Tools, a tool choice or a content
+    schema that cannot be honoured are a 400 naming the field (the content's
+    is ``content_param``), and so are messages the model's chat template
+    refuses; a prompt longer than the context is one at ``prompt_param``."""
     try:
-        return _rendered(engine, messages, tools, tool_choice, **options)
+        return await tokenized(chat_prompt, engine, messages, tools, tool_choice, param=prompt_param, **options)
+    except Failure:
+        raise
     except RedrafterError as e:
         param = getattr(e, "param", "tool_choice")
         raise Failure(400, e.problem, INVALID, content_param if param == "content" else param) from None
@@ -148,18 +165,18 @@ def render(
         raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
 
 
-def _rendered(engine: Engine, messages: List[dict], tools, tool_choice, **options) -> Rendered:
-    """The rendered prompt; a template that refuses a system message inside
-    the conversation gets it folded into the user turn beside it (logged once)."""
+def chat_prompt(engine: Engine, messages: List[dict], tools, tool_choice, **options) -> Rendered:
+    """:meth:`Engine.chat_prompt`; a template that refuses a system message
+    inside the conversation gets it folded into the user turn beside it (logged once)."""
     try:
-        return engine.render(messages, tools, tool_choice, **options)
+        return engine.chat_prompt(messages, tools, tool_choice, **options)
     except RedrafterError:
         raise
     except Exception as e:
         folded = fold_system(messages)
         if folded is None:
             raise
-        rendered = engine.render(folded, tools, tool_choice, **options)
+        rendered = engine.chat_prompt(folded, tools, tool_choice, **options)
         log_once(
             engine,
             ("system messages folded",),
@@ -172,25 +189,38 @@ def _rendered(engine: Engine, messages: List[dict], tools, tool_choice, **option
 def shared_head(engine: Engine, messages: List[dict], ids: List[int], tools=None, tool_choice=None) -> int:
     """How many of ``ids`` (``messages`` rendered) are the system messages'
     and the tools' alone, which every turn and request of an agent repeats,
-    for the prompt cache to keep; 0 where the cache needs no checkpoints (its
-    stored replies serve every prefix) or there is no system message."""
+    for the prompt cache to keep (run it through :func:`tokenized`); 0 where
+    the cache needs no checkpoints (its stored replies serve every prefix)
+    or there is no system message."""
     n = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
     if not n or not engine.checkpoints:
         return 0
     try:
-        probe = _rendered(engine, list(messages[:n]) + [{"role": "user", "content": ""}], tools, tool_choice).ids
+        probe = chat_prompt(engine, list(messages[:n]) + [{"role": "user", "content": ""}], tools, tool_choice).ids
     except Exception:  # a template that wants more than a system message: no checkpoint, nothing else lost
         return 0
     return next((i for i, (a, b) in enumerate(zip(probe, ids)) if a != b), min(len(probe), len(ids)))
 
 
-async def grammar(engine: Engine, spec, param: str):
+async def tokenized(call: Callable, *args, param: str = "prompt", **kwargs):
+    """``call(*args, **kwargs)``, which renders a chat template or tokenizes,
+    on a worker thread, so that the event loop keeps answering ``/health``
+    and other clients while a long prompt is encoded; a prompt longer than
+    the model's context (:class:`~mlx_redrafter.serve.engine.PromptTooLong`)
+    is a 400 ``context_length_exceeded`` at ``param``."""
+    try:
+        return await asyncio.to_thread(call, *args, **kwargs)
+    except PromptTooLong as e:
+        raise prompt_too_long(e, param) from None
+
+
+async def request_grammar(engine: Engine, spec, param: str):
     """``spec`` (a JSON Schema, ``"json"``, ...) compiled for the model, or
     None without one; a bad spec is a 400 at ``param`` naming the problem."""
     if spec is None:
         return None
     try:  # off the event loop: the first compile builds the tokenizer's index (about a second)
-        return await asyncio.to_thread(engine.grammar, spec)
+        return await asyncio.to_thread(engine.compile_grammar, spec)
     except RedrafterError as e:
         raise Failure(400, e.problem, INVALID, param) from None
 
@@ -244,13 +274,10 @@ class Queued:
         return CancellingStream(self.job, body, media_type=media_type)
 
 
-def submit(
-    engine: Engine, ids: List[int], params: GenParams, param: str = "messages", too_long=None, head: int = 0
-) -> Queued:
+def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "messages", head: int = 0) -> Queued:
     """Queue a job for ``ids`` (a 400 at ``param`` when the prompt is empty or
-    does not fit the context, its message ``too_long(tokens, maximum)`` when
-    given: the words a client parses; a 503 when the queue is full).
-    ``head``: the prompt's first tokens every turn shares (kept in the prompt cache)."""
+    does not fit the context, a 503 when the queue is full); ``head``: its
+    first tokens every request of its kind repeats (:func:`shared_head`)."""
     if not ids:
         raise Failure(400, "The prompt is empty.", INVALID, param)
     loop = asyncio.get_running_loop()
@@ -261,9 +288,8 @@ def submit(
 
     try:
         job = engine.job(ids, params, emit, head)
-    except ContextOverflow as e:
-        message = too_long(e.tokens, e.maximum) if too_long else e.problem
-        raise Failure(400, message, TOO_LONG, param) from None
+    except PromptTooLong as e:
+        raise prompt_too_long(e, param) from None
     except RedrafterError as e:
         raise Failure(400, e.problem, TOO_LONG, param) from None
     try:

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import RedrafterError
+from ..llm.parts import text_args
 from .accept import Accepted, accept_greedy, accept_sampling
 from .tree import PAD
 
@@ -150,7 +151,7 @@ def compile_grammar(tokenizer, spec, vocab_size: int = None) -> Grammar:
 def compile_for_model(model, tokenizer, spec) -> Grammar:
     """:func:`compile_grammar` with the masks as wide as ``model``'s vocabulary
     (mlx-lm models say it in ``args.vocab_size``; else the tokenizer's)."""
-    return compile_grammar(tokenizer, spec, getattr(getattr(model, "args", None), "vocab_size", None))
+    return compile_grammar(tokenizer, spec, getattr(text_args(model), "vocab_size", None))
 
 
 class Matcher:
@@ -185,10 +186,6 @@ class Matcher:
         """Undo the last ``n`` consumed tokens."""
         if n and not self.inner.rollback(n):
             raise RedrafterError(f"The grammar matcher cannot roll back {n} tokens: {self.inner.get_error()}")
-
-    def fork(self) -> "Matcher":
-        """An independent copy of the current state."""
-        return Matcher(self.grammar, self.inner.deep_copy())
 
     def is_done(self) -> bool:
         """The output is complete: nothing but EOS may follow (or EOS was consumed)."""
@@ -327,7 +324,8 @@ def accept_constrained(beams: mx.array, tree, logits: mx.array, masks: mx.array,
     Every node's logits are masked with its own grammar state, then the
     unconstrained acceptance runs unchanged: greedy keeps drafts equal to
     the masked argmax; sampling walks siblings with the residual
-    renormalized over the masked target distribution (DESIGN.md section 5),
+    renormalized over the masked target distribution (the rule of
+    :func:`~mlx_redrafter.step.accept.accept_sampling`),
     so the output is exactly plain constrained decoding's.
     """
     masked = apply_mask(logits, masks)

@@ -71,8 +71,10 @@ def _prior_table() -> np.ndarray:
     probability bucket. Depth 1, then depths 2-5 pooled (they did not fall
     with depth; deeper nodes share the last row). Lookup: a longer matched
     suffix is more often right, and once a copy has started it tends to go
-    on (conditional acceptance past depth 1 is higher). Datastore: about 30%
-    of its rows accept a first token (DESIGN.md section 10).
+    on (conditional acceptance past depth 1 is higher). Datastore: around 30%
+    for a first token, a guess that no measurement in this repository backs
+    yet. Lookup's and the datastore's rows are priors only: the online
+    calibration replaces them with what this run accepts.
     """
     q = np.zeros((len(SOURCES), DEPTHS, N_BUCKETS), np.float32)
     q[0, 0] = [0.045, 0.174, 0.389, 0.694, 0.905]
@@ -158,12 +160,6 @@ def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
             source.append(SOURCES.index(src))
             depth.append(j + 1)
     return Structure(np.array(parent, np.int32), np.array(source, np.int32), np.array(depth, np.int32))
-
-
-def drafter_step_scores(cumulative: mx.array) -> mx.array:
-    """Per-node draft log-probabilities ``[W, L]`` from cumulative beam scores
-    ``[W, L]`` (the score of each beam's prefix): each node's own step."""
-    return mx.concatenate([cumulative[:, :1], cumulative[:, 1:] - cumulative[:, :-1]], axis=1)
 
 
 # --------------------------------------------------------------------------- probabilities (numpy or MLX)

@@ -1,6 +1,6 @@
 """``make-drafter``'s stages after training: the depth controller, this
 device's verify-cost curve, the verdict, the install, and the drafter's
-metadata (META, draft/store.py: what its model card says).
+metadata (META, hub/store.py: what its model card says).
 
 Each stage is keyed by the drafter it measured (its file's size and time,
 :func:`~mlx_redrafter.profiles.drafter_id`): a rerun that trained on
@@ -79,7 +79,7 @@ def _after(run, stage: str) -> float:
 def controller_stage(run) -> None:
     """Train the depth controller next to the drafter (``train-controller``'s fit)."""
     from ..config import DEFAULT_WIDTH
-    from ..draft.load import load_drafter
+    from ..hub.load import load_drafter
     from ..step.curve import load_curve
     from .controller import fit_and_save
 
@@ -167,8 +167,8 @@ def verdict_settings(run) -> dict:
     drafter and the drafter the model already uses (if any), in the shape the
     tools give a drafter by default."""
     from ..config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
-    from ..draft.load import load_drafter
-    from ..draft.store import find
+    from ..hub.load import load_drafter
+    from ..hub.store import find
     from ..step.curve import curve_for, default_tree
     from ..tuning.verdict import DRAFTER, EXISTING, LOOKUP
 
@@ -327,7 +327,7 @@ def commit() -> str:
 
 def install_stage(run) -> None:
     """Write the drafter's META; install it into the store when the verdict says it pays."""
-    from ..draft.store import META, install
+    from ..hub.store import META, install
 
     meta = build_meta(run)
     write_json_atomic(run.drafter_dir / META, meta)

@@ -11,7 +11,7 @@ tools look in it (:func:`find`) for the drafter of the model they loaded.
 The drafters shipped in the package (``mlx_redrafter/drafters/``, with their
 own META) are part of what :func:`find` and :func:`entries` see; a drafter
 in the store made for the same model is preferred to them. A drafter whose
-sizes do not fit the model (draft/drafter.py: ``fit_problem``) is never
+sizes do not fit the model (draft/redrafter.py: ``fit_problem``) is never
 picked; :func:`candidates` says why.
 """
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from ..draft.redrafter import SHIPPED_DRAFTERS, fit_problem, read_config
 from ..errors import RedrafterError
 from ..files import atomic_folder, cache_root, write_json_atomic
 from ..llm.identity import ModelIdentity, model_identity  # noqa: F401 (the store's interface)
-from .drafter import SHIPPED_DRAFTERS, fit_problem, read_config
 
 META = "redrafter.json"
 FORMAT = 1
@@ -280,7 +280,7 @@ def drafter_for(model, model_spec: Optional[str] = None):
     model's float dtype, or ``(None, None)``. Cached on the model: a later
     call costs one ``stat`` of the model's family folder, and sees a drafter
     installed or removed since."""
-    from .drafter import read_drafter
+    from ..draft.redrafter import read_drafter
 
     identity = model_identity(model, model_spec)
     family = store_root() / identity.family

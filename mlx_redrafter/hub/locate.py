@@ -4,7 +4,7 @@ knows, or a Hugging Face Hub repo.
 :func:`locate` is what ``--drafter SPEC`` and ``load_drafter(SPEC)`` go
 through. A Hub repo (``org/name``) is fetched with ``huggingface_hub`` as
 mlx-lm fetches models (llm/load.py: ``hub_snapshot``: cached, and the cache
-alone under ``HF_HUB_OFFLINE``), then kept in the store (draft/store.py),
+alone under ``HF_HUB_OFFLINE``), then kept in the store (hub/store.py),
 one folder per repo, refreshed when the repo's revision changes. Both
 layouts load: this project's (``config.json`` + ``model.safetensors``, with
 the official key names, so an official safetensors checkpoint is one too) and
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..draft.redrafter import MODEL_TYPE, shipped_drafter_path
 from ..errors import RedrafterError
 from ..llm.identity import ModelIdentity, model_name
 from ..llm.load import hub_snapshot, is_path_like
 from . import store
-from .drafter import MODEL_TYPE, shipped_drafter_path
 
 # The files of a drafter repo (README.md: its model card).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "README.md"]

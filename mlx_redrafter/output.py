@@ -1,4 +1,4 @@
-"""What a stream of replies yields, and what is counted over it.
+"""What a generation outputs: the response per token, stop strings, and what is counted over a stream.
 
 :class:`RedrafterResponse` is mlx-lm's ``GenerationResponse`` plus the step's
 stats; :class:`StopMatcher` ends streamed text exactly at a stop string;
