@@ -30,7 +30,7 @@ def served_routes() -> dict:
     # The routes are registered at build time: an engine without a model, never started, is enough.
     engine = object.__new__(Engine)
     engine.cache, engine.queue, engine.listeners = PromptCache(None), JobQueue(lambda job: None, 1), []
-    built = create_app(engine, ui=True, security=None)
+    built = create_app(engine, ui=True, security=None, max_body_bytes=1 << 20)  # no model to read a context from
     out = {}
     for route in _flat(built.routes):
         module = getattr(getattr(route, "endpoint", None), "__module__", "")
