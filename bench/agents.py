@@ -5,8 +5,9 @@
     python bench/agents.py --install        # only install the clients (make setup-agents)
 
 The first form measures what bench/RESULTS.md reports: for each client its
-first turn (``claude -p``, ``codex exec``) and second (``claude -p
---continue``, ``codex exec resume --last``), each turn's wall time, and the
+first turn (``claude -p``, ``codex exec``), its second (``claude -p
+--continue``, ``codex exec resume --last``) and a new session (the same
+system prompt and tools, another conversation), each turn's wall time, and the
 prompt tokens the server prefilled and reused from its prompt cache (from
 ``/metrics``, before and after the turn), with every status the server
 answered. The second form writes the requests tests/fixtures/agents holds:
@@ -46,6 +47,9 @@ import httpx
 CLAUDE_CODE = "2.1.328"
 CODEX = "0.169.0"
 PROMPTS = ("Say hello in five words.", "And now in three words.")
+# What the bench runs of each client: the two turns, then a new session (its own conversation, the same
+# system prompt and tools): (turn, prompt, whether it continues the last session).
+TURNS = (("1", PROMPTS[0], False), ("2", PROMPTS[1], True), ("new session", "Name a colour.", False))
 # Claude Code's native binary comes in a package for each platform.
 _PLATFORMS = {
     ("Linux", "x86_64"): "linux-x64",
@@ -207,7 +211,9 @@ def metrics(url: str) -> Dict[str, float]:
 
 def turn_tokens(before: Dict[str, float], after: Dict[str, float]) -> dict:
     """What a turn cost the server: prompt tokens prefilled and reused, and each route's statuses."""
-    requests = {k: int(v - before.get(k, 0)) for k, v in after.items() if " " in k and v > before.get(k, 0)}
+    ours = ("/metrics", "/health")  # what the bench itself asks
+    sent = [k for k, v in after.items() if " " in k and v > before.get(k, 0) and not k.startswith(ours)]
+    requests = {k: int(after[k] - before.get(k, 0)) for k in sent}
     reused = int(after["reused"] - before["reused"])
     return {"prefilled": int(after["prompt"] - before["prompt"]) - reused, "reused": reused, "requests": requests}
 
@@ -223,7 +229,8 @@ def gemma_gguf() -> Path:
 
 
 def measure(model: Path, cap: int, out: Optional[Path]) -> List[dict]:
-    """Two turns of each client against ``serve --model MODEL --max-tokens-cap CAP``; one row a turn."""
+    """:data:`TURNS` of each client against ``serve --model MODEL --max-tokens-cap CAP
+    --cap-ends-turn``; one row a turn."""
     clients, rows = install_clients(), []
     name = model.name.removesuffix(".gguf")  # the short name serve answers to (a file's stem)
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,9 +241,9 @@ def measure(model: Path, cap: int, out: Optional[Path]) -> List[dict]:
             ["--model", str(model), "--max-tokens-cap", str(cap), "--cap-ends-turn"], tmp / "serve.log"
         ) as url:
             for client, run, home in (("Claude Code", claude, "claude-home"), ("Codex CLI", codex, "codex-home")):
-                for turn, prompt in enumerate(PROMPTS, 1):
+                for turn, prompt, resume in TURNS:
                     before = metrics(url)
-                    r = run(clients, url, name, prompt, tmp / "work", tmp / home, resume=turn > 1)
+                    r = run(clients, url, name, prompt, tmp / "work", tmp / home, resume=resume)
                     row = {"client": client, "turn": turn, "seconds": round(r.seconds, 1), "exit": r.returncode}
                     rows.append({**row, **turn_tokens(before, metrics(url)), "answer": r.answer.strip()})
                     print(json.dumps(rows[-1]), flush=True)
@@ -261,7 +268,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="A model serve loads (default: the Gemma 3 270M GGUF).")
     ap.add_argument("--cap", type=int, default=8, help="serve --max-tokens-cap (a base model may never stop).")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/agents.json"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/agents/turns.json"))
     ap.add_argument("--record", type=Path, help="Record what the clients send into this folder instead.")
     ap.add_argument("--install", action="store_true", help="Only install the clients (make setup-agents).")
     args = ap.parse_args(argv)

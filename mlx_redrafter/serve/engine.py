@@ -71,13 +71,13 @@ class Engine:
     gets; ``max_tokens_cap``: the longest reply whatever a request asks (None:
     the context's room), and ``cap_ends_turn``: a reply that cap cuts is
     reported as a finished turn (``stop``), for a model that never ends one
-    (a base model), whose cut replies agents take for errors. ``served_names``: the names the model answers to
-    (the first is the one the server reports, as vLLM's
-    ``--served-model-name``); besides, it always answers to the model as given
-    and its short name (:attr:`names`). ``listeners`` are called on the worker
-    thread with every job's :class:`Result` (metrics); ``queue.step_listeners``
-    with the rows each step decoded, ``queue.shed_listeners`` for each request
-    turned away."""
+    (a base model), whose cut replies agents take for errors.
+    ``served_names``: the names the model answers to (the first is the one
+    the server reports, as vLLM's ``--served-model-name``); besides, it
+    always answers to the model as given and its short name (:attr:`names`).
+    ``listeners`` are called on the worker thread with every job's
+    :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
+    step decoded, ``queue.shed_listeners`` for each request turned away."""
 
     # The policies below, as set by __init__ (their defaults here serve test doubles that skip it).
     max_tokens_cap: Optional[int] = None
