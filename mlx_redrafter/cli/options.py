@@ -99,6 +99,25 @@ TopPOpt = typer.Option(0.0, "--top-p", help="Nucleus sampling (0 = off).")
 TopKOpt = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off).")
 MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
 SeedOpt = typer.Option(None, "--seed")
+# serve's
+MaxTokensCapOpt = typer.Option(
+    None,
+    "--max-tokens-cap",
+    help="Longest reply whatever a request asks (its max_tokens is cut to it; the reply ends with "
+    "finish 'length'). Default: the room the context leaves.",
+)
+CapEndsTurnOpt = typer.Option(
+    False,
+    "--cap-ends-turn",
+    help="Report a reply cut by --max-tokens-cap as a finished turn (finish 'stop', 'end_turn'), not as cut: "
+    "for a base model, which never ends a turn, whose cut replies agents such as Claude Code take for errors.",
+)
+ServedModelNameOpt = typer.Option(
+    [],
+    "--served-model-name",
+    help="A name the model answers to (repeatable; the first is the one the server reports). "
+    "Always answered: the --model as given and its short name (file or repo stem).",
+)
 SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
 DatastoreOpt = typer.Option(
     None,
