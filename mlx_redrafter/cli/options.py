@@ -146,43 +146,17 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
     return SamplingConfig(temp, top_p, min_p, top_k)
 
 
-def _runtime(
-    model,
-    drafter,
-    no_draft=False,
-    beam_width=None,
-    beam_length=None,
-    dtype=None,
-    adaptive=False,
-    lookup=None,
-    announce=True,
-    tree=None,
-    datastore=None,
-    history=False,
-    sources=None,
-):
-    """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved).
-    ``sources``: a :class:`~mlx_redrafter.runtime.SourceFlags` (--mtp, --draft-model and their lengths)."""
+def _runtime(options, announce: bool = True):
+    """The :class:`~mlx_redrafter.runtime.Runtime` that a command's
+    :class:`~mlx_redrafter.runtime.LoadOptions` describe (model loaded, draft
+    resolved), announced on the error console unless ``announce`` is False."""
     from ..doctor import slow_blas_warning
-    from ..runtime import load_runtime
+    from ..runtime import open_runtime
 
     warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
     if warning:
         err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
-    rt = load_runtime(
-        model,
-        drafter,
-        no_draft,
-        beam_width,
-        beam_length,
-        dtype,
-        adaptive,
-        lookup,
-        tree,
-        datastore=datastore,
-        history=history,
-        sources=sources,
-    )
+    rt = open_runtime(options)
     if announce:
         rt.announce(err)
     return rt

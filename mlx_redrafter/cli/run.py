@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from ..draft.stateful import SourceFlags
 from ..errors import RedrafterError
+from ..runtime import LoadOptions
 from .options import (
     AdaptiveOpt,
     BeamLengthOpt,
@@ -87,8 +88,23 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    opts = dict(tree=tree, datastore=datastore, sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens))
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, **opts)
+    rt = _runtime(
+        LoadOptions(
+            model=model,
+            drafter=drafter,
+            no_draft=no_draft,
+            beam_width=beam_width,
+            beam_length=beam_length,
+            dtype=dtype,
+            adaptive=adaptive,
+            lookup=lookup,
+            tree=tree,
+            datastore=datastore,
+            sources=SourceFlags(
+                mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens
+            ),
+        )
+    )
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(
@@ -188,18 +204,22 @@ def chat(
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
     rt = _runtime(
-        model,
-        drafter,
-        no_draft,
-        beam_width,
-        beam_length,
-        dtype,
-        adaptive,
-        lookup,
-        tree=tree,
-        datastore=datastore,
-        history=not no_history,
-        sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens),
+        LoadOptions(
+            model=model,
+            drafter=drafter,
+            no_draft=no_draft,
+            beam_width=beam_width,
+            beam_length=beam_length,
+            dtype=dtype,
+            adaptive=adaptive,
+            lookup=lookup,
+            tree=tree,
+            datastore=datastore,
+            history=not no_history,
+            sources=SourceFlags(
+                mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens
+            ),
+        )
     )
     if seed is not None:
         import mlx.core as mx
@@ -340,18 +360,22 @@ def serve(
     from ..serve import Engine
 
     rt = _runtime(
-        model,
-        drafter,
-        no_draft,
-        beam_width,
-        beam_length,
-        dtype,
-        adaptive,
-        lookup,
-        tree=tree,
-        datastore=datastore,
-        history=not no_history,
-        sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens),
+        LoadOptions(
+            model=model,
+            drafter=drafter,
+            no_draft=no_draft,
+            beam_width=beam_width,
+            beam_length=beam_length,
+            dtype=dtype,
+            adaptive=adaptive,
+            lookup=lookup,
+            tree=tree,
+            datastore=datastore,
+            history=not no_history,
+            sources=SourceFlags(
+                mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens
+            ),
+        )
     )
     engine = Engine(
         rt,
