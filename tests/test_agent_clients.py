@@ -256,6 +256,24 @@ def test_a_system_message_inside_the_conversation_stays_in_its_place(served, fol
     assert sum("folded into the user turn" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_claude_codes_billing_header_is_not_part_of_the_prompt(served):
+    """The first system block Claude Code sends is billing metadata whose hash
+    changes with each conversation: it is left out of the prompt (a new
+    conversation then reuses the cached system prompt and tools), the other
+    blocks stay."""
+    _, http = served
+    turn1 = recorded("claude_code_turn1")["body"]
+    system = turn1["system"]
+    assert system[0]["text"].startswith(anthropic_api.BILLING_HEADER)
+    request = anthropic_api.CountRequest(**{**turn1, "model": "agent-model"})
+    rendered = anthropic_api.chat_messages(request)[0]
+    assert rendered["role"] == "system" and rendered["content"] == "".join(b["text"] for b in system[1:])
+    body = {"model": "agent-model", "system": system, "messages": [{"role": "user", "content": "hi"}]}
+    other = copy.deepcopy(body)
+    other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.328.f07; cc_entrypoint=cli; cch=3b2c1;"
+    assert _count(http, body) == _count(http, other) == _count(http, {**body, "system": system[1:]})
+
+
 def test_edits_that_change_the_prompt_are_refused(served):
     _, http = served
     body = {"model": "agent-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -397,6 +415,10 @@ def test_a_sliding_window_model_keeps_the_agents_prompt_cached(folders):
     turn1, turn2 = recorded("claude_code_turn1"), recorded("claude_code_turn2")
     other = copy.deepcopy(turn1)
     other["body"]["messages"][0]["content"][-1]["text"] = "A different question."
+    # Claude Code's billing header changes with the conversation (its version suffix, a hash): left out
+    header = other["body"]["system"][0]
+    assert header["text"].startswith(anthropic_api.BILLING_HEADER)
+    header["text"] = header["text"].replace("2.1.328.ea9", "2.1.328.f07") + " cch=3b2c1;"
     with TestClient(create_app(engine), base_url="http://127.0.0.1") as http:
         first = _whole(http, engine, turn1)
         second = _whole(http, engine, turn2)

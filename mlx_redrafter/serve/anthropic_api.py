@@ -259,13 +259,25 @@ def _result(b: Block, where: str) -> dict:
     return {"role": "tool", "tool_call_id": b.tool_use_id or "", "content": f"Error: {text}" if b.is_error else text}
 
 
+# Claude Code's first system block: billing metadata for Anthropic, not for the model, whose
+# cc_version suffix and cch hash change with each conversation (and request) at the prompt's
+# first tokens, so no new conversation would reuse the cached system prompt and tools.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _system_blocks(system: Union[str, List[Block]]) -> List[Block]:
+    """The system prompt's blocks less Claude Code's billing header (as sglang and vllm-mlx drop it)."""
+    return [b for b in _blocks(system) if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER))]
+
+
 def chat_messages(req: CountRequest) -> List[dict]:
     """The request's system prompt and messages as the chat template reads
     them (OpenAI's shape: tool calls on the assistant, results as ``tool``
-    messages that answer them)."""
+    messages that answer them); Claude Code's billing-header block is left out."""
     out: List[dict] = []
-    if req.system:
-        out.append({"role": "system", "content": _text(_blocks(req.system), "system")})
+    system = _system_blocks(req.system) if req.system else []
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
     for i, m in enumerate(req.messages):
         if m.role == "system":  # in its place in the conversation (Claude Code's environment notes)
             out.append({"role": "system", "content": _text(_blocks(m.content), f"messages.{i}.content")})
