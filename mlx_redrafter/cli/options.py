@@ -146,6 +146,24 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
     return SamplingConfig(temp, top_p, min_p, top_k)
 
 
+def load_options(flags: dict, **given):
+    """A command's :class:`~mlx_redrafter.runtime.LoadOptions` from its flags
+    by name (the command's ``locals()``: ``model``, ``drafter``, ``no_draft``,
+    ..., and the sources' ``mtp``, ``mtp_depth``, ``draft_model``,
+    ``num_draft_tokens``; a flag a command lacks keeps its default), and
+    ``given``, the fields its flags do not name as they are (``history``)."""
+    from dataclasses import fields
+
+    from ..draft.stateful import SourceFlags
+    from ..runtime import LoadOptions
+
+    def named(cls, skip=()):
+        return {f.name: flags[f.name] for f in fields(cls) if f.name in flags and f.name not in skip}
+
+    sources = SourceFlags(**named(SourceFlags))
+    return LoadOptions(**named(LoadOptions, skip={"sources", *given}), sources=sources, **given)
+
+
 def _runtime(options, announce: bool = True):
     """The :class:`~mlx_redrafter.runtime.Runtime` that a command's
     :class:`~mlx_redrafter.runtime.LoadOptions` describe (model loaded, draft

@@ -8,9 +8,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from ..draft.stateful import SourceFlags
 from ..errors import RedrafterError
-from ..runtime import LoadOptions
 from .options import (
     AdaptiveOpt,
     BeamLengthOpt,
@@ -41,6 +39,7 @@ from .options import (
     app,
     err,
     format_prompt,
+    load_options,
     read_prompt,
 )
 
@@ -88,23 +87,7 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    rt = _runtime(
-        LoadOptions(
-            model=model,
-            drafter=drafter,
-            no_draft=no_draft,
-            beam_width=beam_width,
-            beam_length=beam_length,
-            dtype=dtype,
-            adaptive=adaptive,
-            lookup=lookup,
-            tree=tree,
-            datastore=datastore,
-            sources=SourceFlags(
-                mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens
-            ),
-        )
-    )
+    rt = _runtime(load_options(locals()))
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(
@@ -203,24 +186,7 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(
-        LoadOptions(
-            model=model,
-            drafter=drafter,
-            no_draft=no_draft,
-            beam_width=beam_width,
-            beam_length=beam_length,
-            dtype=dtype,
-            adaptive=adaptive,
-            lookup=lookup,
-            tree=tree,
-            datastore=datastore,
-            history=not no_history,
-            sources=SourceFlags(
-                mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens
-            ),
-        )
-    )
+    rt = _runtime(load_options(locals(), history=not no_history))
     if seed is not None:
         import mlx.core as mx
 
@@ -359,24 +325,7 @@ def serve(
     uvicorn, create_app, security = _server_parts(host, api_key, allow_host, allow_origin)
     from ..serve import Engine
 
-    rt = _runtime(
-        LoadOptions(
-            model=model,
-            drafter=drafter,
-            no_draft=no_draft,
-            beam_width=beam_width,
-            beam_length=beam_length,
-            dtype=dtype,
-            adaptive=adaptive,
-            lookup=lookup,
-            tree=tree,
-            datastore=datastore,
-            history=not no_history,
-            sources=SourceFlags(
-                mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens
-            ),
-        )
-    )
+    rt = _runtime(load_options(locals(), history=not no_history))
     engine = Engine(
         rt,
         max_tokens=max_tokens,
