@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -473,3 +474,28 @@ def bpe_tokenizer(folder, texts, vocab_size: int = 1024, chat_template=None):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=chat_template)
     fast.save_pretrained(folder)
     return fast
+
+
+AGENT_RECORDINGS = Path(__file__).parent / "fixtures" / "agents"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def agent_model_folder(root, kind: str, layers: int = 1, **config):
+    """A tiny ``kind`` model (``layers`` layers) as an mlx-lm folder under
+    ``root``, with a byte-level BPE trained on the agents' recorded requests
+    (tests/fixtures/agents) and a ChatML template: its prompts are as long as
+    the agents' real ones (about 12k tokens), and with one layer a prefill
+    costs next to nothing. ``config``: overrides (``max_position_embeddings``)."""
+    from mlx_lm.utils import save_config, save_model
+
+    folder = Path(root) / kind
+    folder.mkdir()
+    texts = [p.read_text() for p in sorted(AGENT_RECORDINGS.glob("*.json"))]
+    vocab = len(bpe_tokenizer(folder, texts, 8192, CHATML))
+    config = dict(TINY_CONFIGS[kind], vocab_size=vocab, num_hidden_layers=layers, **config)
+    save_model(folder, tiny_model(kind, **config))
+    save_config(config, folder / "config.json")
+    return folder
