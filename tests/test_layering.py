@@ -211,8 +211,9 @@ def test_llm_imports_only_the_ground_floor():
 
 
 # A Hub drafter in the PyTorch layout is converted on first use, as llm/ converts a
-# GGUF file on load: draft/hub.py alone may call the converters (the safe reader).
-CONVERTS_ON_LOAD = [PACKAGE / "draft" / "hub.py"]
+# GGUF file on load: draft/hub.py alone may call the converters (the safe reader),
+# and draft/eagle3_io.py, which reads the EAGLE repository's pickled heads through it.
+CONVERTS_ON_LOAD = [PACKAGE / "draft" / "hub.py", PACKAGE / "draft" / "eagle3_io.py"]
 
 
 def test_step_and_draft_import_only_llm_config_and_each_other():
