@@ -141,3 +141,59 @@ def test_unsupported_configs_are_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RedrafterError, match="gelu"):
         read_eagle3(folder)
+
+
+# --------------------------------------------------------------------------- the store, the Hub, load_drafter
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """An offline Hugging Face cache (as `hf download` leaves it) and a drafter store of this test's own."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    return cache
+
+
+def cache_repo(cache: Path, repo: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, root / "snapshots" / commit)
+
+
+def test_a_hub_head_in_the_eagle_layout_is_converted_once_into_the_speculators_layout(hub, ref, target):
+    from mlx_redrafter import load_drafter
+    from mlx_redrafter.draft.drafter import check_fits
+
+    cache_repo(hub, "someone/EAGLE3-tiny", FIXTURE / "eagle")
+    messages = []
+    from mlx_redrafter.draft.hub import locate
+
+    found = locate("someone/EAGLE3-tiny", say=messages.append)
+    assert "converted" in found.source and any("Converting the EAGLE-3 head" in m for m in messages)
+    cfg = json.loads((found.path / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["torch_dtype"] == "float32"
+    assert locate("someone/EAGLE3-tiny", say=messages.append).path == found.path  # once: the store's copy after
+    head = load_drafter("someone/EAGLE3-tiny", dtype="float32")
+    assert isinstance(head, Eagle3Head)
+    check_fits(head, target)  # binds it: the target's embedding, its taps
+    _, chain = run_chain(head, ref)
+    np.testing.assert_allclose(chain, ref["eagle_logits_chain"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_stored_head_is_found_for_its_model_and_bound_to_it(hub, target):
+    from mlx_redrafter.draft import store
+    from mlx_redrafter.llm.identity import model_identity
+
+    identity = model_identity(target)
+    path = store.install(FIXTURE / "speculators", identity, {"source": "test"})
+    head, found = store.drafter_for(target)
+    assert found.path == path and found.exact and isinstance(head, Eagle3Head)
+    assert head.taps == (0, 1, 2)
+    other = tiny_model("llama", num_hidden_layers=2)  # a model whose layers the head's taps do not fit
+    with pytest.raises(RedrafterError, match="hidden states"):
+        store.install(FIXTURE / "speculators", model_identity(other), {"source": "test"})

@@ -103,6 +103,20 @@ class Eagle3Config:
             )
         return tuple(i - 1 for i in ids)  # hidden_states[k] is layer k - 1's output
 
+    def fit_problem(self, hidden: int, vocab: int, num_layers: int) -> Optional[str]:
+        """Why a head of this config cannot draft for a model of these sizes, or None."""
+        if self.target_hidden_size != hidden:
+            return (
+                f"The EAGLE-3 head reads hidden states of width {self.target_hidden_size} but the model's is {hidden}."
+            )
+        if self.vocab_size != vocab:
+            return f"The EAGLE-3 head's vocab_size is {self.vocab_size} but the model's embedding has {vocab} rows."
+        try:
+            self.taps_for(num_layers)
+        except RedrafterError as e:
+            return e.problem
+        return None
+
 
 def default_layer_ids(num_layers: int) -> List[int]:
     """EAGLE-3's default taps (vLLM's and the EAGLE repository's): a low, a middle and a high layer."""

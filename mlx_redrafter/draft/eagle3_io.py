@@ -245,12 +245,4 @@ def speculators_config(config: Eagle3Config) -> dict:
 
 def fit_problem(config: Eagle3Config, hidden: int, vocab: int, num_layers: int) -> Optional[str]:
     """Why an EAGLE-3 head of ``config`` cannot draft for a model of these sizes, or None."""
-    if config.target_hidden_size != hidden:
-        return f"The EAGLE-3 head reads hidden states of width {config.target_hidden_size} but the model's is {hidden}."
-    if config.vocab_size != vocab:
-        return f"The EAGLE-3 head's vocab_size is {config.vocab_size} but the model's embedding has {vocab} rows."
-    try:
-        config.taps_for(num_layers)
-    except RedrafterError as e:
-        return e.problem
-    return None
+    return config.fit_problem(hidden, vocab, num_layers)

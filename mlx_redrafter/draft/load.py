@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .drafter import Drafter, read_drafter
+from .heads import read_head
 
 
-def load_drafter(path, dtype=None) -> Drafter:
+def load_drafter(path, dtype=None):
     """Load a drafter: a folder (``config.json`` + ``model.safetensors``); the
     id of a model the drafter store holds a drafter for (``mlx-redrafter
     drafters list``; e.g. one ``make-drafter`` installed) or that a drafter
@@ -24,9 +24,14 @@ def load_drafter(path, dtype=None) -> Drafter:
 
     ``dtype`` defaults to the LLM policy (float16 on a GPU, float32 on the
     CPU). Parameters are evaluated before returning.
+
+    The folder may hold a ReDrafter drafter (a
+    :class:`~mlx_redrafter.draft.drafter.Drafter`) or an EAGLE-3 head in
+    either published layout (an :class:`~mlx_redrafter.draft.eagle3.Eagle3Head`;
+    the tools bind it to the model they load, ``head.bind(model)`` from Python).
     """
     if isinstance(path, str) and not Path(path).expanduser().exists():
         from .hub import locate
 
         path = locate(path).path
-    return read_drafter(path, dtype)
+    return read_head(path, dtype)
