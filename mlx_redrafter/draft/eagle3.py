@@ -166,6 +166,7 @@ class Eagle3Head(nn.Module):
     """
 
     kind = KIND
+    source = KIND  # what its drafts are called in step stats (draft/head.py's protocol)
 
     def __init__(self, config: Eagle3Config, own_embedding: bool = True):
         super().__init__()
