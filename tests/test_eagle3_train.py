@@ -98,3 +98,75 @@ def test_data_without_the_heads_taps_is_refused(distilled, tmp_path):
     model, _, root = distilled
     with pytest.raises(RedrafterError, match=r"(?s)outputs of layers \[1, 0, 0\].*--feature-layers 1,0,0"):
         train_eagle3(model, root / "plain", tmp_path / "head", Eagle3TrainConfig(max_steps=1))
+
+
+# --------------------------------------------------------------------------- make-drafter --head
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(distilled):
+    _, _, root = distilled
+    return root / "model", root / "prompts.jsonl"
+
+
+def _recipe(tiny_prompts, out, head, **kw):
+    from mlx_redrafter.train.budget import Sizes
+    from mlx_redrafter.train.recipe import RecipeConfig
+
+    folder, prompts = tiny_prompts
+    sizes = Sizes(controller_prompts=2, controller_tokens=16, verdict_prompts=2, verdict_tokens=16, calibrate_s=0.3)
+    return RecipeConfig(
+        model=str(folder),
+        minutes=1.0,
+        out=out,
+        prompts=str(prompts),
+        max_conversations=30,
+        sizes=sizes,
+        distill={"batch_size": 8, "max_new_tokens": 12},
+        train={"batch_size": 32, "max_steps": 10},
+        eagle3={"batch_size": 4, "window": 32, "max_steps": 10, "draft_vocab_size": 48},
+        head=head,
+        **kw,
+    )
+
+
+def _stop_at(stage):
+    def progress(status):
+        if status.stage == stage and status.line is None:
+            raise KeyboardInterrupt
+
+    return progress
+
+
+@pytest.mark.parametrize("head", ["eagle3", "auto"])
+def test_make_drafter_distils_the_taps_and_trains_the_heads_it_is_asked_for(tiny_prompts, tmp_path, monkeypatch, head):
+    from mlx_redrafter.train.recipe import make_drafter
+    from mlx_redrafter.train.recipe_state import STATE
+    from mlx_redrafter.train.shards import read_corpus
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "work"
+    with pytest.raises(KeyboardInterrupt):  # stopped when the stages after training begin
+        make_drafter(_recipe(tiny_prompts, out, head), progress=_stop_at("controller"))
+    state = json.loads((out / STATE).read_text())
+    assert state["head"] == {"head": head} and "train" in state["done"]
+    assert state["rates"]["eagle3_positions_per_s"] > 0
+    assert (state["rates"]["train_steps_per_s"] > 0) == (head == "auto")
+    corpus = read_corpus(out / "data")
+    assert corpus.feature_layers == [1, 0, 0] and corpus.extra["features"].shape[1] == 3 * 64
+    config = json.loads((out / "eagle3" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3Speculator"] and config["draft_vocab_size"] == 48
+    assert (out / "drafter" / "model.safetensors").is_file() == (head == "auto")
+    # The folder is for this head: another --head is refused before anything runs.
+    from mlx_redrafter.errors import RedrafterError
+
+    with pytest.raises(RedrafterError, match="head settings"):
+        make_drafter(_recipe(tiny_prompts, out, "redrafter"))
+
+
+def test_an_unknown_head_is_refused_by_the_command(tiny_prompts, tmp_path, capsys):
+    from helpers import cli
+
+    folder, prompts = tiny_prompts
+    code = cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--head", "medusa", "--out", str(tmp_path)])
+    assert code != 0 and "Unknown --head 'medusa'" in capsys.readouterr().err
