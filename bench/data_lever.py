@@ -55,10 +55,13 @@ def write_prompts(out: Path, eval_n: int) -> dict:
     return paths
 
 
-def distil(model, tok, prompts: Path, out: Path, minutes, layers, new_tokens: int, batch: int):
-    cfg = DistillConfig(batch_size=batch, max_new_tokens=new_tokens, minutes=minutes, feature_layers=layers)
+def distil(model, tok, prompts: Path, out: Path, seconds, layers, new_tokens: int, batch: int):
+    """Distil for ``seconds`` (None: every prompt), then finish the replies under
+    way (as make-drafter drains): no generated token is thrown away."""
+    cfg = DistillConfig(batch_size=batch, max_new_tokens=new_tokens, feature_layers=layers)
     tic = time.perf_counter()
-    m = distill("default", prompts, out, cfg, model, tok)
+    late = None if seconds is None else (lambda replies: time.perf_counter() - tic > seconds)
+    m = distill("default", prompts, out, cfg, model, tok, drain=late)
     secs = time.perf_counter() - tic
     n = m.tokens + m.prompt_tokens
     return {"positions": n, "reply_positions": m.tokens, "seconds": round(secs, 1), "per_s": round(n / secs, 1)}
@@ -87,11 +90,13 @@ def main() -> None:
     results = {"minutes": args.minutes, "steps": args.steps}
     if not (args.out / "eval" / "progress.json").is_file():
         results["eval_data"] = distil(model, tok, paths["eval"], args.out / "eval", None, layers, 128, 40)
+    # Generation first; the teacher-forced source then gets the wall time generation took, draining included.
+    seconds = 60 * args.minutes
     for name, new_tokens in (("generated", 192), ("teacher-forced", 1)):
         if not Manifest.load(args.out / name):
-            results[name] = {
-                "data": distil(model, tok, paths[name], args.out / name, args.minutes, layers, new_tokens, 32)
-            }
+            data = distil(model, tok, paths[name], args.out / name, seconds, layers, new_tokens, 32)
+            results[name] = {"data": data}
+            seconds = data["seconds"]
     eval_corpus = read_corpus(args.out / "eval")
     for name in ("generated", "teacher-forced"):
         cfg = Eagle3TrainConfig(max_steps=args.steps, eval_fraction=0.0, eval_every=10**9, checkpoint_every=10**9)

@@ -29,6 +29,19 @@ VERDICT_KEYS = {REDRAFTER: "drafter", EAGLE3: "eagle3"}  # tuning/verdict.py's D
 BUDGET_FIELDS = ("minutes", "max_steps", "epochs")
 
 
+DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
+LARGE_VOCAB = 65536  # past this many tokens the draft vocabulary doubles
+
+
+def draft_vocab_size(vocab: int):
+    """Either head's draft vocabulary for a model of ``vocab`` tokens: 4096, or 8192
+    past 65536 (Gemma 3's 262144 spreads the same text over more ids; a
+    doubling costs 1.7x the draft time, section 12's vocabulary table); None
+    when that is the whole vocabulary."""
+    draft = DEFAULT_VOCAB if vocab <= LARGE_VOCAB else 2 * DEFAULT_VOCAB
+    return draft if draft < vocab else None
+
+
 def heads_of(choice: str) -> Tuple[str, ...]:
     """The kinds ``--head choice`` trains."""
     if choice not in CHOICES:
@@ -46,7 +59,8 @@ def eagle3_settings(run):
     overrides, fixed by the folder's first run (the budget fields excepted)."""
     from .eagle3_trainer import Eagle3TrainConfig
 
-    base = asdict(Eagle3TrainConfig(eval_fraction=run.source.held_out, seed=run.cfg.seed))
+    vocab = draft_vocab_size(run.identity.vocab_size)
+    base = asdict(Eagle3TrainConfig(draft_vocab_size=vocab, eval_fraction=run.source.held_out, seed=run.cfg.seed))
     base = {k: v for k, v in base.items() if k not in BUDGET_FIELDS}
     fixed = {k: v for k, v in run.cfg.eagle3.items() if k not in BUDGET_FIELDS}
     budget = {"epochs": 1000.0, **{k: v for k, v in run.cfg.eagle3.items() if k in BUDGET_FIELDS}}

@@ -27,12 +27,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, measure_step_s, measure_train_rate, more_distill_s
-from .heads import EAGLE3, FOLDERS, REDRAFTER, heads_of, train_eagle3_stage
+from .heads import EAGLE3, FOLDERS, REDRAFTER, draft_vocab_size, heads_of, train_eagle3_stage
 from .recipe_state import STAGES, State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
-DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
-LARGE_VOCAB = 65536  # past this many tokens the draft vocabulary doubles (see head_settings)
 TRAIN_FLOOR = 0.1  # the least share of the budget that training gets
 
 
@@ -70,8 +68,7 @@ def head_settings(hidden: int, vocab: int) -> dict:
     own output rows) and a reduced draft vocabulary, 4096 tokens, or 8192 for
     a vocabulary over 65536 (Gemma 3's 262144 spreads the same text over more
     ids; a doubling costs 1.7x the draft time, section 12's vocabulary table)."""
-    draft = DEFAULT_VOCAB if vocab <= LARGE_VOCAB else 2 * DEFAULT_VOCAB
-    return dict(exit_dim=hidden, num_draft_layers=1, draft_vocab_size=draft if draft < vocab else None, skip_repeats=5)
+    return dict(exit_dim=hidden, num_draft_layers=1, draft_vocab_size=draft_vocab_size(vocab), skip_repeats=5)
 
 
 def make_drafter(cfg: RecipeConfig, progress: Optional[Callable[[Status], None]] = None, measure=None) -> Report:
