@@ -2,6 +2,7 @@
 #   make chat        set up, then chat with the default model (the main job)
 #   make serve       set up, then serve it over OpenAI's API on 127.0.0.1:8080
 #   make test        set up, then run the test suite
+#   make lint        the format and lint checks (ruff, configured in pyproject.toml)
 #   make bench       short benchmark (< 10 min on a 2-core Linux box)
 #   make bench-full  full benchmark
 #   make train-default  make-drafter for the default model, copied into the package if faster
@@ -18,7 +19,7 @@ BIN := $(VENV)/bin
 BLIS = $(shell ls /usr/lib/*-linux-gnu/blis-pthread/libblas.so.3 2>/dev/null | head -n 1)
 RUN = $(if $(BLIS),LD_PRELOAD=$(BLIS) ,)
 
-.PHONY: setup blis-auto browser-auto setup-gemma test chat serve doctor bench bench-full train-default blis clean
+.PHONY: setup blis-auto browser-auto setup-gemma test lint chat serve doctor bench bench-full train-default blis clean
 
 setup: $(VENV)/.installed blis-auto
 
@@ -53,6 +54,12 @@ setup-gemma: setup
 TEST_WORKERS ?= 2
 test: setup browser-auto
 	$(RUN)$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The format and the lint rules in pyproject.toml ([tool.ruff]); `ruff format .`
+# and `ruff check --fix .` fix most of what they report.
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 
 chat: setup
 	$(RUN)$(BIN)/mlx-redrafter chat

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.llm.parts import default_feature_layers, model_parts
 from mlx_redrafter.prompts import load_prompt_set
 from mlx_redrafter.train.distill import DistillConfig, Distiller

@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 
 from mlx_redrafter import load_model
-from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.runtime import shipped_drafter_path
 from mlx_redrafter.step.accept import accept_greedy

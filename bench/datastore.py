@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     from mlx_redrafter import load_drafter, load_model
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, DraftConfig
-    from mlx_redrafter.draft.datastore import Datastore, model_key
-    from mlx_redrafter.draft.stores import Stores
+    from mlx_redrafter.draft.datastore.index import Datastore, model_key
+    from mlx_redrafter.draft.datastore.use import Stores
     from mlx_redrafter.runtime import resolve_drafter_path
     from mlx_redrafter.tuning.measure import measure
 

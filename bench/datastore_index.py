@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mlx_redrafter.draft.datastore import Datastore
+from mlx_redrafter.draft.datastore.index import Datastore
 
 
 def best_time(fn, reps: int = 5) -> float:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model
-from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.llm.cache import warm_cache
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train

@@ -43,9 +43,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_redrafter import load_model
 from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.doctor import report
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
-from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.draft.lookup import Lookup
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
 from mlx_redrafter.runtime import shipped_drafter_path
 from mlx_redrafter.step import dispatch

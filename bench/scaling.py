@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from acceptance import REPLIES, evaluate, mt_bench_replies  # noqa: E402
 
 from mlx_redrafter import load_model  # noqa: E402
-from mlx_redrafter.draft.load import load_drafter  # noqa: E402
+from mlx_redrafter.hub.load import load_drafter  # noqa: E402
 from mlx_redrafter.llm.parts import model_parts  # noqa: E402
 from mlx_redrafter.train.trainer import PRESETS, TrainConfig, train  # noqa: E402
 

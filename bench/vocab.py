@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
 from mlx_redrafter.llm.cache import warm_cache
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.train.examples import choose_draft_vocab, reply_tokens

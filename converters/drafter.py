@@ -5,7 +5,7 @@ A source is a drafter folder (``config.json`` plus ``model.safetensors``,
 ``pytorch_model.bin.index.json``), one weights file inside such a folder, or a
 Hugging Face repo id (read from the cache when offline). The output folder
 holds ``config.json`` and ``model.safetensors`` written by
-:func:`~mlx_redrafter.draft.drafter.save_drafter`: the official key names and
+:func:`~mlx_redrafter.draft.redrafter.save_drafter`: the official key names and
 shapes, so the official PyTorch code loads it as well.
 
 Pickled checkpoints are never executed (torch_pickle.py reads them).
@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..draft.drafter import (
+from ..draft.redrafter import (
     MODEL_TYPE,
     Drafter,
     DrafterConfig,

@@ -1,10 +1,10 @@
 """mlx-redrafter: ReDrafter speculative decoding for mlx-lm models."""
 
 from .config import DraftConfig, SamplingConfig
-from .draft.drafter import Drafter, DrafterConfig, save_drafter
-from .draft.load import load_drafter
+from .draft.redrafter import Drafter, DrafterConfig, save_drafter
 from .errors import RedrafterError
 from .generate import generate, stream_generate
+from .hub.load import load_drafter
 from .llm.cache import trim_cache
 from .llm.load import load_model
 

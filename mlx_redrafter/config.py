@@ -77,10 +77,10 @@ class DraftConfig:
     with no drafter they are the only drafts. ``pipelined=False`` runs the
     synchronous step loop where the pipelined one could run: for
     comparisons; the tokens are the same. ``datastore`` (a
-    :class:`~mlx_redrafter.draft.datastore.Datastore` or
-    :class:`~mlx_redrafter.draft.stores.Stores`, None for none) adds one row
+    :class:`~mlx_redrafter.draft.datastore.index.Datastore` or
+    :class:`~mlx_redrafter.draft.datastore.use.Stores`, None for none) adds one row
     of ``lookup_length`` tokens from the model's past outputs on steps where
-    context lookup finds nothing (draft/stores.py).
+    context lookup finds nothing (draft/datastore/use.py).
     """
 
     drafter: object = None
@@ -219,7 +219,7 @@ def library_draft(
 ) -> DraftConfig:
     """The :class:`DraftConfig` of a public call: :func:`resolve`, with the
     tuned profile keyed by where :func:`~mlx_redrafter.llm.load.load_model` and
-    :func:`~mlx_redrafter.draft.drafter.load_drafter` loaded the model and the
+    :func:`~mlx_redrafter.draft.redrafter.load_drafter` loaded the model and the
     drafter from (they record it); a drafter built in code has no profile."""
     given = beam_width is not None and beam_length is not None and lookup is not None
     # Everything given: no profile to read (stream_generate runs this on every call).

@@ -40,7 +40,7 @@ from .runtime import tree_kw, with_curve
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
 
-# ``drafter=``'s default: the drafter store's drafter for the model, if any (draft/store.py).
+# ``drafter=``'s default: the drafter store's drafter for the model, if any (hub/store.py).
 AUTO = "auto"
 INCOMPLETE = (
     "The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
@@ -79,7 +79,7 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
         )
     draft.check()
     if draft.drafter is not None:
-        from .draft.drafter import check_fits
+        from .draft.redrafter import check_fits
 
         check_fits(draft.drafter, model)
 
@@ -95,10 +95,10 @@ def _refuse_both(given, what: str, **loose) -> None:
 
 def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loose_draft: dict, datastore=None):
     """``(SamplingConfig, DraftConfig)`` of a call: the resolved ones given, else the loose keywords'
-    with the store that ``datastore=`` names (:func:`~mlx_redrafter.draft.stores.open_datastore`)."""
+    with the store that ``datastore=`` names (:func:`~mlx_redrafter.draft.datastore.use.open_datastore`)."""
     from dataclasses import replace
 
-    from .draft.stores import open_datastore
+    from .draft.datastore.use import open_datastore
 
     _refuse_both(sampling, "sampling", **loose_sampling)
     sampling = sampling or SamplingConfig(**loose_sampling)
@@ -115,7 +115,7 @@ def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loos
         return sampling, with_curve(model, draft)
     d = dict(loose_draft)
     if auto:
-        from .draft.store import drafter_for
+        from .hub.store import drafter_for
 
         d["drafter"] = drafter_for(model)[0]
     elif isinstance(d["drafter"], str):
@@ -199,7 +199,7 @@ def stream_generate(
             default): the drafter that fits this model in the drafter store
             (``mlx-redrafter drafters list``: installed by ``make-drafter``,
             fetched from the Hub, or shipped with the package, as
-            :func:`~mlx_redrafter.draft.store.find` picks it), else none.
+            :func:`~mlx_redrafter.hub.store.find` picks it), else none.
             The lookup is cached on the model: later calls cost a ``stat``.
         beam_width, beam_length: beams per step and tokens per beam
             (``beam_length`` counts drafted tokens, not ``g0``). Not given:
@@ -221,7 +221,7 @@ def stream_generate(
             ``beam_length`` are then the caps of the candidates; where no
             draft can pay, plain decoding). None: ``"auto"`` for a model kept
             quantized, ``"fixed"`` otherwise.
-        datastore: suffix-datastore drafts (draft/stores.py): a store file,
+        datastore: suffix-datastore drafts (draft/datastore/use.py): a store file,
             a ``Datastore``, ``"default"`` (the model's own stores, only when
             the call already drafts), or ``None``/``False`` (none, the default).
         draft: a resolved :class:`DraftConfig`, in place of the keywords above.

@@ -20,7 +20,7 @@ from typing import Optional
 from rich.markup import escape
 
 from .config import DraftConfig, resolve
-from .draft.drafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F401 (re-exported)
+from .draft.redrafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F401 (re-exported)
 from .errors import RedrafterError
 
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
@@ -31,11 +31,11 @@ def wants_no_drafter(drafter: Optional[str]) -> bool:
 
 
 def resolve_drafter_path(model_spec: str, drafter: Optional[str]) -> Path:
-    """``--drafter`` (a folder, a stored drafter, a Hub repo: draft/hub.py
+    """``--drafter`` (a folder, a stored drafter, a Hub repo: hub/locate.py
     ``locate``), else the store's or the package's drafter for
     ``model_spec`` (found from its files, before any load), else a clear error."""
-    from .draft.hub import locate
-    from .draft.store import find
+    from .hub.locate import locate
+    from .hub.store import find
     from .llm.load import identity_for_spec
 
     if drafter is not None:
@@ -164,7 +164,7 @@ def load_runtime(
     the default): under ``auto`` the draft carries this device's verify-cost
     curve (:func:`~mlx_redrafter.step.curve.curve_for`). ``datastore``: a
     store file, ``"none"``, or None for the model's own stores when it drafts
-    (draft/stores.py); ``history``: append replies to the model's history."""
+    (draft/datastore/use.py); ``history``: append replies to the model's history."""
     rt = _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree)
     _add_datastore(rt, datastore, history)
     return rt
@@ -174,8 +174,8 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
     """Set the runtime's datastore and history (they share the history store)."""
     from dataclasses import replace
 
-    from .draft.datastore import default_path, load_or_empty, model_key
-    from .draft.stores import History, default_stores, open_datastore
+    from .draft.datastore.index import default_path, load_or_empty, model_key
+    from .draft.datastore.use import History, default_stores, open_datastore
 
     spec = rt.model_spec
     own_stores = isinstance(datastore, str) and datastore.lower() == "default"
@@ -193,8 +193,8 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
 def _load_drafting(
     model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree
 ) -> Runtime:
-    from .draft.drafter import check_fits
-    from .draft.load import load_drafter
+    from .draft.redrafter import check_fits
+    from .hub.load import load_drafter
     from .llm.load import load_model
 
     _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
@@ -202,13 +202,19 @@ def _load_drafting(
     no_drafter = wants_no_drafter(drafter_path)
     located = None
     if drafter_path and not no_drafter:  # a missing folder or an uncached Hub repo fails before the slow load
-        from .draft.hub import locate
+        from .hub.locate import locate
 
         located = locate(drafter_path)
     model, tokenizer = load_model(model_spec, dtype=dtype)
     rt = Runtime(model, tokenizer, model_spec)
     if no_draft:
         rt.plain_reason = "--no-draft"
+        return rt
+    from .step.verify import tree_support
+
+    why_not = tree_support(model)
+    if why_not:  # said before anything announces drafting
+        rt.plain_reason = f"{why_not.rstrip('.')}; no drafting for it yet"
         return rt
     located = located or (None if no_drafter else _store_drafter(model, model_spec))
     if located is None:
@@ -248,8 +254,8 @@ def _load_drafting(
 
 def _store_drafter(model, model_spec: str):
     """The drafter the store (or the package) holds for the loaded model, as a located folder, or None."""
-    from .draft.hub import Located
-    from .draft.store import find, model_identity
+    from .hub.locate import Located
+    from .hub.store import find, model_identity
 
     identity = model_identity(model, model_spec)
     found = find(identity)

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
 from mlx_redrafter.draft.beam import Beams
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.step.dispatch import redrafter_steps
 
@@ -198,25 +198,30 @@ def squeeze(text: str) -> str:
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 
 
-def save_tiny_folder(path, seed: int = 0):
-    """A tiny llama as an mlx-lm folder, with a word-level tokenizer
-    (``w0 w1 ...``), an EOS token and a chat template, all built here
-    (another ``seed``: another copy of the same model, same family)."""
+def save_tiny_folder(path, seed: int = 0, kind: str = "llama"):
+    """A tiny model (a llama, or a hybrid family of tests/hybrids.py) as an
+    mlx-lm folder, with a word-level tokenizer (``w0 w1 ...``), an EOS token
+    and a chat template, all built here (another ``seed``: another copy of the
+    same model, same family)."""
     from pathlib import Path
 
+    from hybrids import HYBRID_CONFIGS, tiny_hybrid
     from mlx_lm.utils import save_config, save_model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_model(path, tiny_model("llama", seed=seed))
-    save_config(dict(TINY_CONFIGS["llama"]), path / "config.json")
+    hybrid = kind in HYBRID_CONFIGS
+    save_model(path, tiny_hybrid(kind, seed=seed) if hybrid else tiny_model(kind, seed=seed))
+    save_config(dict(HYBRID_CONFIGS[kind] if hybrid else TINY_CONFIGS[kind]), path / "config.json")
     words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
     tok.add_special_tokens(SPECIALS)
+    if hybrid:  # transformers rebuilds some families' tokenizers as byte-level BPE: added words keep their ids
+        tok.add_tokens(words[len(SPECIALS) :])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
     fast.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"

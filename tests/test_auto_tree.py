@@ -170,7 +170,7 @@ def test_pipelined_calibration_learns_from_the_read(monkeypatch):
 
 @pytest.fixture(scope="module")
 def default():
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.runtime import shipped_drafter_path
 

@@ -15,7 +15,7 @@ import pytest
 from mlx_redrafter import RedrafterError, generate
 from mlx_redrafter.chat import ChatSession, ChatSettings
 from mlx_redrafter.chat.terminal import _Output
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, save_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig, save_drafter
 from mlx_redrafter.prompts import build_messages, render_messages
 from mlx_redrafter.responses import RedrafterResponse
 from mlx_redrafter.step.protocol import StepStats

@@ -16,8 +16,8 @@ from torch_format import BF16, write_legacy, write_zip
 
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.beam import beam_search, warp_logits
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
-from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.tuning.cost import decode_step_cost, draft_step_cost
 
 FIXTURES = ["drafter_rnn", "drafter_norn", "drafter_rnn_bin", "drafter_rnn_bf16", "drafter_rnn_distilled"]

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_redrafter.draft import datastore as ds
-from mlx_redrafter.draft.datastore import NO_MATCH, Datastore, StoreLookup, default_path, load_or_empty, propose
+from mlx_redrafter.draft.datastore import index as ds
+from mlx_redrafter.draft.datastore.index import NO_MATCH, Datastore, StoreLookup, default_path, load_or_empty, propose
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.files import cache_root
 from mlx_redrafter.step.tree import PAD

@@ -12,8 +12,8 @@ import sys
 import pytest
 from helpers import cli
 
-from mlx_redrafter.draft.datastore import Datastore, default_path, model_key
-from mlx_redrafter.draft.stores import read_session
+from mlx_redrafter.draft.datastore.index import Datastore, default_path, model_key
+from mlx_redrafter.draft.datastore.use import read_session
 
 SHAREGPT = "mlx_redrafter/data/sharegpt_train_prompts.jsonl.gz"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from helpers import TINY_CONFIGS, prompts, random_drafter, tiny_model
 
-from mlx_redrafter.draft.datastore import Datastore
-from mlx_redrafter.draft.stores import Stores, context_or_store, open_datastore
+from mlx_redrafter.draft.datastore.index import Datastore
+from mlx_redrafter.draft.datastore.use import Stores, context_or_store, open_datastore
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
 
 N_TOKENS = 40
@@ -67,7 +67,7 @@ def test_an_empty_store_is_plain_steps():
 
 
 def test_the_store_row_comes_only_when_the_context_has_no_match():
-    from mlx_redrafter.draft.datastore import StoreLookup
+    from mlx_redrafter.draft.datastore.index import StoreLookup
     from mlx_redrafter.draft.lookup import Lookup
 
     store = Datastore()
@@ -85,7 +85,7 @@ CHAT = ["What is the capital of France?", "Write a Python function that reverses
 
 @pytest.fixture(scope="module")
 def default_setup(default_model):
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.runtime import shipped_drafter_path
 
     model, tok = default_model

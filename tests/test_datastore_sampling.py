@@ -9,7 +9,7 @@ import mlx.core as mx
 from test_sampling import chi2_passes, exact_first_tokens, small_model  # noqa: F401  (a fixture)
 
 from mlx_redrafter.config import SamplingConfig
-from mlx_redrafter.draft.datastore import Datastore
+from mlx_redrafter.draft.datastore.index import Datastore
 from mlx_redrafter.generate import DraftConfig, generate_tokens
 
 N_RUNS = 1000

@@ -9,8 +9,8 @@ import pytest
 
 from mlx_redrafter import RedrafterError
 from mlx_redrafter.draft.beam import beam_search, warp_logits
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig, save_drafter
-from mlx_redrafter.draft.load import load_drafter
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig, save_drafter
+from mlx_redrafter.hub.load import load_drafter
 
 
 @pytest.mark.parametrize("kind", ["rnn", "norn"])

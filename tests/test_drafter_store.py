@@ -1,4 +1,4 @@
-"""The drafter store (draft/store.py) and the tools that read it, on tiny
+"""The drafter store (hub/store.py) and the tools that read it, on tiny
 models saved in temp folders: the model's identity, install / find / list /
 rm, the store's drafter picked up by ``generate``, ``chat``, ``serve`` and
 ``stream_generate`` (greedy output equal to plain decoding), a drafter that
@@ -19,8 +19,8 @@ import sys
 import pytest
 from helpers import HIDDEN, VOCAB, cli, random_drafter, save_random_drafter, save_tiny_folder, squeeze, tiny_model
 
-from mlx_redrafter.draft import store as st
 from mlx_redrafter.errors import RedrafterError
+from mlx_redrafter.hub import store as st
 
 PROMPT = "w1 w2 w3 w1 w2 w3 w1"
 

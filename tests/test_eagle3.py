@@ -17,6 +17,7 @@ from helpers import tiny_model
 from mlx_redrafter.draft.eagle3 import Eagle3Head, default_layer_ids
 from mlx_redrafter.draft.eagle3_io import config_from_dict, fit_problem, read_eagle3, save_eagle3
 from mlx_redrafter.errors import RedrafterError
+from mlx_redrafter.hub.load import load_drafter
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "eagle3"
 
@@ -47,7 +48,7 @@ def run_chain(head: Eagle3Head, ref: dict):
 
 @pytest.mark.parametrize("layout", ["speculators", "eagle"])
 def test_each_published_layout_matches_mlx_vlm_on_the_same_checkpoint(layout, ref, target):
-    head = read_eagle3(FIXTURE / layout, dtype="float32")
+    head = load_drafter(FIXTURE / layout, dtype="float32")
     assert ("embed_tokens" in head) == (layout == "speculators")  # the EAGLE repository's has none
     head.bind(target)
     # The speculators head names hidden_states 1, 2, 3: the outputs of layers 0, 1, 2. The EAGLE repository's
@@ -76,7 +77,7 @@ def test_the_layouts_read_their_published_config_fields():
 
 
 def test_a_head_without_layer_ids_taps_eagle3s_default_layers(target):
-    head = read_eagle3(FIXTURE / "eagle", dtype="float32")
+    head = load_drafter(FIXTURE / "eagle", dtype="float32")
     assert default_layer_ids(32) == [2, 16, 29]
     assert head.config.taps_for(8) == (1, 3, 4)
     assert head.bind(target).taps == (1, 1, 0)  # [2, 2, 1] for 4 layers
@@ -86,7 +87,7 @@ def test_a_head_without_layer_ids_taps_eagle3s_default_layers(target):
 
 
 def test_saved_in_the_speculators_layout_and_read_back_the_same(tmp_path, ref, target):
-    head = read_eagle3(FIXTURE / "eagle", dtype="float32").bind(target)
+    head = load_drafter(FIXTURE / "eagle", dtype="float32").bind(target)
     out = save_eagle3(head, tmp_path / "saved", extra_config={"training": {"steps": 1}})
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
@@ -102,8 +103,14 @@ def test_saved_in_the_speculators_layout_and_read_back_the_same(tmp_path, ref, t
     np.testing.assert_allclose(chain, ref["eagle_logits_chain"], rtol=1e-4, atol=1e-4)
 
 
+def test_a_pickled_head_is_read_through_load_drafter_only(tmp_path):
+    """draft/ reads safetensors; the pickle reader (hub/, the converters) is what load_drafter adds."""
+    with pytest.raises(RedrafterError, match="load_drafter"):
+        read_eagle3(FIXTURE / "eagle")
+
+
 def test_a_head_without_an_embedding_says_to_bind_it(ref):
-    head = read_eagle3(FIXTURE / "eagle", dtype="float32")
+    head = load_drafter(FIXTURE / "eagle", dtype="float32")
     with pytest.raises(RedrafterError, match="bind"):
         head(mx.array(ref["tokens"]), mx.array(ref["taps"]))
 
@@ -167,11 +174,11 @@ def cache_repo(cache: Path, repo: str, folder: Path, commit: str = "0123456789ab
 
 def test_a_hub_head_in_the_eagle_layout_is_converted_once_into_the_speculators_layout(hub, ref, target):
     from mlx_redrafter import load_drafter
-    from mlx_redrafter.draft.drafter import check_fits
+    from mlx_redrafter.draft.redrafter import check_fits
 
     cache_repo(hub, "someone/EAGLE3-tiny", FIXTURE / "eagle")
     messages = []
-    from mlx_redrafter.draft.hub import locate
+    from mlx_redrafter.hub.locate import locate
 
     found = locate("someone/EAGLE3-tiny", say=messages.append)
     assert "converted" in found.source and any("Converting the EAGLE-3 head" in m for m in messages)
@@ -186,7 +193,7 @@ def test_a_hub_head_in_the_eagle_layout_is_converted_once_into_the_speculators_l
 
 
 def test_a_stored_head_is_found_for_its_model_and_bound_to_it(hub, target):
-    from mlx_redrafter.draft import store
+    from mlx_redrafter.hub import store
     from mlx_redrafter.llm.identity import model_identity
 
     identity = model_identity(target)

@@ -8,8 +8,9 @@ from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.utils import load_model as mlx_load_model
 
 from mlx_redrafter import RedrafterError
-from mlx_redrafter.draft.drafter import Drafter, DrafterConfig
+from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
+from mlx_redrafter.step.verify import install_tree_hooks
 
 GRID = [(w, l) for w in (1, 2, 4) for l in (1, 3, 5)]
 N_PROMPTS, N_TOKENS = 5, 64
@@ -139,7 +140,7 @@ def fixture_llm(fixtures_dir):
 @pytest.mark.parametrize("p", [0, 1])
 def test_fixture_generation_matches_official(fixture_llm, fixtures_dir, tag, folder, p):
     """Official BeamShape(width=2, length=4) counts g0: our beam_length=3."""
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
 
     model, ref = fixture_llm
     drafter = load_drafter(fixtures_dir / folder)
@@ -238,7 +239,7 @@ def test_drafter_for_another_model_is_refused():
 def test_fit_check_skips_an_embedding_without_weight():
     import mlx.nn as nn
 
-    from mlx_redrafter.draft.drafter import check_fits
+    from mlx_redrafter.draft.redrafter import check_fits
 
     model = tiny_model("llama")
     check_fits(random_drafter(), model)  # the same sizes: fits
@@ -271,5 +272,9 @@ def test_unsupported_rope_is_named():
         model = tiny_model("llama_dyn")
     finally:
         del TINY_CONFIGS["llama_dyn"]
+    # Never an error once drafting was asked for: one line that names the positions, then plain decoding.
+    with pytest.warns(UserWarning, match="DynamicNTKScalingRoPE.*Decoding without drafting"):
+        out, stats = generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(), 2, 2), max_tokens=4)
+    assert out == generate_tokens(model, [1, 2, 3], max_tokens=4)[0] and all(s.tree_size == 1 for s in stats)
     with pytest.raises(RedrafterError, match="DynamicNTKScalingRoPE"):
-        generate_tokens(model, [1, 2, 3], draft=DraftConfig(random_drafter(), 2, 2), max_tokens=4)
+        install_tree_hooks(model)

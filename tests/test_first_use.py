@@ -24,7 +24,7 @@ def test_no_blas_warning_with_blis_or_on_a_gpu():
 
 def test_load_drafter_default_loads_the_shipped_drafter():
     from mlx_redrafter import load_drafter
-    from mlx_redrafter.draft.drafter import shipped_drafter_path
+    from mlx_redrafter.draft.redrafter import shipped_drafter_path
 
     shipped = shipped_drafter_path("default")
     assert shipped is not None

@@ -157,7 +157,7 @@ def test_tree_masks_prune_rejected_drafts_and_match_each_node():
 
 
 def test_default_model_greedy_equals_plain_constrained_decoding():
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.llm.text import encode_prompt
     from mlx_redrafter.runtime import shipped_drafter_path

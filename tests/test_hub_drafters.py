@@ -1,5 +1,5 @@
-"""Drafters from the Hugging Face Hub (draft/hub.py) and ``upload``
-(draft/publish.py), without a network: a Hub cache is made in a temp folder
+"""Drafters from the Hugging Face Hub (hub/locate.py) and ``upload``
+(hub/publish.py), without a network: a Hub cache is made in a temp folder
 (``HF_HUB_CACHE``, offline) as ``hf download`` leaves it, with this
 project's layout and the official PyTorch one (written by torch_format.py,
 without torch). The upload itself cannot reach the Hub here: ``HfApi``'s
@@ -19,9 +19,9 @@ from mlx.utils import tree_flatten
 from torch_format import write_zip
 
 from mlx_redrafter import load_drafter
-from mlx_redrafter.draft import publish
-from mlx_redrafter.draft import store as st
 from mlx_redrafter.errors import RedrafterError
+from mlx_redrafter.hub import publish
+from mlx_redrafter.hub import store as st
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 PROMPT = "w1 w2 w3 w1 w2 w3 w1"

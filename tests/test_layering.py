@@ -1,7 +1,8 @@
 """Layering by folder: a module's path says what it may import.
 
 From the bottom up: the ground floor (errors.py, files.py); config.py and
-profiles.py; llm/; draft/ and step/ (the engine); the front door
+profiles.py; llm/; draft/ and step/ (the engine); hub/ (drafter
+distribution: the store, the Hub, load_drafter); the front door
 (generate.py and its neighbours); the tools (tuning/, train/, converters);
 the apps (chat/, serve/); the command line (cli/). Imports are read with ``ast``
 (function-local ones included), so nothing is imported to check. Every
@@ -24,6 +25,7 @@ GROUND = ["errors", "files"]
 CONFIG = ["config", "profiles"]
 LLM = ["llm"]
 ENGINE = ["draft", "step"]
+DISTRIBUTION = ["hub"]
 FRONT = ["generate", "responses", "runtime", "prompts", "doctor", "__init__"]
 TOOLS = ["tuning", "train", "converters"]
 APPS = ["chat", "serve"]
@@ -52,14 +54,17 @@ NAMED = [
     "llm/text",
     "llm/cache",
     "llm/identity",
-    "draft/drafter",
-    "draft/load",
+    "draft/redrafter",
     "draft/beam",
     "draft/lookup",
     "draft/controller",
-    "draft/store",
-    "draft/hub",
-    "draft/publish",
+    "draft/datastore/index",
+    "draft/datastore/file",
+    "draft/datastore/use",
+    "hub/store",
+    "hub/locate",
+    "hub/load",
+    "hub/publish",
     "step/tree",
     "step/verify",
     "step/accept",
@@ -177,7 +182,7 @@ def test_every_module_the_layout_names_exists(name):
 
 
 def test_every_package_module_has_a_layer():
-    every = GROUND + CONFIG + LLM + ENGINE + FRONT + TOOLS + APPS + CLI
+    every = GROUND + CONFIG + LLM + ENGINE + DISTRIBUTION + FRONT + TOOLS + APPS + CLI
     loose = [
         p.relative_to(REPO)
         for p in package_files()
@@ -210,28 +215,34 @@ def test_llm_imports_only_the_ground_floor():
     assert not offenders([REPO / "converters" / "gguf.py"], GROUND)
 
 
-# A Hub drafter in the PyTorch layout is converted on first use, as llm/ converts a
-# GGUF file on load: draft/hub.py alone may call the converters (the safe reader),
-# and draft/eagle3_io.py, which reads the EAGLE repository's pickled heads through it.
-CONVERTS_ON_LOAD = [PACKAGE / "draft" / "hub.py", PACKAGE / "draft" / "eagle3_io.py"]
-
-
 def test_step_and_draft_import_only_llm_config_and_each_other():
-    engine = [p for p in files_of(ENGINE) if p not in CONVERTS_ON_LOAD]
-    assert not offenders(engine, GROUND + CONFIG + LLM + ENGINE)
-    assert not offenders(CONVERTS_ON_LOAD, GROUND + CONFIG + LLM + ENGINE + ["converters"])
+    assert not offenders(files_of(ENGINE), GROUND + CONFIG + LLM + ENGINE)
 
 
 def test_draft_sources_do_not_import_the_step_that_consumes_them():
     """Arrays flow one way: draft/ proposes rows, step/ verifies them; a shared
-    constant (PAD) lives on the floor both stand on (config.py)."""
-    draft = [p for p in files_of(["draft"]) if p not in CONVERTS_ON_LOAD]
-    assert not offenders(draft, GROUND + CONFIG + LLM + ["draft"])
-    assert not offenders(CONVERTS_ON_LOAD, GROUND + CONFIG + LLM + ["draft", "converters"])
+    constant (PAD) lives on the floor both stand on (config.py). Nor does a
+    draft source reach drafter distribution (hub/): the store and the Hub
+    hand a source its files, never the other way round."""
+    assert not offenders(files_of(["draft"]), GROUND + CONFIG + LLM + ["draft"])
+
+
+# A Hub drafter in the PyTorch layout is converted on first use, as llm/ converts a
+# GGUF file on load: hub/locate.py alone may call the converters (the safe reader).
+CONVERTS_ON_LOAD = [PACKAGE / "hub" / "locate.py"]
+
+
+def test_drafter_distribution_imports_only_the_draft_sources_below_it():
+    """hub/ (the drafter store, the Hub, publishing, load_drafter) stands on
+    draft/ (the drafter's files) and llm/ (a model's identity); the front door
+    and everything above import it."""
+    hub = [p for p in files_of(DISTRIBUTION) if p not in CONVERTS_ON_LOAD]
+    assert hub and not offenders(hub, GROUND + CONFIG + LLM + ["draft"] + DISTRIBUTION)
+    assert not offenders(CONVERTS_ON_LOAD, GROUND + CONFIG + LLM + ["draft"] + DISTRIBUTION + ["converters"])
 
 
 def test_nothing_below_imports_the_tools_the_apps_or_the_cli():
-    below = files_of(GROUND + CONFIG + LLM + ENGINE + FRONT) + [REPO / "converters" / "gguf.py"]
+    below = files_of(GROUND + CONFIG + LLM + ENGINE + DISTRIBUTION + FRONT) + [REPO / "converters" / "gguf.py"]
     bad = {}
     for path in below:
         hits = sorted(m for m in package_imports(path) if in_group(m, UPPER))
@@ -241,7 +252,7 @@ def test_nothing_below_imports_the_tools_the_apps_or_the_cli():
 
 
 def test_the_tools_import_no_app():
-    assert not offenders(files_of(TOOLS), GROUND + CONFIG + LLM + ENGINE + FRONT + TOOLS)
+    assert not offenders(files_of(TOOLS), GROUND + CONFIG + LLM + ENGINE + DISTRIBUTION + FRONT + TOOLS)
 
 
 def test_no_module_uses_a_command_module_as_a_library():
@@ -301,7 +312,7 @@ def test_the_import_graph_has_no_circle():
     once imported each other), the commands on cli/options.py (they once
     imported the cli package that imports them), make-drafter's stages on
     train/recipe_state.py (finish and recipe once imported each other)."""
-    everything = files_of(GROUND + CONFIG + LLM + ENGINE + FRONT + TOOLS + APPS + CLI)
+    everything = files_of(GROUND + CONFIG + LLM + ENGINE + DISTRIBUTION + FRONT + TOOLS + APPS + CLI)
     assert not import_cycles(everything)
     a, b = PACKAGE / "serve" / "openai_api.py", PACKAGE / "serve" / "ollama_api.py"
     assert import_cycles([a, b]) == []

@@ -163,7 +163,7 @@ CHAT = ["What is the capital of France?", "Write a Python function that reverses
 
 @pytest.fixture(scope="module")
 def default_setup(default_model):
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.runtime import shipped_drafter_path
 
     model, tok = default_model

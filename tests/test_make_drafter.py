@@ -107,7 +107,7 @@ def stop_in(stage: str, after: int = 1):
 
 
 def test_make_drafter_end_to_end_measures_on_held_out_prompts(tiny, tmp_path):
-    from mlx_redrafter.draft.store import META, find
+    from mlx_redrafter.hub.store import META, find
     from mlx_redrafter.llm.identity import model_identity
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.train.examples import is_eval_conversation, split_examples
@@ -160,7 +160,7 @@ def test_make_drafter_end_to_end_measures_on_held_out_prompts(tiny, tmp_path):
 
 
 def test_an_interrupt_in_each_stage_keeps_what_is_done_and_the_rerun_continues(tiny, tmp_path, monkeypatch, cache):
-    import mlx_redrafter.draft.store as store
+    import mlx_redrafter.hub.store as store
     import mlx_redrafter.tuning.calibrate as calibrate
 
     out = tmp_path / "work"
@@ -277,7 +277,7 @@ def test_the_install_rule():
 
 
 def test_a_refused_drafter_says_what_its_learning_curve_needs(tiny, tmp_path):
-    from mlx_redrafter.draft.store import find
+    from mlx_redrafter.hub.store import find
     from mlx_redrafter.llm.identity import model_identity
     from mlx_redrafter.llm.load import load_model
 
@@ -336,7 +336,7 @@ def test_the_budget_split_and_the_head():
 
 
 def test_prompts_history_distils_what_chat_kept_and_is_private(tiny, tmp_path, monkeypatch):
-    from mlx_redrafter.draft.stores import history_prompts, prompts_path
+    from mlx_redrafter.draft.datastore.use import history_prompts, prompts_path
 
     folder = str(tiny[0])
     assert cli(["make-drafter", "--model", folder, "--minutes", "1", "--prompts", "history"]) == 1  # none yet

@@ -176,6 +176,8 @@ LOOP_FUNCTIONS = [
     ("mlx_redrafter.step.verify", None),
     ("mlx_redrafter.draft.beam", None),
     ("mlx_redrafter.llm.cache", None),
+    ("mlx_redrafter.step.mixers", None),  # the recurrent layers' tree hooks
+    ("mlx_redrafter.llm.recurrent", None),
 ]
 
 

@@ -32,9 +32,10 @@ from helpers import (
 
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.runtime import resolve_drafter_path
-from mlx_redrafter.tuning import report
+from mlx_redrafter.tuning import report, summary
 from mlx_redrafter.tuning import sweep as sw
 from mlx_redrafter.tuning.measure import PHASES
+from mlx_redrafter.tuning.results import cell_key
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -232,7 +233,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
     seqs = {b["seq"]: b for b in data["baselines"]}
     assert {"device", "blas", "default_dtype", "machine"} <= set(data["machine"])
 
-    assert [sw.cell_key(c) for c in data["cells"]] == cfg.cells()
+    assert [cell_key(c) for c in data["cells"]] == cfg.cells()
     for c in data["cells"]:
         w, l = c["width"], c["length"]
         assert c["status"] == "ok" and c["tokens"] == 2 * 10
@@ -292,7 +293,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert png_size(tmp_path / name) == size
         with Image.open(tmp_path / name) as im:
             assert im.size == size and im.format == "PNG"
-    drawn = sw.write_outputs(data, tmp_path, cfg)
+    drawn = summary.write_outputs(data, tmp_path, cfg)
     for key in report.HEATMAPS:
         np.testing.assert_array_equal(drawn[key], expected_matrix(data, key, [1, 2], [2, 3]))
     assert report.heatmap_pixels(3, 4) != size  # the size follows the grid
@@ -305,15 +306,15 @@ def test_sweep_auto_column_beside_the_fixed_grid(tmp_path, model, drafter):
     assert cfg.has_auto() and not sw.SweepConfig([1], [1]).has_auto()
     results = sw.run_sweep(model, random_prompts(2), drafter, cfg, tmp_path, {"model": "tiny"})
     auto = [(1, 2, 0, "auto"), (2, 2, 0, "auto")]
-    assert sorted(sw.cell_key(c) for c in results["cells"]) == sorted(
+    assert sorted(cell_key(c) for c in results["cells"]) == sorted(
         [(w, l, 0, "fixed") for w in (1, 2) for l in (1, 2)] + auto
     )
     for c in results["cells"]:
         assert c["status"] == "ok" and c["identical_outputs"] == 2
         assert 1 <= c["tree_size"] <= 1 + c["width"] * c["length"]
-    assert sw.heatmap_lengths(cfg) == [1, 2, "auto"]
-    drawn = sw.write_outputs(results, tmp_path, cfg)
-    by_key = {sw.cell_key(c): c for c in results["cells"]}
+    assert summary.heatmap_lengths(cfg) == [1, 2, "auto"]
+    drawn = summary.write_outputs(results, tmp_path, cfg)
+    by_key = {cell_key(c): c for c in results["cells"]}
     for key in report.HEATMAPS:
         want = [[by_key[(w, l, 0, "fixed")][key] for l in (1, 2)] + [by_key[(w, 2, 0, "auto")][key]] for w in (1, 2)]
         np.testing.assert_allclose(drawn[key], want)
@@ -435,7 +436,7 @@ def test_cells_over_the_memory_budget_are_skipped(tmp_path, model, drafter):
     assert status[(4, 5)]["estimated_memory_gb"] > limit
     rows = {(r["width"], r["length"]): r for r in read_csv(tmp_path / "results.csv") if r["kind"] == "cell"}
     assert rows[("4", "5")]["status"] == "skipped" and rows[("4", "5")]["note"]
-    drawn = sw.write_outputs(results, tmp_path, cfg)
+    drawn = summary.write_outputs(results, tmp_path, cfg)
     assert np.isnan(drawn["speedup"][1, 1]) and np.isfinite(drawn["speedup"][0, 0])
 
 
@@ -473,7 +474,7 @@ def test_cli_sweep_bad_input_is_one_clear_error(tmp_path, tiny_folder, drafter_f
 
 
 def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch, tmp_path):
-    import mlx_redrafter.draft.store as store
+    import mlx_redrafter.hub.store as store
 
     monkeypatch.setattr(store, "shipped_root", lambda: tmp_path)  # the package ships none, the store holds none
     with pytest.raises(RedrafterError, match="No drafter given") as e:
@@ -513,7 +514,7 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     # Every (W, L) with lookup off and on (the default lookup dimension), and
     # the auto column beside them (caps W x the longest L), each exact.
     grid = [(w, 2, k, t) for t in ("auto", "fixed") for w in (1, 2) for k in (0, 1)]
-    assert sorted(sw.cell_key(c) for c in results["cells"]) == sorted(grid)
+    assert sorted(cell_key(c) for c in results["cells"]) == sorted(grid)
     assert all(c["identical_outputs"] == 2 for c in results["cells"]) and results["baselines"]
     best = results["best"]
     assert "saved profile" in captured.err and "Speedupoverplain" in squeeze(captured.out)  # tables on stdout
@@ -531,7 +532,7 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     monkeypatch.undo()
 
     profile = lookup_profile(str(tiny_folder), dfolder)
-    assert (profile["beam_width"], profile["beam_length"], profile["lookup"], profile["tree"]) == sw.cell_key(best)
+    assert (profile["beam_width"], profile["beam_length"], profile["lookup"], profile["tree"]) == cell_key(best)
 
     gen = ["generate", "--model", str(tiny_folder), "--drafter", str(dfolder), "--prompt", "w1 w2", "-n", "4"]
     assert cli(gen) == 0
@@ -576,8 +577,8 @@ def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatc
 
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):
     from mlx_redrafter.config import DEFAULT_LENGTH, DEFAULT_WIDTH, library_draft
-    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
 
@@ -599,7 +600,7 @@ def test_a_profile_from_an_auto_cell_sets_the_tree(tmp_path, tiny_folder):
     """A sweep's best cell may be an auto one: its profile says so, and the
     tree is then the profile's unless one is given."""
     from mlx_redrafter.config import library_draft
-    from mlx_redrafter.draft.load import load_drafter
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
     from mlx_redrafter.runtime import load_runtime, tree_kw

@@ -9,8 +9,7 @@ import pytest
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.llm.text import encode_prompt
 from mlx_redrafter.prompts import chat_prompt_ids
-from mlx_redrafter.serve.tools import (
-    GENERIC_FORMAT,
+from mlx_redrafter.serve.tool_calls import (
     ToolCall,
     ToolCallStream,
     finish_reason,
@@ -18,10 +17,8 @@ from mlx_redrafter.serve.tools import (
     openai_delta,
     openai_message,
     parse,
-    parser_format,
-    render,
-    tool_format,
 )
+from mlx_redrafter.serve.tools import GENERIC_FORMAT, parser_format, render, tool_format
 
 WEATHER = {
     "type": "function",

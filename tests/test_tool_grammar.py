@@ -19,8 +19,9 @@ import logging
 import jsonschema_rs
 import pytest
 
+from mlx_redrafter.serve.tool_calls import parse
 from mlx_redrafter.serve.tool_grammar import SYNTAXES, NotExpressible, ToolError, reply_grammar, tool_grammar
-from mlx_redrafter.serve.tools import GENERIC_FORMAT, parse, parser_format, render
+from mlx_redrafter.serve.tools import GENERIC_FORMAT, parser_format, render
 from mlx_redrafter.step.grammar import compile_grammar
 
 WEATHER = {
@@ -283,8 +284,8 @@ CITY = {
 @pytest.mark.parametrize("choice,parallel", [("required", False), ({"name": "get_weather"}, True), ("auto", True)])
 def test_default_model_greedy_under_drafting_equals_constrained_plain_decoding(default_model, choice, parallel):
     from mlx_redrafter.config import DraftConfig
-    from mlx_redrafter.draft.load import load_drafter
     from mlx_redrafter.generate import stream_generate
+    from mlx_redrafter.hub.load import load_drafter
     from mlx_redrafter.runtime import shipped_drafter_path
 
     llm, tok = default_model

@@ -16,8 +16,8 @@ from helpers import TINY_CONFIGS, tiny_model
 
 import mlx_redrafter
 from mlx_redrafter import RedrafterError
-from mlx_redrafter.draft.load import load_drafter
 from mlx_redrafter.generate import DraftConfig, generate_tokens
+from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.prompts import FINGERPRINTS, PROMPT_SETS, build_fingerprints, refuse_eval_set
 from mlx_redrafter.train.distill import DistillConfig, distill
 from mlx_redrafter.train.shards import Manifest, read_corpus

@@ -63,6 +63,8 @@ def test_the_wheel_carries_every_module_and_data_file(wheel):
         "mlx_redrafter/llm",
         "mlx_redrafter/step",
         "mlx_redrafter/draft",
+        "mlx_redrafter/draft/datastore",
+        "mlx_redrafter/hub",
         "mlx_redrafter/chat",
         "mlx_redrafter/serve",
         "mlx_redrafter/tuning",

@@ -130,7 +130,7 @@ class ChatSession:
         keep the conversation within this many tokens (default: the model's
         context). ``draft``: a resolved draft (its beam shape and lookup beams
         are the settings'); else ``drafter`` and ``controller``.
-        ``history_store``: a :class:`~mlx_redrafter.draft.stores.History`
+        ``history_store``: a :class:`~mlx_redrafter.draft.datastore.use.History`
         that each finished reply is appended to."""
         self.model, self.tokenizer = model, tokenizer
         self.base_draft = draft or DraftConfig(drafter, controller=controller)

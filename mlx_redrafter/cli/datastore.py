@@ -1,5 +1,5 @@
 """``mlx-redrafter datastore build|add|info|clear``: the model's datastores
-(draft/stores.py says where they live and what they hold)."""
+(draft/datastore/use.py says where they live and what they hold)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def add(
     out: Optional[Path] = OutOpt,
 ):
     """Add a corpus (domain text, code) to the model's datastore, to be drafted from."""
-    from ..draft.datastore import Datastore, default_path, model_key
+    from ..draft.datastore.index import Datastore, default_path, model_key
 
     texts = read_corpus(file)
     path = out or default_path(model, "corpus")
@@ -126,8 +126,8 @@ def _size(path: Path) -> str:
 @store_app.command()
 def info(model: str = ModelOpt):
     """Show the model's stores (sequences, tokens, size on disk) and the last session's hit rate."""
-    from ..draft.datastore import KINDS, Datastore, default_path, model_key
-    from ..draft.stores import read_session, shipped_store_path
+    from ..draft.datastore.index import KINDS, Datastore, default_path, model_key
+    from ..draft.datastore.use import read_session, shipped_store_path
 
     paths = [(kind, default_path(model, kind)) for kind in KINDS]
     if shipped_store_path(model) is not None:
@@ -156,8 +156,8 @@ def clear(
     kind: str = typer.Option("history", "--kind", help="history | built | corpus | all"),
 ):
     """Empty the model's history store (the replies chat and serve kept, and their prompts), or another kind."""
-    from ..draft.datastore import KINDS, default_path
-    from ..draft.stores import prompts_path, session_path
+    from ..draft.datastore.index import KINDS, default_path
+    from ..draft.datastore.use import prompts_path, session_path
 
     kinds = KINDS if kind == "all" else (kind,)
     if not set(kinds) <= set(KINDS):

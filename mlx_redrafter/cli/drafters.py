@@ -1,5 +1,5 @@
-"""``mlx-redrafter drafters list|path|rm`` (the drafter store, draft/store.py)
-and ``mlx-redrafter upload`` (publishing one on the Hub, draft/publish.py)."""
+"""``mlx-redrafter drafters list|path|rm`` (the drafter store, hub/store.py)
+and ``mlx-redrafter upload`` (publishing one on the Hub, hub/publish.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def list_cmd(
     ),
 ):
     """Show the stored drafters (and the package's): model, fingerprint, source, measured speed-up, folder."""
-    from ..draft import store
+    from ..hub import store
 
     used, rows = None, None
     if model is not None:
@@ -55,7 +55,7 @@ def list_cmd(
 @drafters_app.command("path")
 def path_cmd(model: str = typer.Argument(..., help="'default', an mlx-lm folder, a Hub id or a .gguf file.")):
     """Print the folder of the drafter the tools use for MODEL."""
-    from ..draft import store
+    from ..hub import store
     from ..llm.load import identity_for_spec
 
     identity = identity_for_spec(model)
@@ -81,7 +81,7 @@ def rm_cmd(
     ),
 ):
     """Remove stored drafters (asks nothing; says what it removed)."""
-    from ..draft import store
+    from ..hub import store
 
     for path in store.remove(name):
         print(f"removed {path}")
@@ -107,9 +107,9 @@ def upload(
     ),
 ):
     """Publish a drafter on the Hugging Face Hub with a model card written from what it knows (base model, data, recipe, acceptance, verdict)."""  # noqa: E501 (one line: typer shows newlines)
-    from ..draft.hub import is_hub_id, locate
-    from ..draft.publish import publish
-    from ..draft.store import slug
+    from ..hub.locate import is_hub_id, locate
+    from ..hub.publish import publish
+    from ..hub.store import slug
 
     if not is_hub_id(repo):
         raise RedrafterError(f"--repo {repo!r} is not a Hub repo id.", "Use --repo ORG/NAME.")

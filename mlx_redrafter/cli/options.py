@@ -148,6 +148,25 @@ def _runtime(
 # --------------------------------------------------------------------------- helpers
 
 
+def progress_bar(*middle: str, eta: bool = False, disable: bool = False):
+    """A rich progress bar on the error console: the task's description, a bar,
+    ``middle`` (``"count"``: done of total; any other string: a text column's
+    format), the time elapsed, ("ETA" with ``eta``) and the time remaining."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = [TextColumn("{task.description}"), BarColumn()]
+    columns += [MofNCompleteColumn() if m == "count" else TextColumn(m) for m in middle]
+    columns += [TimeElapsedColumn()] + ([TextColumn("ETA")] if eta else []) + [TimeRemainingColumn()]
+    return Progress(*columns, console=err, disable=disable)
+
+
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     """The prompt from --prompt, --file, or standard input."""
     if prompt is not None and file is not None:

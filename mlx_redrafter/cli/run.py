@@ -212,9 +212,12 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _cache_bytes(text: Optional[str]) -> int:
-    """--prompt-cache-bytes as a number (mlx_lm.server's sizes: 100, 512MB, 2GB)."""
-    if text is None:
-        return 1 << 63
+    """--prompt-cache-bytes as a number (no bound when not given)."""
+    return 1 << 63 if text is None else _size(text, "--prompt-cache-bytes")
+
+
+def _size(text: str, flag: str) -> int:
+    """A size flag's value as a number of bytes (mlx_lm.server's sizes: 100, 512MB, 2GB)."""
     from mlx_lm.utils import _parse_size
 
     try:
@@ -222,8 +225,53 @@ def _cache_bytes(text: Optional[str]) -> int:
     except (ArithmeticError, KeyError, ValueError):  # not digits, or an unknown unit
         size = 0
     if size < 1:
-        raise RedrafterError(f"--prompt-cache-bytes {text!r} is not a size.", "Give bytes, or e.g. 512MB or 2GB.")
+        raise RedrafterError(f"{flag} {text!r} is not a size.", "Give bytes, or e.g. 512MB or 2GB.")
     return size
+
+
+# serve's own flags (the shared ones are in options.py)
+HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens the server to your network).")
+QueueSizeOpt = typer.Option(
+    16,
+    "--queue-size",
+    help="Requests that may wait while --max-batch others decode; past both the server answers 503 with Retry-After.",
+)
+MaxBatchOpt = typer.Option(
+    8,
+    "--max-batch",
+    help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted).",
+)
+PromptCacheSizeOpt = typer.Option(
+    10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."
+)
+PromptCacheBytesOpt = typer.Option(
+    None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."
+)
+MaxBodyBytesOpt = typer.Option(
+    None,
+    "--max-body-bytes",
+    help="Largest request body read, e.g. 4MB; a larger one is a 413, its body unread "
+    "(default: 64 bytes per token of the model's context, at least 1MB).",
+)
+ApiKeyOpt = typer.Option(
+    None,
+    "--api-key",
+    help="Require this key on every route but the chat page and /health, "
+    "as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $MLX_REDRAFTER_API_KEY, else no key).",
+)
+AllowHostOpt = typer.Option(
+    [],
+    "--allow-host",
+    help="Also answer to this Host name (repeatable; '*.lan': a domain, '*': any). "
+    "Always answered: localhost, 127.0.0.1, [::1] and the --host address.",
+)
+AllowOriginOpt = typer.Option(
+    [],
+    "--allow-origin",
+    help="Let web pages from this origin use the server, with CORS (repeatable, e.g. http://localhost:3000; "
+    "'*': any page; also $MLX_REDRAFTER_ORIGINS, comma-separated). "
+    "The chat page's own origin always may.",
+)
 
 
 @app.command()
@@ -233,34 +281,18 @@ def serve(
     no_draft: bool = NoDraftOpt,
     beam_width: Optional[int] = BeamWidthOpt,
     beam_length: Optional[int] = BeamLengthOpt,
-    host: str = typer.Option(
-        "127.0.0.1", "--host", help="Address to listen on (0.0.0.0 opens the server to your network)."
-    ),
+    host: str = HostOpt,
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
     min_p: float = MinPOpt,
-    queue_size: int = typer.Option(
-        16,
-        "--queue-size",
-        help="Requests that may wait while --max-batch others decode; "
-        "past both the server answers 503 with Retry-After.",
-    ),
-    max_batch: int = typer.Option(
-        8,
-        "--max-batch",
-        help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted).",
-    ),
-    prompt_cache_size: int = typer.Option(
-        10,
-        "--prompt-cache-size",
-        help="Conversations whose KV cache is kept (the least recently stored dropped first).",
-    ),
-    prompt_cache_bytes: Optional[str] = typer.Option(
-        None, "--prompt-cache-bytes", help="Most bytes of kept KV caches, e.g. 2GB (default: no bound)."
-    ),
+    queue_size: int = QueueSizeOpt,
+    max_batch: int = MaxBatchOpt,
+    prompt_cache_size: int = PromptCacheSizeOpt,
+    prompt_cache_bytes: Optional[str] = PromptCacheBytesOpt,
+    max_body_bytes: Optional[str] = MaxBodyBytesOpt,
     adaptive: bool = AdaptiveOpt,
     tree: Optional[str] = TreeOpt,
     dtype: Optional[str] = DtypeOpt,
@@ -268,54 +300,20 @@ def serve(
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
     datastore: Optional[str] = DatastoreOpt,
     no_history: bool = NoHistoryOpt,
-    api_key: Optional[str] = typer.Option(
-        None,
-        "--api-key",
-        help="Require this key on every route but the chat page and /health, "
-        "as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: $MLX_REDRAFTER_API_KEY, else no key).",
-    ),
-    allow_host: List[str] = typer.Option(
-        [],
-        "--allow-host",
-        help="Also answer to this Host name (repeatable; '*.lan': a domain, '*': any). "
-        "Always answered: localhost, 127.0.0.1, [::1] and the --host address.",
-    ),
-    allow_origin: List[str] = typer.Option(
-        [],
-        "--allow-origin",
-        help="Let web pages from this origin use the server, with CORS (repeatable, e.g. http://localhost:3000; "
-        "'*': any page; also $MLX_REDRAFTER_ORIGINS, comma-separated). "
-        "The chat page's own origin always may.",
-    ),
+    api_key: Optional[str] = ApiKeyOpt,
+    allow_host: List[str] = AllowHostOpt,
+    allow_origin: List[str] = AllowOriginOpt,
 ):
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /.
 
     Other Host names and web pages' origins are refused (403) unless allowed; --api-key guards every route but the page."""  # noqa: E501 (typer shows newlines)
     # Every check before the slow imports and the model load.
-    if queue_size < 1:
-        raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
-    if max_batch < 1:
-        raise RedrafterError(f"--max-batch must be at least 1 (got {max_batch}).", "1 serves one request at a time.")
-    cache_bytes = _cache_bytes(prompt_cache_bytes)
-    if prompt_cache_size < 1:
-        raise RedrafterError(f"--prompt-cache-size must be at least 1 (got {prompt_cache_size}).")
-    _check_port(host, port)
-    from ..chat.settings import check_setting
-
-    check_setting("max_tokens", max_tokens, name="--max-tokens")
+    cache_bytes = _check_serve_flags(
+        host, port, max_tokens, queue_size, max_batch, prompt_cache_size, prompt_cache_bytes
+    )
+    body_bytes = None if max_body_bytes is None else _size(max_body_bytes, "--max-body-bytes")
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
-    try:
-        import uvicorn
-
-        from ..serve.app import create_app
-        from ..serve.security import SecurityConfig
-    except ImportError as e:
-        raise RedrafterError(
-            f"The server needs packages that are not installed ({e.name}).", "pip install 'mlx-redrafter[server]'"
-        ) from None
-    security = SecurityConfig.resolve(host, api_key, allow_host, allow_origin)
-    for warning in security.warnings():
-        err.print(f"[bold yellow]Warning:[/bold yellow] {escape(warning)}", soft_wrap=True)
+    uvicorn, create_app, security = _server_parts(host, api_key, allow_host, allow_origin)
     from ..serve import Engine
 
     rt = _runtime(
@@ -340,10 +338,44 @@ def serve(
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=cache_bytes,
     )
-    app_ = create_app(engine, ui=not no_ui, security=security)
+    app_ = create_app(engine, ui=not no_ui, security=security, max_body_bytes=body_bytes)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
     err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+
+def _check_serve_flags(host, port, max_tokens, queue_size, max_batch, cache_size, cache_bytes) -> int:
+    """serve's own flags checked (and the port free), before the slow load; the cache's bound in bytes."""
+    from ..chat.settings import check_setting
+
+    if queue_size < 1:
+        raise RedrafterError(f"--queue-size must be at least 1 (got {queue_size}).")
+    if max_batch < 1:
+        raise RedrafterError(f"--max-batch must be at least 1 (got {max_batch}).", "1 serves one request at a time.")
+    size = _cache_bytes(cache_bytes)
+    if cache_size < 1:
+        raise RedrafterError(f"--prompt-cache-size must be at least 1 (got {cache_size}).")
+    _check_port(host, port)
+    check_setting("max_tokens", max_tokens, name="--max-tokens")
+    return size
+
+
+def _server_parts(host: str, api_key, allow_host, allow_origin):
+    """``(uvicorn, create_app, security)``: the server's packages (or the error
+    naming the extra to install), and who may use the server, its warnings printed."""
+    try:
+        import uvicorn
+
+        from ..serve.app import create_app
+        from ..serve.security import SecurityConfig
+    except ImportError as e:
+        raise RedrafterError(
+            f"The server needs packages that are not installed ({e.name}).", "pip install 'mlx-redrafter[server]'"
+        ) from None
+    security = SecurityConfig.resolve(host, api_key, allow_host, allow_origin)
+    for warning in security.warnings():
+        err.print(f"[bold yellow]Warning:[/bold yellow] {escape(warning)}", soft_wrap=True)
+    return uvicorn, create_app, security
 
 
 @app.command()

@@ -9,7 +9,40 @@ import typer
 from rich.console import Console
 
 from ..errors import RedrafterError
-from .options import DtypeOpt, ModelOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err
+from .options import DtypeOpt, ModelOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err, progress_bar
+
+# sweep's own flags (the shared ones are in options.py)
+LengthsOpt = typer.Option("2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5.")
+PromptsOpt = typer.Option(
+    "mt_bench", "--prompts", help="mt_bench | spec_bench | alpaca_eval | a .jsonl/.json/.txt file."
+)
+NumPromptsOpt = typer.Option(8, "--num-prompts", help="Prompts per cell (first turns, round-robin over categories).")
+OutOpt = typer.Option(Path("sweep-results"), "--out", "-o", help="Output folder; an interrupted sweep resumes there.")
+SaveProfileOpt = typer.Option(
+    False, "--save-profile", help="Store the best (W, L) for this device + model + drafter; generate and chat use it."
+)
+MemoryLimitOpt = typer.Option(
+    None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."
+)
+TimingsOpt = typer.Option(
+    False,
+    "--timings/--no-timings",
+    "--profile/--no-profile",
+    help="Split each step into draft / pack / verify / accept: a sync per phase, "
+    "in the synchronous step loop, so the speedups are that loop's (--profile: the old name).",
+)
+SweepAdaptiveOpt = typer.Option(
+    False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."
+)
+SweepLookupOpt = typer.Option(
+    None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."
+)
+SweepTreeOpt = typer.Option(
+    None,
+    "--tree",
+    help="fixed: the fixed W x L grid only; auto: every cell runs the cost-aware selection "
+    "(W and L become caps); default: the fixed grid and an auto column beside it (caps W x the longest L).",
+)
 
 
 @app.command()
@@ -17,85 +50,34 @@ def sweep(
     model: str = ModelOpt,
     drafter: Optional[str] = NeededDrafterOpt,
     widths: str = typer.Option("1,2,3,4", "--widths", help="Beam widths: a list or a range, e.g. 1,2,3,4 or 1-4."),
-    lengths: str = typer.Option(
-        "2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5."
-    ),
-    prompts: str = typer.Option(
-        "mt_bench", "--prompts", help="mt_bench | spec_bench | alpaca_eval | a .jsonl/.json/.txt file."
-    ),
-    num_prompts: int = typer.Option(
-        8, "--num-prompts", help="Prompts per cell (first turns, round-robin over categories)."
-    ),
+    lengths: str = LengthsOpt,
+    prompts: str = PromptsOpt,
+    num_prompts: int = NumPromptsOpt,
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per prompt."),
-    out: Path = typer.Option(
-        Path("sweep-results"), "--out", "-o", help="Output folder; an interrupted sweep resumes there."
-    ),
+    out: Path = OutOpt,
     baseline_every: int = typer.Option(4, "--baseline-every", help="Measure plain decoding again after every k cells."),
-    save_profile: bool = typer.Option(
-        False,
-        "--save-profile",
-        help="Store the best (W, L) for this device + model + drafter; generate and chat use it.",
-    ),
-    memory_limit: Optional[float] = typer.Option(
-        None, "--memory-limit", help="GB one cell may use (default: what the device has); larger cells are skipped."
-    ),
-    timings: bool = typer.Option(
-        False,
-        "--timings/--no-timings",
-        "--profile/--no-profile",
-        help="Split each step into draft / pack / verify / accept: a sync per phase, "
-        "in the synchronous step loop, so the speedups are that loop's (--profile: the old name).",
-    ),
+    save_profile: bool = SaveProfileOpt,
+    memory_limit: Optional[float] = MemoryLimitOpt,
+    timings: bool = TimingsOpt,
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the results in --out."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     seed: int = typer.Option(0, "--seed", help="With --temp > 0, prompt i is sampled from seed + i in every pass."),
-    adaptive: bool = typer.Option(
-        False, "--adaptive", help="Let the drafter's trained controller pick the depth (lengths become maxima)."
-    ),
-    lookup: Optional[bool] = typer.Option(
-        None,
-        "--lookup/--no-lookup",
-        help="Measure every cell with lookup drafts only, or only without (default: both).",
-    ),
+    adaptive: bool = SweepAdaptiveOpt,
+    lookup: Optional[bool] = SweepLookupOpt,
     dtype: Optional[str] = DtypeOpt,
-    tree: Optional[str] = typer.Option(
-        None,
-        "--tree",
-        help="fixed: the fixed W x L grid only; auto: every cell runs the cost-aware selection "
-        "(W and L become caps); default: the fixed grid and an auto column beside it (caps W x the longest L).",
-    ),
+    tree: Optional[str] = SweepTreeOpt,
 ):
     """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""  # noqa: E501 (one line: typer shows newlines)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from ..config import LOOKUP_LENGTH
-    from ..prompts import first_turn_ids, load_prompt_set, select_conversations
+    from ..prompts import load_prompt_set, select_conversations
     from ..runtime import resolve_drafter_path
     from ..tuning import sweep as sw
     from ..tuning.results import check_resumable
+    from ..tuning.summary import print_summary
 
     # Every check that needs no model comes before the slow load.
-    lookups = [0, 1] if lookup is None else [int(lookup)]
-    config = sw.SweepConfig(
-        sw.parse_grid(widths, "--widths"),
-        sw.parse_grid(lengths, "--lengths"),
-        max_tokens,
-        baseline_every,
-        timings,
-        memory_limit,
-        temp,
-        top_p,
-        seed,
-        lookups,
-    )
+    config = _sweep_config(widths, lengths, max_tokens, baseline_every, timings, memory_limit, temp, top_p, seed)
+    config.lookups = [0, 1] if lookup is None else [int(lookup)]
     config.tree, config.auto_column = tree or "fixed", tree is None
     config.check()
     if num_prompts < 1:
@@ -112,46 +94,58 @@ def sweep(
         f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
         f"{max_tokens} tokens each[/dim]"
     )
-    ids, dropped = sw.fit_prompts(
-        first_turn_ids(s.tokenizer, convs),
-        s.model,
-        max_tokens,
-        1 + max(config.widths) * max(config.lengths) + max(lookups) * LOOKUP_LENGTH,
-    )
+    results = _run_sweep(s, _sweep_prompts(s, convs, config), config, out, meta, fresh)
+    print_summary(Console(), results, config, out)  # the tables are the command's output: stdout
+    if save_profile:
+        _save_profile(results, model, drafter_path, out)
+
+
+def _sweep_config(widths, lengths, max_tokens, baseline_every, timings, memory_limit, temp, top_p, seed):
+    """The grid and the measuring flags as one SweepConfig (the grids parsed, not yet checked)."""
+    from ..tuning.sweep import SweepConfig, parse_grid
+
+    grid = (parse_grid(widths, "--widths"), parse_grid(lengths, "--lengths"))
+    return SweepConfig(*grid, max_tokens, baseline_every, timings, memory_limit, temp, top_p, seed)
+
+
+def _sweep_prompts(rt, convs, config) -> list:
+    """The prompts' ids, those that cannot fit the model's context with the largest cell's tree left out (and said)."""
+    from ..config import LOOKUP_LENGTH
+    from ..prompts import first_turn_ids
+    from ..tuning.sweep import fit_prompts
+
+    tree = 1 + max(config.widths) * max(config.lengths) + max(config.lookups) * LOOKUP_LENGTH
+    ids, dropped = fit_prompts(first_turn_ids(rt.tokenizer, convs), rt.model, config.max_tokens, tree)
     if dropped:
         err.print(
             f"[yellow]{dropped} prompts do not fit the model's context "
-            f"with --max-tokens {max_tokens}; left out.[/yellow]"
+            f"with --max-tokens {config.max_tokens}; left out.[/yellow]"
         )
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=err) as bar:
+    return ids
+
+
+def _run_sweep(rt, ids, config, out: Path, meta: dict, fresh: bool) -> dict:
+    """Run the sweep under a progress bar; Ctrl-C keeps the finished cells in ``out``."""
+    from ..tuning.sweep import run_sweep
+
+    with progress_bar("count", eta=True) as bar:
         task = bar.add_task("sweep", total=None)
         try:
-            results = sw.run_sweep(
-                s.model,
+            return run_sweep(
+                rt.model,
                 ids,
-                s.drafter,
+                rt.drafter,
                 config,
                 out,
                 meta,
-                eos_ids=sorted(s.tokenizer.eos_token_ids),
+                eos_ids=sorted(rt.tokenizer.eos_token_ids),
                 progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label),
                 fresh=fresh,
-                controller=s.controller,
+                controller=rt.controller,
             )
         except KeyboardInterrupt:
             err.print(f"Interrupted: finished cells are saved in {out}/results.json; rerun the same command to resume.")
             raise typer.Exit(130)
-    sw.print_summary(Console(), results, config, out)  # the tables are the command's output: stdout
-    if save_profile:
-        _save_profile(sw, results, model, drafter_path, out)
 
 
 def _sweep_curve(rt, model_spec, has_auto: bool, save_profile: bool):
@@ -166,14 +160,17 @@ def _sweep_curve(rt, model_spec, has_auto: bool, save_profile: bool):
     return curve_for(rt.model, model_spec) if has_auto else None
 
 
-def _save_profile(sw, results, model, drafter_path, out) -> None:
-    path = sw.save_best_profile(results, model, drafter_path, out)
+def _save_profile(results, model, drafter_path, out) -> None:
+    from ..tuning.results import cell_key, cell_label
+    from ..tuning.summary import save_best_profile
+
+    path = save_best_profile(results, model, drafter_path, out)
     if path is None:
         err.print("[yellow]No cell was measured: no profile saved.[/yellow]")
     else:
         best = results["best"]
         note = "" if best["speedup"] > 1 else " (slower than plain decoding here: consider --no-draft)"
-        err.print(f"saved profile {path}: {sw.cell_label(*sw.cell_key(best))}{note}")
+        err.print(f"saved profile {path}: {cell_label(*cell_key(best))}{note}")
 
 
 @app.command()

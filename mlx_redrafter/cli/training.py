@@ -10,7 +10,7 @@ import typer
 
 from ..errors import RedrafterError
 from ..train.trainer import PRESETS
-from .options import BeamWidthOpt, ModelOpt, NeededDrafterOpt, SystemOpt, _runtime, app, err
+from .options import BeamWidthOpt, ModelOpt, NeededDrafterOpt, SystemOpt, _runtime, app, err, progress_bar
 
 
 def _feature_layers(spec: str, model: str) -> list:
@@ -64,24 +64,12 @@ def distill(
     ),
 ):
     """Answer training prompts with the LLM (greedy) and keep its tokens and hidden states."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from ..prompts import default_training_prompts
     from ..train.distill import DistillConfig
-    from ..train.distill import distill as run_distill
-    from ..train.world import world
 
     if turns < 1 or batch_size < 1 or max_new_tokens < 1:
         raise RedrafterError("--turns, --batch-size and --max-new-tokens must be at least 1.")
     if not 0 <= top_k <= 256:
         raise RedrafterError(f"--top-k must be between 0 and 256 (got {top_k}).")
-    layers = _feature_layers(feature_layers, model)
-    prompts = prompts or default_training_prompts()
-    if prompts is None:
-        raise RedrafterError(
-            "No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).",
-            "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.",
-        )
     cfg = DistillConfig(
         turns,
         batch_size,
@@ -93,40 +81,37 @@ def distill(
         seed=seed,
         stop_loops=stop_loops,
         top_k=top_k,
-        feature_layers=layers,
+        feature_layers=_feature_layers(feature_layers, model),
         prompt_positions=prompt_positions and top_k > 0,
     )
+    _run_distill(model, _training_prompts(prompts), out, cfg)
+
+
+def _training_prompts(prompts: Optional[Path]) -> Path:
+    """``--prompts``, else the ShareGPT prompts shipped with the package."""
+    from ..prompts import default_training_prompts
+
+    source = prompts or default_training_prompts()
+    if source is None:
+        raise RedrafterError(
+            "No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).",
+            "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.",
+        )
+    return source
+
+
+def _run_distill(model: str, prompts: Path, out: Path, cfg) -> None:
+    """Distil under a progress bar (rank 0's, under mlx.launch); Ctrl-C keeps the finished replies."""
+    from ..train.distill import distill as run_distill
+    from ..train.world import world
+
     w = world()
     if w.size > 1:  # under mlx.launch: rank 0 shows the bar, every rank says where it is
         err.print(f"{w.label}: distilling its share of the prompts into {out}")
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=err, disable=w.rank != 0) as bar:
+    with progress_bar("{task.fields[info]}", disable=w.rank != 0) as bar:
         task = bar.add_task("distilling" + (f" ({w.label})" if w.size > 1 else ""), total=None, info="loading")
-        t0 = [None, 0]
-
-        def progress(m, running):
-            import time as _t
-
-            if t0[0] is None:
-                t0[0], t0[1] = _t.perf_counter(), m.tokens + running
-            done_tokens = m.tokens + running
-            rate = (done_tokens - t0[1]) / max(_t.perf_counter() - t0[0], 1e-9)
-            total = None if minutes else cfg.max_conversations
-            bar.update(
-                task,
-                completed=len(m.done) if not minutes else min(_t.perf_counter() - t0[0], 60 * minutes),
-                total=(60 * minutes) if minutes else total,
-                info=f"{len(m.done)} conversations, {done_tokens} tokens, {rate:.0f} tok/s",
-            )
-
         try:
-            m = run_distill(model, prompts, out, cfg, progress=progress)
+            m = run_distill(model, prompts, out, cfg, progress=_distill_progress(bar, task, cfg))
         except KeyboardInterrupt:
             err.print(f"Interrupted: finished replies are saved in {out}; rerun the same command to resume.")
             raise typer.Exit(130)
@@ -136,6 +121,27 @@ def distill(
     err.print(
         f"{out}: {m.sequences} replies, {m.tokens} tokens, {len(m.done)} conversations done, {m.elapsed / 60:.1f} min"
     )
+
+
+def _distill_progress(bar, task, cfg):
+    """The distiller's progress callback: conversations done (or minutes spent, with a budget) and tokens/s."""
+    import time
+
+    minutes, t0 = cfg.minutes, [None, 0]
+
+    def progress(m, running):
+        if t0[0] is None:
+            t0[0], t0[1] = time.perf_counter(), m.tokens + running
+        done_tokens = m.tokens + running
+        rate = (done_tokens - t0[1]) / max(time.perf_counter() - t0[0], 1e-9)
+        bar.update(
+            task,
+            completed=len(m.done) if not minutes else min(time.perf_counter() - t0[0], 60 * minutes),
+            total=(60 * minutes) if minutes else cfg.max_conversations,
+            info=f"{len(m.done)} conversations, {done_tokens} tokens, {rate:.0f} tok/s",
+        )
+
+    return progress
 
 
 @app.command()
@@ -185,39 +191,17 @@ def train(
     ),
 ):
     """Train a drafter on distilled data (the LLM stays frozen)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from ..llm.load import load_model
-    from ..train.trainer import TrainConfig
-    from ..train.trainer import train as run_train
-    from ..train.world import world
-
-    base = dict(PRESETS.get(preset or "default", {}))
-    if preset is not None and preset not in PRESETS:
-        raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(PRESETS)}.")
-    for k, v in (
-        ("exit_dim", exit_dim),
-        ("num_draft_layers", num_draft_layers),
-        ("draft_vocab_size", draft_vocab_size),
-        ("skip_repeats", skip_repeats),
-    ):
-        if v is not None:
-            base[k] = v if (k != "draft_vocab_size" or v > 0) else None
-    epochs = epochs if epochs is not None else (1000.0 if minutes else 2.0)
-    cfg = TrainConfig(
-        **base,
+    cfg = _train_config(
+        preset,
+        exit_dim=exit_dim,
+        num_draft_layers=num_draft_layers,
+        draft_vocab_size=draft_vocab_size,
+        skip_repeats=skip_repeats,
         rnn=rnn,
         depth=depth,
         batch_size=batch_size,
         lr=lr,
-        epochs=epochs,
+        epochs=epochs if epochs is not None else (1000.0 if minutes else 2.0),
         max_steps=max_steps,
         minutes=minutes,
         eval_every=eval_every,
@@ -228,30 +212,50 @@ def train(
         fuse_features=fuse_features,
         prompt_positions=prompt_positions,
     )
-    if soft_weight < 0 or not 0 < depth_decay <= 1:
+    _run_train(model, data, out, cfg, resume)
+
+
+SIZE_FLAGS = ("exit_dim", "num_draft_layers", "draft_vocab_size", "skip_repeats")  # None: the preset's
+
+
+def _train_config(preset: Optional[str], **flags):
+    """``train``'s flags as one TrainConfig: the preset's sizes, those given
+    overriding them (``--draft-vocab-size 0``: the full vocabulary), checked."""
+    from ..train.trainer import TrainConfig
+
+    if preset is not None and preset not in PRESETS:
+        raise RedrafterError(f"Unknown preset {preset!r}.", f"Use one of: {', '.join(PRESETS)}.")
+    base = dict(PRESETS[preset or "default"])
+    for k in SIZE_FLAGS:
+        v = flags.pop(k)
+        if v is not None:
+            base[k] = v if (k != "draft_vocab_size" or v > 0) else None
+    if flags["soft_weight"] < 0 or not 0 < flags["depth_decay"] <= 1:
         raise RedrafterError(
-            f"--soft-weight must be >= 0 and --depth-decay in (0, 1] (got {soft_weight}, {depth_decay})."
+            f"--soft-weight must be >= 0 and --depth-decay in (0, 1] (got {flags['soft_weight']}, "
+            f"{flags['depth_decay']})."
         )
+    return TrainConfig(**base, **flags)
+
+
+def _run_train(model: str, data: Path, out: Path, cfg, resume: bool) -> None:
+    """Train under a progress bar (rank 0's, under mlx.launch); Ctrl-C keeps the last checkpoint."""
+    from ..llm.load import load_model
+    from ..train.trainer import train as run_train
+    from ..train.world import world
+
     if not data.is_dir():
         raise RedrafterError(f"Data folder does not exist: {data}", "Run `mlx-redrafter distill --out DIR` first.")
     llm, tok = load_model(model)
     w = world()
     if w.size > 1:  # under mlx.launch: rank 0 shows the bar and writes OUT, every rank says where it is
         err.print(
-            f"{w.label}: training on its slice of each batch of {batch_size}"
+            f"{w.label}: training on its slice of each batch of {cfg.batch_size}"
             + (f", rank 0 writes {out}" if w.rank else "")
         )
-    label = "training" + (f" ({w.label})" if w.size > 1 else "")
-    columns = [
-        TextColumn(label),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=err, disable=w.rank != 0) as bar:
-        task = bar.add_task("train", total=None, loss=float("nan"))
+    with progress_bar("count", "loss {task.fields[loss]:.3f}", disable=w.rank != 0) as bar:
+        label = "training" + (f" ({w.label})" if w.size > 1 else "")
+        task = bar.add_task(label, total=None, loss=float("nan"))
         try:
             run_train(
                 llm,
@@ -288,49 +292,20 @@ def train_controller_cmd(
     seed: int = typer.Option(0, "--seed"),
 ):
     """Train the adaptive-depth controller for a drafter on this device (saved next to the drafter)."""
-    import random
-
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from ..prompts import default_training_prompts, first_turn_ids, read_conversations, refuse_eval_set
+    from ..prompts import first_turn_ids
     from ..step.curve import load_curve
     from ..train.controller import fit_and_save
-    from ..train.examples import is_eval_conversation
 
     if num_prompts < 1 or max_tokens < 1 or epochs < 1:
         raise RedrafterError("--num-prompts, --max-tokens and --epochs must be at least 1.")
-    source = prompts or default_training_prompts()
-    if source is None:
-        raise RedrafterError(
-            "No --prompts given and the ShareGPT prompts are missing from the package (mlx_redrafter/data).",
-            "Reinstall mlx-redrafter, or pass --prompts FILE.jsonl.",
-        )
-    convs = read_conversations(source)
-    refuse_eval_set(source, convs)
-    if prompts is None:  # ShareGPT: the conversations held out from drafter training
-        convs = [c for c in convs if is_eval_conversation(c["id"], 0.02)]
-    random.Random(seed).shuffle(convs)
+    convs = _controller_conversations(prompts, seed)
     s = _runtime(model, drafter, beam_width=beam_width, beam_length=beam_length, announce=False)
     if s.drafter is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)
     ids = first_turn_ids(s.tokenizer, convs)
     ids = [p for p in ids if len(p) <= 512][:num_prompts]
-    columns = [
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=err) as bar:
+    with progress_bar("count") as bar:
         task = bar.add_task("recording", total=len(ids))
         fit = fit_and_save(
             s.model,
@@ -347,6 +322,28 @@ def train_controller_cmd(
             curve=load_curve(s.model, model),  # doctor --calibrate's; None: the latencies timed here
             progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total),
         )
+    _report_fit(fit)
+
+
+def _controller_conversations(prompts: Optional[Path], seed: int) -> list:
+    """The controller's training conversations, shuffled: ``--prompts`` (refused
+    if it is an evaluation set), else the ShareGPT ones held out from drafter training."""
+    import random
+
+    from ..prompts import read_conversations, refuse_eval_set
+    from ..train.examples import is_eval_conversation
+
+    source = _training_prompts(prompts)
+    convs = read_conversations(source)
+    refuse_eval_set(source, convs)
+    if prompts is None:  # ShareGPT: the conversations held out from drafter training
+        convs = [c for c in convs if is_eval_conversation(c["id"], 0.02)]
+    random.Random(seed).shuffle(convs)
+    return convs
+
+
+def _report_fit(fit) -> None:
+    """The controller against each fixed depth on the recorded steps, and where it was saved."""
     err.print(
         f"{fit.steps} steps recorded; offline tokens per plain-step time: "
         + ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items())

@@ -1,3 +1,7 @@
-"""Where drafts come from: the drafter and its beam search (drafter.py,
-beam.py), n-gram lookup (lookup.py), and the adaptive-depth controller at
-run time (controller.py; its training is in train/controller.py)."""
+"""Where drafts come from, one family of draft sources: the ReDrafter
+recurrent head and its beam search (redrafter.py, beam.py), n-gram lookup
+(lookup.py), the datastore of past outputs (datastore/), and the
+adaptive-depth controller at run time (controller.py; its training is in
+train/controller.py). Each proposes rows of draft tokens; step/ packs and
+verifies them. Getting a drafter by name, the drafter store and the Hub are
+drafter distribution, in hub/."""

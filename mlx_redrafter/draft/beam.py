@@ -59,7 +59,7 @@ def beam_search(
     """Draft ``width`` beams of ``length`` tokens after ``g0``.
 
     Args:
-        drafter: a :class:`~mlx_redrafter.draft.drafter.Drafter`.
+        drafter: a :class:`~mlx_redrafter.draft.redrafter.Drafter`.
         embed: the LLM's input embedding (called on token ids).
         context: ``[h]`` the LLM's post-norm hidden state that produced ``g0``.
         g0: scalar token id chosen by the LLM.

@@ -10,7 +10,8 @@
   ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``): a flat Llama config with
   ``draft_vocab_size``; the same tensors under ``midlayer.*`` and no
   ``embed_tokens`` (the target's is used), usually in ``pytorch_model.bin``
-  (read without running the pickle, converters/torch_pickle.py). Its residual
+  (read without running the pickle by hub/locate.py, through
+  converters/torch_pickle.py, and handed to :func:`read_eagle3`). Its residual
   is the un-normed state (``norm_before_residual`` false).
 
 ``t2d`` is checked against ``d2t`` and not kept (it is ``d2t`` inverted).
@@ -118,12 +119,41 @@ def read_config_dict(path: Path) -> dict:
 # --------------------------------------------------------------------------- weights
 
 
-def _tensors(folder: Path) -> dict:
-    """Every tensor of the folder's weights (safetensors, a torch pickle, or shards) as numpy."""
-    from ..converters.drafter import find_weights, read_weights
+def safetensors_files(folder: Path) -> list:
+    """The head's safetensors weights: ``model.safetensors``, or the shards its index lists ([] when none)."""
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return [folder / f for f in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+        except (ValueError, KeyError, TypeError) as e:
+            raise RedrafterError(f"{index} is not a valid shard index ({e}).", "Download the head again.") from None
+    return []
 
-    tensors, _ = read_weights(find_weights(folder))
-    return {k: t.array for k, t in tensors.items()}
+
+def _tensors(folder: Path) -> dict:
+    """Every tensor of the folder's safetensors weights, as numpy (bfloat16 widened to float32)."""
+    files = safetensors_files(folder)
+    if not files:
+        raise RedrafterError(
+            f"No safetensors weights in {folder} (a PyTorch pickle is read by load_drafter and --drafter).",
+            f"Load it with mlx_redrafter.load_drafter({str(folder)!r}).",
+        )
+    out = {}
+    for f in files:
+        if not f.is_file():
+            raise RedrafterError(
+                f"{folder} lists a weights file that is missing: {f.name}.", "Download the head again."
+            )
+        try:
+            arrays = mx.load(str(f))
+        except Exception as e:
+            raise RedrafterError(
+                f"{f} cannot be read (truncated or corrupt): {e}", "Download the head again."
+            ) from None
+        out.update({k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v) for k, v in arrays.items()})
+    return out
 
 
 def _rename(tensors: dict) -> dict:
@@ -166,10 +196,12 @@ def _check_keys(expected: dict, weights: dict, source: str) -> None:
             )
 
 
-def read_eagle3(path, dtype=None) -> Eagle3Head:
+def read_eagle3(path, dtype=None, tensors: Optional[dict] = None) -> Eagle3Head:
     """The EAGLE-3 head in folder ``path`` (either layout; see the module doc).
     ``dtype`` defaults to the LLM policy. A head without an embedding of its
-    own drafts once :meth:`~mlx_redrafter.draft.eagle3.Eagle3Head.bind` gave it the target's."""
+    own drafts once :meth:`~mlx_redrafter.draft.eagle3.Eagle3Head.bind` gave it the target's.
+    ``tensors``: its weights as numpy arrays, when the caller read them (a
+    PyTorch pickle, through hub/locate.py); else its safetensors are read."""
     from mlx.utils import tree_flatten
 
     from ..llm.load import default_dtype, parse_dtype
@@ -177,7 +209,7 @@ def read_eagle3(path, dtype=None) -> Eagle3Head:
     path = Path(path).expanduser()
     path = path.parent if path.is_file() else path
     config = config_from_dict(read_config_dict(path), str(path / "config.json"))
-    raw = _rename(_tensors(path))
+    raw = _rename(_tensors(path) if tensors is None else tensors)
     t2d = raw.pop("t2d", None)
     if t2d is not None and "d2t" in raw:
         _check_t2d(t2d.astype(bool), raw["d2t"].astype(np.int64), str(path))

@@ -1,7 +1,7 @@
 """The kinds of draft head a drafter folder may hold, and what differs by kind:
 its config, whether it fits a model, and reading it.
 
-* ``redrafter``: the recurrent ReDrafter head (draft/drafter.py), this
+* ``redrafter``: the recurrent ReDrafter head (draft/redrafter.py), this
   project's and the official layout;
 * ``eagle3``: an EAGLE-3 head (draft/eagle3.py) in either published layout
   (draft/eagle3_io.py).
@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .drafter import fit_problem as redrafter_fit_problem
-from .drafter import read_config, read_drafter
 from .eagle3 import KIND as EAGLE3
 from .eagle3 import Eagle3Config
 from .eagle3_io import config_from_dict, layout_of, read_config_dict, read_eagle3
+from .redrafter import fit_problem as redrafter_fit_problem
+from .redrafter import read_config, read_drafter
 
 REDRAFTER = "redrafter"
 KINDS = (REDRAFTER, EAGLE3)

@@ -27,6 +27,7 @@ from typing import List, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    ArraysCache,
     KVCache,
     LRUPromptCache,
     QuantizedKVCache,
@@ -36,14 +37,25 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import RedrafterError
+from .recurrent import cache_length, is_hybrid, kv_leaves, leaves, snapshot
 
 SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
+# Tokens per forward when a prompt is fed into a cache (bounded memory per call).
+PREFILL_STEP = 512
 # Squeeze holes out of a HoleyCache once this many are known. Attention over a
 # hole costs a little every step; a compaction moves every cached row once.
 COMPACT_HOLES = 48
 
 
 # --------------------------------------------------------------------------- across turns
+
+
+def feed(forward, cache, tokens: mx.array) -> None:
+    """Run ``tokens [T]`` through ``forward`` (a model or its backbone) into
+    ``cache``, ``PREFILL_STEP`` at a time, each chunk evaluated."""
+    for start in range(0, tokens.size, PREFILL_STEP):
+        forward(tokens[start : start + PREFILL_STEP][None], cache=cache)
+        mx.eval([c.state for c in cache])
 
 
 def trim_cache(cache, length: int) -> bool:
@@ -53,10 +65,10 @@ def trim_cache(cache, length: int) -> bool:
     (a rotating window that has wrapped) or holds fewer tokens: rebuild the
     cache from the tokens then.
     """
-    current = cache[0].offset
-    if current < length or not can_trim_prompt_cache(cache):
+    current = cache_length(cache)
+    if current is None or current < length or not can_trim_prompt_cache(cache):
         return current == length
-    for c in cache:
+    for c in kv_leaves(cache):
         c.trim(c.offset - length)
     return True
 
@@ -68,7 +80,7 @@ def trim_to_known(cache, known: Sequence[int]):
     trimmed. For a generation that moves to another loop mid-reply."""
     if cache is None:
         return None, 0
-    held = min(cache[0].offset, len(known) - 1)
+    held = min(cache_length(cache) or 0, len(known) - 1)
     return (cache, held) if trim_cache(cache, held) else (None, 0)
 
 
@@ -80,6 +92,12 @@ class PromptCache:
 
     The chat keeps one entry (its one conversation); the server several, so
     that alternating conversations each reuse their own prefix.
+
+    A hybrid model's recurrent states cannot be trimmed back to a prefix, so
+    for it :meth:`fetch` prefills all of a prompt but its last token itself
+    and stores that state (the turn boundary the next turn's prompt extends),
+    and :meth:`store` keeps a cache only when it holds exactly known tokens;
+    such a model keeps two entries at least (the boundary and the reply's end).
     ``cache`` and ``ids``: the working cache (mlx-lm's per-layer list, or
     ``None``) and the token ids whose KV it holds once settled.
     """
@@ -93,7 +111,8 @@ class PromptCache:
                 "Give --prompt-cache-size and --prompt-cache-bytes positive values.",
             )
         self.model = model
-        self.lru = LRUPromptCache(max_size, max_bytes)
+        self.hybrid = model is not None and is_hybrid(make_prompt_cache(model))
+        self.lru = LRUPromptCache(max(max_size, 2) if self.hybrid else max_size, max_bytes)
         self.cache = None
         self.ids: List[int] = []
         self.hits = 0  # generations that reused a cached prefix
@@ -120,9 +139,18 @@ class PromptCache:
                 cache = None
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
+        if self.hybrid and len(ids) - keep > 1:
+            keep = self._boundary(cache, ids, keep)
         self.hits += 1 if keep > 0 else 0
         self.reused_tokens += keep
         return cache, keep
+
+    def _boundary(self, cache, ids: Sequence[int], keep: int) -> int:
+        """A hybrid model: prefill ``ids[keep:-1]`` into ``cache`` and store a
+        copy of it, the state a later prompt that extends this one starts from."""
+        feed(self.model, cache, mx.array(ids[keep:-1], mx.int32))
+        self.lru.insert_cache(self.KEY, list(ids[:-1]), snapshot(cache))
+        return len(ids) - 1
 
     def settle(self, known: List[int]) -> None:
         """After a generation: the cache holds a prefix of ``known`` (prompt +
@@ -130,14 +158,15 @@ class PromptCache:
         token or holding a few accepted drafts past EOS (stream_generate's
         contract); trim it to what we know and store it."""
         if self.store(self.cache, known):
-            self.ids = list(known[: self.cache[0].offset])
+            self.ids = list(known[: cache_length(self.cache)])
         else:
             self.discard()
 
     def store(self, cache, known: Sequence[int]) -> bool:
         """Store ``cache``, which holds a prefix of ``known`` (see :meth:`settle`),
         trimmed to what is known; False (nothing stored) when it cannot be."""
-        held = min(cache[0].offset, len(known))
+        length = cache_length(cache)
+        held = min(length or 0, len(known))
         if not trim_cache(cache, held) or held <= 0:
             return False
         # A cache taken out of the server's batch is a lazy slice of the whole
@@ -170,13 +199,18 @@ class PromptCache:
 
 
 def check_cache(cache) -> None:
-    for c in cache:
-        if not isinstance(c, SUPPORTED_CACHES):
+    for c in leaves(cache):
+        if not isinstance(c, SUPPORTED_CACHES + (ArraysCache,)):
             raise RedrafterError(
                 f"Cache type {type(c).__name__} is not supported by tree verification "
-                "(supported: KVCache, QuantizedKVCache, RotatingKVCache).",
+                "(supported: KVCache, QuantizedKVCache, RotatingKVCache, and ArraysCache of covered recurrent layers).",
                 "Decode this model without drafting (plain decoding: no drafter and no lookup).",
             )
+
+
+def kv_offsets(cache) -> List[int]:
+    """Each attention layer's offset (the recurrent layers count no tokens)."""
+    return [c.offset for c in kv_leaves(cache)]
 
 
 def cached_length(c) -> int:
@@ -188,8 +222,8 @@ def cached_length(c) -> int:
 
 
 def verify_starts(cache) -> List[int]:
-    """Row index of g0 in each layer's buffer after the verify update."""
-    return [cached_length(c) for c in cache]
+    """Row index of g0 in each attention layer's buffer after the verify update."""
+    return [cached_length(c) for c in kv_leaves(cache)]
 
 
 def map_rows(c, fn) -> None:
@@ -219,13 +253,13 @@ def compact_cache(cache, start_offsets: List[int], path: mx.array) -> None:
     """
     # A RotatingKVCache holds [old | new] in time order after a multi-token
     # update (start = len(old)), like a plain KVCache.
-    for c, start in zip(cache, start_offsets):
+    for c, start in zip(kv_leaves(cache), start_offsets):
         map_rows(c, lambda a, start=start: _move_rows(a, start, path))
 
 
 def set_cache_length(cache, starts: List[int], offsets: List[int], kept: int) -> None:
-    """After compaction: keep ``kept`` tree rows (g0 + accepted drafts)."""
-    for c, start, offset in zip(cache, starts, offsets):
+    """After compaction: keep ``kept`` tree rows (g0 + accepted drafts) in the attention layers."""
+    for c, start, offset in zip(kv_leaves(cache), starts, offsets):
         c.offset = offset + kept
         if isinstance(c, RotatingKVCache):
             # The buffer must end exactly at the last kept row: mlx-lm reads
@@ -248,7 +282,7 @@ class HoleyCache:
 
     def __init__(self, cache):
         self.cache = cache
-        self.solid = cache[0].offset
+        self.solid = cache_length(cache) or 0
         self.flags: List[bool] = []
         self.unread: List[int] = []  # sizes of the steps queued but not read
         self.tail = mx.zeros((0,), mx.bool_)
@@ -284,12 +318,12 @@ class HoleyCache:
         solid = self.solid + len(real)
         if all(self.flags):  # no holes: keeping a prefix is a trim
             length = solid + unread
-            for c in self.cache:
+            for c in kv_leaves(self.cache):
                 c.offset = length
         else:
             end = self.solid + len(self.flags)
             idx = mx.array(list(range(self.solid)) + real + list(range(end, end + unread)), mx.int32)
-            for c in self.cache:
+            for c in kv_leaves(self.cache):
                 map_rows(c, lambda a: mx.take(a, idx, axis=2))
                 c.offset = idx.size
         self.tail = mx.zeros((0,), mx.bool_) if drop_unread else self.tail[len(self.flags) :]
@@ -308,13 +342,17 @@ def rewinder(cache):
     buffer, which a multi-token call replaces by a longer one, and its write
     index: every one is put back (the rows a call wrote in place are only
     ever attended to by the timed calls, whose timing does not depend on them)."""
-    saved = [(c.offset, getattr(c, "_idx", None), c.keys, c.values) for c in cache]
+    kv = kv_leaves(cache)
+    saved = [(c.offset, getattr(c, "_idx", None), c.keys, c.values) for c in kv]
+    states = [(c, list(c.cache)) for c in leaves(cache) if isinstance(c, ArraysCache)]
 
     def rewind():
-        for c, (offset, idx, keys, values) in zip(cache, saved):
+        for c, (offset, idx, keys, values) in zip(kv, saved):
             c.offset, c.keys, c.values = offset, keys, values
             if idx is not None:
                 c._idx = idx
+        for c, entries in states:  # a recurrent state is replaced by each call, never written in place
+            c.cache, c.pending = list(entries), None
 
     return rewind
 

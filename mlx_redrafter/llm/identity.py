@@ -1,5 +1,5 @@
 """What a loaded model is, for what is kept per model (the drafter store,
-draft/store.py): its name, a fingerprint of this exact copy, and its family.
+hub/store.py): its name, a fingerprint of this exact copy, and its family.
 
 Two copies of one model (4-bit and 8-bit, a GGUF and an mlx-community
 folder) share a *family*: architecture, widths, layer count and vocabulary,
@@ -118,7 +118,7 @@ def model_dims(model) -> Optional[Tuple[int, int, int]]:
     read from the input embedding (None for an embedding without a weight,
     or a model ReDrafter cannot split: plain decoding still runs it)."""
     from ..errors import RedrafterError
-    from .parts import model_parts
+    from .parts import backbone_of, model_parts
 
     try:
         embed, _, _ = model_parts(model)
@@ -129,14 +129,20 @@ def model_dims(model) -> Optional[Tuple[int, int, int]]:
     vocab, hidden = embed.weight.shape[0], embed.weight.shape[-1]
     if "scales" in embed:  # quantized: packed columns
         hidden = embed.scales.shape[-1] * embed.group_size
-    layers = len(getattr(getattr(model, "model", None), "layers", []) or [])
+    layers = len(backbone_of(model)[0].layers)
     return int(hidden), int(vocab), layers
 
 
 def model_family(model, dims) -> str:
     """The digest of what all copies of the model share (not its quantization or dtype)."""
-    args = getattr(model, "args", None)
-    kind = getattr(args, "model_type", None) or getattr(model, "model_type", None) or type(model).__module__
+    from .parts import text_args
+
+    args = text_args(model)
+    kind = (
+        getattr(getattr(model, "args", None), "model_type", None)
+        or getattr(model, "model_type", None)
+        or type(model).__module__
+    )
     shared = {k: getattr(args, k, None) for k in FAMILY_FIELDS}
     shared["model_type"] = kind
     return digest(json.dumps(shared, sort_keys=True, default=str), *dims)

@@ -50,13 +50,7 @@ class _Tap(nn.Module):
 
 
 def _layer_list(model) -> list:
-    backbone = getattr(model, "model", None) or getattr(model, "language_model", None)
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, list):
-        raise RedrafterError(
-            f"Model type {type(model).__module__} has no `model.layers` list to capture features from."
-        )
-    return layers
+    return backbone_of(model)[0].layers
 
 
 def check_layers(model, layers: Sequence[int]) -> None:
@@ -94,31 +88,74 @@ def rms_each(features: mx.array, hidden: int) -> mx.array:
     return x.reshape(shape)
 
 
+def backbone_of(model: nn.Module):
+    """``(backbone, embedding)`` of an mlx-lm causal LM: the module holding its
+    decoder layers (``model.model``, or ``model.backbone`` as in Nemotron-H and
+    Mamba2) and its token embedding (``embed_tokens`` or ``embeddings``)."""
+    for name in ("model", "backbone"):
+        backbone = getattr(model, name, None)
+        if isinstance(backbone, nn.Module) and isinstance(getattr(backbone, "layers", None), list):
+            embed = getattr(backbone, "embed_tokens", None) or getattr(backbone, "embeddings", None)
+            if embed is not None:
+                return backbone, embed
+    raise RedrafterError(
+        f"Model type {type(model).__module__} has no decoder layers with a token embedding "
+        "(`model.embed_tokens`); ReDrafter needs a decoder-only LM."
+    )
+
+
+class _Given(nn.Module):
+    """Stands in for a model's backbone: returns the hidden states it is given."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.hidden = inner, None
+
+    def __call__(self, *args, **kwargs):
+        return self.hidden
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+
+def model_head(model: nn.Module, backbone: nn.Module):
+    """``head(hidden) -> logits``: whatever the model's own ``__call__`` does
+    after its backbone (an ``lm_head`` or the tied embedding, logit scaling
+    (Granite 4, Falcon-H1), soft-capping (Gemma)), run by calling the model
+    with its backbone swapped for one that returns ``hidden``."""
+    holder, key = next(
+        (m, k) for _, m in model.named_modules() for k, child in m.children().items() if child is backbone
+    )
+    given = _Given(backbone)
+    dummy = mx.zeros((1, 1), mx.int32)
+
+    def head(hidden):
+        given.hidden = hidden
+        setattr(holder, key, given)
+        try:
+            return model(dummy)
+        finally:
+            setattr(holder, key, backbone)
+            given.hidden = None
+
+    return head
+
+
 def model_parts(model: nn.Module, feature_layers=None):
     """``(embed_tokens, backbone, head)`` of an mlx-lm causal LM.
 
     ``backbone(tokens, cache)`` returns post-norm hidden states and
-    ``head(hidden)`` returns logits (the tied embedding when there is no
-    ``lm_head``). One backbone call gives both hidden states and logits.
+    ``head(hidden)`` returns logits, exactly as the model computes them
+    (:func:`model_head`). One backbone call gives both hidden states and logits.
     With ``feature_layers`` (a fused drafter's), the backbone returns those
     layers' outputs followed by the post-norm state, ``[..., (n+1)*h]``, and
     the head reads the last ``h`` of it.
     """
-    backbone = getattr(model, "model", None) or getattr(model, "language_model", None)
-    if backbone is None or not hasattr(backbone, "embed_tokens"):
-        raise RedrafterError(
-            f"Model type {type(model).__module__} has no `model.embed_tokens`; ReDrafter needs a decoder-only LM."
-        )
-    embed = backbone.embed_tokens
-    # mlx-lm models only hold an `lm_head` when it is not tied to the embedding.
-    head = model.lm_head if "lm_head" in model else embed.as_linear
-    softcap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
-    if softcap:
-        base_head = head
-
-        def head(h):
-            return mx.tanh(base_head(h) / softcap) * softcap
-
+    backbone, embed = backbone_of(model)
+    head = model_head(model, backbone)
     if feature_layers:
         backbone, head = _fused(model, backbone, head, list(feature_layers))
     return embed, backbone, head
@@ -127,7 +164,7 @@ def model_parts(model: nn.Module, feature_layers=None):
 def _fused(model, backbone, head, layers):
     """A backbone that also returns ``layers``' outputs (:func:`capture_layers`), and the head for it."""
     check_layers(model, layers)
-    width = model.args.hidden_size
+    width = hidden_size(model)
 
     def fused_backbone(tokens, cache=None):
         with capture_layers(model, layers) as taps:
@@ -137,7 +174,18 @@ def _fused(model, backbone, head, layers):
     return fused_backbone, lambda x: head(x[..., -width:])
 
 
+def text_args(model):
+    """The args of the model's language part: ``model.args``, or for a model
+    that wraps one (Qwen3.5's ``language_model``) that one's."""
+    inner = getattr(model, "language_model", None)
+    return getattr(inner, "args", None) or getattr(model, "args", None)
+
+
+def hidden_size(model) -> int:
+    """The width of the model's hidden states."""
+    return int(text_args(model).hidden_size)
+
+
 def context_limit(model) -> Optional[int]:
     """The model's context in tokens (``max_position_embeddings``), if it says."""
-    args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None)
+    return getattr(text_args(model), "max_position_embeddings", None)

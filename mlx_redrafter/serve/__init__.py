@@ -11,11 +11,13 @@
   each API's error shape by path;
 * streaming.py: what every route shares: queueing a job, the worker's
   events on the event loop, streamed replies, the neutral ``Failure``;
+* limits.py: how large a request's body may be (a 413 before it is parsed);
 * openai_api.py, openai_reply.py: OpenAI's API;
 * ollama_api.py, ollama_reply.py: Ollama's native API on the same engine;
 * anthropic_api.py, anthropic_reply.py: Anthropic's Messages API (Claude Code);
 * responses_api.py, responses_reply.py: OpenAI's Responses API, stateless (Codex CLI);
-* tools.py: tool calling (tools into the prompt, calls out of the reply).
+* tools.py, tool_calls.py: tool calling: tools into the prompt; calls out of
+  the reply, in each API's shape.
 """
 
 from .engine import Engine, GenParams, Job, JobQueue, Piece, QueueFull, Result, token_source

@@ -271,10 +271,10 @@ def tool_choice(choice: Optional[ToolChoice]):
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def _render(engine: Engine, req: CountRequest, content=None):
+async def _render(engine: Engine, req: CountRequest, content=None, bounded: bool = True):
     check_supported(req)
     choice, parallel = tool_choice(req.tool_choice)
-    rendered = render(
+    rendered = await render(
         engine,
         chat_messages(req),
         openai_tools(req.tools),
@@ -282,6 +282,7 @@ def _render(engine: Engine, req: CountRequest, content=None):
         content_param="output_config.format",
         parallel_tool_calls=parallel,
         content=content,
+        bounded=bounded,
     )
     refuse_nested_extras(req)
     return rendered
@@ -298,7 +299,7 @@ def anthropic_router(engine: Engine) -> APIRouter:
     async def messages(req: MessagesRequest, request: Request):
         check_model(engine, req.model)
         fmt = req.output_config.format if req.output_config is not None else None
-        rendered = _render(engine, req, fmt.schema_ if fmt is not None else None)
+        rendered = await _render(engine, req, fmt.schema_ if fmt is not None else None)
         compiled = await grammar(engine, rendered.grammar, "output_config.format" if fmt else "tools")
         sampled = sampling(engine, temp=req.temperature, top_p=req.top_p, top_k=req.top_k)
         params = GenParams(req.max_tokens, sampled, None, list(req.stop_sequences or []), compiled)
@@ -312,6 +313,7 @@ def anthropic_router(engine: Engine) -> APIRouter:
     @router.post("/v1/messages/count_tokens", response_model=CountOut)
     async def count_tokens(req: CountRequest):
         check_model(engine, req.model)
-        return JSONResponse({"input_tokens": len(_render(engine, req).ids)})
+        # Counted whatever the length (no early refusal): what a client decides on; the body bound limits the work.
+        return JSONResponse({"input_tokens": len((await _render(engine, req, bounded=False)).ids)})
 
     return router

@@ -14,7 +14,8 @@ unknown route is a 404 listing the routes there are. A client's error is one
 line in the log; the server's own failures keep their tracebacks.
 
 Who may use the app (Host names, browser origins, the API key) is its
-:class:`~mlx_redrafter.serve.security.SecurityConfig`; ``/openapi.json``
+:class:`~mlx_redrafter.serve.security.SecurityConfig`; how much of a body it
+reads, :mod:`~mlx_redrafter.serve.limits`; ``/openapi.json``
 documents what each route really answers (:mod:`~mlx_redrafter.serve.openapi`).
 """
 
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException
 
 from . import anthropic_api, ollama_api, openai_api, responses_api
 from .engine import Engine
+from .limits import BodyLimit, default_body_bytes
 from .metrics import Metrics, RequestCounter
 from .openapi import document
 from .security import SecurityConfig, secure
@@ -70,13 +72,19 @@ def shaped_error(path: str, failure: Failure) -> Response:
 LOCAL_ONLY = SecurityConfig()
 
 
-def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfig] = LOCAL_ONLY) -> FastAPI:
+def create_app(
+    engine: Engine,
+    ui: bool = True,
+    security: Optional[SecurityConfig] = LOCAL_ONLY,
+    max_body_bytes: Optional[int] = None,
+) -> FastAPI:
     """The FastAPI app serving ``engine`` (its worker runs with the app),
     with the chat page at ``/`` unless ``ui`` is False, guarded as
     ``security`` says (``serve`` resolves it from its flags; by default
     loopback names only, so that no web page can drive it by DNS
     rebinding; None: no Host, Origin or key checks, for an app that
-    guards itself)."""
+    guards itself), reading at most ``max_body_bytes`` of a request's body
+    (:mod:`~mlx_redrafter.serve.limits`; None: the default for the model's context)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -87,6 +95,8 @@ def create_app(engine: Engine, ui: bool = True, security: Optional[SecurityConfi
             engine.stop()
 
     app = FastAPI(title="mlx-redrafter", lifespan=lifespan)
+    bound = max_body_bytes or default_body_bytes(engine.card()["context_length"])  # the context /v1/models says
+    app.add_middleware(BodyLimit, max_bytes=bound, refuse=error_response)  # first, so inside the guards below
     if security is not None:
         secure(app, security, error_response)
     metrics = Metrics(engine)

@@ -29,13 +29,17 @@ from ..config import SamplingConfig
 from ..errors import RedrafterError
 from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
-from ..llm.text import encode_prompt
-from ..prompts import chat_prompt_ids
+from ..llm.text import encode_prompt, token_floor
+from ..prompts import render_messages
 from ..step.grammar import compile_for_model
 from .batch import BatchDecoder
 from .jobs import GenParams, Job, Piece, Result, token_source  # noqa: F401 (the engine's public names)
 from .scheduler import JobQueue, QueueFull, Scheduler  # noqa: F401
 from .tools import Rendered, render, tool_format
+
+
+class PromptTooLong(RedrafterError):
+    """A prompt the model's context cannot hold (each API's ``context_length_exceeded``)."""
 
 
 class Engine:
@@ -71,17 +75,37 @@ class Engine:
 
     def chat_ids(self, messages: List[dict]) -> List[int]:
         """Token ids of ``messages`` through the chat template, exactly as
-        ``mlx-redrafter generate`` encodes its prompt."""
-        return chat_prompt_ids(self.rt.tokenizer, messages)
+        ``mlx-redrafter generate`` encodes its prompt (:meth:`encode`)."""
+        return self.encode(render_messages(self.rt.tokenizer, messages))
 
-    def render(self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None, **options) -> Rendered:
+    def render(
+        self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None, bounded: bool = True, **options
+    ) -> Rendered:
         """``messages`` and ``tools`` through the chat template (see
-        :func:`~mlx_redrafter.serve.tools.render`, which takes ``options``);
-        without tools the ids are :meth:`chat_ids`'."""
-        return render(self.rt.tokenizer, messages, tools, tool_choice, **options)
+        :func:`~mlx_redrafter.serve.tools.render`, which takes ``options``),
+        encoded by :meth:`encode` (``bounded``: refusing a prompt the context
+        provably cannot hold); without tools the ids are :meth:`chat_ids`'."""
+        return render(
+            self.rt.tokenizer, messages, tools, tool_choice, encode=lambda text: self.encode(text, bounded), **options
+        )
 
     def text_ids(self, prompt: str) -> List[int]:
-        return encode_prompt(self.rt.tokenizer, prompt)
+        return self.encode(prompt)
+
+    def encode(self, text: str, bounded: bool = True) -> List[int]:
+        """A prompt's token ids, as ``generate`` encodes it. ``bounded``: a
+        prompt so long that the context provably cannot hold it
+        (:func:`~mlx_redrafter.llm.text.token_floor`) is a :class:`PromptTooLong`
+        before it is tokenized: 20 million words would take a minute and gigabytes."""
+        limit = context_limit(self.rt.model)
+        floor = token_floor(self.rt.tokenizer, text) if bounded and limit else 0
+        if floor and floor > limit - self._margin() - 1:  # fit()'s test, on a lower bound of the length
+            raise PromptTooLong(
+                f"The prompt has at least {floor} tokens ({len(text)} characters) and the model's context is "
+                f"{limit} tokens (room for at least one reply token is needed).",
+                "Send a shorter prompt.",
+            )
+        return list(encode_prompt(self.rt.tokenizer, text))
 
     def card(self) -> dict:
         """What ``/v1/models`` says of the model beside its id (whether a
@@ -113,7 +137,7 @@ class Engine:
             return max_tokens
         room = limit - len(ids) - self._margin()
         if room < 1:
-            raise RedrafterError(
+            raise PromptTooLong(
                 f"The prompt has {len(ids)} tokens and the model's context is {limit} tokens "
                 f"(room for at least one reply token is needed).",
                 "Send a shorter prompt.",

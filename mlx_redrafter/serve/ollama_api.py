@@ -39,6 +39,7 @@ from .streaming import (
     render,
     sampling,
     submit,
+    tokenized,
 )
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ def ollama_router(engine: Engine) -> APIRouter:
         _unsupported(body, {"images": any(m.images for m in body.messages)})
         _check_model(engine, model_facts(), body.model)
         reply_only = not body.messages
-        rendered = None if reply_only else _render(engine, body)
+        rendered = None if reply_only else await _render(engine, body)
         return await _answer(
             engine, body, request, rendered.ids if rendered else [], OllamaReply(engine, True, rendered), rendered
         )
@@ -224,16 +225,17 @@ def ollama_router(engine: Engine) -> APIRouter:
             body, {"images": body.images, "suffix": body.suffix, "template": body.template, "context": body.context}
         )
         _check_model(engine, model_facts(), body.model)
-        return await _answer(engine, body, request, _generate_ids(engine, body), OllamaReply(engine, False))
+        ids = await tokenized(_generate_ids, engine, body, param="prompt")
+        return await _answer(engine, body, request, ids, OllamaReply(engine, False))
 
     return router
 
 
-def _render(engine: Engine, body: ChatBody):
+async def _render(engine: Engine, body: ChatBody):
     """The chat's prompt with its tools (Ollama has no tool_choice: auto) and
     the reply's grammar, ``format`` within."""
     messages = [m.model_dump(exclude_none=True, exclude={"images", "thinking"}) for m in body.messages]
-    return render(engine, messages, body.tools or None, None, "format", content=_format(body.format))
+    return await render(engine, messages, body.tools or None, None, "format", content=_format(body.format))
 
 
 def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:

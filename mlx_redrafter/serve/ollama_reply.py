@@ -27,7 +27,8 @@ from mlx.utils import tree_flatten
 from ..llm.parts import context_limit
 from .engine import Engine, Result
 from .streaming import reply_events
-from .tools import Rendered, ToolCall, ToolCallStream, ollama_message, ollama_tool_call, tool_format
+from .tool_calls import ToolCall, ToolCallStream, ollama_message, ollama_tool_call
+from .tools import Rendered, tool_format
 
 # Ollama's names for unquantized weights.
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}

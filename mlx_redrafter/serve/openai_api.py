@@ -41,6 +41,7 @@ from .streaming import (
     render,
     sampling,
     submit,
+    tokenized,
 )
 from .tools import Rendered
 
@@ -216,7 +217,7 @@ def openai_router(engine: Engine) -> APIRouter:
     async def chat_completions(req: ChatRequest, request: Request):
         check_supported(req)
         spec = req.response_format.grammar() if req.response_format is not None else None
-        rendered = render(
+        rendered = await render(
             engine,
             [m.plain() for m in req.messages],
             req.tools,
@@ -241,7 +242,7 @@ def openai_router(engine: Engine) -> APIRouter:
             if len(prompt) != 1:
                 raise Failure(400, "Only one prompt per request is supported.", INVALID, "prompt")
             prompt = prompt[0]
-        ids = engine.text_ids(prompt)
+        ids = await tokenized(engine.text_ids, prompt, param="prompt")
         check_model(engine, req.model)
         spec = req.response_format.grammar() if req.response_format is not None else None
         compiled = await grammar(engine, spec, "response_format")

@@ -2,7 +2,7 @@
 ``chat.completion`` / ``text_completion``, or its server-sent events.
 
 With tools rendered (``Rendered.tools is not None``) the reply's text goes
-through a :class:`~mlx_redrafter.serve.tools.ToolCallStream`: content
+through a :class:`~mlx_redrafter.serve.tool_calls.ToolCallStream`: content
 streams as ``content`` deltas, each call arrives as a ``tool_calls`` delta
 (with its ``index``) once its end marker is seen, and a reply that stopped
 after calls finishes with ``"tool_calls"``. Without tools the text is sent
@@ -21,7 +21,8 @@ from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from .engine import Engine, Job, Piece, Result
 from .streaming import reply_events
-from .tools import Rendered, ToolCallStream, finish_reason, openai_delta, openai_message
+from .tool_calls import ToolCallStream, finish_reason, openai_delta, openai_message
+from .tools import Rendered
 
 
 class Reply:

@@ -10,6 +10,7 @@ operation, new routes included:
 
 * 500: the server's own failure (any route);
 * 400 instead of 422, for an operation that takes a body or parameters;
+* 413, for an operation that takes a body (:mod:`~mlx_redrafter.serve.limits`);
 * 404, for a body that names a ``model`` (another model is not served here);
 * 503, and the streamed media type beside JSON, for a body with ``stream``
   (it queues a generation; the queue may be full);
@@ -58,6 +59,8 @@ def _document_operation(schema: dict, path: str, op: dict, refuse: Refuse, secur
     errors: Dict[str, str] = {"500": "The server's own failure."}
     if responses.pop("422", None) is not None or "requestBody" in op:
         errors["400"] = "The request does not parse, is not valid, or asks for what this server cannot do."
+    if "requestBody" in op:
+        errors["413"] = "The body is larger than this server reads (--max-body-bytes)."
     if "model" in body:
         errors["404"] = "The request names a model this server does not serve."
     if "stream" in body:

@@ -277,12 +277,13 @@ def responses_router(engine: Engine) -> APIRouter:
         check_supported(req)
         check_model(engine, req.model)
         spec = content_spec(req)
-        rendered = render(
+        rendered = await render(
             engine,
             chat_messages(req),
             chat_tools(req.tools),
             req.tool_choice,
             content_param="text.format",
+            prompt_param="input",
             parallel_tool_calls=req.parallel_tool_calls,
             content=spec,
         )

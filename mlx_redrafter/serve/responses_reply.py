@@ -29,7 +29,8 @@ from pydantic import BaseModel
 
 from .engine import Engine, Result
 from .streaming import generation_failure, reply_events
-from .tools import Rendered, ToolCall
+from .tool_calls import ToolCall
+from .tools import Rendered
 
 # --------------------------------------------------------------------------- response models (the docs)
 

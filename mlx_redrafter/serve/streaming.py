@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import AsyncIterator, Iterator, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,8 +24,9 @@ from pydantic import BaseModel
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from .engine import Engine, GenParams, Job, QueueFull, Result
-from .tools import Event, Rendered, ToolCallStream
+from .engine import Engine, GenParams, Job, PromptTooLong, QueueFull, Result
+from .tool_calls import Event, ToolCallStream
+from .tools import Rendered
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -36,6 +37,7 @@ INVALID = "invalid_value"
 MISSING = "missing_required_parameter"
 UNSUPPORTED = "unsupported_parameter"
 TOO_LONG = "context_length_exceeded"
+TOO_LARGE = "request_too_large"
 NO_MODEL = "model_not_found"
 NOT_FOUND = "not_found"
 BUSY = "queue_full"
@@ -120,27 +122,43 @@ def sampling(engine: Engine, **asked) -> SamplingConfig:
     return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
 
 
-def render(
+async def render(
     engine: Engine,
     messages: List[dict],
     tools: Optional[list] = None,
     tool_choice=None,
     content_param: str = "content",
+    prompt_param: str = "messages",
     **options,
 ) -> Rendered:
     """A chat request's prompt through the chat template, with its tools
     (OpenAI's function shape) and the reply's grammar spec
-    (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included). Tools,
-    a tool choice or a content schema that cannot be honoured are a 400 naming
-    the field (the content's is ``content_param``), and so are messages the
-    model's chat template refuses."""
+    (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included), on a
+    worker thread (:func:`tokenized`). Tools, a tool choice or a content
+    schema that cannot be honoured are a 400 naming the field (the content's
+    is ``content_param``), and so are messages the model's chat template
+    refuses; a prompt longer than the context is one at ``prompt_param``."""
     try:
-        return engine.render(messages, tools, tool_choice, **options)
+        return await tokenized(engine.render, messages, tools, tool_choice, param=prompt_param, **options)
+    except Failure:
+        raise
     except RedrafterError as e:
         param = getattr(e, "param", "tool_choice")
         raise Failure(400, e.problem, INVALID, content_param if param == "content" else param) from None
     except Exception as e:  # e.g. a template that refuses a role or an order of roles
         raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
+
+
+async def tokenized(call: Callable, *args, param: str = "prompt", **kwargs):
+    """``call(*args, **kwargs)``, which renders a chat template or tokenizes,
+    on a worker thread, so that the event loop keeps answering ``/health``
+    and other clients while a long prompt is encoded; a prompt longer than
+    the model's context (:class:`~mlx_redrafter.serve.engine.PromptTooLong`)
+    is a 400 ``context_length_exceeded`` at ``param``."""
+    try:
+        return await asyncio.to_thread(call, *args, **kwargs)
+    except PromptTooLong as e:
+        raise Failure(400, e.problem, TOO_LONG, param) from None
 
 
 async def grammar(engine: Engine, spec, param: str):

@@ -26,8 +26,9 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
-from ..llm.cache import check_cache, compact_cache, set_cache_length, verify_starts
+from ..llm.cache import check_cache, compact_cache, kv_offsets, set_cache_length, verify_starts
 from ..llm.parts import model_parts
+from ..llm.recurrent import take_tree_states
 from .accept import Accepted, sample_first
 from .grammar import Grammar, accept_constrained, apply_mask, packed_masks, tree_masks, unpack_masks
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
@@ -109,9 +110,10 @@ def constrained_steps(
     while last not in eos:
         step += 1
         tic = time.perf_counter()
-        offsets, starts = [c.offset for c in cache], verify_starts(cache)
+        offsets, starts = kv_offsets(cache), verify_starts(cache)
         rows, words = tree_masks(matcher, rows)
         beams, tree_size, hidden, acc = _verify_step(model, backbone, head, cache, g0, rows, words, grammar, sampling)
+        take_tree_states(cache, acc.last)  # recurrent layers: the accepted node's state (lazy)
         length = len(rows[0])
         g0 = acc.next_token
         pending = drafts.start(hidden[acc.last], g0)

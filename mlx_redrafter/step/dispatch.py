@@ -15,18 +15,22 @@ from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..config import DraftConfig, SamplingConfig
 from ..llm.cache import check_cache
+from ..llm.recurrent import leaves
 from .auto import can_pay
 from .constrained import constrained_steps
 from .grammar import Grammar, grammar_logits_processor
 from .pipelined import pipelined_steps
 from .protocol import StepStats, StepTokens
 from .synchronous import synchronous_steps
+from .verify import tree_support
 
-PIPELINED_CACHES = (KVCache, QuantizedKVCache)
+# Recurrent layers keep only the accepted node's state, which the pipelined loop
+# takes on the device; attention layers keep holes, which sliding windows cannot.
+PIPELINED_CACHES = (KVCache, QuantizedKVCache, ArraysCache)
 # Wide and deep drafter trees whose beams share prefixes verify fewer nodes
 # packed: past this many drafter nodes (W x L) the synchronous loop, which
 # packs them, measured faster (bench/RESULTS.md section 11: W=2 L=3 is faster
@@ -49,7 +53,7 @@ def can_pipeline(cache, draft: DraftConfig, timings: bool = False) -> bool:
     generation (else the synchronous loop does): plain or quantized caches, no
     controller, no timings, and drafter beams that share few prefixes (see
     ``MAX_SHARED_NODES``) or ``tree="auto"``."""
-    if timings or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in cache):
+    if timings or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in leaves(cache)):
         return False
     if draft.tree == "auto":  # the verified subset has a bucket's size whatever W x L is
         return True
@@ -82,6 +86,15 @@ def redrafter_steps(
         yield from synchronous_steps(
             model, prompt, cache, draft=draft, sampling=sampling, timings=timings, history=history
         )
+
+
+def _say_plain_once(model, why: str) -> None:
+    """One warning per model that it decodes without drafting, and why."""
+    import warnings
+
+    if not getattr(model, "_redrafter_said_plain", False):
+        object.__setattr__(model, "_redrafter_said_plain", True)
+        warnings.warn(f"{why} Decoding without drafting (same output).", stacklevel=3)
 
 
 def plain_steps(
@@ -126,6 +139,9 @@ def token_steps(
     each step's tokens on the host before the next tree is built; the
     pipelined loop and the controller do not run under a grammar)."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if draft.drafting and tree_support(model):  # e.g. a recurrent layer no hook covers: plain decoding, said once
+        _say_plain_once(model, tree_support(model))
+        draft = DraftConfig()
     if not drafting_pays(draft):  # tree="auto" on a curve where no draft can pay: plain decoding is faster
         draft = DraftConfig()
     if grammar is not None:

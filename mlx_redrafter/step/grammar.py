@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import RedrafterError
+from ..llm.parts import text_args
 from .accept import Accepted, accept_greedy, accept_sampling
 from .tree import PAD
 
@@ -150,7 +151,7 @@ def compile_grammar(tokenizer, spec, vocab_size: int = None) -> Grammar:
 def compile_for_model(model, tokenizer, spec) -> Grammar:
     """:func:`compile_grammar` with the masks as wide as ``model``'s vocabulary
     (mlx-lm models say it in ``args.vocab_size``; else the tokenizer's)."""
-    return compile_grammar(tokenizer, spec, getattr(getattr(model, "args", None), "vocab_size", None))
+    return compile_grammar(tokenizer, spec, getattr(text_args(model), "vocab_size", None))
 
 
 class Matcher:

@@ -25,7 +25,7 @@ step t (the one sync per step), which has usually finished by then.
   the host, one step longer than needed, and lined up on the device with
   what the step in flight accepts; a draft that does not line up is padding.
   Where the host's lookup finds nothing, one datastore row
-  (:mod:`~mlx_redrafter.draft.stores`) is proposed and lined up the same way.
+  (:mod:`~mlx_redrafter.draft.datastore.use`) is proposed and lined up the same way.
 
 Used when every cache is a ``KVCache`` or ``QuantizedKVCache``, neither
 the adaptive-depth controller nor timings are on, and the drafter's tree
@@ -37,22 +37,23 @@ logits of a node depend only on its real ancestors.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, List, Sequence
 
 import mlx.core as mx
 
-from ..draft.datastore import StoreLookup
+from ..draft.datastore.index import StoreLookup
+from ..draft.datastore.use import DATASTORE, context_or_store, row_sources
 from ..draft.lookup import DeviceLookup, Lookup
-from ..draft.stores import DATASTORE, context_or_store, row_sources
 from ..llm.cache import HoleyCache
 from ..llm.parts import model_parts
+from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .auto import AutoTree, drafter_scores
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
 from .select import N_BUCKETS, SOURCES
 from .tree import PAD, Tree, layout, merged_parent
-from .verify import install_tree_hooks, tree_hooks
+from .verify import install_tree_hooks, needs_hooks, tree_hooks
 
 
 @dataclass
@@ -68,8 +69,9 @@ class _Queued:
     depth: int  # longest row (0: a tree of g0 alone)
     size: int  # tokens verified
     structure: object = None  # tree="auto": the candidates' Structure (the read ends with Selection.codes)
-    sources: tuple = ()  # each row's source (draft/stores.py's row_sources)
+    sources: tuple = ()  # each row's source (draft/datastore/use.py's row_sources)
     host_rows: tuple = ()  # tree="auto", greedy: (proposals, scores, source) the host proposed for this step
+    before: list = None  # the recurrent layers' states before this step (put back if it is never read)
 
 
 def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, length: int) -> mx.array:
@@ -88,6 +90,29 @@ def line_up(proposals: mx.array, row: mx.array, n: mx.array, g0: mx.array, lengt
     return mx.where(same.all(axis=1, keepdims=True), rest, PAD)
 
 
+@dataclass
+class _Rows:
+    """The next step's draft rows: tokens and node scores (lazy), lengths and sources (host)."""
+
+    parts: List[mx.array] = field(default_factory=list)  # [rows, length] token blocks, one per source
+    lengths: List[int] = field(default_factory=list)  # each row's length
+    scores: List[object] = field(default_factory=list)  # per block, tree="auto": its nodes' scores
+    host_scores: List[float] = field(default_factory=list)  # per node: what the host knows (NaN: on the device)
+    host_rows: tuple = ()  # (proposals, scores, source) the host proposed
+    source: object = None  # the host rows' source (lookup or datastore)
+
+    def beams(self) -> mx.array:
+        """Every row, PAD-padded to the longest: ``[R, depth]``."""
+        depth = max(self.lengths)
+        return mx.concatenate([mx.pad(p, [(0, 0), (0, depth - p.shape[1])], constant_values=PAD) for p in self.parts])
+
+
+def _kept(size: int, acc: Accepted, depth: int) -> mx.array:
+    """``[size]`` bool: the verified rows on the accepted path (the cache's real tokens)."""
+    on_path = mx.arange(depth + 1) <= acc.n
+    return ((mx.arange(size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
+
+
 class _Pipeline:
     def __init__(self, model, cache, draft, sampling, history: List[int]):
         self.model, self.cache, self.cfg, self.sampling = model, cache, draft, sampling
@@ -100,42 +125,46 @@ class _Pipeline:
         self.kv = None  # set after the prefill
         self.auto = AutoTree(draft.curve) if draft.tree == "auto" else None
 
-    def rows(self, prev: _Queued):
-        """The next step's rows and their nodes' scores (lazy), and the rows' lengths and sources (host)."""
-        cfg, parts, lengths, source, self.scores = self.cfg, [], [], None, []
-        self.host_rows = ()
-        self.host_scores = []  # per node: what the host knows of its score (NaN: the drafter's, on the device)
+    def rows(self, prev: _Queued) -> _Rows:
+        """The next step's rows (see :class:`_Rows`)."""
+        cfg, rows = self.cfg, _Rows()
         if cfg.drafter is not None:
             beams = draft_beams(cfg, self.embed, prev.context, prev.g0)
-            parts.append(beams.tokens)
-            self.scores.append(drafter_scores(beams) if self.auto is not None else None)
-            lengths += [cfg.beam_length] * cfg.beam_width
-            self.host_scores += [float("nan")] * (cfg.beam_length * cfg.beam_width)
+            rows.parts.append(beams.tokens)
+            rows.scores.append(drafter_scores(beams) if self.auto is not None else None)
+            rows.lengths += [cfg.beam_length] * cfg.beam_width
+            rows.host_scores += [float("nan")] * (cfg.beam_length * cfg.beam_width)
         if self.fresh is not None:
             self.fresh.append(prev.row, prev.n, prev.g0, prev.depth + 1)
         if self.lookup is not None or self.store is not None:
-            # Whether to verify lookup rows is decided from what the host has
-            # read (a row costs its tokens' compute even when it matches nothing).
-            proposals, source = context_or_store(
-                self.lookup, self.store, cfg.lookup_length + prev.depth + 1, cfg.lookup
-            )
-            if proposals:
-                host = self._host_scores(source)
-                self.host_rows = (proposals, host, source)
-                if self.fresh is not None and source != DATASTORE:
-                    rows = self.fresh.propose(cfg.lookup_length)[None]
-                    matched = self.fresh.matched.reshape(1, 1)
-                else:
-                    rows = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
-                    matched = mx.array(host, mx.float32)[:, None]
-                parts.append(rows)
-                self.scores.append(mx.broadcast_to(matched, rows.shape).astype(mx.float32))
-                lengths += [cfg.lookup_length] * rows.shape[0]
-                # The host's own match (one step late) stands for the device's in the bucket's estimate.
-                self.host_scores += [
-                    host[min(i, len(host) - 1)] for i in range(rows.shape[0]) for _ in range(cfg.lookup_length)
-                ]
-        return parts, lengths, row_sources(cfg.drafter_rows, len(lengths), source)
+            self._host_rows(prev, rows)
+        rows.sources = row_sources(cfg.drafter_rows, len(rows.lengths), rows.source)
+        return rows
+
+    def _host_rows(self, prev: _Queued, rows: _Rows) -> None:
+        """Lookup or datastore rows. Whether to verify them is decided from what
+        the host has read (a row costs its tokens' compute even when it matches nothing)."""
+        cfg = self.cfg
+        proposals, rows.source = context_or_store(
+            self.lookup, self.store, cfg.lookup_length + prev.depth + 1, cfg.lookup
+        )
+        if not proposals:
+            return
+        host = self._host_scores(rows.source)
+        rows.host_rows = (proposals, host, rows.source)
+        if self.fresh is not None and rows.source != DATASTORE:
+            block = self.fresh.propose(cfg.lookup_length)[None]
+            matched = self.fresh.matched.reshape(1, 1)
+        else:
+            block = line_up(mx.array(proposals, mx.int32), prev.row, prev.n, prev.g0, cfg.lookup_length)
+            matched = mx.array(host, mx.float32)[:, None]
+        rows.parts.append(block)
+        rows.scores.append(mx.broadcast_to(matched, block.shape).astype(mx.float32))
+        rows.lengths += [cfg.lookup_length] * block.shape[0]
+        # The host's own match (one step late) stands for the device's in the bucket's estimate.
+        rows.host_scores += [
+            host[min(i, len(host) - 1)] for i in range(block.shape[0]) for _ in range(cfg.lookup_length)
+        ]
 
     def _host_scores(self, source: str) -> List[int]:
         """Each host-proposed row's score: the matched suffix length (lookup)
@@ -167,91 +196,97 @@ class _Pipeline:
 
     def queue(self, prev: _Queued) -> _Queued:
         """Build the step after ``prev`` (lazily)."""
-        parts, lengths, sources = self.rows(prev)
-        if not lengths:
-            return self._queue_g0(prev)
-        depth = max(lengths)
-        beams = mx.concatenate([mx.pad(p, [(0, 0), (0, depth - p.shape[1])], constant_values=PAD) for p in parts])
-        lay = layout(tuple(lengths))
-        if self.auto is not None:
-            return self._queue_auto(prev, beams, lay, sources)
+        before = recurrent_states(self.cache)
+        rows = self.rows(prev)
+        if not rows.lengths:
+            queued = self._queue_g0(prev)
+        elif self.auto is not None:
+            queued = self._queue_auto(prev, rows)
+        else:
+            queued = self._queue_all(prev, rows)
+        queued.before = before
+        return queued
+
+    def _queue_all(self, prev: _Queued, rows: _Rows) -> _Queued:
+        """Verify every row's nodes (tree="fixed")."""
+        beams, lay = rows.beams(), layout(tuple(rows.lengths))
         tree = lay.tree(beams, prev.g0)
-        hidden = self._forward(tree, prev.real, chain=len(lengths) == 1)
+        hidden = self._forward(tree, prev.real, chain=len(rows.lengths) == 1)
         logits = self.head(hidden)
         if self.sampling.greedy:
             acc = accept_greedy(beams, lay.node_index, logits)
         else:
             merged = Tree(tree.tokens, tree.depth, merged_parent(lay, beams), lay.node_index, tree.mask)
             acc = accept_sampling(beams, merged, logits, self.sampling)
-        on_path = mx.arange(depth + 1) <= acc.n
-        kept = ((mx.arange(lay.size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
-        self.kv.append(lay.size, kept)
-        row = beams[acc.beam]
-        return _Queued(
-            step_read(acc, row),
-            acc.next_token,
-            hidden[acc.last],
-            prev.real + 1 + acc.n,
-            row,
-            acc.n,
-            depth,
-            lay.size,
-            sources=sources,
-        )
+        return self._queued(prev, acc, hidden, beams[acc.beam], lay.size, sources=rows.sources)
 
-    def _queue_auto(self, prev: _Queued, beams: mx.array, lay, sources) -> _Queued:
+    def _queue_auto(self, prev: _Queued, rows: _Rows) -> _Queued:
         """tree="auto": verify the bucket's best nodes (step/auto.py); the read ends with their codes."""
-        structure, ancestors = self.auto.shape(lay.lengths, sources)
-        size = self.auto.bucket(structure, self.host_scores)
-        host_rows = self.host_rows if self.sampling.greedy else ()
+        beams, lay = rows.beams(), layout(tuple(rows.lengths))
+        structure, ancestors = self.auto.shape(lay.lengths, rows.sources)
+        size = self.auto.bucket(structure, rows.host_scores)
+        host_rows = rows.host_rows if self.sampling.greedy else ()
         if size == 1:  # g0 alone; the host rows left out are still learned from
             queued = self._queue_g0(prev)
             queued.structure, queued.host_rows = structure, host_rows
             return queued
         depth = beams.shape[1]
-        scores = mx.concatenate([mx.pad(x, [(0, 0), (0, depth - x.shape[1])]) for x in self.scores])
-        sel, rows, index = self.auto.select(
+        scores = mx.concatenate([mx.pad(x, [(0, 0), (0, depth - x.shape[1])]) for x in rows.scores])
+        sel, chosen, index = self.auto.select(
             structure, ancestors, beams, lay, scores, size - 1, dedup=not self.sampling.greedy
         )
         tree = sel.tree(beams[lay.node_row, lay.node_pos], prev.g0)
+        tree.levels = depth + 1  # the candidates' depth bounds the selection's
         # One row of candidates: the selection is a prefix of it (parents
         # first, ties to the shallower), a single path that the model's own
         # causal call verifies without the tree hooks (cheaper per step).
         hidden = self._forward(tree, prev.real, chain=size == 2 or len(lay.lengths) == 1)
         logits = self.head(hidden)
         if self.sampling.greedy:
-            acc = accept_greedy(rows, index, logits)
+            acc = accept_greedy(chosen, index, logits)
         else:
-            acc = accept_sampling(
-                rows, Tree(tree.tokens, tree.depth, tree.parent, index, tree.mask), logits, self.sampling
-            )
-        on_path = mx.arange(depth + 1) <= acc.n
-        self.kv.append(size, ((mx.arange(size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1))
-        row = rows[acc.beam]
-        read = mx.concatenate([step_read(acc, row), sel.codes])
-        return _Queued(
-            read,
-            acc.next_token,
-            hidden[acc.last],
-            prev.real + 1 + acc.n,
-            row,
-            acc.n,
-            depth,
+            walk = Tree(tree.tokens, tree.depth, tree.parent, index, tree.mask)
+            acc = accept_sampling(chosen, walk, logits, self.sampling)
+        return self._queued(
+            prev,
+            acc,
+            hidden,
+            chosen[acc.beam],
             size,
+            codes=sel.codes,
+            depth=depth,
             structure=structure,
-            sources=sources,
+            sources=rows.sources,
             host_rows=host_rows,
         )
 
     def _queue_g0(self, prev: _Queued) -> _Queued:
         """Nothing drafted: verify ``g0`` alone (a plain decoding step)."""
-        one = Tree(prev.g0.reshape(1), mx.zeros((1,), mx.int32), None, None, mx.ones((1, 1), mx.bool_))
+        one = Tree(prev.g0.reshape(1), mx.zeros((1,), mx.int32), None, None, mx.ones((1, 1), mx.bool_), levels=1)
         hidden = self._forward(one, prev.real, chain=True)
-        g0 = sample_first(self.head(hidden)[0], self.sampling)
-        self.kv.append(1, mx.ones((1,), mx.bool_))
         zero = mx.zeros((1,), mx.int32)
-        read = step_read(Accepted(zero[0], zero[0], zero, zero[0], g0), zero[:0])
-        return _Queued(read, g0, hidden[0], prev.real + 1, zero[:0], zero[0], 0, 1)
+        acc = Accepted(zero[0], zero[0], zero, zero[0], sample_first(self.head(hidden)[0], self.sampling))
+        return self._queued(prev, acc, hidden, zero[:0], 1)
+
+    def _queued(self, prev, acc: Accepted, hidden, row, size: int, codes=None, depth=None, **fields) -> _Queued:
+        """The one tail of every queued step: the recurrent layers take the
+        accepted node's state, the cache learns which verified rows are real,
+        and the step's read (lazy) is what the host will read."""
+        depth = row.shape[0] if depth is None else depth
+        take_tree_states(self.cache, acc.last)  # a hooked call keeps every node's state pending
+        self.kv.append(size, _kept(size, acc, depth))
+        read = step_read(acc, row)
+        return _Queued(
+            read=read if codes is None else mx.concatenate([read, codes]),
+            g0=acc.next_token,
+            context=hidden[acc.last],
+            real=prev.real + 1 + acc.n,
+            row=row,
+            n=acc.n,
+            depth=depth,
+            size=size,
+            **fields,
+        )
 
     def _forward(self, tree: Tree, base: mx.array, chain: bool) -> mx.array:
         """``hidden [N, h]`` of the tree. A cache without holes needs no device
@@ -260,9 +295,9 @@ class _Pipeline:
         if self.kv.dirty:
             with tree_hooks(self.model, self.cache, tree, base=base, valid=self.kv.valid(), chain=chain):
                 return self.backbone(tokens, cache=self.cache)[0]
-        if chain:
+        if not needs_hooks(self.model, chain):
             return self.backbone(tokens, cache=self.cache)[0]
-        with tree_hooks(self.model, self.cache, tree):
+        with tree_hooks(self.model, self.cache, tree, chain=chain):
             return self.backbone(tokens, cache=self.cache)[0]
 
 
@@ -277,16 +312,18 @@ def pipelined_steps(
     pipe.kv = HoleyCache(cache)
     if pipe.auto is not None:
         pipe.auto.advance(
-            getattr(cache[0], "offset", 0)
+            cache_length(cache) or 0
         )  # the prompt (and any cached turns): trees are priced at their context
     g0 = sample_first(logits, sampling)
     zero = mx.array(0, mx.int32)
-    queued = _Queued(None, g0, context, mx.array(cache[0].offset, mx.int32), zero.reshape(1)[:0], zero, 0, 1)
+    real = mx.array(cache_length(cache) or 0, mx.int32)
+    queued = _Queued(read=None, g0=g0, context=context, real=real, row=zero.reshape(1)[:0], n=zero, depth=0, size=1)
+    unread = None  # the step queued and not read: undone if the loop ends here
     try:
         # Read g0 before queueing step 1: a read queued behind a step waits for it.
         g0_val = host_read(g0)[0]
         syncs = 1
-        queued = pipe.queue(queued)
+        queued = unread = pipe.queue(queued)
         mx.async_eval(queued.read)
         pipe.emitted([g0_val])
         yield first_step(g0_val, time.perf_counter() - tic, syncs)
@@ -294,7 +331,7 @@ def pipelined_steps(
         while True:
             step += 1
             tic = time.perf_counter()
-            following = pipe.queue(queued)
+            following = unread = pipe.queue(queued)
             mx.async_eval(following.read)
             read = StepRead.parse(host_read(queued.read), queued.depth)
             syncs += 1
@@ -315,3 +352,5 @@ def pipelined_steps(
             queued = following
     finally:
         pipe.kv.compact(drop_unread=True)
+        if unread is not None:
+            restore_states(cache, unread.before)

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-PREFILL_STEP = 512
+from ..llm.cache import PREFILL_STEP, feed  # noqa: F401  (PREFILL_STEP re-exported for the server's batch)
 
 
 @dataclass
@@ -145,9 +145,6 @@ def host_read(*arrays: mx.array) -> List[int]:
 
 def prefill(backbone, head, cache, prompt: mx.array):
     """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy)."""
-    for start in range(0, prompt.size - 1, PREFILL_STEP):
-        chunk = prompt[start : min(start + PREFILL_STEP, prompt.size - 1)]
-        backbone(chunk[None], cache=cache)
-        mx.eval([c.state for c in cache])
+    feed(backbone, cache, prompt[:-1])
     hidden = backbone(prompt[-1:][None], cache=cache)[0, -1]
     return head(hidden), hidden

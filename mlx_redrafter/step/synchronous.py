@@ -23,11 +23,12 @@ from typing import Iterator, List, Sequence
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
-from ..draft.datastore import StoreLookup
+from ..draft.datastore.index import StoreLookup
+from ..draft.datastore.use import DATASTORE, context_or_store, row_sources
 from ..draft.lookup import Lookup, join_beams
-from ..draft.stores import DATASTORE, context_or_store, row_sources
-from ..llm.cache import compact_cache, set_cache_length, verify_starts
+from ..llm.cache import compact_cache, kv_offsets, set_cache_length, verify_starts
 from ..llm.parts import model_parts
+from ..llm.recurrent import cache_length, take_tree_states
 from .accept import Accepted, accept_greedy, accept_sampling, sample_first
 from .auto import AutoTree, drafter_scores, lookup_buckets
 from .protocol import StepRead, StepTokens, draft_beams, first_step, host_read, prefill, step_read
@@ -89,7 +90,7 @@ class _JoinedBeams(_DrafterBeams):
     def prefilled(self, cache) -> None:
         """tree="auto": trees are priced at their context, the prompt (and any cached turns) first."""
         if self.auto is not None:
-            self.auto.advance(getattr(cache[0], "offset", 0))
+            self.auto.advance(cache_length(cache) or 0)
 
     def start(self, context, g0) -> List[mx.array]:
         if self.cfg.drafter is None:
@@ -182,11 +183,12 @@ def synchronous_steps(
         step += 1
         tic = time.perf_counter()
         times = {}
-        offsets, starts = [c.offset for c in cache], verify_starts(cache)
+        offsets, starts = kv_offsets(cache), verify_starts(cache)
         beams = beams[:, :d_val]
         logits, hidden, acc, tree_size = _verify_and_accept(
             model, backbone, head, cache, beams, n_val, d_val, g0, drafts.padded, sampling, timings, times, tic
         )
+        take_tree_states(cache, acc.last)  # recurrent layers: the accepted node's state (lazy)
         g0 = acc.next_token
         pending = drafts.start(hidden[acc.last], g0)
         _lap(timings, times, "draft", tic, *pending)

@@ -30,6 +30,7 @@ class Tree:
     parent: mx.array  # [N+1] packed index of each node's parent (g0's is 0)
     node_index: mx.array  # [W, L] packed index of beam w's token at position j
     mask: mx.array  # [N+1, N+1] bool, [q, k] = k is q or an ancestor of q
+    levels: int = 0  # depth + 1 if the builder knows it on the host (recurrent layers scan this many steps), else 0
 
     @property
     def size(self) -> int:
@@ -116,7 +117,7 @@ def pack(beams: mx.array, n_nodes: int, g0: mx.array, order: str = "depth", padd
     parent = mx.where(node_pos > 0, node_index[node_beam[1:], parent_pos], 0)
     parent = mx.concatenate([mx.zeros((1,), mx.int32), parent.astype(mx.int32)])
     mask = ancestor_mask(node_index, node_beam, depth)
-    return Tree(tokens, depth, parent, node_index, mask)
+    return Tree(tokens, depth, parent, node_index, mask, levels=length + 1)
 
 
 def ancestor_mask(node_index: mx.array, node_beam: mx.array, depth: mx.array) -> mx.array:
@@ -168,7 +169,7 @@ class Layout:
         """
         nodes = beams[self.node_row, self.node_pos]
         tokens = mx.concatenate([g0.reshape(1).astype(beams.dtype), mx.maximum(nodes, 0)])
-        return Tree(tokens, self.depth, self.parent, self.node_index, self.mask)
+        return Tree(tokens, self.depth, self.parent, self.node_index, self.mask, levels=max(self.lengths) + 1)
 
 
 @functools.lru_cache(maxsize=64)

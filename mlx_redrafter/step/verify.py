@@ -19,13 +19,16 @@ afterwards (llm/cache.py) without touching their values.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import RedrafterError
 from ..llm.cache import cached_length
+from ..llm.recurrent import kv_leaves
+from .mixers import COVERED_MIXERS, TreeMixer, TreePaths, find_mixers, uncovered_layers
 
 SUPPORTED_ROPES = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
 
@@ -57,36 +60,69 @@ class TreeRoPE(nn.Module):
         return y.reshape(L, B, H, D).transpose(1, 2, 0, 3)
 
 
-def install_tree_hooks(model: nn.Module) -> List[TreeRoPE]:
-    """Wrap every attention's ``rope`` (idempotent) and return the wrappers.
+@dataclass
+class TreeHooks:
+    """What a model needs to verify a tree: its RoPE wrappers and its recurrent mixers."""
 
-    Raises a clear error for position schemes a tree cannot use.
+    ropes: List[TreeRoPE]
+    mixers: List[Tuple[nn.Module, str, nn.Module]]  # (parent, name, mixer): step/mixers.py
+
+
+def install_tree_hooks(model: nn.Module) -> TreeHooks:
+    """Wrap every attention's ``rope`` (idempotent), find the recurrent mixers,
+    and return both.
+
+    Raises a clear error for position schemes and recurrent layers a tree
+    cannot use (:func:`tree_support` says so without raising).
     """
-    hooks = getattr(model, "_redrafter_ropes", None)
+    hooks = getattr(model, "_redrafter_hooks", None)
     if hooks is not None:
         return hooks
-    hooks = []
+    problem = tree_support(model)
+    if problem:
+        raise RedrafterError(problem, "Decode this model without drafting (plain decoding: no drafter and no lookup).")
+    ropes = []
     for _, module in model.named_modules():
         rope = module.get("rope") if isinstance(module, nn.Module) else None
         if rope is None or isinstance(rope, TreeRoPE):
             continue
-        name = type(rope).__name__
-        if name not in SUPPORTED_ROPES:
-            raise RedrafterError(
-                f"This model uses {name} positions, which tree verification does not support "
-                f"(supported: {', '.join(SUPPORTED_ROPES)}).",
-                "Decode this model without drafting (plain decoding: no drafter and no lookup).",
-            )
         wrapper = TreeRoPE(rope)
         module.rope = wrapper
-        hooks.append(wrapper)
-    if not hooks:
-        raise RedrafterError(
-            f"No RoPE modules found in {type(model).__module__}; ReDrafter needs rotary positions.",
-            "Decode this model without drafting (plain decoding: no drafter and no lookup).",
-        )
-    object.__setattr__(model, "_redrafter_ropes", hooks)
+        ropes.append(wrapper)
+    hooks = TreeHooks(ropes, find_mixers(model))
+    object.__setattr__(model, "_redrafter_hooks", hooks)
     return hooks
+
+
+def tree_support(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot verify a draft tree (one line naming the layer or
+    position type), or None when it can (the answer is kept on the model)."""
+    if getattr(model, "_redrafter_hooks", None) is not None:
+        return None
+    if "_redrafter_no_tree" not in model.__dict__:
+        object.__setattr__(model, "_redrafter_no_tree", _why_not(model))
+    return model.__dict__["_redrafter_no_tree"]
+
+
+def _why_not(model: nn.Module) -> Optional[str]:
+    uncovered = uncovered_layers(model)
+    if uncovered:
+        return (
+            f"Layers of type {', '.join(uncovered)} keep a recurrent state that tree verification does not cover "
+            f"(covered: {', '.join(sorted({name for name, _ in COVERED_MIXERS.values()}))})."
+        )
+    ropes = [m.get("rope") for _, m in model.named_modules() if isinstance(m, nn.Module) and m.get("rope") is not None]
+    for rope in ropes:
+        name = type(rope).__name__
+        if name not in SUPPORTED_ROPES and not isinstance(rope, TreeRoPE):
+            return (
+                f"This model uses {name} positions, which tree verification does not support "
+                f"(supported: {', '.join(SUPPORTED_ROPES)})."
+            )
+    # Recurrent layers carry positions: their attention layers may have none (Nemotron-H, Granite 4).
+    if not ropes and not find_mixers(model):
+        return f"No RoPE modules found in {type(model).__module__}; ReDrafter needs rotary positions."
+    return None
 
 
 def tree_attention_mask(
@@ -123,14 +159,15 @@ def tree_hooks(
     ``base`` and ``valid`` (the pipelined loop): the position of ``g0`` as a
     device scalar, and which cached rows are real tokens. ``chain=True`` (a
     single path) gives consecutive positions from ``base`` without moving
-    the token axis.
+    the token axis. Recurrent mixers run each node from its parent's state
+    (step/mixers.py); their states wait in ``pending`` until acceptance.
     """
-    ropes = install_tree_hooks(model)
-    patched = []
+    hooks = install_tree_hooks(model)
+    patched, swapped = [], []
     try:
-        for r in ropes:
+        for r in hooks.ropes:
             r._depth, r._base = (None if chain else tree.depth), base
-        for c in cache:
+        for c in kv_leaves(cache):
             cached = c.offset if valid is not None else cached_length(c)
 
             def make_mask(N, return_array=False, window_size=None, _cached=cached):
@@ -138,12 +175,31 @@ def tree_hooks(
 
             c.make_mask = make_mask  # shadows the class method for this call only
             patched.append(c)
+        if hooks.mixers:
+            paths = TreePaths.of(tree.mask, tree.depth, levels_of(tree))
+            for parent, name, mixer in hooks.mixers:
+                setattr(parent, name, TreeMixer(mixer, paths))
+                swapped.append((parent, name, mixer))
         yield
     finally:
-        for r in ropes:
+        for r in hooks.ropes:
             r._depth = r._base = None
         for c in patched:
             del c.make_mask
+        for parent, name, mixer in swapped:
+            setattr(parent, name, mixer)
+
+
+def levels_of(tree) -> int:
+    """The tree's depth + 1, known on the host (no sync): ``tree.levels`` where
+    the tree's builder knew it, else the node count (always enough)."""
+    return tree.levels or tree.size
+
+
+def needs_hooks(model, chain: bool) -> bool:
+    """Whether a call over a tree needs :func:`tree_hooks`: always for a tree,
+    and for a chain through recurrent layers (their states must be kept per node)."""
+    return not chain or len(install_tree_hooks(model).mixers) > 0
 
 
 def verify(model, backbone, head, cache, tree, chain: bool = False):
@@ -153,9 +209,9 @@ def verify(model, backbone, head, cache, tree, chain: bool = False):
     W=1): its positions and mask are the model's own causal ones, so the
     call runs unhooked, like a prefill chunk.
     """
-    if chain:
+    if not needs_hooks(model, chain):
         hidden = backbone(tree.tokens[None], cache=cache)[0]
         return head(hidden), hidden
-    with tree_hooks(model, cache, tree):
+    with tree_hooks(model, cache, tree, chain=chain):
         hidden = backbone(tree.tokens[None], cache=cache)[0]
     return head(hidden), hidden

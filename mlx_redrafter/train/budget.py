@@ -164,14 +164,14 @@ def measure_train_rate(model, cfg, steps: int = 4, top_k: int = 16, positions: i
     hidden states, ``top_k`` soft targets), before any data is distilled."""
     import mlx.optimizers as optim
 
-    from ..llm.parts import model_parts
+    from ..llm.parts import hidden_size, model_parts
     from .examples import Batcher, Examples
     from .shards import Corpus
     from .trainer import make_step, new_drafter, vocab_map
     from .world import world
 
     embed, _, _ = model_parts(model)
-    vocab, hidden = int(embed.weight.shape[0]), int(model.args.hidden_size)
+    vocab, hidden = int(embed.weight.shape[0]), hidden_size(model)
     rng = np.random.default_rng(0)
     corpus = Corpus(
         rng.integers(0, vocab, positions).astype(np.int32),

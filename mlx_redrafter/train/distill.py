@@ -4,13 +4,12 @@ its tokens and the hidden states that produced them.
 Generation is batched with continuous refill: finished rows leave the batch
 (``BatchKVCache.filter``) and new prompts are prefilled and merged in
 (``BatchKVCache.extend``), so the batch stays full. Finished replies go to
-resumable shards (see :mod:`.shards`).
+resumable shards (see :mod:`.shards`), written by :mod:`.distill_folder`.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -19,13 +18,13 @@ from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..errors import RedrafterError
-from ..llm.parts import model_parts
+from ..llm.parts import hidden_size, model_parts
 from ..prompts import chat_prompt_ids, conversation_ids, read_conversations, refuse_eval_set
-from .shards import Manifest, Sequence, write_shard
-from .world import World, digest, model_fingerprint, world
+from .distill_folder import ShardWriter, check_share, merge_parts, my_share, open_manifest, part_folder
+from .shards import Manifest, Sequence
+from .world import digest, model_fingerprint, world
 
 
 @dataclass
@@ -112,7 +111,7 @@ class Distiller:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         # With feature layers the backbone also returns their outputs, before the last state.
         self.embed, self.backbone, self.head = model_parts(model, cfg.feature_layers)
-        self.width = model.args.hidden_size
+        self.width = hidden_size(model)
         self.eos = set(tokenizer.eos_token_ids)
         self.rows: List[_Row] = []
         self.cache = None
@@ -169,8 +168,11 @@ class Distiller:
         group, firsts = None, []
         for conv, turn, msgs in items:
             prompt = self.prompt_ids(conv, turn, msgs)
-            cache = [BatchKVCache([0]) for _ in self.model.layers]
+            # Each layer's own cache, then its batch form (a BatchKVCache, or a
+            # hybrid layer's ArraysCache), as mlx-lm's batch generation merges them.
+            cache = make_prompt_cache(self.model)
             first, arrays = self._forward(mx.array([prompt], dtype=mx.int32), cache, every=self.cfg.prompt_positions)
+            cache = [c.merge([c]) for c in cache]
             row = _Row(conv, turn, msgs, len(prompt))
             if self.cfg.prompt_positions:
                 # Position j predicts prompt[j + 1]: the sequence starts with
@@ -246,157 +248,6 @@ class Distiller:
                     queue.appendleft((row.conv, row.turn + 1, history))
 
 
-def part_folder(out: Path, w: World) -> Path:
-    """Where this rank writes: the data folder itself for one process,
-    ``rank-R/`` inside it when the run is spread over several."""
-    return out if w.size == 1 else out / f"rank-{w.rank}"
-
-
-def _open_manifest(folder: Path, model_spec, prompts_path: Path, cfg: DistillConfig, w: World) -> Manifest:
-    """This rank's manifest: resumed if the folder holds one from the same
-    model, prompts and world size, else a new one. Errors are decided by
-    all ranks together."""
-    error, manifest = None, None
-    try:
-        manifest = Manifest.load(folder)
-        # Rank 0 also checks the merged manifest of an earlier distributed run.
-        top = Manifest.load(folder.parent) if w.size > 1 and w.rank == 0 else None
-        for m, where in ((manifest, folder), (top, folder.parent)):
-            if m is None:
-                continue
-            if m.model != str(model_spec) or m.prompts != str(prompts_path.resolve()):
-                raise RedrafterError(
-                    f"{where} holds data distilled from {m.model} on {m.prompts}.",
-                    "Resume with the same --model and --prompts, or pick a new --out.",
-                )
-            for key, before in FORMAT_KEYS.items():  # they decide what the shards hold
-                had, now = m.config.get(key, before), getattr(cfg, key)
-                if had != now:
-                    raise RedrafterError(
-                        f"{where} holds shards distilled with {key}={had}, this run asks for {key}={now}.",
-                        f"Resume with the same --{key.replace('_', '-')}, or pick a new --out.",
-                    )
-            if m.world_size != w.size:
-                raise RedrafterError(
-                    f"{where} was distilled by {m.world_size} process(es), "
-                    f"this run has {w.size}: the prompt shares would differ.",
-                    f"Resume with `mlx.launch -n {m.world_size}` (or without mlx.launch for 1), or pick a new --out.",
-                )
-    except RedrafterError as e:
-        error = e
-    w.check(error)
-    return manifest or Manifest(str(model_spec), str(prompts_path.resolve()), asdict(cfg), world_size=w.size)
-
-
-# Settings that decide the shards' arrays, which every run into a folder must
-# share, with their values in manifests written before the setting existed.
-FORMAT_KEYS = {"top_k": 0, "feature_layers": [], "prompt_positions": False}
-
-
-def _my_share(convs: list, done: set, cfg: DistillConfig, w: World) -> list:
-    """This rank's conversations still to answer: every ``size``-th prompt
-    from index ``rank``, so that a rerun gives each rank the same share;
-    ``max_conversations`` is split between the ranks."""
-    share = [c for i, c in enumerate(convs) if i % w.size == w.rank]
-    todo = [c for c in share if c["id"] not in done]
-    random.Random(cfg.seed).shuffle(todo)
-    if cfg.max_conversations is not None:
-        cap = cfg.max_conversations // w.size + (w.rank < cfg.max_conversations % w.size)
-        todo = todo[: max(0, cap - len(done))]
-    return todo
-
-
-def _merge_parts(out: Path, manifest: Manifest, w: World) -> Manifest:
-    """Once every rank finished, rank 0 writes the data folder's manifest:
-    every rank's shards (paths inside ``rank-R/``) and counts."""
-    if w.size == 1:
-        return manifest
-    parts = w.gather_json(manifest.__dict__)
-    merged = Manifest(manifest.model, manifest.prompts, manifest.config, world_size=w.size)
-    for rank, part in enumerate(parts):
-        merged.shards += [f"rank-{rank}/{name}" for name in part["shards"]]
-        merged.done += part["done"]
-        merged.sequences += part["sequences"]
-        merged.tokens += part["tokens"]
-        merged.prompt_tokens += part.get("prompt_tokens", 0)
-        merged.elapsed = max(merged.elapsed, part["elapsed"])
-        merged.runs += [{**r, "rank": rank} for r in part["runs"]]
-    if w.rank == 0:
-        merged.save(out)
-    return merged
-
-
-class _ShardWriter:
-    """Collects finished replies and writes them as shards, with the manifest
-    (resumable: ``flush`` saves what is finished so far)."""
-
-    def __init__(self, folder: Path, manifest: Manifest, cfg: DistillConfig):
-        self.folder, self.manifest, self.cfg = folder, manifest, cfg
-        self.pending: List[Sequence] = []
-        self.pending_done: List[str] = []
-        self.open_turns = {}  # conv id -> replies still to come
-        self.start = time.perf_counter()
-        self.base_elapsed = manifest.elapsed
-        self.run = {
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "sequences": 0,
-            "tokens": 0,
-            "prompt_tokens": 0,
-            "seconds": 0.0,
-        }
-        manifest.runs.append(self.run)
-
-    def flush(self) -> None:
-        manifest, run, pending = self.manifest, self.run, self.pending
-        if pending:
-            name = write_shard(self.folder, len(manifest.shards), pending)
-            manifest.shards.append(name)
-            added = sum(len(s.tokens) - s.reply_start for s in pending)
-            lead = sum(s.reply_start for s in pending)
-            manifest.sequences += len(pending)
-            manifest.tokens += added
-            manifest.prompt_tokens += lead
-            run["sequences"] += len(pending)
-            run["tokens"] += added
-            run["prompt_tokens"] += lead
-        manifest.done.extend(self.pending_done)
-        manifest.elapsed = self.base_elapsed + time.perf_counter() - self.start
-        run["seconds"] = round(time.perf_counter() - self.start, 1)
-        manifest.save(self.folder)
-        self.pending, self.pending_done = [], []
-
-    def on_done(self, row, conv) -> None:
-        cid = conv["id"]
-        if row is None:  # a turn too long for max_prompt_tokens: no more turns come
-            self.pending_done.append(cid)
-            self.open_turns.pop(cid, None)
-            return
-        if row.turn == 0:
-            self.open_turns[cid] = min(self.cfg.turns, len(conv["turns"]))
-        self.pending.append(sequence(row))
-        self.open_turns[cid] -= 1
-        if self.open_turns[cid] == 0:
-            self.pending_done.append(cid)
-            del self.open_turns[cid]
-        if len(self.pending) >= self.cfg.shard_sequences:
-            self.flush()
-
-    def deadline(self) -> Optional[float]:
-        """The budget covers every run into this folder, so a rerun of a finished
-        job does nothing and an interrupted one only uses what is left."""
-        cfg = self.cfg
-        return None if cfg.minutes is None else self.start + 60 * cfg.minutes - self.base_elapsed
-
-
-def _check_share(convs: list, cfg: DistillConfig, w: World) -> None:
-    available = len(convs) if cfg.max_conversations is None else min(len(convs), cfg.max_conversations)
-    if available < w.size:
-        raise RedrafterError(
-            f"{w.size} processes but only {available} conversation(s) to answer: some ranks would have nothing to do.",
-            "Launch fewer processes (mlx.launch -n), or give more prompts / a larger --max-conversations.",
-        )
-
-
 def distill(
     model_spec: str,
     prompts_path,
@@ -431,7 +282,7 @@ def distill(
     out = Path(out)
     folder = part_folder(out, w)
     folder.mkdir(parents=True, exist_ok=True)
-    manifest = _open_manifest(folder, model_spec, prompts_path, cfg, w)
+    manifest = open_manifest(folder, model_spec, prompts_path, cfg, w)
     if model is None:
         model, tokenizer = load_model(model_spec)
     w.agree(
@@ -441,11 +292,14 @@ def distill(
             "distill settings": digest(json.dumps(asdict(cfg), sort_keys=True)),
         }
     )
-    _check_share(convs, cfg, w)
-    queue = deque((c, 0, []) for c in _my_share(convs, set(manifest.done), cfg, w))
+    check_share(convs, cfg, w)
+    queue = deque((c, 0, []) for c in my_share(convs, set(manifest.done), cfg, w))
     distiller = Distiller(model, tokenizer, cfg)
-    writer = _ShardWriter(folder, manifest, cfg)
+    writer = ShardWriter(folder, manifest, cfg)
     deadline = writer.deadline()
+
+    def keep(row, conv):  # a finished row (None: its conversation ends here) into the writer
+        writer.on_done(None if row is None else sequence(row), conv)
 
     def finished() -> int:
         return writer.run["sequences"] + len(writer.pending)
@@ -458,9 +312,9 @@ def distill(
         return deadline is not None and time.perf_counter() > deadline
 
     try:
-        distiller.run(queue, writer.on_done, should_stop, drain and (lambda: drain(finished())))
+        distiller.run(queue, keep, should_stop, drain and (lambda: drain(finished())))
     finally:
         # Replies of conversations still open are kept; the conversation is
         # redone from its first turn on resume only if it never completed.
         writer.flush()
-    return _merge_parts(out, manifest, w)
+    return merge_parts(out, manifest, w)

@@ -1,6 +1,6 @@
 """``make-drafter``'s stages after training: the depth controller, this
 device's verify-cost curve, the verdict, the install, and the drafter's
-metadata (META, draft/store.py: what its model card says).
+metadata (META, hub/store.py: what its model card says).
 
 Each stage is keyed by the drafter it measured (its file's size and time,
 :func:`~mlx_redrafter.profiles.drafter_id`): a rerun that trained on
@@ -79,8 +79,8 @@ def _after(run, stage: str) -> float:
 
 def load_head(run, folder):
     """The head in ``folder``, fitted to (and, a layer head, bound to) the run's model."""
-    from ..draft.drafter import check_fits
-    from ..draft.load import load_drafter
+    from ..draft.redrafter import check_fits
+    from ..hub.load import load_drafter
 
     head = load_drafter(folder)
     check_fits(head, run.model)
@@ -184,7 +184,7 @@ def verdict_settings(run) -> dict:
     drafter and the drafter the model already uses (if any), in the shape the
     tools give a drafter by default."""
     from ..config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
-    from ..draft.store import find
+    from ..hub.store import find
     from ..step.curve import curve_for, default_tree
     from ..tuning.verdict import EXISTING, LOOKUP
     from .heads import VERDICT_KEYS
@@ -344,7 +344,7 @@ def commit() -> str:
 
 def install_stage(run) -> None:
     """Write the drafter's META; install it into the store when the verdict says it pays."""
-    from ..draft.store import META, install
+    from ..hub.store import META, install
 
     meta = build_meta(run)
     write_json_atomic(run.drafter_dir / META, meta)

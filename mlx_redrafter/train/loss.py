@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..draft.drafter import Drafter
+from ..draft.redrafter import Drafter
 from .examples import Batch, Batcher
 
 

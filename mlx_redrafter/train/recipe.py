@@ -6,7 +6,7 @@ Stages, each the existing function of its command: distillation
 (:func:`~mlx_redrafter.train.controller.fit_and_save`), this device's
 verify-cost curve (:func:`~mlx_redrafter.tuning.calibrate.measure_curve`),
 the verdict (:mod:`~mlx_redrafter.tuning.verdict`) and the install into the
-drafter store (:func:`~mlx_redrafter.draft.store.install`), which happens
+drafter store (:func:`~mlx_redrafter.hub.store.install`), which happens
 only when the verdict measured the drafter faster than decoding without
 one (:mod:`.finish`).
 

@@ -42,7 +42,7 @@ class Status:
 def default_out(model_spec: str, prompts_label: str) -> Path:
     """``cache_root()/make-drafter/<model>-<digest>``: one folder per model and
     prompt source, so that the same command finds its folder again."""
-    from ..draft.store import slug
+    from ..hub.store import slug
 
     key = model_id(model_spec)
     name = Path(key).stem if Path(key).exists() else key

@@ -2,7 +2,7 @@
 
 Three sources: the ShareGPT prompts shipped with the package (the
 default), the user's own file, or ``history``: the prompts that ``chat``
-and ``serve`` kept for the model (draft/stores.py), as the exact token ids
+and ``serve`` kept for the model (draft/datastore/use.py), as the exact token ids
 the model answered, written to a prompt file in the work folder (it stays
 on this machine: a drafter trained on it is marked private).
 
@@ -75,7 +75,7 @@ def open_source(spec: Optional[str], model_spec: str, tokenizer, out: Path, held
 def write_history_prompts(model_spec: str, tokenizer, path: Path) -> Path:
     """The model's history prompts as a prompt file (ids exact, text for the
     eval-set guard and for reading), one conversation per distinct prompt."""
-    from ..draft.stores import history_prompts
+    from ..draft.datastore.use import history_prompts
 
     seen, lines = set(), []
     for ids in history_prompts(model_spec):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..draft.datastore import MAX_TOKENS, Datastore, default_path, model_key
+from ..draft.datastore.index import MAX_TOKENS, Datastore, default_path, model_key
 from ..errors import RedrafterError
 from ..files import write_json_atomic
 from ..prompts import read_conversations, refuse_eval_set

@@ -28,10 +28,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..draft.drafter import Drafter, DrafterConfig, read_drafter, save_drafter
+from ..draft.redrafter import Drafter, DrafterConfig, read_drafter, save_drafter
 from ..errors import RedrafterError
 from ..files import atomic_file, write_json_atomic
-from ..llm.parts import model_parts
+from ..llm.parts import hidden_size, model_parts
 from .examples import Batch, Batcher, choose_draft_vocab, reply_tokens, split_examples
 from .loss import depth_weights, drafter_loss, evaluate
 from .shards import Corpus, read_corpus
@@ -90,13 +90,16 @@ class TrainConfig:
 def llm_output_rows(model, token_ids=None) -> mx.array:
     """The LLM's output projection (``lm_head`` or the tied embedding) as a
     float32 ``[V, h]`` matrix, optionally restricted to ``token_ids``."""
-    embed, _, head = model_parts(model)
-    layer = model.lm_head if "lm_head" in model else embed
+    embed, _, _ = model_parts(model)
+    language = getattr(model, "language_model", model)  # Qwen3.5 holds its head one level down
+    layer = language.lm_head if "lm_head" in language else embed
     if "scales" in layer:
         w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
     else:
         w = layer.weight
-    w = w.astype(mx.float32)
+    # A copy: the drafter trains it, while the LLM's own array stays frozen in the
+    # compiled step (one array as both would be an input and a constant there).
+    w = mx.array(w.astype(mx.float32) + 0)
     return w if token_ids is None else w[token_ids]
 
 
@@ -217,9 +220,9 @@ def _check_inputs(model, corpus: Corpus, data_dir, cfg: TrainConfig, w: World) -
     """Refuse data from another model, and (under ``mlx.launch``) a rank whose
     model, data or settings differ from rank 0's, before any training step."""
     error = None
-    if corpus.hidden_size != model.args.hidden_size:
+    if corpus.hidden_size != hidden_size(model):
         error = RedrafterError(
-            f"The data in {data_dir} has hidden size {corpus.hidden_size} but the model's is {model.args.hidden_size}.",
+            f"The data in {data_dir} has hidden size {corpus.hidden_size} but the model's is {hidden_size(model)}.",
             "Train with the --model the data was distilled from.",
         )
     elif cfg.fuse_features and "features" not in corpus.extra:

@@ -11,6 +11,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..llm.recurrent import kv_leaves, recurrent_states, restore_states
 from ..step.curve import BATCH_SIZES, BUCKET_SIZES, CONTEXT_TOKENS, LONG_CONTEXT_TOKENS, MAX_SIZE, CostCurve, curve_key
 
 BASE_REPEATS = 3  # N = 1 bursts per round
@@ -28,7 +29,7 @@ def _tree_for(n: int):
         rows.append(min(4, left))
         left -= rows[-1]
     lay = layout(tuple(rows))
-    return Tree(tokens, lay.depth, lay.parent, lay.node_index, lay.mask)
+    return Tree(tokens, lay.depth, lay.parent, lay.node_index, lay.mask, levels=max(rows) + 1)
 
 
 class _Timer:
@@ -89,13 +90,16 @@ class _BatchTimer(_Timer):
 
     def shape(self, n: int):
         if n not in self.batches:
-            self.batches[n] = [c.merge([c] * n) for c in self.cache]
+            merged = [c.merge([c] * n) for c in self.cache]
+            self.batches[n] = (merged, recurrent_states(merged))
         return self.batches[n]
 
-    def call(self, n: int, cache) -> mx.array:
+    def call(self, n: int, batch) -> mx.array:
+        cache, states = batch
         logits = self.model(mx.ones((n, 1), mx.int32), cache=cache)
-        for c in cache:  # rewind: every call sees the same context
+        for c in kv_leaves(cache):  # rewind: every call sees the same context
             c.trim(1)
+        restore_states(cache, states)  # a recurrent state is replaced by each call, never written in place
         return mx.argmax(logits[:, -1], axis=-1)
 
 
@@ -110,7 +114,7 @@ def _context_cache(model, backbone, tokens: int):
 
     cache = make_prompt_cache(model)
     mx.eval(backbone(mx.array([[1]]), cache=cache))
-    for c in cache:
+    for c in kv_leaves(cache):  # recurrent layers' states are as large after one token as after many
         b, h, _, d = c.keys.shape
         rows = mx.random.normal((b, h, tokens - 1, d)).astype(c.keys.dtype)
         c.update_and_fetch(rows, rows)

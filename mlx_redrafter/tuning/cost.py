@@ -30,7 +30,7 @@ class StepCost:
 
 
 def draft_step_cost(config, itemsize: int = 4) -> StepCost:
-    """One draft step for one beam, from a :class:`~mlx_redrafter.draft.drafter.DrafterConfig`.
+    """One draft step for one beam, from a :class:`~mlx_redrafter.draft.redrafter.DrafterConfig`.
 
     MACs = rnn ``2 h^2`` + input_proj ``2h E`` (when ``E != 2h``) +
     ``num_draft_layers E^2`` + head ``E V_head``; every weight element is used

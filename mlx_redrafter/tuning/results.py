@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -127,3 +127,14 @@ def save_results(out_dir: Path, results: dict) -> None:
         }
     )
     write_json_atomic(Path(out_dir) / "results.json", results)
+
+
+def cell_key(c: dict) -> Tuple[int, int, int, str]:
+    """``(width, length, lookup beams, tree)`` of a cell record (older records
+    have no lookup: 0, and no tree: fixed)."""
+    return c["width"], c["length"], c.get("lookup", 0), c.get("tree", "fixed")
+
+
+def cell_label(width: int, length: int, lookup: int, tree: str = "fixed") -> str:
+    label = f"W={width} L={length}" if tree == "fixed" else f"auto W<={width} L<={length}"
+    return label + (f" +lookup{'' if lookup == 1 else lookup}" if lookup else "")

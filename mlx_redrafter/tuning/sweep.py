@@ -5,9 +5,10 @@ The sweep works on token ids, so that it runs on tiny random models
 without a tokenizer: the timing core is :mod:`~mlx_redrafter.tuning.measure` (which
 ``bench/`` shares), :mod:`~mlx_redrafter.prompts` templates conversations
 into ids, :mod:`~mlx_redrafter.tuning.report` writes the CSV, Markdown and
-heatmaps, results.py keeps the resumable results file and memory.py skips
-cells that would not fit. This module holds the grid, the baseline
-interleaving and the summaries.
+heatmaps, summary.py what the results become (files, the terminal summary,
+the tuned profile), results.py keeps the resumable results file and
+memory.py skips cells that would not fit. This module holds the grid and the
+baseline interleaving.
 
 Plain decoding drifts with the machine (thermal state, other processes), so
 the baseline is measured before the grid and again after every
@@ -22,7 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,8 +31,8 @@ from ..config import TREES, DraftConfig, SamplingConfig
 from ..errors import RedrafterError
 from .measure import Pass, run_pass, time_split_ms, warm_up
 from .memory import estimate_cell_bytes, kv_bytes_per_token, memory_budget_bytes
-from .report import HEATMAPS, grid_matrix, heatmap_table, markdown_table, plot_heatmap, write_csv
-from .results import load_results, save_results, sweep_key
+from .results import cell_key, cell_label, load_results, save_results, sweep_key
+from .summary import write_outputs
 
 Progress = Callable[[int, int, str], None]  # (units done, units in all, label)
 
@@ -305,81 +306,6 @@ def skip_oversized(model, drafter, cells, prompts, config: SweepConfig, results:
     return keep
 
 
-def cell_key(c: dict) -> Tuple[int, int, int, str]:
-    """``(width, length, lookup beams, tree)`` of a cell record (older records
-    have no lookup: 0, and no tree: fixed)."""
-    return c["width"], c["length"], c.get("lookup", 0), c.get("tree", "fixed")
-
-
-def cell_label(width: int, length: int, lookup: int, tree: str = "fixed") -> str:
-    label = f"W={width} L={length}" if tree == "fixed" else f"auto W<={width} L<={length}"
-    return label + (f" +lookup{'' if lookup == 1 else lookup}" if lookup else "")
-
-
-AUTO = "auto"  # the heatmaps' label of the auto column
-
-
-def best_per_shape(cells: List[dict], auto_column: bool = False) -> List[dict]:
-    """For the width x length heatmaps: each (W, L) once, its fastest lookup
-    setting. ``auto_column``: auto cells are kept apart, with their length
-    set to :data:`AUTO` so that :func:`heatmap_lengths` draws them as a column
-    of their own."""
-    best: Dict[Tuple[int, object], dict] = {}
-    for c in cells:
-        if auto_column and c.get("tree") == "auto":
-            c = {**c, "length": AUTO}
-        shape = (c["width"], c["length"])
-        old = best.get(shape)
-        if old is None or (c.get("speedup") or -1.0) > (old.get("speedup") or -1.0):
-            best[shape] = c
-    return list(best.values())
-
-
-def heatmap_lengths(config: SweepConfig) -> list:
-    """The heatmaps' columns: the lengths, then ``auto`` when the sweep has its auto column."""
-    return list(config.lengths) + ([AUTO] if config.auto_column_on() else [])
-
-
-def heatmap_matrices(results: dict, config: SweepConfig, keys) -> Tuple[list, Dict[str, np.ndarray]]:
-    """``(columns, {key: [widths, columns] matrix})`` that the heatmaps of
-    ``keys`` draw: each shape's fastest lookup setting, the auto column last."""
-    shown = {**results, "cells": best_per_shape(results["cells"], config.auto_column_on())}
-    lengths = heatmap_lengths(config)
-    return lengths, {key: grid_matrix(shown, key, config.widths, lengths) for key in keys}
-
-
-# --------------------------------------------------------------------------- outputs
-
-
-def write_outputs(results: dict, out_dir, config: SweepConfig) -> Dict[str, np.ndarray]:
-    """results.csv, results.md and the three heatmap PNGs; returns the matrices drawn, by metric."""
-    out_dir = Path(out_dir)
-    save_results(out_dir, results)
-    write_csv(results, out_dir / "results.csv")
-    (out_dir / "results.md").write_text(markdown_table(results))
-    drawn = {}
-    lengths, matrices = heatmap_matrices(results, config, HEATMAPS)
-    for key, (name, title, fmt) in HEATMAPS.items():
-        drawn[key] = plot_heatmap(
-            matrices[key],
-            config.widths,
-            lengths,
-            _title(title, config),
-            out_dir / name,
-            fmt,
-            center=1.0 if key == "speedup" else None,
-        )
-    return drawn
-
-
-def _title(title: str, config: SweepConfig) -> str:
-    if len(config.lookups) > 1:
-        title += " (the faster of lookup on/off)"
-    if config.tree == "auto":
-        title += " (tree auto: W x L are caps)"
-    return title
-
-
 # --------------------------------------------------------------------------- command-line layer
 
 
@@ -413,68 +339,3 @@ def sweep_meta(model_spec: str, drafter_path, prompt_set: str, dtype) -> dict:
         "dtype": str(parse_dtype(dtype) or default_dtype()).split(".")[-1],
         "device": device_id(),
     }
-
-
-def print_summary(console, results: dict, config: SweepConfig, out_dir) -> None:
-    """Heatmaps in the terminal, the best cell, the notes and the files."""
-    keys = ("speedup", "tokens_per_step", "tokens_per_s")
-    lengths, matrices = heatmap_matrices(results, config, keys)
-    for key in keys:
-        _, title, fmt = HEATMAPS[key]
-        console.print(
-            heatmap_table(
-                matrices[key],
-                config.widths,
-                lengths,
-                _title(title, config),
-                fmt,
-                center=1.0 if key == "speedup" else None,
-            )
-        )
-    if config.auto_column_on():
-        console.print(
-            f"[dim]{AUTO}: the cost-aware selection (--tree auto) with W x L={max(config.lengths)} as caps[/dim]"
-        )
-    base = [b["tokens_per_s"] for b in results["baselines"]]
-    if base:
-        console.print(
-            f"plain mlx-lm decoding: {np.mean(base):.1f} tok/s (mean of {len(base)} passes, "
-            f"{min(base):.1f}-{max(base):.1f})"
-        )
-    for c in results["cells"]:
-        if c["status"] != "ok":
-            console.print(f"[yellow]{cell_label(*cell_key(c))}: {c['note']}[/yellow]")
-        elif c.get("identical_outputs") is not None and c["identical_outputs"] < results["config"]["num_prompts"]:
-            console.print(
-                f"[yellow]{cell_label(*cell_key(c))}: {c['identical_outputs']}/{results['config']['num_prompts']} "
-                "outputs equal plain greedy decoding (expected all in float32)[/yellow]"
-            )
-    best = results.get("best")
-    if best:
-        console.print(
-            f"best: {cell_label(*cell_key(best))}, {best['speedup']:.2f}x, "
-            f"{best['tokens_per_s']:.1f} tok/s, {best['tokens_per_step']:.2f} tokens/step"
-        )
-    names = ["results.json", "results.csv", "results.md"] + [v[0] for v in HEATMAPS.values()]
-    console.print(f"wrote {', '.join(str(Path(out_dir) / n) for n in names)}")
-
-
-def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> Optional[Path]:
-    """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter."""
-    from ..profiles import save_profile
-
-    best = results.get("best")
-    if best is None:
-        return None
-    return save_profile(
-        model_spec,
-        drafter_path,
-        best["width"],
-        best["length"],
-        lookup=best.get("lookup", 0),
-        tree=best.get("tree", "fixed"),
-        speedup=best["speedup"],
-        tokens_per_s=best["tokens_per_s"],
-        sweep=str((Path(out_dir) / "results.json").resolve()),
-        saved_at=time.time(),
-    )

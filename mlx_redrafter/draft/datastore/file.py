@@ -22,8 +22,8 @@ from typing import List
 
 import numpy as np
 
-from ..errors import RedrafterError
-from ..files import atomic_file
+from ...errors import RedrafterError
+from ...files import atomic_file
 
 MAGIC = b"MLXRDDS\0"
 VERSION = 1

@@ -248,7 +248,7 @@ def read_drafter(path, dtype=None) -> Drafter:
     """Read the drafter in folder ``path`` (``config.json`` +
     ``model.safetensors``; a file in it also names it). ``dtype`` defaults to
     the LLM policy (float16 on a GPU, float32 on the CPU). Parameters are
-    evaluated before returning. :func:`~mlx_redrafter.draft.load.load_drafter`
+    evaluated before returning. :func:`~mlx_redrafter.hub.load.load_drafter`
     also takes names (a model's, the store's, a Hub repo's)."""
     from ..llm.load import default_dtype, parse_dtype
 

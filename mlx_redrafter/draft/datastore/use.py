@@ -1,7 +1,7 @@
 """Which datastores a generation drafts from, and what is kept about them.
 
 A model's stores live in ``cache_root()/datastore/<digest of the model>/``
-(:func:`~mlx_redrafter.draft.datastore.default_path`):
+(:func:`~mlx_redrafter.draft.datastore.index.default_path`):
 
 * ``history.bin``: the replies that ``chat`` and ``serve`` generated, appended
   after each one (``--no-history`` turns it off), and ``history-prompts.bin``
@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ..errors import RedrafterError
-from ..files import write_json_atomic
-from .datastore import NO_MATCH, Datastore, Match, StoreLookup, default_path, load_or_empty, model_key
+from ...errors import RedrafterError
+from ...files import write_json_atomic
+from .index import NO_MATCH, Datastore, Match, StoreLookup, default_path, load_or_empty, model_key
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ another sequence. The sort is prefix doubling (``log2(depth)`` rounds of
 
 Memory is bounded (oldest sequences go first past ``max_tokens``); a store
 is saved atomically in a versioned file keyed by the model's identity (see
-:mod:`.datastore_file`) and opened lazily.
+:mod:`.file`) and opened lazily.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..config import PAD
-from ..errors import RedrafterError
-from ..files import cache_root
-from ..profiles import model_id
-from .datastore_file import read_store, write_store
+from ...config import PAD
+from ...errors import RedrafterError
+from ...files import cache_root
+from ...profiles import model_id
+from .file import read_store, write_store
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ knows, or a Hugging Face Hub repo.
 :func:`locate` is what ``--drafter SPEC`` and ``load_drafter(SPEC)`` go
 through. A Hub repo (``org/name``) is fetched with ``huggingface_hub`` as
 mlx-lm fetches models (llm/load.py: ``hub_snapshot``: cached, and the cache
-alone under ``HF_HUB_OFFLINE``), then kept in the store (draft/store.py),
+alone under ``HF_HUB_OFFLINE``), then kept in the store (hub/store.py),
 one folder per repo, refreshed when the repo's revision changes. Both
 layouts load: this project's (``config.json`` + ``model.safetensors``, with
 the official key names, so an official safetensors checkpoint is one too) and
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..draft.eagle3_io import layout_of
+from ..draft.redrafter import MODEL_TYPE, shipped_drafter_path
 from ..errors import RedrafterError
 from ..llm.identity import ModelIdentity, model_name
 from ..llm.load import hub_snapshot, is_path_like
 from . import store
-from .drafter import MODEL_TYPE, shipped_drafter_path
-from .eagle3_io import layout_of
 
 # The files of a drafter repo (README.md: its model card).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "README.md"]
@@ -134,6 +134,15 @@ def _is_eagle3(folder: Path) -> bool:
         return False
 
 
+def eagle3_tensors(folder: Path) -> dict:
+    """An EAGLE-3 head's weights as numpy arrays, from whichever file the folder
+    holds (a PyTorch pickle is read without running it, converters/torch_pickle.py)."""
+    from ..converters.drafter import find_weights, read_weights
+
+    tensors, _ = read_weights(find_weights(folder))
+    return {k: t.array for k, t in tensors.items()}
+
+
 def _convert_eagle3(repo: str, snapshot: Path, identity, meta: dict, say) -> Path:
     """An EAGLE-3 head in the EAGLE repository's layout (or sharded), once into the store in the speculators
     layout, in the dtype its config names (float16 when it names none)."""
@@ -143,7 +152,7 @@ def _convert_eagle3(repo: str, snapshot: Path, identity, meta: dict, say) -> Pat
     dtype = json.loads((snapshot / "config.json").read_text()).get("torch_dtype") or "float16"
     store.store_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=store.store_root(), prefix=".convert-") as tmp:
-        head = read_eagle3(snapshot, dtype="float32")  # every source dtype widens to it exactly
+        head = read_eagle3(snapshot, dtype="float32", tensors=eagle3_tensors(snapshot))  # widened exactly
         out = save_eagle3(head, Path(tmp) / "head", dtype=dtype if dtype in ("float16", "bfloat16") else "float32")
         path = store.install(out, identity, {**meta, "source": f"converted from hub:{repo}"}, name=store.slug(repo))
     say(f"Converted {repo} (EAGLE-3, the EAGLE repository's layout) -> {path}")

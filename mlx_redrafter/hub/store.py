@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from ..draft.heads import head_fit_problem as fit_problem
+from ..draft.heads import read_head_config as read_config
+from ..draft.redrafter import SHIPPED_DRAFTERS
 from ..errors import RedrafterError
 from ..files import atomic_folder, cache_root, write_json_atomic
 from ..llm.identity import ModelIdentity, model_identity  # noqa: F401 (the store's interface)
-from .drafter import SHIPPED_DRAFTERS
-from .heads import head_fit_problem as fit_problem
-from .heads import read_head_config as read_config
 
 META = "redrafter.json"
 FORMAT = 1
@@ -282,7 +282,7 @@ def drafter_for(model, model_spec: Optional[str] = None):
     model's float dtype, or ``(None, None)``. Cached on the model: a later
     call costs one ``stat`` of the model's family folder, and sees a drafter
     installed or removed since."""
-    from .heads import read_head
+    from ..draft.heads import read_head
 
     identity = model_identity(model, model_spec)
     family = store_root() / identity.family

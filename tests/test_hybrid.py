@@ -1,0 +1,295 @@
+"""Hybrid models (recurrent layers between attention layers) verify draft trees exactly.
+
+On a tiny random model of every covered family, built with mlx-lm's own
+classes: greedy output with drafting equals plain decoding token for token,
+with drafts accepted, fully and in part, in both step loops; after every
+step the recurrent cache equals what plain decoding of the same tokens
+leaves; sampling keeps the model's distribution; a model whose recurrent
+layers no hook covers decodes plainly after one line that names the layer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import OracleDrafter, random_drafter, run_steps
+from hybrids import FAMILIES, tiny_hybrid
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from test_sampling import chi2_passes
+
+from mlx_redrafter.config import DraftConfig, SamplingConfig
+from mlx_redrafter.generate import generate_tokens
+from mlx_redrafter.llm.parts import model_parts
+from mlx_redrafter.llm.recurrent import kv_leaves, leaves
+from mlx_redrafter.step.accept import target_probs
+from mlx_redrafter.step.synchronous import synchronous_steps
+
+PROMPT = [5, 9, 13, 2, 7, 11, 3]
+N = 24
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param, tiny_hybrid(request.param)
+
+
+def accepted(stats) -> int:
+    return sum(s.accepted for s in stats)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+@pytest.mark.parametrize("width,length", [(1, 3), (3, 3)])
+def test_greedy_with_drafts_equals_plain(family, pipelined, width, length):
+    """Beam 0 of the oracle is the model's own continuation (its last token
+    corrupted at irregular steps), the other beams share its prefix: full
+    and partial acceptance, dedup and every path length are exercised."""
+    _, model = family
+    plain, _ = generate_tokens(model, PROMPT, max_tokens=N)
+    oracle = OracleDrafter(model, PROMPT, N, length)
+    draft = DraftConfig(oracle, width, length, lookup=1, pipelined=pipelined)
+    out, stats, _ = run_steps(model, PROMPT, draft, N)
+    assert out == plain[:N]
+    assert accepted(stats) >= N // 2, "the drafts were not accepted: the equality would prove nothing"
+    assert any(0 < s.accepted < length for s in stats), "no step accepted part of a draft"
+    assert any(s.accepted == length for s in stats), "no step accepted a whole draft"
+
+
+def plain_cache(model, tokens):
+    """The cache plain decoding leaves after the prompt then ``tokens`` one by one."""
+    cache = make_prompt_cache(model)
+    model(mx.array(PROMPT)[None], cache=cache)
+    for t in tokens:
+        model(mx.array([[t]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def assert_caches_equal(cache, reference, where: str):
+    for c, r in zip(leaves(cache), leaves(reference)):
+        if isinstance(c, ArraysCache):
+            for a, b in zip(c.cache, r.cache):
+                assert a.shape == b.shape and np.allclose(a, b, atol=1e-4, rtol=1e-4), where
+    for c, r in zip(kv_leaves(cache), kv_leaves(reference)):
+        assert c.offset == r.offset, where
+        assert np.allclose(c.keys[..., : c.offset, :], r.keys[..., : r.offset, :], atol=1e-4, rtol=1e-4), where
+
+
+def test_the_recurrent_cache_equals_plain_decoding_after_every_step(family):
+    """Synchronous loop: after each step the cache holds the prompt and every
+    emitted token but the last (the next input), exactly as plain decoding
+    of those tokens leaves it; the pipelined loop, when it is closed."""
+    name, model = family
+    oracle = OracleDrafter(model, PROMPT, N, 3)
+    cache = make_prompt_cache(model)
+    steps = synchronous_steps(
+        model, mx.array(PROMPT), cache, draft=DraftConfig(oracle, 2, 3), sampling=SamplingConfig()
+    )
+    emitted, partial = [], 0
+    for s in steps:
+        emitted += s.tokens
+        partial += 0 < s.stats.accepted < 3
+        mx.eval([c.state for c in cache])
+        assert_caches_equal(cache, plain_cache(model, emitted[:-1]), f"{name}, after {len(emitted)} tokens")
+        if len(emitted) >= 16:
+            break
+    steps.close()
+    assert partial, "no step accepted part of a draft"
+    for stop in (5, 9):  # closed with a step queued and not read: that step is undone
+        out, _, cache = run_steps(model, PROMPT, DraftConfig(oracle, 1, 3, lookup=1), stop)
+        assert_caches_equal(cache, plain_cache(model, out[:-1]), f"{name}, pipelined, closed after {stop}")
+
+
+# --------------------------------------------------------------------------- sampling
+
+V_SMALL = 5
+SAMPLING_FAMILIES = ["qwen3_5", "nemotron_h", "lfm2"]  # a padded scan, a stepwise one, a convolution
+
+
+def exact_first_tokens(model, prompt, cfg, k=3):
+    """P(first k sampled tokens) from the model, by enumerating all prefixes."""
+    _, backbone, head = model_parts(model)
+    probs = {(): 1.0}
+    for _ in range(k):
+        seqs = list(probs)
+        logits = head(backbone(mx.array([prompt + list(s) for s in seqs], mx.int32)))[:, -1]
+        rows = np.array(target_probs(logits, cfg), np.float64)
+        probs = {s + (t,): probs[s] * row[t] for s, row in zip(seqs, rows) for t in range(V_SMALL) if row[t] > 0}
+    return probs
+
+
+@pytest.mark.parametrize("name", SAMPLING_FAMILIES)
+def test_sampling_with_drafts_keeps_the_model_distribution(name):
+    model = tiny_hybrid(name, scale=2.0, vocab_size=V_SMALL)
+    hidden = model_parts(model)[0].weight.shape[1]
+    drafter = random_drafter(hidden=hidden, vocab=V_SMALL, exit_dim=32, num_draft_layers=1)
+    cfg, n, prompt = SamplingConfig(temp=1.0), 600, [1, 3, 0, 2]
+    mx.random.seed(1)
+    observed, drafted = Counter(), 0
+    for _ in range(n):
+        tokens, stats = generate_tokens(model, prompt, draft=DraftConfig(drafter, 3, 2), max_tokens=3, temp=cfg.temp)
+        observed[tuple(tokens)] += 1
+        drafted += accepted(stats)
+    assert drafted > n // 4, "too few drafts accepted for the test to say anything"
+    assert chi2_passes(observed, exact_first_tokens(model, prompt, cfg), n)
+
+
+# --------------------------------------------------------------------------- not covered
+
+
+def test_a_family_with_uncovered_recurrent_layers_decodes_plainly_and_says_why():
+    """Jamba's Mamba mixer keeps a state no hook covers: a one-line warning
+    that names the layer, then plain decoding (never an error after drafting
+    was asked for)."""
+    from helpers import TINY_CONFIGS, tiny_model
+
+    TINY_CONFIGS["jamba"] = dict(
+        model_type="jamba",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_offset=1,
+        attn_layer_period=2,
+        expert_layer_offset=1,
+        expert_layer_period=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+    )
+    try:
+        model = tiny_model("jamba")
+    finally:
+        del TINY_CONFIGS["jamba"]
+    plain, _ = generate_tokens(model, PROMPT, max_tokens=8)
+    with pytest.warns(UserWarning, match=r"JambaMambaMixer .*not cover.*Decoding without drafting"):
+        out, stats = generate_tokens(model, PROMPT, draft=DraftConfig(lookup=1), max_tokens=8)
+    assert out == plain and accepted(stats) == 0
+
+
+# --------------------------------------------------------------------------- across turns and requests
+
+
+def test_a_second_turn_reuses_the_first_from_its_boundary_state(family):
+    """A recurrent state cannot be trimmed back: the prompt cache keeps the
+    state at each prompt's last-but-one token, which the next turn's prompt
+    extends, and the reply's end when the cache holds exactly known tokens."""
+    from mlx_redrafter.llm.cache import PromptCache
+
+    name, model = family
+    cache = PromptCache(model)
+    first = PROMPT + [1, 2, 3]
+    reused = cache.reuse(first)
+    assert reused == len(first) - 1  # prefilled by the cache itself, up to its boundary
+    reply, stats = generate_tokens(
+        model, first[reused:], draft=DraftConfig(lookup=1), max_tokens=8, prompt_cache=cache.cache
+    )
+    assert reply == generate_tokens(model, first, max_tokens=8)[0]
+    cache.settle(first + reply)
+    second = first + reply + [4, 5, 6, 4, 5, 6]
+    oracle = OracleDrafter(model, second, 12, 2)
+    reused = cache.reuse(second)
+    assert reused == len(second) - 1 and cache.hits == 2
+    out, stats = generate_tokens(
+        model, second[reused:], draft=DraftConfig(oracle, 1, 2), max_tokens=12, prompt_cache=cache.cache
+    )
+    assert out == generate_tokens(model, second, max_tokens=12)[0], name
+    assert accepted(stats) > 0
+
+
+@pytest.fixture(scope="module")
+def chat_parts(tmp_path_factory):
+    from helpers import byte_tokenizer
+
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok = byte_tokenizer(tmp_path_factory.mktemp("hybrid-tok"), chat_template=template)
+    model = tiny_hybrid("qwen3_5", vocab_size=264)
+    mx.eval(model(mx.array([[1]])))  # lazily built arrays (RoPE frequencies) made on this thread
+    return model, tok
+
+
+def test_a_multi_turn_chat_reuses_its_cache_and_equals_plain_greedy(chat_parts):
+    from mlx_redrafter.chat.conversation import ChatSession
+    from mlx_redrafter.chat.settings import ChatSettings
+    from mlx_redrafter.generate import generate
+    from mlx_redrafter.prompts import build_messages, render_messages
+
+    model, tok = chat_parts
+    session = ChatSession(model, tok, None, ChatSettings(max_tokens=12, lookup=1))
+    t1 = session.reply("abcabcabc")
+    t2 = session.reply("abcabc again")
+    assert t2.reused_tokens >= t1.reused_tokens + t1.prefilled_tokens - 1  # turn 1 not recomputed
+    full = render_messages(tok, build_messages(None, [("abcabcabc", t1.reply)], "abcabc again"))
+    assert t2.reply == generate(model, tok, full, drafter=None, lookup=False, max_tokens=12)
+
+
+def test_serve_batches_hybrid_rows_and_a_row_alone_drafts(chat_parts):
+    """Concurrent hybrid requests are decoded together by mlx-lm's
+    BatchGenerator and equal each alone; a request alone drafts (accepted
+    drafts) and moves into the batch and back; a request that repeats
+    another's prompt reuses its cached prefix."""
+    from test_batching import Client, GenParams, _engine, _plain, _served
+
+    model, tok = chat_parts
+    prompts = [[40, 41, 42, 43, 40, 41, 42], [100, 7, 9, 200, 12], [5, 5, 60, 5, 5]]
+    engine = _engine(model, tok)
+    results = _served(engine, [Client(engine, p, GenParams(10)) for p in prompts])
+    for p, res in zip(prompts, results):
+        assert res.tokens == _plain(model, tok, p, 10) and res.batched_tokens > 0
+    oracle = OracleDrafter(model, prompts[0], 30, 2)
+    engine = _engine(model, tok, drafter=oracle, beam_width=1, beam_length=2)
+    other, joined = Client(engine, prompts[1], GenParams(6)), []
+
+    def join(client, piece):
+        if not joined:
+            joined.append(engine.submit(other.job))
+
+    first = Client(engine, prompts[0], GenParams(30), on_text=join)
+    res, res_other = _served(engine, [first], later=[other])
+    assert res.tokens == _plain(model, tok, prompts[0], 30) and res_other.tokens == _plain(model, tok, prompts[1], 6)
+    assert res.tally.drafted_tokens - res.tally.lookup_tokens > 0 and 0 < res.batched_tokens < len(res.tokens)
+    again = _served(engine, [Client(engine, prompts[0], GenParams(8))])[0]
+    assert again.tokens == _plain(model, tok, prompts[0], 8) and engine.cache.hits > 0
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def test_make_drafter_doctor_and_sweep_run_on_a_hybrid_folder(tmp_path, monkeypatch):
+    """A hybrid model's hidden states train a ReDrafter drafter like any
+    model's: make-drafter runs every stage and its verdict (identical
+    outputs); doctor measures its verify-cost curve; generate drafts on it."""
+    import json
+    import random
+
+    from helpers import cli, save_tiny_folder
+    from test_make_drafter import recipe
+
+    from mlx_redrafter.train.recipe import make_drafter
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_folder(tmp_path / "model", kind="qwen3_5")
+    rng, prompts = random.Random(0), tmp_path / "prompts.jsonl"
+    words = [f"w{i}" for i in range(5, 90)]
+    prompts.write_text(
+        "".join(json.dumps({"id": f"c{i}", "turns": [" ".join(rng.choices(words, k=8))]}) + "\n" for i in range(120))
+    )
+    report = make_drafter(recipe((folder, prompts), tmp_path / "work"))
+    assert report.verdict["identical"] and report.verdict["drafter"]["identical_outputs"] == report.verdict["prompts"]
+    assert (tmp_path / "work" / "drafter" / "model.safetensors").is_file()
+    assert cli(["doctor", "--model", str(folder), "--calibrate"]) == 0
+    assert cli(["generate", "--model", str(folder), "--prompt", "w5 w6 w7 w5 w6 w7 w5 w6", "-n", "12"]) == 0
