@@ -146,7 +146,7 @@ def eagle3_tensors(folder: Path) -> dict:
 def _convert_eagle3(repo: str, snapshot: Path, identity, meta: dict, say) -> Path:
     """An EAGLE-3 head in the EAGLE repository's layout (or sharded), once into the store in the speculators
     layout, in the dtype its config names (float16 when it names none)."""
-    from .eagle3_io import read_eagle3, save_eagle3
+    from ..draft.eagle3_io import read_eagle3, save_eagle3
 
     say(f"Converting the EAGLE-3 head {repo} into the drafter store (once; pickles are read, never run)...")
     dtype = json.loads((snapshot / "config.json").read_text()).get("torch_dtype") or "float16"

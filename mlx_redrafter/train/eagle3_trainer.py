@@ -252,16 +252,11 @@ def train_eagle3(
     check_data(model, corpus, data_dir)
     head, optimizer, cfg, (step, seconds, best) = _begin(model, corpus, out, cfg, resume, eos_ids, extend)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = head.config.vocab_size
-    vmap = head_vocab_map(head, vocab)
-    train_b, held_b = _batchers(corpus, cfg, vmap, data_dir)
-    n = len(train_b.starts)
-    per_pass = max(1, n // cfg.batch_size)
-    total = cfg.max_steps or int(math.ceil(cfg.epochs * per_pass))
-    update = make_update(head, optimizer, cfg)
+    train_b, held_b = _batchers(corpus, cfg, head_vocab_map(head, head.config.vocab_size), data_dir)
+    total = cfg.max_steps or int(math.ceil(cfg.epochs * max(1, len(train_b.starts) // cfg.batch_size)))
     meta = {
         "data": str(Path(data_dir).resolve()),
-        "train_windows": int(n),
+        "train_windows": len(train_b.starts),
         "held_windows": len(held_b.starts),
         "total_steps": total,
         "head": "eagle3",
@@ -269,47 +264,64 @@ def train_eagle3(
     writer = HeadWriter(out, cfg, meta, best=best, log_console=log_console)
     if step == 0:
         writer.log({"event": "start", "config": asdict(cfg), **meta, "params": head.num_params()})
+    _steps(_Fit(head, optimizer, cfg, train_b, held_b, writer, total, seconds), step, progress)
+    return out
+
+
+@dataclass
+class _Fit:
+    """What the training loop works on."""
+
+    head: Eagle3Head
+    optimizer: object
+    cfg: Eagle3TrainConfig
+    train_b: WindowBatcher
+    held_b: WindowBatcher
+    writer: HeadWriter
+    total: int
+    seconds: float  # training time before this run (counts against the budget)
+
+    def evaluate(self, step: int, running: list, seconds: float) -> None:
+        """Log the held-out metrics; the best head so far (by accepted length) is the folder's."""
+        rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(seconds, 1)}
+        running.clear()
+        rec.update(evaluate_ttt(self.head, self.held_b, self.cfg.batch_size) or {})
+        if rec.get("eval_accepted_w1", 0.0) > self.writer.best:
+            self.writer.best = rec["eval_accepted_w1"]
+            self.writer.drafter(self.head, step, rec)
+            rec["saved"] = True
+        self.writer.log(rec)
+
+
+def _steps(fit: _Fit, step: int, progress) -> None:
+    """Optimizer steps until the step count or the time budget ends the run; Ctrl-C saves a checkpoint."""
+    cfg, writer = fit.cfg, fit.writer
+    update = make_update(fit.head, fit.optimizer, cfg)
     rng = np.random.default_rng(cfg.seed + step)
     running, tic = [], time.perf_counter()
-
-    def log_eval():
-        rec = {
-            "step": step,
-            "train_loss": round(float(np.mean(running)), 4),
-            "seconds": round(time.perf_counter() - tic, 1),
-        }
-        running.clear()
-        rec.update(evaluate_ttt(head, held_b, cfg.batch_size) or {})
-        if rec.get("eval_accepted_w1", 0.0) > writer.best:
-            writer.best = rec["eval_accepted_w1"]
-            writer.drafter(head, step, rec)
-            rec["saved"] = True
-        writer.log(rec)
-
+    spent = lambda: time.perf_counter() - tic + fit.seconds  # noqa: E731
     try:
-        while step < total:
-            elapsed = time.perf_counter() - tic + seconds
-            lr = learning_rate(cfg, step, total, elapsed)
-            loss = update(train_b.batch(rng.integers(0, n, cfg.batch_size)), lr)
+        while step < fit.total:
+            batch = fit.train_b.batch(rng.integers(0, len(fit.train_b.starts), cfg.batch_size))
+            loss = update(batch, learning_rate(cfg, step, fit.total, spent()))
             step += 1
             running.append(loss)
             if progress:
-                progress(step, total, loss)
-            if step % cfg.eval_every == 0 or step == total:
-                log_eval()
+                progress(step, fit.total, loss)
+            if step % cfg.eval_every == 0 or step == fit.total:
+                fit.evaluate(step, running, time.perf_counter() - tic)
             if step % cfg.checkpoint_every == 0:
-                writer.checkpoint(head, optimizer, step, time.perf_counter() - tic + seconds)
-            if cfg.minutes is not None and time.perf_counter() - tic + seconds > 60 * cfg.minutes:
+                writer.checkpoint(fit.head, fit.optimizer, step, spent())
+            if cfg.minutes is not None and spent() > 60 * cfg.minutes:
                 writer.log({"event": "time budget reached", "step": step})
-                if running:
-                    log_eval()
+                if running:  # the final metrics, also when the budget ends the run
+                    fit.evaluate(step, running, time.perf_counter() - tic)
                 break
     except KeyboardInterrupt:
-        writer.finish(head, optimizer, step, time.perf_counter() - tic + seconds)
+        writer.finish(fit.head, fit.optimizer, step, spent())
         writer.log({"event": "interrupted", "step": step})
         raise
-    writer.finish(head, optimizer, step, time.perf_counter() - tic + seconds)
-    return out
+    writer.finish(fit.head, fit.optimizer, step, spent())
 
 
 def head_vocab_map(head: Eagle3Head, vocab: int) -> np.ndarray:
