@@ -170,3 +170,86 @@ def test_an_unknown_head_is_refused_by_the_command(tiny_prompts, tmp_path, capsy
     folder, prompts = tiny_prompts
     code = cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--head", "medusa", "--out", str(tmp_path)])
     assert code != 0 and "Unknown --head 'medusa'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a head that is right often
+
+
+def repeating_target(leak: float = 0.02):
+    """A tiny 4-layer Llama whose layers add only ``leak`` times their outputs:
+    its next token depends (mostly) on the current one, so a head can learn it."""
+    from helpers import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * leak
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * leak
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy_corpus(model, folder: Path, n: int = 40, seed: int = 0) -> Path:
+    """Distilled data written in code: greedy replies to random prompts, with the head's taps."""
+    import numpy as np
+
+    from mlx_redrafter.generate import generate_tokens
+    from mlx_redrafter.llm.parts import model_parts
+    from mlx_redrafter.train.eagle3_trainer import distill_layers
+    from mlx_redrafter.train.shards import Manifest, Sequence, write_shard
+
+    layers = distill_layers(len(model.model.layers))
+    _, backbone, _ = model_parts(model, layers)
+    rng, seqs, h = np.random.default_rng(seed), [], model.args.hidden_size
+    for k in range(n):
+        prompt = rng.integers(0, 97, 5).tolist()
+        full = prompt + generate_tokens(model, prompt, max_tokens=40)[0]
+        wide = backbone(mx.array(full)[None])[0][:-1]  # position j produced full[j + 1]
+        feats = {"features": np.array(wide[:, :-h].astype(mx.float16))}
+        seqs.append(Sequence(f"c{k}", 0, 5, full[1:], np.array(wide[:, -h:].astype(mx.float16)), feats, 4))
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"feature_layers": layers, "top_k": 0, "prompt_positions": True}
+    Manifest("tiny", "code", config, [write_shard(folder, 0, seqs)], sequences=n).save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cycling(tmp_path_factory):
+    """The repeating target and an EAGLE-3 head trained on its greedy replies."""
+    from mlx_redrafter.train.eagle3_trainer import Eagle3TrainConfig, train_eagle3
+
+    root = tmp_path_factory.mktemp("cycling")
+    target = repeating_target()
+    cfg = Eagle3TrainConfig(
+        max_steps=60,
+        eval_every=30,
+        window=32,
+        batch_size=8,
+        eval_fraction=0.2,
+        draft_vocab_size=None,
+        lr=3e-3,
+        warmup_steps=10,
+    )
+    out = train_eagle3(target, greedy_corpus(target, root / "data"), root / "head", cfg)
+    return target, read_eagle3(out, dtype="float32").bind(target)
+
+
+def test_the_controller_for_a_head_prices_each_depth_as_draft_calls(cycling, tmp_path):
+    import numpy as np
+
+    from mlx_redrafter.draft.controller import load_controller
+    from mlx_redrafter.train.controller import step_cost
+    from mlx_redrafter.train.head_controller import fit_head_controller, head_latency, record_head_episodes
+
+    target, head = cycling
+    prompts = [[5, 9, 11, 3, 7], [1, 2, 3, 4, 5], [40, 41, 42, 43, 44]]
+    episodes = record_head_episodes(target, head, prompts, length=3, max_tokens=24)
+    assert episodes.confidences.shape[1:] == (3, 10) and episodes.accepted.max() >= 2  # drafts are accepted
+    assert (episodes.tree_sizes == [2, 3, 4]).all()  # one beam: depth d verifies d + 1 tokens
+    latency = head_latency(target, head, 3, repeats=2)
+    assert latency["draft_1"] < latency["draft_2"] < latency["draft_3"]  # each depth is one more call
+    cost = step_cost(latency, episodes.tree_sizes[:1].astype(float))
+    assert np.all(np.diff(cost[0]) > np.diff([latency[f"verify_{n}"] for n in (2, 3, 4)]))
+    fit = fit_head_controller(target, head, tmp_path, prompts, 3, 24, epochs=5)
+    assert fit.steps == len(record_head_episodes(target, head, prompts, 3, 24).accepted)
+    ctrl = load_controller(tmp_path)
+    assert ctrl.config.beam_width == 1 and ctrl.config.beam_length == 3 and "draft_3" in ctrl.config.latency

@@ -102,6 +102,7 @@ def _controller(run, kind: str, folder) -> None:
     from ..config import DEFAULT_WIDTH
     from ..step.curve import load_curve
     from .controller import fit_and_save
+    from .head_controller import fit_head_controller
 
     ids = [p for _, p in controller_prompts(run)]
     tic, after = time.perf_counter(), _after(run, "controller")
@@ -110,20 +111,35 @@ def _controller(run, kind: str, folder) -> None:
         fraction = {"recording": 0.9 * done / max(total or 1, 1), "measuring latency": 0.9}.get(stage, 0.95)
         run.tell(_status(run, "controller", tic, fraction, f"{stage} {done}/{total or '?'}", after))
 
+    eos, curve, head = run.tokenizer.eos_token_ids, load_curve(run.model, run.cfg.model), load_head(run, folder)
     with run.state.timed("controller"):
-        fit = fit_and_save(
-            run.model,
-            load_head(run, folder),
-            folder,
-            ids,
-            DEFAULT_WIDTH,
-            CONTROLLER_DEPTH,
-            run.sizes.controller_tokens,
-            eos_ids=run.tokenizer.eos_token_ids,
-            seed=run.cfg.seed,
-            curve=load_curve(run.model, run.cfg.model),
-            progress=progress,
-        )
+        if kind == "eagle3":  # a layer head: one beam, each depth a draft call of its own
+            fit = fit_head_controller(
+                run.model,
+                head,
+                folder,
+                ids,
+                CONTROLLER_DEPTH,
+                run.sizes.controller_tokens,
+                eos,
+                curve=curve,
+                seed=run.cfg.seed,
+                progress=progress,
+            )
+        else:
+            fit = fit_and_save(
+                run.model,
+                head,
+                folder,
+                ids,
+                DEFAULT_WIDTH,
+                CONTROLLER_DEPTH,
+                run.sizes.controller_tokens,
+                eos_ids=eos,
+                seed=run.cfg.seed,
+                curve=curve,
+                progress=progress,
+            )
     run.state["controllers"][kind] = {
         "prompts": len(ids),
         "steps": fit.steps,
