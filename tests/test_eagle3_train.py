@@ -253,3 +253,54 @@ def test_the_controller_for_a_head_prices_each_depth_as_draft_calls(cycling, tmp
     assert fit.steps == len(record_head_episodes(target, head, prompts, 3, 24).accepted)
     ctrl = load_controller(tmp_path)
     assert ctrl.config.beam_width == 1 and ctrl.config.beam_length == 3 and "draft_3" in ctrl.config.latency
+
+
+class FakePasses:
+    """The verdict's passes, injected (the rule decided by given numbers): each setting's tokens/s."""
+
+    def __init__(self, **rates):
+        self.rates = {"plain": 100.0, "plain again": 100.0, "lookup": 101.0, **rates}
+        self.calls = []
+
+    def __call__(self, name, draft, prompts, max_tokens):
+        self.calls.append(name)
+        return {"tokens_per_s": self.rates[name], "tokens_per_step": 1.5, "tokens": [[1, 2, 3] for _ in prompts]}
+
+
+@pytest.mark.parametrize(
+    "head, rates, chosen",
+    [
+        ("eagle3", {"eagle3": 120.0}, "eagle3"),
+        ("auto", {"drafter": 125.0, "eagle3": 115.0}, "drafter"),
+        ("auto", {"drafter": 110.0, "eagle3": 130.0}, "eagle3"),
+    ],
+)
+def test_make_drafter_head_runs_every_stage_and_installs_the_faster_head(
+    tiny_prompts, tmp_path, monkeypatch, head, rates, chosen
+):
+    from mlx_redrafter.hub.store import META, find
+    from mlx_redrafter.llm.identity import model_identity
+    from mlx_redrafter.llm.load import load_model
+    from mlx_redrafter.train.recipe import make_drafter
+
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    out, passes = tmp_path / "work", FakePasses(**rates)
+    report = make_drafter(_recipe(tiny_prompts, out, head), measure=passes)
+    assert passes.calls == ["plain", "lookup", *rates, "plain again"]
+    v = report.verdict
+    assert v["chosen"] == chosen and v["installed"] and report.installed is not None
+    folder = out / {"drafter": "drafter", "eagle3": "eagle3"}[chosen]
+    assert report.drafter == folder
+    meta = json.loads((folder / META).read_text())
+    assert meta["head"] == {"drafter": "redrafter", "eagle3": "eagle3"}[chosen]
+    kinds = {"eagle3": ["eagle3"], "auto": ["redrafter", "eagle3"]}[head]
+    state = json.loads((out / "make-drafter.json").read_text())
+    assert sorted(state["controllers"]) == sorted(kinds)
+    for kind in kinds:  # a depth controller beside each head
+        assert (out / {"redrafter": "drafter", "eagle3": "eagle3"}[kind] / "controller.safetensors").is_file()
+    if chosen == "eagle3":
+        assert meta["recipe"]["train"]["layer_ids"] == [2, 1, 1] and meta["recipe"]["controller"]["prompts"] > 0
+        model, _ = load_model(str(tiny_prompts[0]))
+        found = find(model_identity(model, str(tiny_prompts[0])))
+        assert found.path == report.installed
+        assert json.loads((found.path / "config.json").read_text())["speculators_model_type"] == "eagle3"
