@@ -204,3 +204,10 @@ def test_a_stored_head_is_found_for_its_model_and_bound_to_it(hub, target):
     other = tiny_model("llama", num_hidden_layers=2)  # a model whose layers the head's taps do not fit
     with pytest.raises(RedrafterError, match="hidden states"):
         store.install(FIXTURE / "speculators", model_identity(other), {"source": "test"})
+
+
+def test_last_gives_the_last_positions_logits_alone(ref):
+    head = read_eagle3(FIXTURE / "speculators", dtype="float32")
+    logits, hidden = head(mx.array(ref["tokens"]), mx.array(ref["taps"]), head.make_cache(), last=True)
+    assert logits.shape == (1, 1, 40) and hidden.shape == (1, 7, 64)
+    np.testing.assert_allclose(np.array(logits[0, 0]), ref["speculators_logits_first"][0, -1], rtol=1e-4, atol=1e-4)

@@ -238,19 +238,22 @@ class Eagle3Head(nn.Module):
     def logits(self, y: mx.array) -> mx.array:
         return self.lm_head(self.norm(y))
 
-    def __call__(self, tokens: mx.array, features: mx.array, cache=None, first: bool = True, mask=None):
+    def __call__(self, tokens: mx.array, features: mx.array, cache=None, first: bool = True, mask=None, last=False):
         """``(logits [B, T, Vd], hidden [B, T, H])`` for ``tokens [B, T]``.
 
         ``first``: ``features`` are the target's taps (fused here); else they
         are this head's own ``hidden`` from its previous call. ``mask``
-        defaults to causal over ``cache`` (mlx-lm's)."""
+        defaults to causal over ``cache`` (mlx-lm's). ``last``: the last
+        position's logits alone (``[B, 1, Vd]``): a catch-up call over several
+        accepted positions needs one distribution, and the vocabulary
+        projection is much of the head's cost."""
         g = self.fuse(features) if first else features.astype(self.fc.weight.dtype)
         e = self.embed(tokens).astype(g.dtype)
         layer_cache = cache[0] if cache else None
         if mask is None:
             mask = create_attention_mask(g, layer_cache)
         y = self.layers[0](e, g, mask=mask, cache=layer_cache)
-        return self.logits(y), y
+        return self.logits(y[:, -1:] if last else y), y
 
     def num_params(self) -> int:
         """Trained parameters (the embedding, d2t left out)."""
