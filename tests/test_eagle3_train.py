@@ -304,3 +304,12 @@ def test_make_drafter_head_runs_every_stage_and_installs_the_faster_head(
         found = find(model_identity(model, str(tiny_prompts[0])))
         assert found.path == report.installed
         assert json.loads((found.path / "config.json").read_text())["speculators_model_type"] == "eagle3"
+
+
+def test_a_run_without_held_out_data_keeps_its_last_head(distilled, tmp_path):
+    from mlx_redrafter.train.eagle3_trainer import Eagle3TrainConfig, train_eagle3
+
+    model, _, root = distilled
+    cfg = Eagle3TrainConfig(max_steps=4, eval_every=2, batch_size=2, window=16, eval_fraction=0.0, draft_vocab_size=48)
+    out = train_eagle3(model, root / "data", tmp_path / "head", cfg)
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == 4

@@ -286,7 +286,7 @@ class _Fit:
         rec = {"step": step, "train_loss": round(float(np.mean(running)), 4), "seconds": round(seconds, 1)}
         running.clear()
         rec.update(evaluate_ttt(self.head, self.held_b, self.cfg.batch_size) or {})
-        if rec.get("eval_accepted_w1", 0.0) > self.writer.best:
+        if "eval_accepted_w1" in rec and rec["eval_accepted_w1"] > self.writer.best:
             self.writer.best = rec["eval_accepted_w1"]
             self.writer.drafter(self.head, step, rec)
             rec["saved"] = True
