@@ -12,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 # On Linux, MLX's CPU backend is ~20x faster at matmuls with BLIS than with the
-# netlib BLAS its wheel bundles (see README, "Linux CPU speed"). Preload it when
+# netlib BLAS its wheel bundles (see docs/linux.md, "BLIS"). Preload it when
 # it is installed; everything also works without it, only slower.
 # Recursive (=) and $(shell), not $(wildcard): `make chat` may install BLIS in
 # its own `setup` step, and the run that follows must see it.

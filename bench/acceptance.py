@@ -248,7 +248,7 @@ def load_prompts(spec: str) -> list:
     """A prompt set by name or file, or ``sharegpt-heldout:N``: the last ``N``
     ShareGPT conversations in the order the distiller (seed 0) answers them,
     which a distillation run stopped earlier never saw (the calibration is
-    measured there, not on an evaluation set: data/README.md's rules)."""
+    measured there, not on an evaluation set: prompts.py's eval-set guard)."""
     import random
 
     from mlx_redrafter.prompts import default_training_prompts, read_conversations

@@ -24,6 +24,10 @@ DEFAULT_WIDTH = 2
 DEFAULT_LENGTH = 1
 # Lookup beams beside the drafter's when the caller does not say (see draft/lookup.py).
 DEFAULT_LOOKUP = 1
+# Tokens per step a native MTP head drafts (mlx-vlm's default block: two after
+# the model's own token) and a draft model (mlx-lm's --num-draft-tokens default).
+DEFAULT_HEAD_LENGTH = 2
+DEFAULT_DRAFT_MODEL_LENGTH = 3
 # Tokens per lookup draft: measured offline on the default model's greedy
 # replies (MT-Bench, Spec-Bench summarization; see draft/lookup.py).
 LOOKUP_LENGTH = 4
@@ -81,6 +85,12 @@ class DraftConfig:
     :class:`~mlx_redrafter.draft.datastore.use.Stores`, None for none) adds one row
     of ``lookup_length`` tokens from the model's past outputs on steps where
     context lookup finds nothing (draft/datastore/use.py).
+
+    Sources with state of their own (draft/chain.py) join the same tree:
+    ``head`` a :class:`~mlx_redrafter.draft.head.LayerHead` (a native MTP
+    head, an EAGLE-3 head) drafting ``head_width`` beams of ``head_length``
+    tokens; ``draft_model`` an mlx-lm model with the target's tokenizer
+    drafting ``draft_model_width`` beams of ``draft_model_length`` tokens.
     """
 
     drafter: object = None
@@ -97,10 +107,38 @@ class DraftConfig:
     tree: str = DEFAULT_TREE
     curve: object = None  # a step.curve.CostCurve; None: the built-in one
     datastore: object = None
+    head: object = None
+    head_width: int = 1
+    head_length: int = DEFAULT_HEAD_LENGTH
+    draft_model: object = None
+    draft_model_width: int = 1
+    draft_model_length: int = DEFAULT_DRAFT_MODEL_LENGTH
 
     @property
     def drafting(self) -> bool:
-        return self.drafter is not None or self.lookup > 0 or self.datastore is not None
+        return self.drafter is not None or self.lookup > 0 or self.datastore is not None or self.stateful
+
+    @property
+    def stateful(self) -> bool:
+        """Whether a source with a cache of its own drafts (a layer head, a draft model)."""
+        return self.head is not None or self.draft_model is not None
+
+    @property
+    def source_rows(self):
+        """``(source name, width, length)`` of each stateful source, as step stats name them."""
+        names = [getattr(self.head, "source", "mtp")] if self.head is not None else []
+        names += ["draft-model"] if self.draft_model is not None else []
+        return [(name, w, n) for name, (_, w, n) in zip(names, self.source_shapes)]
+
+    @property
+    def source_shapes(self):
+        """``(what, width, length)`` of each stateful source, head first (the order of their caches)."""
+        out = []
+        if self.head is not None:
+            out.append((self.head, self.head_width, self.head_length))
+        if self.draft_model is not None:
+            out.append((self.draft_model, self.draft_model_width, self.draft_model_length))
+        return out
 
     @property
     def lookup_rows(self) -> int:
@@ -123,7 +161,11 @@ class DraftConfig:
         deepest draft (positions run to offset + depth)."""
         if not self.drafting:
             return 0
-        depth = max(self.beam_length if self.drafter is not None else 0, self.lookup_length if self.lookup_rows else 0)
+        depth = max(
+            self.beam_length if self.drafter is not None else 0,
+            self.lookup_length if self.lookup_rows else 0,
+            *(length for _, _, length in self.source_shapes),
+        )
         return depth + 1
 
     def check(self) -> None:
@@ -132,6 +174,21 @@ class DraftConfig:
             raise RedrafterError(
                 f"Beam width and length must be at least 1 (got width {self.beam_width}, length {self.beam_length}).",
                 f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
+            )
+        shapes = (
+            ("An MTP head", self.head, self.head_width, self.head_length, "--mtp-width/--mtp-depth"),
+            ("A draft model", self.draft_model, self.draft_model_width, self.draft_model_length, "--num-draft-tokens"),
+        )
+        for what, source, width, length, flag in shapes:
+            if source is not None and (width < 1 or length < 1):
+                raise RedrafterError(
+                    f"{what}'s beams need a width and a length of at least 1 (got width {width}, length {length}).",
+                    f"Use {flag} with values of at least 1.",
+                )
+        if self.controller is not None and self.stateful:
+            raise RedrafterError(
+                "The adaptive-depth controller does not run beside an MTP head or a draft model.",
+                "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
             )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
@@ -219,7 +276,7 @@ def library_draft(
 ) -> DraftConfig:
     """The :class:`DraftConfig` of a public call: :func:`resolve`, with the
     tuned profile keyed by where :func:`~mlx_redrafter.llm.load.load_model` and
-    :func:`~mlx_redrafter.draft.redrafter.load_drafter` loaded the model and the
+    :func:`~mlx_redrafter.hub.load.load_drafter` loaded the model and the
     drafter from (they record it); a drafter built in code has no profile."""
     given = beam_width is not None and beam_length is not None and lookup is not None
     # Everything given: no profile to read (stream_generate runs this on every call).

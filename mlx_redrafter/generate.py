@@ -30,18 +30,16 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .config import DraftConfig, SamplingConfig, library_draft
+from .config import DraftConfig, SamplingConfig
 from .errors import RedrafterError
+from .keywords import AUTO, call_configs
 from .llm.cache import trim_cache
 from .llm.parts import context_limit
 from .llm.text import prompt_array, wrap_tokenizer
-from .responses import RedrafterResponse, StopMatcher
-from .runtime import tree_kw, with_curve
+from .output import RedrafterResponse, StopMatcher
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
 
-# ``drafter=``'s default: the drafter store's drafter for the model, if any (hub/store.py).
-AUTO = "auto"
 INCOMPLETE = (
     "The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
     "the JSON is incomplete. Raise max_tokens."
@@ -84,60 +82,6 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
         check_fits(draft.drafter, model)
 
 
-def _refuse_both(given, what: str, **loose) -> None:
-    """A resolved config and loose keywords for the same thing contradict each other."""
-    named = sorted(k for k, v in loose.items() if v not in (None, False, 0))
-    if given is not None and named:
-        raise RedrafterError(
-            f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it."
-        )
-
-
-def _configs(model, sampling, draft, max_tokens: int, loose_sampling: dict, loose_draft: dict, datastore=None):
-    """``(SamplingConfig, DraftConfig)`` of a call: the resolved ones given, else the loose keywords'
-    with the store that ``datastore=`` names (:func:`~mlx_redrafter.draft.datastore.use.open_datastore`)."""
-    from dataclasses import replace
-
-    from .draft.datastore.use import open_datastore
-
-    _refuse_both(sampling, "sampling", **loose_sampling)
-    sampling = sampling or SamplingConfig(**loose_sampling)
-    if max_tokens < 1:
-        raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
-    auto = isinstance(loose_draft["drafter"], str) and loose_draft["drafter"] == AUTO
-    _refuse_both(
-        draft,
-        "draft",
-        **{**loose_draft, "drafter": None if auto else loose_draft["drafter"]},
-        datastore=datastore is not None and datastore is not False,
-    )
-    if draft is not None:
-        return sampling, with_curve(model, draft)
-    d = dict(loose_draft)
-    if auto:
-        from .hub.store import drafter_for
-
-        d["drafter"] = drafter_for(model)[0]
-    elif isinstance(d["drafter"], str):
-        raise RedrafterError(
-            f"drafter={d['drafter']!r} is not a drafter.",
-            f"Pass load_drafter({d['drafter']!r}), None for plain decoding, or {AUTO!r} for the store's.",
-        )
-    draft = library_draft(
-        model,
-        d["drafter"],
-        d["beam_width"],
-        d["beam_length"],
-        d["lookup"],
-        warp=d["warp"],
-        controller=d["controller"],
-        **tree_kw(d["tree"], model),
-    )
-    store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
-    draft = draft if store is None else replace(draft, datastore=store)
-    return sampling, with_curve(model, draft)
-
-
 def stream_generate(
     model,
     tokenizer,
@@ -165,6 +109,10 @@ def stream_generate(
     sampling: Optional[SamplingConfig] = None,
     grammar=None,
     tree: Optional[str] = None,
+    mtp=AUTO,
+    mtp_depth: Optional[int] = None,
+    draft_model=None,
+    num_draft_tokens: Optional[int] = None,
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when
     there is a drafter: the one given, else the drafter store's for this
@@ -182,12 +130,13 @@ def stream_generate(
         for r in stream_generate(model, tokenizer, prompt):  # the drafter shipped for "default"
             print(r.text, end="", flush=True)
 
-    Each yielded :class:`~mlx_redrafter.responses.RedrafterResponse` is one
+    Each yielded :class:`~mlx_redrafter.output.RedrafterResponse` is one
     token: ``.text`` (the new text, possibly empty while a character is
     incomplete or a stop string may be starting), ``.token`` (its id),
-    ``.from_draft`` (``"drafter"``, ``"lookup"`` or ``None`` when the LLM
-    chose it), ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"``
-    on the last one), ``.stats`` (the step's
+    ``.from_draft`` (True when the token came from an accepted draft; the
+    step's ``stats.source`` says which: ``"drafter"``, ``"mtp"``,
+    ``"draft-model"``, ``"eagle3"``, ``"lookup"``, ``"datastore"``),
+    ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"`` on the last one), ``.stats`` (the step's
     :class:`~mlx_redrafter.step.protocol.StepStats`: accepted drafts, tree
     size, timings) and mlx-lm's counters (``prompt_tokens``,
     ``generation_tokens``, ``generation_tps``, ``peak_memory``).
@@ -221,6 +170,19 @@ def stream_generate(
             ``beam_length`` are then the caps of the candidates; where no
             draft can pay, plain decoding). None: ``"auto"`` for a model kept
             quantized, ``"fixed"`` otherwise.
+        mtp: the model's native multi-token-prediction head (draft/mtp.py):
+            ``"auto"`` (the default) the head the model's checkpoint ships, if
+            any (Qwen3.5/3.6/3.8, Qwen3-Next, DeepSeek-V3, GLM-4.5+, MiMo;
+            mlx-lm drops it at load, so it is read from the model's folder);
+            a folder (the original checkpoint, or a split MTP folder as
+            mlx-vlm writes it); a head; or None. Its beams join the tree
+            with the drafter's and lookup's (lookup on by default with it).
+        mtp_depth: tokens the MTP head drafts per step (chained; default 2).
+        draft_model: a smaller mlx-lm model with the same tokenizer that
+            drafts (mlx-lm's ``draft_model=``); its cache follows the model's
+            in ``prompt_cache`` (after the model's layers, mlx-lm's layout).
+        num_draft_tokens: tokens the draft model drafts per step (default 3).
+            Under a grammar neither the MTP head nor the draft model drafts.
         datastore: suffix-datastore drafts (draft/datastore/use.py): a store file,
             a ``Datastore``, ``"default"`` (the model's own stores, only when
             the call already drafts), or ``None``/``False`` (none, the default).
@@ -251,7 +213,7 @@ def stream_generate(
     Bad arguments raise :class:`RedrafterError` (a ``ValueError``).
     """
     timings = _timings(timings, profile)
-    sampling, draft = _configs(
+    sampling, draft = call_configs(
         model,
         sampling,
         draft,
@@ -266,6 +228,7 @@ def stream_generate(
             controller=controller,
             tree=tree,
         ),
+        dict(mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens),
         datastore,
     )
     tokenizer = wrap_tokenizer(tokenizer)
@@ -355,7 +318,7 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
     ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
     ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``, ``tree``,
-    ``datastore``.
+    ``datastore``, ``mtp``, ``mtp_depth``, ``draft_model``, ``num_draft_tokens``.
     """
     text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):

@@ -30,10 +30,15 @@ def device_id() -> str:
 
 def drafter_id(drafter_path) -> str:
     """The drafter's absolute folder plus its weights' size and mtime: a
-    retrained drafter gets a new profile and sweep results key."""
+    retrained drafter gets a new profile and sweep results key. A folder of
+    several weight files (an MTP head in a sharded checkpoint, a draft
+    model) is keyed by all of them."""
     p = Path(drafter_path).resolve()
-    st = (p / "model.safetensors").stat()
-    return f"{p}:{st.st_size}:{st.st_mtime_ns}"
+    if (p / "model.safetensors").is_file():
+        st = (p / "model.safetensors").stat()
+        return f"{p}:{st.st_size}:{st.st_mtime_ns}"
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(p.glob("*.safetensors"))]
+    return f"{p}:{hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]}"
 
 
 def model_id(model_spec) -> str:

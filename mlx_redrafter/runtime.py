@@ -66,6 +66,7 @@ class Runtime:
     drafter_source: Optional[str] = None  # where the drafter came from: the store, the package, the Hub
     drafter_note: Optional[str] = None  # e.g. the drafter was trained on another copy of the model
     hint: Optional[str] = None  # no drafter: how to make one
+    source_labels: tuple = ()  # the stateful sources, named: ("MTP head: ...", "draft model: ...")
 
     # Read-only views of the resolved draft, for the announcement and reports.
     drafter = property(lambda self: self.draft.drafter)
@@ -79,9 +80,13 @@ class Runtime:
         copies = f"{self.lookup} cop{'ies' if self.lookup > 1 else 'y'} from the context"
         if self.draft.datastore is not None:  # its one row stands in when lookup finds nothing
             copies = f"{copies} (else 1 from the datastore)" if self.lookup else "1 copy from the datastore"
+        guesses = self._guesses()
         if self.drafter is None:
             if self.draft.drafting:
-                console.print(f"[dim]model {self.model_spec}, drafting: {copies} per step (no drafter)[/dim]")
+                what = " + ".join(guesses + ([copies] if self.draft.lookup_rows else []))
+                line = f"model {self.model_spec}, drafting: {what} per step{'' if guesses else ' (no drafter)'}"
+                console.print(f"[dim]{escape(line)}[/dim]")
+                self._announce_sources(console)
                 self._announce_datastore(console)
                 self._announce_unpaid(console)
             else:
@@ -90,23 +95,41 @@ class Runtime:
                 console.print(f"[yellow]{escape(self.hint)}[/yellow]", soft_wrap=True)
             return
         w, length = self.beam_width, self.beam_length
-        guesses = f"{w} drafter guess{'es' if w > 1 else ''} of {length} token{'s' if length > 1 else ''}"
         extra = ", adaptive depth" if self.controller is not None else ""
         if self.draft.tree == "auto":
             curve = "built-in curve" if self.draft.curve is None or self.draft.curve.builtin else "measured curve"
             extra += f", tree auto on the {curve}"
         line = (
-            f"model {self.model_spec}, drafting: {guesses}"
+            f"model {self.model_spec}, drafting: {' + '.join(guesses)}"
             f"{' + ' + copies + ' per step' if self.draft.lookup_rows else ' per step (no copies from the context)'} "
             f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}"
             f"{f' ({self.drafter_source})' if self.drafter_source else ''}]"
         )
         console.print(f"[dim]{escape(line)}[/dim]")
+        self._announce_sources(console)
         for note in (self.drafter_note, self.note):
             if note:
                 console.print(f"[yellow]Note: {escape(note)}[/yellow]")
         self._announce_datastore(console)
         self._announce_unpaid(console)
+
+    def _guesses(self) -> list:
+        """What each drafting source proposes per step, in words."""
+        d, out = self.draft, []
+        for who, source, width, length in (
+            ("drafter", d.drafter, d.beam_width, d.beam_length),
+            ("MTP", d.head, d.head_width, d.head_length),
+            ("draft-model", d.draft_model, d.draft_model_width, d.draft_model_length),
+        ):
+            if source is not None:
+                out.append(
+                    f"{width} {who} guess{'es' if width > 1 else ''} of {length} token{'s' if length > 1 else ''}"
+                )
+        return out
+
+    def _announce_sources(self, console) -> None:
+        for label in self.source_labels:
+            console.print(f"[dim]{escape(label)}[/dim]", soft_wrap=True)
 
     def _announce_unpaid(self, console) -> None:
         from .step.dispatch import drafting_pays
@@ -157,6 +180,7 @@ def load_runtime(
     tree: Optional[str] = None,
     datastore: Optional[str] = None,
     history: bool = False,
+    sources=None,
 ) -> Runtime:
     """Load the model and pick its drafter, beam shape and lookup beams
     (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in).
@@ -164,10 +188,53 @@ def load_runtime(
     the default): under ``auto`` the draft carries this device's verify-cost
     curve (:func:`~mlx_redrafter.step.curve.curve_for`). ``datastore``: a
     store file, ``"none"``, or None for the model's own stores when it drafts
-    (draft/datastore/use.py); ``history``: append replies to the model's history."""
+    (draft/datastore/use.py); ``history``: append replies to the model's history.
+    ``sources``: a :class:`~mlx_redrafter.draft.stateful.SourceFlags` (None:
+    the model's own MTP head, if its checkpoint ships one, and no draft model)."""
+    from .draft.stateful import SourceFlags
+
+    sources = sources or SourceFlags()
+    sources.check(no_draft)  # contradicting flags fail before the slow load
     rt = _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree)
+    if not no_draft:
+        _add_sources(rt, sources, lookup, dtype)
     _add_datastore(rt, datastore, history)
     return rt
+
+
+def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
+    """The MTP head and the draft model join the runtime's draft; a model
+    that ships an MTP head drafts with it (and lookup) by default."""
+    import dataclasses
+
+    from .draft.stateful import load_sources
+
+    if rt.draft.controller is not None and flags.mtp is None:  # --adaptive: the model's own head stays out, said so
+        from .draft.mtp_load import locate_mtp
+
+        if locate_mtp(rt.model) is not None:
+            rt.source_labels = ("MTP head: left out (--adaptive drafts with the drafter alone)",)
+        flags = dataclasses.replace(flags, mtp="none")
+    found = load_sources(rt.model, rt.tokenizer, flags, dtype)
+    if found.head is None and found.draft_model is None:
+        return
+    head_shape = (None, flags.mtp_depth)
+    if found.head is not None and flags.mtp_depth is None:  # `sweep --grid mtp --save-profile`
+        profile = tuned_source(rt.model_spec, found.head.found.path, "mtp")
+        if profile is not None:
+            head_shape = (profile["beam_width"], profile["beam_length"])
+            lookup = profile.get("lookup", lookup) if lookup is None else lookup
+    draft = with_sources(
+        rt.model, rt.draft, found.head, head_shape[1], found.draft_model, flags.num_draft_tokens, lookup, head_shape[0]
+    )
+    rt.draft = with_curve(rt.model, draft, rt.model_spec)
+    rt.source_labels = tuple(
+        f"{what}: {label}"
+        for what, label in (("MTP head", found.head_label), ("draft model", found.draft_model_label))
+        if label
+    )
+    if found.head is not None:
+        rt.hint = None  # the model ships its own drafter
 
 
 def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None:
@@ -252,6 +319,18 @@ def _load_drafting(
     return rt
 
 
+def tuned_source(model_spec: str, path, grid: str) -> Optional[dict]:
+    """The tuned profile of a stateful source's grid (``sweep --grid mtp
+    --save-profile``) for this device + model, keyed by the source's folder."""
+    from .profiles import lookup_profile
+
+    try:
+        profile = lookup_profile(model_spec, path)
+    except OSError:  # a folder without weights files to key it by
+        return None
+    return profile if profile is not None and profile.get("grid") == grid else None
+
+
 def _store_drafter(model, model_spec: str):
     """The drafter the store (or the package) holds for the loaded model, as a located folder, or None."""
     from .hub.locate import Located
@@ -303,6 +382,44 @@ def plain_tree(tree: Optional[str], model) -> str:
     from .step.curve import default_tree
 
     return tree or default_tree(model)
+
+
+def with_sources(
+    model,
+    draft: DraftConfig,
+    head=None,
+    head_length: Optional[int] = None,
+    draft_model=None,
+    draft_model_length: Optional[int] = None,
+    lookup=None,
+    head_width: Optional[int] = None,
+) -> DraftConfig:
+    """``draft`` with its stateful sources: an MTP (or other layer) head and a
+    draft model, each with its length (None: the default). A model that
+    drafts with one of them and was not told about lookup drafts with lookup
+    too (``lookup``: the flag or keyword as given)."""
+    import dataclasses
+
+    from .config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, DEFAULT_LOOKUP
+
+    if head is None and draft_model is None:
+        return draft
+    if draft_model is not None:
+        from .draft.draft_model import check_draft_model
+
+        check_draft_model(model, draft_model)
+    extra = {}
+    if lookup is None and not draft.lookup:
+        extra["lookup"] = DEFAULT_LOOKUP
+    return dataclasses.replace(
+        draft,
+        head=head,
+        head_width=head_width or 1,
+        head_length=head_length or DEFAULT_HEAD_LENGTH,
+        draft_model=draft_model,
+        draft_model_length=draft_model_length or DEFAULT_DRAFT_MODEL_LENGTH,
+        **extra,
+    )
 
 
 def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:

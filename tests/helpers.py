@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
@@ -119,25 +120,53 @@ class OracleDrafter:
     it for its first ``L - w`` tokens, so beams share prefixes and dedup,
     partial acceptance and every compaction length get exercised. Everything
     is lazy, like a real drafter.
+
+    ``inner``: a real :class:`Drafter` (a random one: it is never right) whose
+    beam search runs each step (fused features and all: its ``config`` is
+    this drafter's) and gives every beam but the first, which is the truth.
+    The tree then mixes the real drafter's beams with one that is accepted.
+
+    ``prompt`` may be a list of prompts (one drafter that knows each one's
+    reply: a server's several requests); ``replies``: the continuation of each
+    (e.g. plain decoding's under a grammar) instead of plain greedy decoding's.
     """
 
-    def __init__(self, model, prompt, max_tokens: int, length: int):
+    def __init__(self, model, prompt, max_tokens: int, length: int, inner: Optional[Drafter] = None, replies=None):
         from mlx_redrafter.llm.parts import model_parts
 
         embed, backbone, head = model_parts(model)
-        tokens, _ = generate_tokens(model, prompt, max_tokens=max_tokens + length + 2)
-        full = mx.array(list(prompt) + tokens, dtype=mx.int32)
-        hidden = backbone(full[None])[0]  # [T, h]
-        self.hidden = hidden[len(prompt) - 1 :]  # hidden[i] produced full[len(prompt) + i]
-        self.next = full[len(prompt) :]  # next[i] = token produced by hidden[i]
-        mx.eval(self.hidden, self.next)
+        many = bool(len(prompt)) and not isinstance(prompt[0], int)
+        hidden, nexts, last = [], [], []
+        for i, p in enumerate(prompt if many else [prompt]):
+            p = list(p)
+            tokens = replies[i] if replies else generate_tokens(model, p, max_tokens=max_tokens + length + 2)[0]
+            full = mx.array(p + list(tokens), dtype=mx.int32)
+            hidden.append(backbone(full[None])[0][len(p) - 1 : -1])  # hidden[i] produced full[len(p) + i]
+            nexts.append(full[len(p) :])  # next[i] = token produced by hidden[i]
+            start = sum(n.shape[0] for n in nexts[:-1])
+            last.append(mx.full((len(tokens),), start + len(tokens) - 1, dtype=mx.int32))  # where a reply ends
+        self.hidden, self.next, self.last = mx.concatenate(hidden), mx.concatenate(nexts), mx.concatenate(last)
+        mx.eval(self.hidden, self.next, self.last)
         self.vocab = int(embed.weight.shape[0])
-        self.config = SimpleNamespace(hidden_size=int(hidden.shape[-1]), vocab_size=self.vocab)
+        self.config = SimpleNamespace(hidden_size=int(self.hidden.shape[-1]), vocab_size=self.vocab)
+        self.inner = inner
+        if inner is not None:
+            self.config = inner.config
 
     def draft(self, embed, context, g0, width, length, warp=False, confidences=0):
+        if self.inner is not None:
+            real = self.inner.draft(embed, context, g0, width, length, warp=warp, confidences=confidences)
+            mine = self.draft_truth(context[..., -self.hidden.shape[-1] :], width, length, confidences)
+            rows = mx.concatenate([mine.tokens[:1], real.tokens[1:]])  # deterministic rows: no draft logprobs
+            conf = None if not confidences else mx.concatenate([mine.confidences[:1], real.confidences[1:]])
+            return Beams(rows, real.scores, confidences=conf)
+        return self.draft_truth(context, width, length, confidences)
+
+    def draft_truth(self, context, width, length, confidences=0):
+        """The beams described above, from the context alone."""
         d = ((self.hidden - context[None]) ** 2).sum(-1)
         pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
-        idx = mx.minimum(pos + 1 + mx.arange(length), self.next.shape[0] - 1)
+        idx = mx.minimum(pos + 1 + mx.arange(length), self.last[pos])
         truth = self.next[idx]
         corrupt_last = ((pos * 37 + 11) % 7) < 3  # irregular, so every run length occurs
         truth = mx.where(corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth)
@@ -154,6 +183,165 @@ class OracleDrafter:
             rest = mx.broadcast_to(((1 - top1) / confidences)[..., None], (*beams.shape, confidences - 1))
             conf = mx.concatenate([top1[..., None], rest], axis=-1)
         return Beams(beams, mx.zeros((width,)), confidences=conf)
+
+
+# --------------------------------------------------------------------------- exactness under drafting
+
+# stream_generate's keywords that say how to draft: the plain baseline drops them.
+DRAFTING = ("drafter", "beam_width", "beam_length", "lookup", "lookup_context", "controller", "warp", "draft")
+DRAFTING += ("datastore", "tree")
+
+
+def accepted_drafts(responses, source=None) -> int:
+    """Drafted tokens among ``stream_generate``'s ``responses`` (only those of
+    ``source`` when given: ``"drafter"``, ``"lookup"``, ``"datastore"`` or a new
+    source's name, as its steps report it in ``stats.source``)."""
+    return sum(1 for r in responses if r.from_draft and (source is None or r.stats.source == source))
+
+
+def accepted_in_steps(stats, n_tokens: int, source=None) -> int:
+    """Drafted tokens among the first ``n_tokens`` emitted by steps with these
+    :class:`StepStats` (``generate_tokens``' or ``run_steps``'): a step emits its
+    accepted drafts, then the LLM's own token; drafts past ``n_tokens`` do not count."""
+    left, n = n_tokens, 0
+    for s in stats:
+        drafts = min(s.accepted, left)
+        n += drafts if source is None or s.source == source else 0
+        left -= s.accepted + 1
+        if left <= 0:
+            break
+    return n
+
+
+def _check_min(min_accepted: int) -> None:
+    if min_accepted < 1:
+        raise ValueError("min_accepted must be at least 1: equality with no draft accepted shows nothing")
+
+
+def plain_responses(model, tokenizer, prompt, **kw):
+    """``stream_generate`` with no drafter and no lookup (explicitly: ``drafter``'s
+    default would pick the store's), checked to have verified no draft."""
+    from mlx_redrafter.generate import stream_generate
+
+    kw = {**kw, "prompt_cache": kw["prompt_cache"]() if callable(kw.get("prompt_cache")) else kw.get("prompt_cache")}
+    rs = list(stream_generate(model, tokenizer, prompt, drafter=None, lookup=False, **kw))
+    assert not any(r.from_draft or r.stats.tree_size > 1 for r in rs), "the plain baseline drafted"
+    return rs
+
+
+def assert_exact_under_drafting(model, tokenizer, prompt, *, min_accepted: int, source=None, **drafted):
+    """The first law, shown to be tested: ``stream_generate(model, tokenizer,
+    prompt, **drafted)`` yields plain greedy decoding's tokens, and accepted
+    at least ``min_accepted`` drafted tokens (from ``source`` when given:
+    ``"drafter"``, ``"lookup"``, ``"datastore"``, or a new source's name in
+    ``stats.source``). Returns the drafted run's responses.
+
+    ``drafted``: any of ``stream_generate``'s keywords (``drafter=``,
+    ``draft=DraftConfig(...)``, ``lookup=``, ``datastore=``, ``grammar=``,
+    ``stop=``, ``max_tokens=`` ...). The plain run gets the same keywords
+    minus the drafting ones (``DRAFTING``), with ``drafter=None, lookup=False``
+    (so a grammar or a stop string applies to both). ``prompt_cache``: a
+    callable that makes a fresh cache (each run gets its own). Greedy only:
+    sampling with drafts is exact in distribution, not token for token
+    (check those runs' acceptance with :func:`accepted_drafts`).
+
+    Use a drafter that is right by construction (:class:`OracleDrafter`,
+    :func:`bigram_drafter` on a :func:`bigram_model`, lookup on a repeating
+    prompt): a random one is never accepted, and equality then shows nothing.
+    """
+    from mlx_redrafter.generate import stream_generate
+
+    _check_min(min_accepted)
+    sampling = drafted.get("sampling")
+    if drafted.get("temp", 0) or (sampling is not None and sampling.temp):
+        raise ValueError("greedy only: sampling with drafts equals plain decoding in distribution")
+    if "prompt_cache" in drafted and not callable(drafted["prompt_cache"]):
+        raise ValueError("prompt_cache: pass a callable that makes a fresh cache (each run needs its own)")
+    plain = plain_responses(model, tokenizer, prompt, **{k: v for k, v in drafted.items() if k not in DRAFTING})
+    if callable(drafted.get("prompt_cache")):
+        drafted["prompt_cache"] = drafted["prompt_cache"]()
+    got = list(stream_generate(model, tokenizer, prompt, **drafted))
+    assert [r.token for r in got] == [r.token for r in plain], "drafting changed the greedy output"
+    assert "".join(r.text for r in got) == "".join(r.text for r in plain)
+    assert got[-1].finish_reason == plain[-1].finish_reason
+    n = accepted_drafts(got, source)
+    assert n >= min_accepted, f"{n} drafted tokens accepted{f' from {source}' if source else ''}, want {min_accepted}"
+    return got
+
+
+def assert_tokens_exact(
+    model, prompt, draft, *, min_accepted: int, source=None, max_tokens: int = 32, plain=None, **kw
+):
+    """:func:`assert_exact_under_drafting` on token ids, without a tokenizer
+    (``generate_tokens``): ``draft`` (a ``DraftConfig``) gives plain greedy
+    decoding's ``max_tokens`` tokens and accepted ``min_accepted`` drafted
+    tokens (from ``source`` when given). ``plain``: those tokens, when a
+    fixture already decoded them (``generate_tokens`` with no ``draft``).
+    ``kw``: ``generate_tokens``' other keywords (``eos_ids``; ``prompt_cache``
+    as a callable that makes a fresh one). Returns ``(tokens, step stats)``."""
+    _check_min(min_accepted)
+    caches = kw.pop("prompt_cache", None)
+    fresh = (lambda: caches()) if callable(caches) else (lambda: None)
+    ref = plain
+    if ref is None:
+        ref, ref_stats = generate_tokens(model, prompt, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
+        assert all(s.tree_size == 1 for s in ref_stats), "the plain baseline drafted"
+    got, stats = generate_tokens(model, prompt, draft=draft, max_tokens=max_tokens, prompt_cache=fresh(), **kw)
+    assert got == ref, "drafting changed the greedy output"
+    n = accepted_in_steps(stats, len(got), source)
+    assert n >= min_accepted, f"{n} drafted tokens accepted{f' from {source}' if source else ''}, want {min_accepted}"
+    return got, stats
+
+
+def drafted_share(stderr: str) -> float:
+    """The share of tokens from drafts a command printed (``"40% from drafts"``)."""
+    import re
+
+    shares = re.findall(r"(\d+)% from drafts", stderr)
+    assert shares, f"no '% from drafts' in:\n{stderr}"
+    return int(shares[-1]) / 100
+
+
+# --------------------------------------------------------------------------- a model a saved drafter can predict
+
+# The context's weight in bigram_model: small enough that the bigram drafter is
+# mostly right, large enough that it is sometimes wrong (partial acceptance).
+BIGRAM_CONTEXT = 0.02
+
+
+def bigram_model(seed: int = 0):
+    """A tiny llama whose next token mostly follows from the last one: its
+    attention and MLP outputs are scaled down to ``BIGRAM_CONTEXT``, its
+    embeddings are centred, and the special tokens (``SPECIALS``: EOS among
+    them) are never its argmax. :func:`bigram_drafter` predicts it."""
+    model = tiny_model("llama", seed=seed)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * BIGRAM_CONTEXT
+        layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * BIGRAM_CONTEXT
+    e = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = e - e.mean(-1, keepdims=True)
+    w = model.lm_head.weight
+    model.lm_head.weight = mx.concatenate([mx.zeros((len(SPECIALS), w.shape[1])), w[len(SPECIALS) :]])
+    mx.eval(model.parameters())
+    return model
+
+
+def bigram_drafter(model) -> Drafter:
+    """A real (saveable) drafter, right by construction on :func:`bigram_model`:
+    with no hidden layer, ``rnn_w = I`` and ``rnn_u = 0`` with a bias of 30,
+    its state is ``silu(e + 30) = e + 30`` for the last token's embedding ``e``,
+    and its head ``[0 | W P]`` (``W``: the model's ``lm_head``, ``P`` removes the
+    mean, which the centred embeddings lack) gives ``W e``: the model's logits
+    up to the positive factor of its RMS norm, without the context."""
+    h = HIDDEN
+    d = Drafter(DrafterConfig(vocab_size=VOCAB, hidden_size=h, num_draft_layers=0))
+    d.rnn_w.weight = mx.eye(h)
+    d.rnn_u.weight = mx.zeros((h, h))
+    d.rnn_u.bias = mx.full((h,), 30.0)
+    centre = mx.eye(h) - mx.ones((h, h)) / h
+    d.lm_head[-1].weight = mx.concatenate([mx.zeros((VOCAB, h)), model.lm_head.weight @ centre], axis=1)
+    mx.eval(d.parameters())
+    return d
 
 
 def prompts(n: int, vocab: int = VOCAB, seed: int = 3, length: int = 6):
@@ -198,11 +386,12 @@ def squeeze(text: str) -> str:
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 
 
-def save_tiny_folder(path, seed: int = 0, kind: str = "llama"):
+def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = False):
     """A tiny model (a llama, or a hybrid family of tests/hybrids.py) as an
     mlx-lm folder, with a word-level tokenizer (``w0 w1 ...``), an EOS token
     and a chat template, all built here (another ``seed``: another copy of the
-    same model, same family)."""
+    same model, same family; ``bigram``: the llama :func:`bigram_model`, which
+    :func:`save_bigram_drafter` predicts)."""
     from pathlib import Path
 
     from hybrids import HYBRID_CONFIGS, tiny_hybrid
@@ -213,7 +402,8 @@ def save_tiny_folder(path, seed: int = 0, kind: str = "llama"):
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hybrid = kind in HYBRID_CONFIGS
-    save_model(path, tiny_hybrid(kind, seed=seed) if hybrid else tiny_model(kind, seed=seed))
+    model = tiny_hybrid(kind, seed=seed) if hybrid else bigram_model(seed) if bigram else tiny_model(kind, seed=seed)
+    save_model(path, model)
     save_config(dict(HYBRID_CONFIGS[kind] if hybrid else TINY_CONFIGS[kind]), path / "config.json")
     words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -235,6 +425,13 @@ def save_random_drafter(path, seed: int = 1, **kw):
     from mlx_redrafter import save_drafter
 
     return save_drafter(random_drafter(seed=seed, **kw), path)
+
+
+def save_bigram_drafter(path, seed: int = 0):
+    """:func:`bigram_drafter` for ``save_tiny_folder(..., seed, bigram=True)``, saved to ``path``."""
+    from mlx_redrafter import save_drafter
+
+    return save_drafter(bigram_drafter(bigram_model(seed)), path)
 
 
 def byte_tokenizer(folder, chat_template=None, special_tokens=()):

@@ -351,6 +351,53 @@ def test_replies_are_what_openapi_documents(served):
         jsonschema_rs.validate({**schema, "components": doc["components"]}, r.json())
 
 
+def _strict(kind, data):
+    """``data`` (the server's JSON) validated strictly (no coercion; every field
+    the type requires present) against a type the provider's SDK publishes."""
+    import pydantic
+
+    return pydantic.TypeAdapter(kind).validate_python(data, strict=True)
+
+
+def _chat_chunks(url: str, body: dict) -> list:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_replies_are_the_providers_own_types(served):
+    """Every reply and stream event validates against Anthropic's and OpenAI's
+    own SDK types (their published schemas), not against our response models."""
+    from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    ask = [{"role": "user", "content": ASK}]
+    message = {"model": "default", "max_tokens": 48, "messages": ask, "temperature": 0}
+    one_call = {"type": "any", "disable_parallel_tool_use": True}  # the grammar ends the reply: nothing cut
+    for body in (message, {**message, "tools": [WEATHER], "tool_choice": one_call}):
+        m = _strict(Message, httpx.post(served + "/v1/messages", json=body, timeout=300).json())
+        events = [data for name, data in _sse(served, "/v1/messages", {**body, "stream": True}) if name != "ping"]
+        assert [_strict(RawMessageStreamEvent, e).type for e in events][-1] == "message_stop"
+    assert "tool_use" in [b.type for b in m.content]  # the tool call's shape too
+    count = {"model": "default", "messages": ask}
+    _strict(MessageTokensCount, httpx.post(served + "/v1/messages/count_tokens", json=count, timeout=300).json())
+    bad = httpx.post(served + "/v1/messages", json={"model": "default", "messages": ask}, timeout=30)
+    assert bad.status_code == 400 and _strict(ErrorResponse, bad.json()).type == "error"
+
+    respond = {"model": "default", "max_output_tokens": 48, "input": ASK, "temperature": 0}
+    for body in (respond, {**respond, "tools": [FUNCTION], "tool_choice": "required", "parallel_tool_calls": False}):
+        r = _strict(Response, httpx.post(served + "/v1/responses", json=body, timeout=300).json())
+        events = _sse(served, "/v1/responses", {**body, "stream": True})
+        assert [_strict(ResponseStreamEvent, data).type for _, data in events][-1] == f"response.{r.status}"
+    assert "function_call" in [o.type for o in r.output]
+
+    chat = {"model": "default", "max_tokens": 8, "messages": ask, "temperature": 0}
+    _strict(ChatCompletion, httpx.post(served + "/v1/chat/completions", json=chat, timeout=300).json())
+    for chunk in _chat_chunks(served, {**chat, "stream": True, "stream_options": {"include_usage": True}}):
+        _strict(ChatCompletionChunk, chunk)
+
+
 # --------------------------------------------------------------------------- OpenAI's Responses
 
 

@@ -6,7 +6,9 @@ that picks batching over drafting follows the device's curves."""
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -46,20 +48,25 @@ PROMPTS = [[40, 41, 42, 43], [100, 7, 9, 200, 12, 13], [5, 5, 60], [70, 71, 72, 
 
 
 class Client:
-    """A job and what it emitted; ``on_text(client, piece)`` runs on the worker at each piece."""
+    """A job and what it emitted (``sources``: each token's, in order);
+    ``on_text(client, piece)`` and ``on_done(client)`` run on the worker."""
 
-    def __init__(self, engine, ids, params, on_text=None):
-        self.pieces, self.result, self.error, self.on_text = [], None, None, on_text
+    def __init__(self, engine, ids, params, on_text=None, on_done=None):
+        self.pieces, self.sources, self.result, self.error = [], [], None, None
+        self.on_text, self.on_done = on_text, on_done
         self.done = threading.Event()
         self.job = engine.job(list(ids), params, self.emit)
 
     def emit(self, kind, value):
         if kind == "text":
             self.pieces.append(value.text)
+            self.sources += value.sources
             if self.on_text is not None:
                 self.on_text(self, value)
         else:
             self.result, self.error = (value, None) if kind == "done" else (None, value)
+            if self.on_done is not None:
+                self.on_done(self)
             self.done.set()
 
     def wait(self):
@@ -132,7 +139,9 @@ def test_a_request_alone_drafts_then_moves_into_the_batch_and_back(model, tokeni
     plain decoding all along."""
     # A drafter that knows the reply: drafting pays, so the row goes back to it.
     engine = _engine(model, tokenizer, drafter=OracleDrafter(model, PROMPTS[0], 40, 2), beam_width=2, beam_length=2)
-    other, joined_at = Client(engine, PROMPTS[1], GenParams(6)), []
+    first_had = []  # the first reply's length when the other one ended
+    ended = lambda c: first_had.append(len(first.sources))  # noqa: E731
+    other, joined_at = Client(engine, PROMPTS[1], GenParams(6), on_done=ended), []
 
     def join(client, piece):
         if not joined_at:
@@ -145,6 +154,9 @@ def test_a_request_alone_drafts_then_moves_into_the_batch_and_back(model, tokeni
     assert res.tokens == _plain(model, tokenizer, PROMPTS[0], 40)
     assert 0 < res.batched_tokens <= len(res.tokens) - joined_at[0]  # batched while the other decoded ...
     assert len(res.tokens) - res.batched_tokens > joined_at[0]  # ... then alone again
+    # ... where it drafted again: drafts accepted after the other reply ended (not plain decoding alone).
+    after = first.sources[first_had[0] :]
+    assert after.count("drafter") >= 2 and res.drafted_by_source["drafter"] >= 2, first.sources
 
 
 def _joined_mid_reply(engine, first_params, prompt=PROMPTS[0]):
@@ -163,9 +175,10 @@ def _joined_mid_reply(engine, first_params, prompt=PROMPTS[0]):
 
 
 def test_a_structured_request_alone_moves_into_the_batch_with_its_parse(model, tokenizer):
+    """Batching's exactness under a grammar (the row stays in the batch: nothing is drafted after its first token)."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
     engine = _engine(model, tokenizer, **LOOKUP)
-    grammar = engine.grammar(schema)
+    grammar = engine.compile_grammar(schema)
     res = _joined_mid_reply(engine, GenParams(30, grammar=grammar))
     assert res.tokens == _plain(model, tokenizer, PROMPTS[0], 30, grammar=grammar)
     assert 0 < res.batched_tokens < len(res.tokens)  # the grammar's state went along into the batch
@@ -173,26 +186,29 @@ def test_a_structured_request_alone_moves_into_the_batch_with_its_parse(model, t
 
 def test_a_seeded_request_alone_keeps_drafting_while_others_batch(model, tokenizer):
     """A seeded request that started alone stays alone (its samples are
-    ``generate --seed``'s), interleaved with the batch, whose rows draw from
-    their own keys and leave the global random stream alone."""
-    draft = DraftConfig(None, curve=BATCH_PAYS, **LOOKUP)
-    sampling = SamplingConfig(temp=0.9, top_k=20)
-    engine = _engine(model, tokenizer, **LOOKUP)
+    ``generate --seed``'s, drafts accepted), interleaved with the batch, whose
+    rows draw from their own keys and leave the global random stream alone."""
+    # A drafter that knows the greedy reply, and a temperature low enough that
+    # samples follow it at times: drafts are accepted (4 with this seed).
+    sampling = SamplingConfig(temp=0.2, top_k=20)
+    engine = _engine(model, tokenizer, drafter=OracleDrafter(model, PROMPTS[0], 40, 2), beam_width=2, beam_length=2)
     res = _joined_mid_reply(engine, GenParams(24, sampling, seed=3))
-    ref = [
-        r.token
-        for r in stream_generate(model, tokenizer, PROMPTS[0], draft=draft, sampling=sampling, seed=3, max_tokens=24)
-    ]
-    assert res.tokens == [t for t in ref if t not in tokenizer.eos_token_ids] and res.batched_tokens == 0
+    rs = list(
+        stream_generate(model, tokenizer, PROMPTS[0], draft=engine.rt.draft, sampling=sampling, seed=3, max_tokens=24)
+    )
+    assert res.tokens == [r.token for r in rs if r.token not in tokenizer.eos_token_ids] and res.batched_tokens == 0
+    assert res.drafted_by_source.get("drafter", 0) >= 2  # the seeded drafting path ran, drafts accepted
 
 
 def test_batching_waits_where_it_does_not_pay(model, tokenizer):
     """On a curve where decoding together gains nothing, requests are drafted one at a time."""
-    engine = _engine(model, tokenizer, curve=BATCH_NEVER, **LOOKUP)
+    oracle = OracleDrafter(model, PROMPTS[:3], 8, 2)  # knows each reply: their drafts are accepted
+    engine = _engine(model, tokenizer, curve=BATCH_NEVER, drafter=oracle, beam_width=2, beam_length=2, **LOOKUP)
     clients = [Client(engine, p, GenParams(8)) for p in PROMPTS[:3]]
     results = _served(engine, clients)
     assert all(r.batched_tokens == 0 for r in results)
     assert [r.tokens for r in results] == [_plain(model, tokenizer, p, 8) for p in PROMPTS[:3]]
+    assert all(r.drafted_by_source["drafter"] >= 2 for r in results)
 
 
 def test_each_row_keeps_its_sampling_seed_stop_and_grammar(model, tokenizer):
@@ -200,7 +216,7 @@ def test_each_row_keeps_its_sampling_seed_stop_and_grammar(model, tokenizer):
 
     def batch(companions):
         engine = _engine(model, tokenizer)
-        grammar = engine.grammar(schema)
+        grammar = engine.compile_grammar(schema)
         seeded = Client(engine, PROMPTS[0], GenParams(12, SamplingConfig(temp=0.9, top_p=0.95), seed=5))
         clients = [seeded, Client(engine, PROMPTS[1], GenParams(12, grammar=grammar))]
         clients += [Client(engine, p, GenParams(12, SamplingConfig(temp=t, top_k=k))) for p, t, k in companions]
@@ -248,37 +264,97 @@ def test_the_oldest_waiting_request_joins_first_and_a_full_queue_says_when_to_re
     assert status["served"] == 5 and status["waiting"] == status["active"] == 0 and status["seconds_per_request"] > 0
 
 
-def test_retry_after_follows_the_measured_time_per_request():
-    import math
+def _until(check, what: str, timeout: float = TIMEOUT) -> None:
+    """Poll ``check()`` until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        time.sleep(0.01)
 
-    from mlx_redrafter.serve.jobs import Job, Result
 
-    gate = threading.Semaphore(0)
+class _Held:
+    """A :class:`JobQueue` (one decoding, two waiting) whose handler takes
+    ``sleep_s`` for job ``[0]`` and holds every other job until released."""
 
-    def handler(job):
-        gate.acquire(timeout=30)
-        res = Result(finish_reason="stop")
-        job.emit("done", res)
-        return res
+    def __init__(self, sleep_s: float = 0.0):
+        from mlx_redrafter.serve.jobs import Job, Result
 
-    q = JobQueue(handler, size=2)
-    jobs = [Job([i], GenParams(1), lambda kind, value: None) for i in range(5)]
-    q.start()
-    try:
-        q.submit(jobs[0])
-        gate.release()
-        while q.status()["served"] < 1:
-            threading.Event().wait(0.01)
-        for j in jobs[1:4]:  # one decoding (held at the gate) and two waiting: full
-            q.submit(j)
+        self.gate = threading.Semaphore(0)
+
+        def handler(job):
+            if job.ids == [0]:
+                time.sleep(sleep_s)
+            else:
+                self.gate.acquire(timeout=TIMEOUT)
+            res = Result(finish_reason="stop")
+            job.emit("done", res)
+            return res
+
+        self.q = JobQueue(handler, size=2)
+        self.jobs = [Job([i], GenParams(1), lambda kind, value: None) for i in range(6)]
+
+    def fill(self, first: int) -> int:
+        """Job ``first`` decoding and the next two waiting; the refused one's ``retry_after``."""
+        _until(lambda: self.q.status()["running"] == 1, "the job did not start")
+        for j in self.jobs[first + 1 : first + 3]:
+            self.q.submit(j)
+        assert self.q.status()["waiting"] == 2
         with pytest.raises(QueueFull) as full:
-            q.submit(jobs[4])
-        assert q.request_s > 0  # measured on the first job
-        assert full.value.retry_after == max(1, math.ceil(q.request_s * (q.status()["waiting"] + 1)))
+            self.q.submit(self.jobs[first + 3])
+        return full.value.retry_after
+
+    def stop(self):
+        for _ in self.jobs:
+            self.gate.release()
+        self.q.stop()
+
+
+def test_retry_after_follows_the_measured_time_per_request():
+    """A job of known duration finished: each of the three requests ahead of a
+    new one (the decoding one, two waiting) takes that long, one at a time."""
+    held = _Held(sleep_s=1.0)
+    held.q.start()
+    try:
+        tic = time.perf_counter()
+        held.q.submit(held.jobs[0])
+        _until(lambda: held.q.status()["served"] == 1, "the timed job did not finish")
+        took = time.perf_counter() - tic  # the scheduler measured between 1.0 s and this
+        assert 1.0 <= held.q.request_s <= took
+        held.q.submit(held.jobs[1])
+        assert math.ceil(3 * 1.0) <= held.fill(1) <= math.ceil(3 * took)
     finally:
-        for _ in range(4):
-            gate.release()
-        q.stop()
+        held.stop()
+
+
+def test_retry_after_before_any_request_finished_uses_the_running_ones_time():
+    held = _Held()
+    held.q.start()
+    try:
+        tic = time.perf_counter()
+        held.q.submit(held.jobs[1])
+        _until(lambda: held.q.status()["running"] == 1, "the job did not start")
+        time.sleep(1.0)  # the running job has run at least this long, nothing finished
+        retry = held.fill(1)
+        ran = time.perf_counter() - tic
+        assert held.q.request_s == 0 and math.ceil(3 * 1.0) <= retry <= math.ceil(3 * ran)
+    finally:
+        held.stop()
+
+
+def test_retry_after_with_nothing_started_counts_a_second_per_round_of_the_batch():
+    """No time measured at all: one second per request, ``max_batch`` at a time."""
+    from types import SimpleNamespace
+
+    from mlx_redrafter.serve.jobs import Job
+    from mlx_redrafter.serve.scheduler import Scheduler
+
+    for max_batch, size, expected in ((1, 2, 4), (2, 4, 4), (4, 4, 3)):  # ceil(1 s x (waiting + 1) / max_batch)
+        q = Scheduler(SimpleNamespace(max_batch=max_batch, active=0), size=size)  # no worker: all wait
+        for i in range(max_batch + size):
+            q.submit(Job([i], GenParams(1), lambda kind, value: None))
+        with pytest.raises(QueueFull) as full:
+            q.submit(Job([99], GenParams(1), lambda kind, value: None))
+        assert full.value.retry_after == expected, (max_batch, size)
 
 
 def test_the_rule_batches_where_the_batch_gain_beats_drafting():
@@ -325,12 +401,13 @@ def test_calibration_measures_the_batch_curve_and_stores_it(tmp_path, monkeypatc
 
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     model = tiny_model("llama")
-    c = measure_curve(model, max_size=2, budget_s=2.0, context=16, max_rounds=2, long_context=0)
+    # A budget no run reaches: the rounds bound the work, and what is measured does not depend on the clock.
+    c = measure_curve(model, max_size=2, budget_s=600.0, context=16, max_rounds=2, long_context=0)
     assert c.batch_sizes == (1, 2, 4, 8) and c.batch_gains[0] == 1.0 and all(g > 0 for g in c.batch_gains)
     assert c.batch_gain(4) == c.batch_gains[2] and "batched decoding" in vc.format_curve(c)
     vc.save_curve(c, model)
     assert vc.curve_for(model).batch_gains == c.batch_gains  # stored with the verify-cost curve
     assert measure_curve(model, max_size=2, budget_s=0.0).batch_sizes == ()  # none timed: the built-in gains
     builtin = vc.builtin_curve()
-    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # DESIGN.md section 6
+    assert builtin.batch_gain(8) == pytest.approx(59 / 13) and builtin.batch_gain(2) > 1  # docs/tuning.md
     assert vc.builtin_curve("q4g64-float32").batch_gain(4) < 1.1  # quantized on this CPU: batching gains nothing

@@ -497,7 +497,8 @@ def test_draft_step_cost(cfg):
 
 
 def test_draft_step_cost_of_the_default_head():
-    """DESIGN.md: SmolLM2-135M's default head (h=576, V=49152, E=1152, n=2) has 59.9M parameters."""
+    """SmolLM2-135M's default head (h=576, V=49152, E=1152, n=2) has 59.9M
+    parameters (docs/tuning.md, 'Measured facts the code is built on')."""
     c = draft_step_cost(DrafterConfig(vocab_size=49152, hidden_size=576), itemsize=4)
     assert c.bytes // 4 == 59_943_744
     assert c.macs == 2 * 576**2 + 2 * 1152**2 + 1152 * 49152

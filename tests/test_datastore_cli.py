@@ -137,7 +137,7 @@ def test_chat_colours_datastore_drafts_and_the_tally_splits_them():
     from rich.console import Console
 
     from mlx_redrafter.chat.terminal import DATASTORE_STYLE, _Output
-    from mlx_redrafter.responses import RedrafterResponse, Tally
+    from mlx_redrafter.output import RedrafterResponse, Tally
     from mlx_redrafter.step.protocol import StepStats
 
     out = _Output(interactive=True)

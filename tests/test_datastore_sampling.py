@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import mlx.core as mx
+from helpers import accepted_in_steps
 from test_sampling import chi2_passes, exact_first_tokens, small_model  # noqa: F401  (a fixture)
 
 from mlx_redrafter.config import SamplingConfig
@@ -26,9 +27,11 @@ def test_sampling_with_datastore_rows_matches_the_model(small_model):  # noqa: F
     prompt = [1, 3, 0, 2]
     expected = exact_first_tokens(small_model, prompt, cfg)
     mx.random.seed(4)
-    observed = Counter()
+    observed, taken = Counter(), 0
     for _ in range(N_RUNS):
         tokens, stats = generate_tokens(small_model, prompt, draft=draft, max_tokens=3, temp=cfg.temp)
         observed[tuple(tokens)] += 1
+        taken += accepted_in_steps(stats, len(tokens), "datastore")
     assert store.proposed > N_RUNS // 4  # datastore rows were really in many trees
+    assert taken >= 5  # ... and accepted (8 here)
     assert chi2_passes(observed, expected, N_RUNS)

@@ -1,199 +1,49 @@
-"""Docs that cannot go stale: every fenced block of README.md and docs/ is
-checked against the real project.
+"""Docs that cannot go stale: every page of README.md, docs/ and
+bench/RESULTS.md is checked against the real project (doc_checks.py has the
+checkers: commands behind ``.venv/bin/``, ``mlx.launch ... --`` and
+``python bench/...`` included, choice values, required options, flags
+named inline in prose, client examples' routes and model names, links).
+Every Python block that imports ``mlx_redrafter`` runs (on the default
+model), unless the line before its fence is ``<!-- not run: REASON -->``.
 
-* every ``mlx-redrafter SUBCOMMAND ...`` line parses against the real CLI
-  (the subcommand exists and every flag exists on it), through click's own
-  parser, without running the command;
-* every ``make TARGET`` names a target of the Makefile;
-* every Python block that imports ``mlx_redrafter`` runs (on the default
-  model), unless the line before its fence is ``<!-- not run: REASON -->``;
-* every relative link points at a file that exists.
-
-The checkers are plain functions; the last tests show that each one fails on
-a renamed flag, a removed subcommand, a missing make target and a broken link.
+The last tests show that each checker fails on what it is there to find: a
+renamed flag, a removed subcommand, a bad choice value, a missing required
+option, a flag named in prose that no command has, a route the server does
+not serve, a model it does not answer to, a missing make target, a broken link.
 """
 
 from __future__ import annotations
 
-import re
-import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import pytest
 import typer
-
-try:  # newer typer parses with its own copy of click: its exceptions are that copy's
-    from typer._click import exceptions as errors
-    from typer._click.core import Context
-except ImportError:  # older typer: click itself
-    from click import Context
-    from click import exceptions as errors
+from doc_checks import (
+    REPO,
+    Block,
+    all_options,
+    app_routes,
+    bench_options,
+    broken_links,
+    check_bench,
+    check_cli,
+    check_command,
+    check_make,
+    check_span,
+    doc_problems,
+    fenced_blocks,
+    make_targets,
+    model_problems,
+    route_problems,
+    shell_commands,
+    value_choices,
+)
 
 from mlx_redrafter.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "RESULTS.md"]
-SHELLS = {"bash", "sh", "shell", "console", "zsh", ""}
-NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
-# An inline Markdown link or image: [text](target) / ![alt](target).
-LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-
-
-@dataclass
-class Block:
-    """One fenced block: where it is, its language, its text, and why it is not run (if so)."""
-
-    path: Path
-    line: int
-    lang: str
-    text: str
-    not_run: Optional[str] = None
-
-    @property
-    def where(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
-
-
-def fenced_blocks(path: Path, text: Optional[str] = None) -> List[Block]:
-    """The fenced blocks of a Markdown file (``text``: its content, read when not given)."""
-    lines = (path.read_text() if text is None else text).splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        m = re.match(r"^(\s*)(```+|~~~+)\s*([\w+-]*)", lines[i])
-        if not m:
-            i += 1
-            continue
-        fence, lang, start = m.group(2), m.group(3).lower(), i
-        before = NOT_RUN.search(lines[i - 1]) if i else None
-        body = []
-        i += 1
-        while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i])
-            i += 1
-        blocks.append(Block(path, start + 1, lang, "\n".join(body), before.group(1) if before else None))
-        i += 1
-    return blocks
-
-
-def shell_commands(block: Block) -> List[List[str]]:
-    """The command lines of a shell block as argument lists (comments, ``$ ``
-    prompts, leading ``VAR=value`` assignments and ``\\`` continuations handled)."""
-    out, pending = [], ""
-    for raw in block.text.splitlines():
-        line = pending + raw.strip()
-        if line.endswith("\\"):
-            pending = line[:-1] + " "
-            continue
-        pending = ""
-        line = line[2:] if line.startswith("$ ") else line
-        if not line or line.startswith("#"):
-            continue
-        for part in re.split(r"\s*(?:&&|\|\||;|\|)\s*", line):
-            try:
-                words = shlex.split(part, comments=True)
-            except ValueError:  # an unbalanced quote in a shell fragment: not a command line
-                continue
-            while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
-                words = words[1:]
-            redirect = next((i for i, w in enumerate(words) if re.match(r"^\d*[<>]", w)), len(words))
-            words = words[:redirect]  # `> replies.txt`, `2>&1`: the shell's, not the command's
-            if words:
-                out.append(words)
-    return out
-
-
-def check_cli(words: List[str], root) -> Optional[str]:
-    """Why ``words`` (``mlx-redrafter ...``) does not parse against the CLI, or None."""
-    cmd, args, name = root, list(words[1:]), words[0]
-    if any("$" in w for w in args[:1]):
-        return None  # a subcommand held in a shell variable: what it expands to is not written here
-    while hasattr(cmd, "get_command") and args and not args[0].startswith("-"):  # a group: walk down
-        sub = cmd.get_command(Context(cmd), args[0])
-        if sub is None:
-            return f"no subcommand {args[0]!r} in `{name}`"
-        name, cmd, args = f"{name} {args[0]}", sub, args[1:]
-    if "--help" in args or "-h" in args:
-        return None
-    try:
-        cmd.make_context(name, args)
-    except errors.NoSuchOption as e:
-        return f"`{name}` has no option {e.option_name}"
-    except (errors.MissingParameter, errors.BadParameter):
-        return None  # a value written as a placeholder (PATH, N): the flags exist
-    except errors.UsageError as e:
-        return f"`{name} {' '.join(args)}`: {e.format_message()}"
-    return None
-
-
-def make_targets(makefile: Path) -> set:
-    """The targets a Makefile defines (``name:`` at the start of a line, not ``:=``)."""
-    found = set()
-    for line in makefile.read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_.%/-]+(?:\s+[A-Za-z0-9_.%/-]+)*)\s*:(?!=)", line)
-        if m and not line.startswith("\t"):
-            found.update(m.group(1).split())
-    return found
-
-
-def check_make(words: List[str], targets: set) -> Optional[str]:
-    """Why ``make ...`` names a target the Makefile lacks, or None."""
-    wanted = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
-    missing = [t for t in wanted if t not in targets]
-    return f"make target(s) {', '.join(missing)} not in the Makefile" if missing else None
-
-
-def anchors(text: str) -> set:
-    """The anchors GitHub gives a Markdown page's headings (lower case, punctuation
-    dropped, spaces as hyphens; a repeated heading gets -1, -2, ...)."""
-    text = re.sub(r"```.*?```", "", text, flags=re.S)
-    seen, out = {}, set()
-    for title in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M):
-        slug = re.sub(r"[^\w\- ]", "", title.strip().lower().replace("`", "")).replace(" ", "-")
-        n = seen.get(slug, 0)
-        seen[slug] = n + 1
-        out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
-
-
-def broken_links(path: Path, text: Optional[str] = None) -> List[str]:
-    """The relative links of a Markdown file whose target does not exist, or
-    whose ``#anchor`` names no heading of the Markdown page it points at."""
-    text = path.read_text() if text is None else text
-    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # code is not prose: no links inside
-    bad = []
-    for target in LINK.findall(prose):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
-            continue  # a URL (https:, mailto:)
-        file, _, anchor = target.partition("#")
-        dest = path.parent / file if file else path
-        if file and not dest.exists():
-            bad.append(target)
-        elif anchor and dest.suffix == ".md" and anchor not in anchors(text if dest == path else dest.read_text()):
-            bad.append(target)
-    return bad
-
-
-def doc_problems(paths, root, targets: set) -> List[str]:
-    """Every stale command line and broken link in ``paths``."""
-    problems = []
-    for path in paths:
-        problems += [f"{path.relative_to(REPO)}: broken link {t}" for t in broken_links(path)]
-        for block in fenced_blocks(path):
-            if block.lang not in SHELLS:
-                continue
-            for words in shell_commands(block):
-                why = None
-                if words[0] == "mlx-redrafter":
-                    why = check_cli(words, root)
-                elif words[0] == "make":
-                    why = check_make(words, targets)
-                if why:
-                    problems.append(f"{block.where}: {why}")
-    return problems
 
 
 def python_blocks(paths) -> List[Block]:
@@ -211,7 +61,7 @@ def cli_root():
 def test_every_documented_command_flag_target_and_link_exists(cli_root):
     paths = [p for p in DOCS if p.is_file()]
     assert REPO / "README.md" in paths
-    problems = doc_problems(paths, cli_root, make_targets(REPO / "Makefile"))
+    problems = doc_problems(paths, cli_root, make_targets(REPO / "Makefile"), app_routes())
     assert not problems, "stale docs:\n" + "\n".join(problems)
 
 
@@ -234,6 +84,66 @@ def test_a_renamed_flag_a_removed_subcommand_and_a_bad_value_are_found(cli_root)
     assert "no subcommand 'bogus'" in check_cli(["mlx-redrafter", "datastore", "bogus"], cli_root)
     assert check_cli(["mlx-redrafter", "datastore", "info", "--model", "M"], cli_root) is None
     assert check_cli(["mlx-redrafter", "chat", "--help"], cli_root) is None
+
+
+def test_a_bad_value_and_a_missing_required_option_are_found(cli_root):
+    gen = ["mlx-redrafter", "generate", "--prompt", "hi"]
+    assert check_cli(gen + ["--max-tokens", "N"], cli_root) is None  # a placeholder
+    assert "--max-tokens" in check_cli(gen + ["--max-tokens", "many"], cli_root)
+    assert check_cli(gen + ["--tree", "auto", "--dtype", "bfloat16"], cli_root) is None
+    assert "--tree bogus" in check_cli(gen + ["--tree", "bogus"], cli_root)  # the CLI takes text, checked later
+    assert "--kind some" in check_cli(["mlx-redrafter", "datastore", "clear", "--kind", "some"], cli_root)
+    build = ["mlx-redrafter", "datastore", "build", "--model", "M"]
+    assert "needs --prompts" in check_cli(build, cli_root)  # a whole command line
+    assert check_cli(build, cli_root, complete=False) is None  # a fragment in prose
+    assert value_choices()["--tree"] == {"auto", "fixed"}
+
+
+def test_commands_behind_venv_launchers_and_bench_scripts_are_checked(cli_root):
+    targets = make_targets(REPO / "Makefile")
+    found = lambda line: check_command(shell_commands(Block(REPO / "x.md", 1, "bash", line))[0], cli_root, targets)  # noqa: E731
+    assert found("LD_PRELOAD=... .venv/bin/mlx-redrafter sweep --widths 1,2") is None
+    assert "--widht" in found(".venv/bin/mlx-redrafter sweep --widht 1")
+    assert "--out" not in (found("mlx.launch -n 2 --backend ring -- mlx-redrafter distill --out d") or "")
+    assert "--bogus" in found("mlx.launch -n 2 --backend ring -- mlx-redrafter distill --bogus 1")
+    assert "--bogus" in found("python -m mlx_redrafter.cli generate --bogus")
+    assert found("python bench/lookup.py --mt-bench 16 --per-task 8 --max-tokens N") is None
+    assert "unrecognized arguments: --bogus" in found(".venv/bin/python bench/run.py --quick --bogus")
+    assert "invalid int value: 'many'" in found("python bench/lookup.py --mt-bench many")
+    assert "--drafters" in found("python bench/acceptance.py")  # a required option left out
+    assert "no script" in found("python bench/gone.py --quick")
+    assert "takes no options" in found("python bench/compile.py --fast")
+    assert check_bench(["bench/acceptance.py", "--calibration"], complete=False) is None
+
+
+def test_flags_named_in_prose_are_found(cli_root):
+    options = {**all_options(cli_root), **bench_options(["bench/acceptance.py"])}
+    span = lambda text: check_span(text, cli_root, options, value_choices())  # noqa: E731
+    for fine in ("--queue-size", "--lookup/--no-lookup", "--beam-width/-W", "--tree auto|fixed", "serve --api-key KEY"):
+        assert span(fine) is None, fine
+    assert span("doctor --calibrate") is None and span("bench/acceptance.py --calibration") is None
+    assert "no command has --queue-sized" in span("--queue-sized")
+    assert "--tree bogus" in span("--tree auto|bogus")
+    assert "has no option --calibrate" in span("serve --calibrate")  # the command it names lacks it
+    assert span("pip install --no-deps x") is None and span("mlx.launch --python") is None  # not ours
+    assert "--queue-size" in all_options(cli_root) and "serve" in " ".join(all_options(cli_root)["--queue-size"])
+
+
+def test_routes_and_model_names_of_client_examples_are_found(cli_root):
+    routes = app_routes()
+    assert {"/v1/chat/completions", "/api/chat", "/v1/messages", "/health", "/"} <= set(routes)
+    good = "curl http://127.0.0.1:8080/v1/chat/completions\nbase_url = http://127.0.0.1:8080/v1 `GET /v1/models`"
+    assert route_problems(good, routes) == []
+    bad = "curl http://127.0.0.1:8080/v1/chat/completion and `POST /v1/models` and `/api/pull`"
+    assert route_problems(bad, routes) == [
+        "no route /v1/chat/completion",
+        "no route `POST /v1/models`",
+        "no route `/api/pull`",
+    ]
+    page = '```python\nclient.chat.completions.create(model="default")\n```\n```json\n{"model": "gpt-4o"}\n```\n'
+    assert model_problems(page, cli_root) == ["model 'gpt-4o' is not one the documented server serves"]
+    served = '```bash\nmlx-redrafter serve --model org/m\n```\n```toml\nmodel = "org/m"\n```\n'
+    assert model_problems(served, cli_root) == [] and model_problems(served.replace("org/m", "x", 1), cli_root)
 
 
 def test_shell_lines_are_split_like_a_shell():

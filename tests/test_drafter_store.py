@@ -1,7 +1,8 @@
 """The drafter store (hub/store.py) and the tools that read it, on tiny
 models saved in temp folders: the model's identity, install / find / list /
 rm, the store's drafter picked up by ``generate``, ``chat``, ``serve`` and
-``stream_generate`` (greedy output equal to plain decoding), a drafter that
+``stream_generate`` (greedy output equal to plain decoding, with its drafts
+accepted: the tiny model is a bigram model its drafter predicts), a drafter that
 does not fit refused with the reason, another copy's drafter used with a
 note, and lookup drafting with the one line naming make-drafter when the
 store has nothing.
@@ -17,7 +18,21 @@ import json
 import sys
 
 import pytest
-from helpers import HIDDEN, VOCAB, cli, random_drafter, save_random_drafter, save_tiny_folder, squeeze, tiny_model
+from helpers import (
+    HIDDEN,
+    VOCAB,
+    assert_exact_under_drafting,
+    bigram_drafter,
+    bigram_model,
+    cli,
+    drafted_share,
+    plain_responses,
+    save_bigram_drafter,
+    save_random_drafter,
+    save_tiny_folder,
+    squeeze,
+    tiny_model,
+)
 
 from mlx_redrafter.errors import RedrafterError
 from mlx_redrafter.hub import store as st
@@ -27,9 +42,11 @@ PROMPT = "w1 w2 w3 w1 w2 w3 w1"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """Two copies of one tiny model (same family, other weights) and a drafter that fits both."""
+    """Two copies of one tiny model (same family, other weights) and a drafter
+    that fits both and predicts the first (its drafts are accepted there)."""
     root = tmp_path_factory.mktemp("store-models")
-    return save_tiny_folder(root / "tiny"), save_tiny_folder(root / "other", seed=5), save_random_drafter(root / "d")
+    tiny, other = save_tiny_folder(root / "tiny", bigram=True), save_tiny_folder(root / "other", seed=5, bigram=True)
+    return tiny, other, save_bigram_drafter(root / "d")
 
 
 @pytest.fixture
@@ -165,7 +182,7 @@ def test_generate_uses_the_stored_drafter_and_says_where_it_came_from(folders, s
     plain = capsys.readouterr().out
     assert cli(gen) == 0
     drafted = capsys.readouterr()
-    assert drafted.out == plain
+    assert drafted.out == plain and drafted_share(drafted.err) > 0  # the same, with drafts accepted
     assert squeeze(f"drafter {path} (from the store: make-drafter)") in squeeze(drafted.err)
     from mlx_redrafter.runtime import resolve_drafter_path
 
@@ -197,12 +214,12 @@ def test_chat_uses_the_stored_drafter(folders, store, monkeypatch, capsys):
         captured = capsys.readouterr()
         replies[bool(flags)] = captured.out
         assert (str(path) in squeeze(captured.err)) == (not flags)
+        assert (drafted_share(captured.out + captured.err) > 0) == (not flags)  # drafts accepted, or none
     assert replies[False] == replies[True] and replies[False].strip()
 
 
 def test_serve_uses_the_stored_drafter(folders, store):
-    pytest.importorskip("fastapi")
-    from starlette.testclient import TestClient
+    from starlette.testclient import TestClient  # the server extra: `make test` installs it
 
     from mlx_redrafter.runtime import load_runtime
     from mlx_redrafter.serve import Engine
@@ -220,32 +237,49 @@ def test_serve_uses_the_stored_drafter(folders, store):
             ).json()
         assert health["drafter"] == (None if no_draft else str(path))
     assert texts[False]["choices"][0]["text"] == texts[True]["choices"][0]["text"]
+    assert texts[False]["redrafter"]["from_drafts_by_source"]["drafter"] > 0  # its drafts were accepted
+    assert texts[True]["redrafter"]["from_drafts"] == 0
 
 
 def test_stream_generate_uses_the_stored_drafter_by_default(folders, store):
-    from mlx_redrafter import generate, stream_generate
+    from mlx_redrafter import stream_generate
     from mlx_redrafter.llm.load import load_model
 
     tiny, _, drafter = folders
     model, tok = load_model(str(tiny))
-    plain = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=12)]
     assert st.drafter_for(model) == (None, None)
     path, _ = installed(tiny, drafter)
-    rs = list(stream_generate(model, tok, PROMPT, max_tokens=12))  # drafter="auto": the store's
-    assert [r.token for r in rs] == plain
+    # drafter="auto": the store's, whose drafts are accepted; the output is plain decoding's.
+    rs = assert_exact_under_drafting(model, tok, PROMPT, max_tokens=12, min_accepted=2, source="drafter")
     assert all(r.stats.tree_size > 1 for r in rs[1:])  # every step verified drafts
     loaded, found = st.drafter_for(model)
     assert found.path == path and st.drafter_for(model)[0] is loaded  # cached on the model
     # None explicit: plain decoding; a drafter given: that one.
     assert all(r.stats.tree_size == 1 for r in stream_generate(model, tok, PROMPT, max_tokens=6, drafter=None))
-    assert generate(model, tok, PROMPT, max_tokens=12, drafter=random_drafter(seed=4)) == generate(
-        model, tok, PROMPT, max_tokens=12, drafter=None
-    )
+    given = bigram_drafter(bigram_model())
+    assert_exact_under_drafting(model, tok, PROMPT, max_tokens=12, drafter=given, min_accepted=2, source="drafter")
     with pytest.raises(RedrafterError, match="is not a drafter"):
         list(stream_generate(model, tok, PROMPT, max_tokens=2, drafter="some/folder"))
     # Removed: the next call sees it (the family folder changed).
     st.remove(path.name)
     assert all(r.stats.tree_size == 1 for r in stream_generate(model, tok, PROMPT, max_tokens=4))
+
+
+def test_drafter_none_and_lookup_false_draft_nothing(folders, store):
+    """The baseline every exactness test compares with: with a drafter in the
+    store and a prompt lookup copies from, ``drafter=None, lookup=False`` is
+    plain decoding (no drafted token, no tree), where the defaults draft."""
+    from mlx_redrafter import stream_generate
+    from mlx_redrafter.llm.load import load_model
+
+    tiny, _, drafter = folders
+    installed(tiny, drafter)
+    model, tok = load_model(str(tiny))
+    drafted = list(stream_generate(model, tok, PROMPT, max_tokens=16))
+    assert {r.stats.source for r in drafted if r.from_draft} == {"drafter", "lookup"}  # what the defaults do
+    plain = list(stream_generate(model, tok, PROMPT, max_tokens=16, drafter=None, lookup=False))
+    assert not any(r.from_draft for r in plain) and {(r.stats.accepted, r.stats.tree_size) for r in plain} == {(0, 1)}
+    assert [r.token for r in plain_responses(model, tok, PROMPT, max_tokens=16)] == [r.token for r in plain]
 
 
 def test_load_drafter_by_model_id_and_store_name(folders, store):
@@ -271,7 +305,7 @@ def test_no_drafter_drafts_by_lookup_where_it_pays_and_names_make_drafter(folder
     assert auto.can_pay(load_runtime(str(tiny), "none", lookup=True).draft)  # the float built-in curve: lookup pays
     assert cli(gen) == 0
     got = capsys.readouterr()
-    assert got.out == plain
+    assert got.out == plain and drafted_share(got.err) > 0  # copies from the context accepted
     assert "drafting:1copyfromthecontextperstep(nodrafter)" in squeeze(got.err)
     lines = [line for line in got.err.splitlines() if "make-drafter" in line]
     assert len(lines) == 1 and f"`mlx-redrafter make-drafter --model {tiny}`" in lines[0]

@@ -15,7 +15,7 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import VOCAB, random_drafter, tiny_model
+from helpers import VOCAB, OracleDrafter, random_drafter, tiny_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -83,12 +83,16 @@ def reference(model, prompt, grammar, max_tokens, sampling=SamplingConfig()):
     return out
 
 
-def speculative(model, prompt, grammar, draft, max_tokens, sampling=SamplingConfig()):
-    """The constrained speculative loop, cut like stream_generate cuts (EOS included here)."""
-    out, steps = [], constrained_steps(model, mx.array(prompt), make_prompt_cache(model), draft, sampling, grammar)
+def speculative(model, prompt, grammar, draft, max_tokens, sampling=SamplingConfig(), history=(), taken=None):
+    """The constrained speculative loop, cut like stream_generate cuts (EOS
+    included here); ``taken``: a Counter of the emitted drafted tokens by source."""
+    cache = make_prompt_cache(model)
+    out, steps = [], constrained_steps(model, mx.array(prompt), cache, draft, sampling, grammar, history)
     for step in steps:
-        for t in step.tokens:
+        for t, drafted in zip(step.tokens, step.from_draft):
             out.append(t)
+            if taken is not None and drafted:
+                taken[step.stats.source] += 1
             if t in grammar.eos_ids or len(out) >= max_tokens:
                 steps.close()
                 return out
@@ -106,29 +110,37 @@ def model():
     return tiny_model("llama")
 
 
+# Each kind of draft (``oracle``: a real drafter's beams beside one that knows
+# the constrained reply) and the source whose drafts must be accepted.
 DRAFTS = {
-    "drafter": lambda: DraftConfig(random_drafter(), 3, 3),
-    "lookup": lambda: DraftConfig(None, lookup=2, lookup_length=4),
-    "both": lambda: DraftConfig(random_drafter(), 2, 2, lookup=1),
-    "forced_only": lambda: DraftConfig(None),
+    "drafter": (lambda oracle: DraftConfig(oracle, 3, 3), "drafter"),
+    "lookup": (lambda oracle: DraftConfig(None, lookup=2, lookup_length=4), "lookup"),
+    "both": (lambda oracle: DraftConfig(oracle, 2, 2, lookup=1), ("drafter", "lookup")),  # lookup's often win
+    "forced_only": (lambda oracle: DraftConfig(None), "grammar"),  # the grammar's forced tokens
 }
+
+
+def _tuple(source):
+    return source if isinstance(source, tuple) else (source,)
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "array"])
 @pytest.mark.parametrize("kind", list(DRAFTS))
 def test_greedy_equals_plain_constrained_decoding(model, schema, kind):
     grammar = compile_grammar(CHARS, schema, vocab_size=VOCAB)
-    draft = DRAFTS[kind]()
-    drafted = 0
+    make, source = DRAFTS[kind]
     for prompt in ([5, 9, 17, 3], [40, 41, 42, 43, 44, 45]):
         ref = reference(model, prompt, grammar, 120)
         check_valid(ref, schema)
-        got = speculative(model, prompt, grammar, draft, 120)
+        draft = make(OracleDrafter(model, prompt, 120, 3, inner=random_drafter(), replies=[ref]))
+        # Lookup copies from a context holding this very reply (an earlier turn's): right by construction.
+        taken = Counter()
+        got = speculative(model, prompt, grammar, draft, 120, history=prompt + ref, taken=taken)
         assert got == ref
-    # The speculative loop really drafted: some step accepted a draft.
+        assert sum(taken[k] for k in _tuple(source)) >= 2, taken  # the source under test was accepted
+    # The loop ends by itself once the grammar is complete: no token past the EOS.
     steps = list(constrained_steps(model, mx.array(prompt), make_prompt_cache(model), draft, None, grammar))
-    drafted = sum(s.stats.accepted for s in steps)
-    assert drafted > 0 and sum(len(s.tokens) for s in steps) == len(ref)
+    assert sum(len(s.tokens) for s in steps) == len(ref)
 
 
 def test_model_ids_past_the_tokenizer_are_never_allowed():
@@ -183,8 +195,11 @@ def test_default_model_greedy_equals_plain_constrained_decoding():
     assert ref[-1] in grammar.eos_ids
     check_valid(ref, schema, tokenizer.decode(ref[:-1]), grammar.eos_ids)
     drafter = load_drafter(shipped_drafter_path("default"))
-    for draft in (DraftConfig(drafter, 2, 2), DraftConfig(None, lookup=1), DraftConfig(drafter, 2, 2, lookup=1)):
-        assert speculative(llm, prompt, grammar, draft, 40) == ref
+    drafts = {"drafter": DraftConfig(drafter, 2, 2), "lookup": DraftConfig(None, lookup=1)}
+    for source, draft in [*drafts.items(), (("drafter", "lookup"), DraftConfig(drafter, 2, 2, lookup=1))]:
+        taken = Counter()  # lookup: the reply in an earlier turn, which it copies from
+        assert speculative(llm, prompt, grammar, draft, 40, history=prompt + ref, taken=taken) == ref
+        assert sum(taken[k] for k in _tuple(source)) >= 2, (source, taken)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -213,14 +228,15 @@ def exact_choice_distribution(model, prompt, grammar, cfg):
     return probs
 
 
-def sample_choices(model, prompt, grammar, draft, cfg, n, seed):
+def sample_choices(model, prompt, grammar, draft, cfg, n, seed, taken=None):
     """Outputs of ``n`` runs; a run that emits a token the grammar forbids
-    (the loop raises) counts as the outcome "invalid"."""
+    (the loop raises) counts as the outcome "invalid". ``taken``: drafted
+    tokens by source, counted."""
     mx.random.seed(seed)
     out = Counter()
     for _ in range(n):
         try:
-            out[decode(speculative(model, prompt, grammar, draft, 20, cfg))] += 1
+            out[decode(speculative(model, prompt, grammar, draft, 20, cfg, taken=taken))] += 1
         except RedrafterError:
             out["invalid"] += 1
     return out
@@ -243,8 +259,10 @@ def choice_setup(model):
 def test_sampling_follows_the_masked_distribution(model, choice_setup):
     grammar, prompt, cfg, expected = choice_setup
     draft = DraftConfig(random_drafter(), 2, 2, lookup=1)
-    observed = sample_choices(model, prompt, grammar, draft, cfg, N_RUNS, seed=7)
+    taken = Counter()
+    observed = sample_choices(model, prompt, grammar, draft, cfg, N_RUNS, seed=7, taken=taken)
     assert chi2_passes(observed, expected, N_RUNS)
+    assert taken["lookup"] > N_RUNS // 10, taken  # copies from the prompt's choices were accepted
 
 
 def test_unrenormalized_acceptance_fails_the_same_test(model, choice_setup, monkeypatch):

@@ -25,6 +25,7 @@ from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.llm.recurrent import kv_leaves, leaves
 from mlx_redrafter.step.accept import target_probs
+from mlx_redrafter.step.constrained import constrained_steps
 from mlx_redrafter.step.synchronous import synchronous_steps
 
 PROMPT = [5, 9, 13, 2, 7, 11, 3]
@@ -55,6 +56,23 @@ def test_greedy_with_drafts_equals_plain(family, pipelined, width, length):
     assert accepted(stats) >= N // 2, "the drafts were not accepted: the equality would prove nothing"
     assert any(0 < s.accepted < length for s in stats), "no step accepted part of a draft"
     assert any(s.accepted == length for s in stats), "no step accepted a whole draft"
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])  # a padded scan and a stepwise one
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_tree_auto_on_a_hybrid_equals_plain(name, pipelined):
+    """tree="auto" verifies a selected subset, a tree whose shape the host does
+    not know: the recurrent layers then run it from the nodes' paths."""
+    from mlx_redrafter.step.curve import CostCurve
+
+    model = tiny_hybrid(name)
+    plain, _ = generate_tokens(model, PROMPT, max_tokens=N)
+    oracle = OracleDrafter(model, PROMPT, N, 3)
+    curve = CostCurve(tuple(1.0 + 0.05 * n for n in range(16)))  # drafts pay: the selection verifies several nodes
+    draft = DraftConfig(oracle, 3, 3, lookup=1, pipelined=pipelined, tree="auto", curve=curve)
+    out, stats, _ = run_steps(model, PROMPT, draft, N)
+    assert out == plain[:N] and accepted(stats) >= N // 3
+    assert any(s.tree_size > 2 for s in stats), "the selection verified no tree"
 
 
 def plain_cache(model, tokens):
@@ -293,3 +311,22 @@ def test_make_drafter_doctor_and_sweep_run_on_a_hybrid_folder(tmp_path, monkeypa
     assert (tmp_path / "work" / "drafter" / "model.safetensors").is_file()
     assert cli(["doctor", "--model", str(folder), "--calibrate"]) == 0
     assert cli(["generate", "--model", str(folder), "--prompt", "w5 w6 w7 w5 w6 w7 w5 w6", "-n", "12"]) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
+def test_grammar_constrained_output_on_a_hybrid_equals_plain_constrained_decoding(name):
+    """Structured output (the synchronous constrained loop: forced rows the
+    grammar dictates, lookup and drafter rows, each node masked) on a hybrid."""
+    from test_grammar import CHARS, SCHEMAS, check_valid, reference, speculative
+
+    from mlx_redrafter.step.grammar import compile_grammar
+
+    model = tiny_hybrid(name)
+    grammar = compile_grammar(CHARS, SCHEMAS[1], vocab_size=97)  # short strings: a random model completes it
+    draft = DraftConfig(random_drafter(), 2, 2, lookup=1)
+    prompt = [5, 9, 17, 3]
+    ref = reference(model, prompt, grammar, 120)
+    check_valid(ref, SCHEMAS[1])
+    assert speculative(model, prompt, grammar, draft, 120) == ref
+    steps = list(constrained_steps(model, mx.array(prompt), make_prompt_cache(model), draft, SamplingConfig(), grammar))
+    assert sum(s.stats.accepted for s in steps) > 0, "no draft (forced or drafted) was accepted"

@@ -26,7 +26,7 @@ CONFIG = ["config", "profiles"]
 LLM = ["llm"]
 ENGINE = ["draft", "step"]
 DISTRIBUTION = ["hub"]
-FRONT = ["generate", "responses", "runtime", "prompts", "doctor", "__init__"]
+FRONT = ["generate", "keywords", "output", "runtime", "prompts", "doctor", "__init__"]
 TOOLS = ["tuning", "train", "converters"]
 APPS = ["chat", "serve"]
 CLI = ["cli"]
@@ -38,14 +38,15 @@ NAMED = [
     "config",
     "profiles",
     "generate",
-    "responses",
+    "output",
     "runtime",
     "prompts",
     "doctor",
     "cli/__init__",
     "cli/options",
     "cli/run",
-    "cli/tools",
+    "cli/sweep",
+    "cli/convert",
     "cli/training",
     "cli/make",
     "cli/drafters",
@@ -192,7 +193,7 @@ def test_every_package_module_has_a_layer():
 
 
 def test_the_import_reader_sees_relative_and_local_imports():
-    imports = imported_modules(PACKAGE / "cli" / "tools.py") | imported_modules(PACKAGE / "cli" / "run.py")
+    imports = imported_modules(PACKAGE / "cli" / "sweep.py") | imported_modules(PACKAGE / "cli" / "run.py")
     assert P + "tuning.sweep" in imports and P + "chat" in imports  # function-local, relative
     assert P + "config.LOOKUP_LENGTH" in imports and P + "cli.options.app" in imports
     assert _top_name(P + "step.tree.PAD") == "step" and in_group(P + "chat.settings", APPS)

@@ -84,7 +84,17 @@ def test_join_beams_pads_rows_and_missing_lookup_beams():
 # --------------------------------------------------------------------------- lookup drafts in the step loop
 
 import mlx.core as mx  # noqa: E402
-from helpers import TINY_CONFIGS, prompts, random_drafter, tiny_model  # noqa: E402
+from helpers import (  # noqa: E402
+    TINY_CONFIGS,
+    OracleDrafter,
+    accepted_drafts,
+    accepted_in_steps,
+    assert_exact_under_drafting,
+    prompts,
+    random_drafter,
+    run_steps,
+    tiny_model,
+)
 
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate  # noqa: E402
 
@@ -122,6 +132,9 @@ def test_tiny_models_lookup_only(tiny, draft):
     for p, ref in zip(ps, refs):
         out, stats = generate_tokens(model, p, draft=draft, max_tokens=N_TOKENS)
         assert out == ref, kind
+        # With this very reply in the context before the prompt (a chat's earlier turn), lookup is right.
+        again, again_stats, _ = run_steps(model, p, draft, N_TOKENS, history=p + ref)
+        assert again == ref and accepted_in_steps(again_stats, N_TOKENS, "lookup") >= 8, kind
         assert all(s.source in ("", "lookup") for s in stats)
         taken += lookup_accepted(stats)
         verified += sum(s.tree_size > 1 for s in stats)
@@ -135,9 +148,10 @@ def test_tiny_models_lookup_merged(tiny, width, length, k):
     kind, model, ps, refs = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
     for p, ref in zip(ps, refs):
-        draft = DraftConfig(drafter, width, length, lookup=k)
+        # The real drafter's beams beside the oracle's right one, and lookup rows.
+        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, length, inner=drafter), width, length, lookup=k)
         out, stats = generate_tokens(model, p, draft=draft, max_tokens=N_TOKENS)
-        assert out == ref, kind
+        assert out == ref and accepted_in_steps(stats, N_TOKENS) >= 8, kind
         # The tree holds at most every drafter node and every lookup node.
         assert all(s.tree_size <= 1 + width * length + k * draft.lookup_length for s in stats)
 
@@ -185,7 +199,7 @@ def test_default_model_lookup_exact(default_setup, with_drafter):
 
 
 def _run(model, tok, prompt, **kw):
-    rs = list(stream_generate(model, tok, prompt, **{"drafter": None, **kw}))  # no drafter unless given
+    rs = list(stream_generate(model, tok, prompt, **{"drafter": None, "lookup": False, **kw}))  # plain unless given
     return [r.token for r in rs], "".join(r.text for r in rs), rs
 
 
@@ -193,7 +207,9 @@ def _run(model, tok, prompt, **kw):
 def lookup_run(default_setup):
     """A lookup-only stream of the copy prompt, and a token inside a multi-token lookup run."""
     model, tok, ps, _, _ = default_setup
-    tokens, text, rs = _run(model, tok, ps[2], lookup=True, max_tokens=60)
+    rs = assert_exact_under_drafting(
+        model, tok, ps[2], drafter=None, lookup=True, max_tokens=60, min_accepted=10, source="lookup"
+    )
     inside = [
         i
         for i in range(1, len(rs) - 1)
@@ -206,34 +222,35 @@ def lookup_run(default_setup):
 
 def test_lookup_stream_keeps_one_sync_per_step(lookup_run):
     model, tok, prompt, rs, _ = lookup_run
-    for r in rs:
+    for r in rs:  # rs: equal to plain decoding (lookup_run)
         assert r.stats.host_syncs == r.stats.step + 1
-    want = _run(model, tok, prompt, max_tokens=60)
-    assert [r.token for r in rs] == want[0]
 
 
 def test_stop_string_inside_lookup_run(lookup_run):
     model, tok, prompt, rs, inside = lookup_run
     i = inside[len(inside) // 2]
     stop = tok.decode([rs[i].token]).strip() or tok.decode([rs[i].token])
-    want = _run(model, tok, prompt, max_tokens=60, stop=[stop])
-    got = _run(model, tok, prompt, lookup=True, max_tokens=60, stop=[stop])
-    assert got[0] == want[0] and got[1] == want[1]
-    assert got[2][-1].finish_reason == "stop" and stop not in got[1]
+    before = accepted_drafts(rs[: rs.index(next(r for r in rs if stop in tok.decode([r.token])))])
+    got = assert_exact_under_drafting(
+        model, tok, prompt, drafter=None, lookup=True, max_tokens=60, stop=[stop], min_accepted=before, source="lookup"
+    )
+    assert got[-1].finish_reason == "stop" and stop not in "".join(r.text for r in got)
 
 
 def test_eos_inside_lookup_run(lookup_run):
     model, tok, prompt, rs, inside = lookup_run
-    i = inside[len(inside) // 2]
+    tokens = [r.token for r in rs]
+    i = next(k for k in inside[len(inside) // 2 :] + inside if tokens.index(tokens[k]) == k)  # its first time
     old = set(tok.eos_token_ids)
     tok.eos_token_ids = old | {rs[i].token}
     try:
-        want = _run(model, tok, prompt, max_tokens=60)
-        got = _run(model, tok, prompt, lookup=True, max_tokens=60)
+        got = assert_exact_under_drafting(
+            model, tok, prompt, drafter=None, lookup=True, max_tokens=60, min_accepted=1, source="lookup"
+        )
     finally:
         tok.eos_token_ids = old
-    assert got[0] == want[0] and got[1] == want[1]
-    assert got[2][-1].finish_reason == "stop" and got[2][-1].token == rs[i].token
+    assert got[-1].finish_reason == "stop" and got[-1].token == rs[i].token
+    assert accepted_drafts(got) == accepted_drafts(rs[: i + 1])  # the drafts up to the EOS, that one included
 
 
 def test_lookup_history_is_copied_from():

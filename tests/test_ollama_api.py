@@ -47,8 +47,8 @@ TOOL_HISTORY = [
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    """``mlx-redrafter generate --temp 0`` on PROMPT, loading alongside the server."""
-    with generate_process(PROMPT, MAX_TOKENS) as proc:
+    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT, loading alongside the server."""
+    with generate_process(PROMPT, MAX_TOKENS, "--no-draft") as proc:
         yield proc
 
 
@@ -94,7 +94,14 @@ def test_model_routes(server, client):
     assert e.value.status_code == 404 and "no-such-model" in e.value.error
 
 
-def test_greedy_chat_and_generate_equal_the_command_line(client, cli_reply):
+def test_greedy_chat_and_generate_equal_the_command_line(server, client, cli_reply):
+    """The server drafts (its drafts accepted) and equals plain decoding on the command line."""
+    raw = httpx.post(
+        server.url + "/api/chat",
+        json={"model": "default", "messages": _user(PROMPT), "options": GREEDY, "stream": False},
+        timeout=300,
+    ).json()
+    assert raw["message"]["content"] == cli_reply and raw["redrafter"]["from_drafts"] > 0
     whole = client.chat("default", messages=_user(PROMPT), options=GREEDY)
     assert whole.message.content == cli_reply and whole.message.role == "assistant"
     assert whole.done and whole.done_reason == "length" and whole.eval_count == MAX_TOKENS

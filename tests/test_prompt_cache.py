@@ -3,7 +3,7 @@ LRUPromptCache): alternating conversations each reuse their own prefix, the
 replies equal fresh decoding, and the bounds on entries and bytes hold."""
 
 import pytest
-from helpers import generate_tokens, prompts, random_drafter, tiny_model
+from helpers import OracleDrafter, accepted_in_steps, generate_tokens, prompts, tiny_model
 
 from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.errors import RedrafterError
@@ -19,20 +19,24 @@ def model():
 
 def _turn(model, cache: PromptCache, ids, draft=None):
     """One generation through the cache: ``(reply, reused)``; the reply must
-    equal decoding ``ids`` from scratch."""
+    equal plain decoding of ``ids`` from scratch (with a ``draft``: with drafts accepted)."""
     reused = cache.reuse(ids)
-    reply, _ = generate_tokens(model, ids[reused:], draft=draft, max_tokens=N, prompt_cache=cache.cache)
+    reply, stats = generate_tokens(model, ids[reused:], draft=draft, max_tokens=N, prompt_cache=cache.cache)
     cache.settle(ids + reply)
     fresh, _ = generate_tokens(model, ids, max_tokens=N)
     assert reply == fresh, f"reused {reused} of {len(ids)}"
+    assert draft is None or accepted_in_steps(stats, N) >= 2, "no draft accepted"
     return reply, reused
 
 
 @pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafter"])
 def test_alternating_conversations_reuse_their_own_prefix(model, drafted):
-    draft = DraftConfig(random_drafter(), 2, 3) if drafted else None
-    cache = PromptCache(model, max_size=4)
     a, b = prompts(2, length=12, seed=5)
+    # A drafter that knows every turn's reply (the second turns' prompts hold the first replies).
+    first = [generate_tokens(model, p, max_tokens=N)[0] for p in (a, b)]
+    turns = [a, b, a + first[0] + [7, 8, 9], b + first[1] + [3, 4]]
+    draft = DraftConfig(OracleDrafter(model, turns, N, 3), 2, 3) if drafted else None
+    cache = PromptCache(model, max_size=4)
     ra, _ = _turn(model, cache, a, draft)
     rb, _ = _turn(model, cache, b, draft)
     a2, b2 = a + ra + [7, 8, 9], b + rb + [3, 4]

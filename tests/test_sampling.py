@@ -14,7 +14,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import TINY_CONFIGS, random_drafter, tiny_model
+from helpers import TINY_CONFIGS, accepted_in_steps, random_drafter, tiny_model
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_redrafter.generate import DraftConfig, SamplingConfig, generate_tokens
@@ -269,16 +269,18 @@ def exact_first_tokens(model, prompt, cfg, k=3):
     return probs
 
 
-def sample_runs(model, prompt, drafter, cfg, n, seed):
+def sample_runs(model, prompt, drafter, cfg, n, seed, taken=None):
+    """The first 3 tokens of ``n`` sampled runs, counted; ``taken``: a list
+    that gets each run's number of accepted drafted tokens."""
     mx.random.seed(seed)
-    return Counter(
-        tuple(
-            generate_tokens(
-                model, prompt, draft=DraftConfig(drafter, 3, 2), max_tokens=3, temp=cfg.temp, top_p=cfg.top_p
-            )[0]
-        )
-        for _ in range(n)
-    )
+    out = Counter()
+    for _ in range(n):
+        draft = DraftConfig(drafter, 3, 2)
+        tokens, stats = generate_tokens(model, prompt, draft=draft, max_tokens=3, temp=cfg.temp, top_p=cfg.top_p)
+        out[tuple(tokens)] += 1
+        if taken is not None:
+            taken.append(accepted_in_steps(stats, len(tokens)))
+    return out
 
 
 PROMPT = [1, 3, 0, 2]
@@ -291,8 +293,11 @@ N_RUNS = 1500
 def test_redrafter_sampling_matches_the_model(small_model, cfg):
     drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1)
     expected = exact_first_tokens(small_model, PROMPT, cfg)
-    observed = sample_runs(small_model, PROMPT, drafter, cfg, N_RUNS, seed=1)
+    taken = []
+    observed = sample_runs(small_model, PROMPT, drafter, cfg, N_RUNS, seed=1, taken=taken)
     assert chi2_passes(observed, expected, N_RUNS)
+    # On 5 tokens even a random drafter's drafts are often the sample: accepted drafts took part.
+    assert sum(n > 0 for n in taken) > N_RUNS // 10
 
 
 @pytest.mark.parametrize("with_drafter", [False, True], ids=["lookup_only", "merged"])
@@ -304,12 +309,14 @@ def test_sampling_with_lookup_beams_matches_the_model(small_model, with_drafter)
     prompt = PROMPT * 3  # every 2-token suffix of a 5-token vocabulary soon has a match
     expected = exact_first_tokens(small_model, prompt, cfg)
     mx.random.seed(4)
-    observed, looked_up = Counter(), 0
+    observed, looked_up, copied = Counter(), 0, 0
     for _ in range(N_RUNS):
         tokens, stats = generate_tokens(small_model, prompt, draft=draft, max_tokens=3, temp=cfg.temp)
         observed[tuple(tokens)] += 1
         looked_up += sum(s.tree_size > 1 + 2 * (drafter is not None) for s in stats)
+        copied += accepted_in_steps(stats, len(tokens), "lookup")
     assert looked_up > N_RUNS // 10  # lookup beams were really in many trees
+    assert copied >= 5  # ... and their copies accepted (7 and 14 here: a match needs the prompt's one pair "2 1")
     assert chi2_passes(observed, expected, N_RUNS)
 
 

@@ -43,9 +43,9 @@ def _stop(proc) -> None:
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    """``mlx-redrafter generate --temp 0`` on PROMPT, started alongside the
-    server (both spend their start loading the model)."""
-    with generate_process(PROMPT, MAX_TOKENS) as proc:
+    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on
+    PROMPT, started alongside the server (both spend their start loading the model)."""
+    with generate_process(PROMPT, MAX_TOKENS, "--no-draft") as proc:
         yield proc
 
 
@@ -140,7 +140,8 @@ def test_chat_equals_generate_and_stream_equals_whole(client, reference, generat
     assert r.usage.completion_tokens == MAX_TOKENS
     assert r.usage.total_tokens == r.usage.prompt_tokens + MAX_TOKENS
     stats = r.model_extra["redrafter"]
-    assert stats["drafting"] and 0 <= stats["from_drafts"] <= 1 and stats["tokens_per_step"] >= 1
+    # Drafted, with drafts accepted (2 of 8 tokens here): the plain command line's reply below is the same.
+    assert stats["drafting"] and 0 < stats["from_drafts"] <= 1 and stats["tokens_per_step"] > 1
     by_source = stats["from_drafts_by_source"]
     assert set(by_source) <= {"drafter", "lookup", "datastore"}
     assert sum(by_source.values()) == pytest.approx(stats["from_drafts"], abs=2e-3)
@@ -153,7 +154,7 @@ def test_chat_equals_generate_and_stream_equals_whole(client, reference, generat
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
-    # ... and it equals the command line's reply to the same message.
+    # ... and it equals the command line's plain decoding of the same message.
     stdout, stderr = generate_cli.communicate(timeout=600)
     assert generate_cli.returncode == 0, stderr
     assert stdout == text + "\n"
@@ -229,13 +230,20 @@ def _batch_steps(server) -> float:
     return values["redrafter_batch_size_count"] - values['redrafter_batch_size_bucket{le="1.0"}']
 
 
-def _alone(client, prompts, max_tokens):
-    return [_chat(client, p, max_tokens=max_tokens).choices[0].message.content for p in prompts]
+def _alone(client, prompts, max_tokens, drafted=None):
+    """Each prompt's greedy reply sent alone (drafted with the shipped
+    drafter); ``drafted``: a list that gets each reply's share from drafts."""
+    replies = [_chat(client, p, max_tokens=max_tokens) for p in prompts]
+    if drafted is not None:
+        drafted += [r.model_extra["redrafter"]["from_drafts"] for r in replies]
+    return [r.choices[0].message.content for r in replies]
 
 
 def test_four_concurrent_clients_equal_each_alone(server, client):
     prompts = ["Name a fruit.", "Name a city.", "What is 2 + 2?", "Say hi."]
-    alone = _alone(client, prompts, 12)
+    drafted = []
+    alone = _alone(client, prompts, 12, drafted)
+    assert all(d > 0 for d in drafted)  # alone: drafts accepted; batched below: plain decoding, the same text
     batched = _batch_steps(server)
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: _chat(client, p, max_tokens=12), prompts))
@@ -262,7 +270,9 @@ def _streamed(client, prompt, max_tokens, on_chunk=None, **kw):
 
 def test_joining_and_hanging_up_mid_batch_leave_the_others_unchanged(server, client):
     prompts = ["Write a short poem about the sea.", "Explain what a prime number is.", "Name three rivers."]
-    alone = _alone(client, prompts, 24)
+    drafted = []
+    alone = _alone(client, prompts, 24, drafted)
+    assert all(d > 0 for d in drafted)  # drafts accepted alone
     cancelled = _health(server)["queue"]["cancelled"]
     joined, pool = threading.Event(), ThreadPoolExecutor(4)
 
@@ -287,7 +297,23 @@ def test_joining_and_hanging_up_mid_batch_leave_the_others_unchanged(server, cli
     assert h["queue"]["cancelled"] == cancelled + 1 and h["queue"]["active"] == 0
 
 
-def test_mixed_sampling_and_a_grammar_in_one_batch(server, client):
+SEEDED = dict(temperature=0.9, top_p=0.9, seed=11, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def seeded_cli():
+    """The command line's plain seeded sampling of PROMPT: what a seeded row
+    decoded in a batch gives (its key starts at its seed). The later --temp wins."""
+    flags = ["--no-draft", "--temp", "0.9", "--top-p", "0.9", "--seed", "11"]
+    with generate_process(PROMPT, SEEDED["max_tokens"], *flags) as proc:
+        yield proc
+
+
+def test_mixed_sampling_and_a_grammar_in_one_batch(server, client, seeded_cli):
+    """Greedy, structured, seeded and top-k rows in one batch (beside a long
+    reply that decodes all along, so that none of them starts alone): each
+    gives what it gives alone, or plain decoding's samples for its seed, and
+    top_k=1 at a high temperature is greedy."""
     schema = {
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -296,35 +322,44 @@ def test_mixed_sampling_and_a_grammar_in_one_batch(server, client):
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
     ask = "Name a city in France, as JSON."
-    greedy_alone = _alone(client, ["Name a fruit."], 12)[0]
+    drafted = []
+    greedy_alone, hi_alone = _alone(client, ["Name a fruit.", "Say hi."], 12, drafted)
+    assert all(d > 0 for d in drafted)  # drafts accepted alone, plain decoding in the batch
     structured_alone = _chat(client, ask, max_tokens=24, response_format=fmt).choices[0].message.content
     batched = _batch_steps(server)
     calls = [
         lambda: _chat(client, "Name a fruit.", max_tokens=12),
         lambda: _chat(client, ask, max_tokens=24, response_format=fmt),
         lambda: client.chat.completions.create(
-            model="default",
-            messages=[{"role": "user", "content": PROMPT}],
-            temperature=0.9,
-            top_p=0.9,
-            seed=11,
-            max_tokens=12,
+            model="default", messages=[{"role": "user", "content": PROMPT}], **SEEDED
         ),
         lambda: client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": "Say hi."}],
-            temperature=0.7,
-            extra_body={"top_k": 20},
+            temperature=1.5,
+            extra_body={"top_k": 1},
             max_tokens=12,
         ),
     ]
-    with ThreadPoolExecutor(4) as pool:
-        greedy, structured, seeded, top_k = [f.result(300) for f in [pool.submit(c) for c in calls]]
+    anchor = _open_request(server, _long(True))
+    try:
+        deadline = time.monotonic() + 120
+        while not _health(server)["queue"]["running"]:
+            assert time.monotonic() < deadline, "the long reply did not start"
+            time.sleep(0.1)
+        with ThreadPoolExecutor(4) as pool:
+            greedy, structured, seeded, top_k = [f.result(300) for f in [pool.submit(c) for c in calls]]
+    finally:
+        anchor.close()
+    _wait_idle(server, 0)  # the long reply's hang-up is counted before the next test reads the counts
     assert greedy.choices[0].message.content == greedy_alone
     assert structured.choices[0].message.content == structured_alone
     assert json.loads(structured_alone)["city"]
-    for r in (seeded, top_k):
-        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    assert top_k.choices[0].message.content == hi_alone  # top_k=1 kept in the batch: the argmax
+    assert all(r.model_extra["redrafter"]["tokens_batched"] > 0 for r in (greedy, structured, seeded, top_k))
+    stdout, stderr = seeded_cli.communicate(timeout=600)
+    assert seeded_cli.returncode == 0, stderr
+    assert seeded.choices[0].message.content + "\n" == stdout  # the seed's samples, as plain decoding draws them
     assert _batch_steps(server) > batched
 
 

@@ -24,13 +24,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from helpers import cli
+from starlette.responses import PlainTextResponse
 from ui_servers import Server, serve_in_thread
 
 from mlx_redrafter.llm.text import byte_cover, encode_prompt, token_floor
 from mlx_redrafter.serve import Engine
 from mlx_redrafter.serve import limits as limits_module
 from mlx_redrafter.serve.app import create_app
-from mlx_redrafter.serve.limits import BYTES_PER_TOKEN, FLOOR_BYTES, default_body_bytes
+from mlx_redrafter.serve.limits import BYTES_PER_TOKEN, FLOOR_BYTES, BodyLimit, default_body_bytes
 
 KEY = "sk-limits-test"
 BOUND = 200_000  # --max-body-bytes of the subprocess server
@@ -297,17 +298,28 @@ def test_count_tokens_counts_a_prompt_over_the_context(local_app):
     assert r.status_code == 200 and r.json()["input_tokens"] > 140_000
 
 
-def test_memory_is_given_back_after_a_large_body(runtime, monkeypatch):
+def test_memory_is_given_back_after_a_large_body():
     """The C heap is trimmed after a body of TRIM_BYTES or more (its parse,
-    template and tokens freed into malloc's arenas), not after a small one."""
+    template and tokens freed into malloc's arenas), not after a small one.
+    The middleware gets its own trim: other tests' servers trim as they finish."""
     trims = []
-    monkeypatch.setattr(limits_module, "give_back_memory", lambda: trims.append(1))
-    with TestClient(create_app(Engine(runtime, max_tokens=2)), base_url="http://127.0.0.1:8080") as http:
-        assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1}).status_code == 200
-        assert trims == []
-        big = {"messages": HI, "max_tokens": 1, "user": "x" * limits_module.TRIM_BYTES}  # a field OpenAI's API ignores
-        assert http.post("/v1/chat/completions", json=big).status_code == 200
-        assert trims == [1]
+
+    async def echo(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        await PlainTextResponse(str(len(body)))(scope, receive, send)
+
+    app = BodyLimit(echo, max_bytes=1 << 20, refuse=lambda path, failure: None, trim=lambda: trims.append(1))
+    http = TestClient(app, base_url="http://127.0.0.1:8080")  # no lifespan: echo answers http only
+    assert http.post("/", content=b"hi").text == "2"
+    assert trims == []
+    big = b"x" * limits_module.TRIM_BYTES
+    assert http.post("/", content=big).text == str(len(big))  # handed on whole
+    assert trims == [1]
     limits_module.give_back_memory()  # the real one runs (a no-op where malloc is not glibc's)
 
 

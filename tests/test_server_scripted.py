@@ -64,7 +64,7 @@ class ScriptedEngine(Engine):
         self.queue = JobQueue(self._run, 4)
         self.listeners = []
 
-    def render(self, messages, tools=None, tool_choice=None, **options):  # no grammar: the reply is scripted
+    def chat_prompt(self, messages, tools=None, tool_choice=None, **options):  # no grammar: the reply is scripted
         choice = check_tool_choice(tools, tool_choice)
         prefill = "" if choice in ("auto", "none") else self.fmt.prefill(None if choice == "required" else choice)
         return Rendered([1, 2, 3], "", prefill, self.fmt, list(tools) if tools and choice != "none" else None)

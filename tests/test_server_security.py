@@ -170,6 +170,35 @@ def test_a_foreign_origin_gets_a_403(open_server, origin):
     assert preflight.status_code == 403
 
 
+def test_the_default_app_lets_no_foreign_origin_in(runtime):
+    """create_app's default config (no SecurityConfig given) is serve's with no
+    flags: no origin beside the server's own; a web page elsewhere is refused."""
+    from mlx_redrafter.serve.app import LOCAL_ONLY
+
+    assert LOCAL_ONLY.origins == () and LOCAL_ONLY == SecurityConfig.resolve(environ=NO_ENV)
+    app = create_app(Engine(runtime, max_tokens=2))  # no security= given
+    with TestClient(app, base_url="http://127.0.0.1:8080") as http:
+        for origin in ("http://evil.example", "http://localhost:3000", "null"):
+            r = http.get("/v1/models", headers={"Origin": origin})
+            assert r.status_code == 403 and f"--allow-origin {origin}" in r.json()["error"]["message"], origin
+            assert "access-control-allow-origin" not in r.headers
+        assert http.get("/v1/models", headers={"Origin": "http://127.0.0.1:8080"}).status_code == 200  # its own page
+        assert http.get("/v1/models").status_code == 200  # no Origin: curl, the SDKs
+
+
+@pytest.mark.parametrize("header", [{"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}])
+def test_a_valid_key_does_not_get_a_foreign_origin_past_the_origin_check(keyed_server, header):
+    """The key is checked after the origin: a page elsewhere that has the key
+    (or a user's browser that sends it) is still refused, before the model runs."""
+    for method, path, shape in (("POST", "/v1/chat/completions", "openai"), ("POST", "/api/chat", "ollama")):
+        r = _request(keyed_server, method, path, headers={"Origin": "http://evil.example", **header})
+        assert r.status_code == 403, (path, r.text)
+        assert "--allow-origin http://evil.example" in _message(shape, r.json())
+        assert "access-control-allow-origin" not in r.headers
+    allowed = _request(keyed_server, "POST", "/v1/chat/completions", headers={"Origin": ORIGIN, **header})
+    assert allowed.status_code == 200  # the same key from the allowed origin: served
+
+
 def test_the_servers_own_origin_passes(open_server):
     r = _request(open_server, "POST", "/v1/chat/completions", headers={"Origin": open_server})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None

@@ -101,7 +101,7 @@ def _valid_calls(message, tools=(WEATHER,)):
 
 
 def test_the_measured_failures_are_impossible_now(client):
-    """DESIGN.md section 10 measured, on these exact requests: a named
+    """Measured before tool calls were constrained (docs/tuning.md), on these exact requests: a named
     function echoed its schema as content; "required" called a function
     named "Paris". Now the call names a tool and its arguments validate; with
     parallel_tool_calls left out, the generic format (a template that knows
@@ -197,7 +197,7 @@ def test_tools_with_a_response_format(client):
 
 
 def test_tool_result_round_trip(client, default_model):
-    from mlx_redrafter.serve.tools import render
+    from mlx_redrafter.serve.tools import prompt_with_tools
 
     call = {
         "id": "call_1",
@@ -211,7 +211,7 @@ def test_tool_result_round_trip(client, default_model):
     r = _chat(client, history, tools=[WEATHER])
     _no_markers(r.choices[0].message.content)
     # The history went through the generic format: the call and its result are in the prompt.
-    rendered = render(default_model[1], history, [WEATHER])
+    rendered = prompt_with_tools(default_model[1], history, [WEATHER])
     assert '<tool_response>{"name": "get_weather", "content": "18 C and sunny"}</tool_response>' in rendered.text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered.text
     assert r.usage.prompt_tokens == len(rendered.ids)

@@ -49,11 +49,21 @@ def _stream(rt, max_tokens=MAX_TOKENS, **kw):
 
 
 def test_stream_generate_with_a_schema_equals_plain_constrained_decoding(runtime):
-    plain = _stream(runtime, grammar=SCHEMA, drafter=None)
-    drafted = _stream(runtime, grammar=SCHEMA, draft=runtime.draft)
+    from helpers import assert_exact_under_drafting
+
+    from mlx_redrafter.prompts import chat_prompt_ids
+
     assert runtime.draft.drafter is not None and runtime.draft.lookup
-    assert [r.token for r in drafted] == [r.token for r in plain]
-    assert any(r.from_draft for r in drafted)
+    ids = chat_prompt_ids(runtime.tokenizer, [{"role": "user", "content": ASK}])
+    drafted = assert_exact_under_drafting(  # against plain constrained decoding: no drafter, no lookup
+        runtime.model,
+        runtime.tokenizer,
+        ids,
+        max_tokens=MAX_TOKENS,
+        grammar=SCHEMA,
+        draft=runtime.draft,
+        min_accepted=2,
+    )
     text = "".join(r.text for r in drafted)
     _valid(text)
     last = drafted[-1]

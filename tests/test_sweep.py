@@ -1,7 +1,10 @@
-"""`mlx-redrafter sweep`, tuned profiles and bench/run.py on tiny random models.
+"""`mlx-redrafter sweep`, tuned profiles and bench/run.py on tiny models.
 
 Nothing here asserts a timing: only that every number is present, consistent
-across the output files, and computed from what was measured.
+across the output files, and computed from what was measured. The model is
+the bigram tiny model and the drafter the one that predicts it
+(helpers.bigram_drafter): every "identical to plain decoding" is checked in
+cells whose drafts were accepted.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ import pytest
 from helpers import (
     SPECIALS,
     OracleDrafter,
+    bigram_drafter,
+    bigram_model,
     cli,
+    drafted_share,
     random_drafter,
+    save_bigram_drafter,
     save_random_drafter,
     save_tiny_folder,
     squeeze,
@@ -46,22 +53,22 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    return save_tiny_folder(tmp_path_factory.mktemp("tiny") / "model")
+    return save_tiny_folder(tmp_path_factory.mktemp("tiny") / "model", bigram=True)
 
 
 @pytest.fixture(scope="module")
 def drafter_folder(tmp_path_factory):
-    return save_random_drafter(tmp_path_factory.mktemp("drafter") / "d")
+    return save_bigram_drafter(tmp_path_factory.mktemp("drafter") / "d")
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama")
+    return bigram_model()
 
 
 @pytest.fixture(scope="module")
-def drafter():
-    return random_drafter()
+def drafter(model):
+    return bigram_drafter(model)
 
 
 @pytest.fixture
@@ -246,7 +253,7 @@ def test_sweep_2x2_outputs_are_complete_and_consistent(tmp_path, model, drafter)
         assert math.isclose(c["speedup"], c["tokens_per_s"] / base)
         assert len(c["acceptance_by_depth"]) == l
         assert all(0 <= a <= 1 for a in c["acceptance_by_depth"])
-        assert c["tokens_per_step"] >= 1
+        assert c["tokens_per_step"] > 1.2  # drafts were accepted in every cell
         assert 1 < c["tree_size"] <= 1 + w * l
         assert math.isclose(c["compression"], (c["tree_size"] - 1) / (w * l))
         assert set(c["time_split_ms"]) == set(PHASES)
@@ -312,6 +319,7 @@ def test_sweep_auto_column_beside_the_fixed_grid(tmp_path, model, drafter):
     for c in results["cells"]:
         assert c["status"] == "ok" and c["identical_outputs"] == 2
         assert 1 <= c["tree_size"] <= 1 + c["width"] * c["length"]
+        assert c["tokens_per_step"] > 1 or c["tree"] == "auto"  # the fixed cells' drafts were accepted
     assert summary.heatmap_lengths(cfg) == [1, 2, "auto"]
     drawn = summary.write_outputs(results, tmp_path, cfg)
     by_key = {cell_key(c): c for c in results["cells"]}
@@ -485,7 +493,7 @@ def test_default_model_without_shipped_drafter_is_a_clear_error(monkeypatch, tmp
 def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, prompt_file, capsys, monkeypatch):
     from mlx_redrafter.profiles import lookup_profile
 
-    dfolder = save_random_drafter(tmp_path / "drafter", seed=5)
+    dfolder = save_bigram_drafter(tmp_path / "drafter")
     out = tmp_path / "sweep"
     args = [
         "sweep",
@@ -516,6 +524,7 @@ def test_cli_sweep_saves_a_profile_that_generate_uses(tmp_path, tiny_folder, pro
     grid = [(w, 2, k, t) for t in ("auto", "fixed") for w in (1, 2) for k in (0, 1)]
     assert sorted(cell_key(c) for c in results["cells"]) == sorted(grid)
     assert all(c["identical_outputs"] == 2 for c in results["cells"]) and results["baselines"]
+    assert all(c["tokens_per_step"] > 1 for c in results["cells"] if c["tree"] == "fixed")  # drafts accepted
     best = results["best"]
     assert "saved profile" in captured.err and "Speedupoverplain" in squeeze(captured.out)  # tables on stdout
     assert squeeze("auto: the cost-aware selection (--tree auto)") in squeeze(captured.out)
@@ -690,6 +699,7 @@ def test_bench_quick_run_writes_report_and_spec_bench_answers(
             assert m["tokens_per_s"] > 0 and m["latency_p50_s"] <= m["latency_p95_s"] <= m["latency_p99_s"]
             assert m["ttft_p50_s"] > 0 and m["peak_memory_gb"] > 0
         assert v["speedup"] > 0 and v["redrafter"]["tokens_per_step"] >= 1
+        assert v["redrafter"]["tokens_per_step"] > 1 or drafting == "lookup_only"  # the bigram drafter: accepted
         assert v["baseline"]["tokens_per_step"] == 1
 
     answers = {}
@@ -733,6 +743,7 @@ def test_cli_lookup_flags(tiny_folder, capsys):
         "drafting:1copyfromthecontext" in squeeze(looked.err)
         and "(nodrafter)" in squeeze(looked.err)
         and looked.out == plain.out
+        and drafted_share(looked.err) > 0  # the same text, with copies accepted
     )
     assert cli(gen + ["--drafter", "none"]) == 0
     assert "plaindecoding(--drafternone)" in squeeze(capsys.readouterr().err)
@@ -772,4 +783,6 @@ def test_lookup_bench_runs_every_mode_exactly(tmp_path, tiny_folder, drafter_fol
     for group in results["groups"].values():
         assert set(group) == set(bench.MODES)
         assert all(row["mismatches"] == 0 and row["tokens_per_step"] >= 1 for row in group.values())
+    drafted = [row for mode, row in results["groups"]["all"].items() if mode not in ("plain", "lookup")]
+    assert all(row["tokens_per_step"] > 1 for row in drafted)  # the bigram drafter's drafts: accepted
     assert "| copy | 1 |" in (out / "report.md").read_text()

@@ -18,7 +18,7 @@ from mlx_redrafter.serve.tool_calls import (
     openai_message,
     parse,
 )
-from mlx_redrafter.serve.tools import GENERIC_FORMAT, parser_format, render, tool_format
+from mlx_redrafter.serve.tools import GENERIC_FORMAT, parser_format, prompt_with_tools, tool_format
 
 WEATHER = {
     "type": "function",
@@ -140,7 +140,7 @@ def test_malformed_call_comes_back_as_content(family, call, caplog):
     body = call[len(fmt.start) : len(call) - len(fmt.end)] if call.endswith(fmt.end) else call[len(fmt.start) :]
     for chunks in ([f"Hi {call} bye"], list(f"Hi {call} bye")):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tools"):
+        with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tool_calls"):
             _, content, calls = _run(fmt, chunks)
         assert calls == []
         assert content == "Hi " + body + " bye"  # no end marker in Mistral's format: " bye" is in its body
@@ -214,7 +214,7 @@ def test_openai_and_ollama_shapes_validate_in_the_official_clients():
 def test_default_model_gets_the_generic_format(default_model):
     _, tok = default_model
     assert tool_format(tok) is GENERIC_FORMAT
-    r = render(tok, ASK, [WEATHER])
+    r = prompt_with_tools(tok, ASK, [WEATHER])
     assert r.ids == encode_prompt(tok, r.text)
     system = r.text.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\n")
@@ -225,10 +225,10 @@ def test_default_model_gets_the_generic_format(default_model):
 def test_default_model_no_tools_is_the_plain_prompt(default_model):
     _, tok = default_model
     plain = chat_prompt_ids(tok, ASK)
-    assert render(tok, ASK).ids == plain
-    assert render(tok, ASK, [WEATHER], "none").ids == plain
+    assert prompt_with_tools(tok, ASK).ids == plain
+    assert prompt_with_tools(tok, ASK, [WEATHER], "none").ids == plain
     system = [{"role": "system", "content": "Be brief."}] + ASK
-    r = render(tok, system, [WEATHER])
+    r = prompt_with_tools(tok, system, [WEATHER])
     assert r.text.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions.")
 
 
@@ -241,15 +241,16 @@ def _forced(tok, rendered) -> str:
 
 def test_default_model_forced_calls_are_constrained_from_the_first_token(default_model):
     _, tok = default_model
-    named = render(tok, ASK, [TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    named = prompt_with_tools(tok, ASK, [TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert named.prefill == "" and named.text.endswith("<|im_start|>assistant\n")
     assert named.ids == encode_prompt(tok, named.text)
     # The grammar writes the call's opening; the model writes only the arguments.
     assert _forced(tok, named).startswith('<tool_call>{"name": "get_weather", "arguments":')
-    assert render(tok, ASK, [TIME, WEATHER], {"name": "get_weather"}).grammar == named.grammar  # the neutral form
-    required = render(tok, ASK, [WEATHER, TIME], "required")
+    neutral = prompt_with_tools(tok, ASK, [TIME, WEATHER], {"name": "get_weather"})  # the neutral form
+    assert neutral.grammar == named.grammar
+    required = prompt_with_tools(tok, ASK, [WEATHER, TIME], "required")
     assert required.prefill == "" and _forced(tok, required) == '<tool_call>{"name": "get_'
-    assert render(tok, ASK, [WEATHER], "none").grammar is None
+    assert prompt_with_tools(tok, ASK, [WEATHER], "none").grammar is None
 
 
 def test_parallel_calls_left_unsaid_follow_the_format(default_model, tmp_path):
@@ -257,15 +258,15 @@ def test_parallel_calls_left_unsaid_follow_the_format(default_model, tmp_path):
     model's own tool format and one in the generic one (whose models repeat a
     call until max_tokens); a client that says so gets what it asked for."""
     _, tok = default_model
-    assert render(tok, ASK, [WEATHER], "required").parallel is False
-    assert render(tok, ASK, [WEATHER], "required", parallel_tool_calls=True).parallel is True
+    assert prompt_with_tools(tok, ASK, [WEATHER], "required").parallel is False
+    assert prompt_with_tools(tok, ASK, [WEATHER], "required", parallel_tool_calls=True).parallel is True
     assert (
-        render(tok, ASK, [WEATHER], "required").grammar
-        == render(tok, ASK, [WEATHER], "required", parallel_tool_calls=False).grammar
+        prompt_with_tools(tok, ASK, [WEATHER], "required").grammar
+        == prompt_with_tools(tok, ASK, [WEATHER], "required", parallel_tool_calls=False).grammar
     )
     hermes = _template_tokenizer(tmp_path, HERMES_TEMPLATE)
-    assert render(hermes, ASK, [WEATHER]).parallel is True
-    assert render(hermes, ASK, [WEATHER], parallel_tool_calls=False).parallel is False
+    assert prompt_with_tools(hermes, ASK, [WEATHER]).parallel is True
+    assert prompt_with_tools(hermes, ASK, [WEATHER], parallel_tool_calls=False).parallel is False
 
 
 # MiniMax's layout, cut down: a format whose calls no grammar here constrains.
@@ -278,12 +279,12 @@ def test_unconstrained_format_prefills_a_forced_call(tmp_path, caplog):
     fmt = tool_format(tok)
     assert (fmt.name, fmt.constrained) == ("minimax_m2", False)
     with caplog.at_level(logging.WARNING, logger="mlx_redrafter.serve.tool_grammar"):
-        r = render(tok, ASK, [WEATHER], "required")
+        r = prompt_with_tools(tok, ASK, [WEATHER], "required")
     assert "minimax_m2 tool format cannot be constrained" in caplog.text
     assert r.grammar is None and r.prefill == "<minimax:tool_call>" and r.text.endswith(r.prefill)
-    assert render(tok, ASK, [WEATHER], "auto").prefill == ""
+    assert prompt_with_tools(tok, ASK, [WEATHER], "auto").prefill == ""
     with pytest.raises(RedrafterError, match="cannot be held to both") as e:
-        render(tok, ASK, [WEATHER], content={"type": "object"})
+        prompt_with_tools(tok, ASK, [WEATHER], content={"type": "object"})
     assert e.value.param == "content"
 
 
@@ -304,7 +305,7 @@ def test_default_model_tool_history_renders_as_text(default_model):
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    text = render(tok, history, [WEATHER]).text
+    text = prompt_with_tools(tok, history, [WEATHER]).text
     assert (
         '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
         "<|im_end|>"
@@ -318,7 +319,7 @@ def test_default_model_tool_history_renders_as_text(default_model):
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": PARIS}}]},
         {"role": "tool", "tool_name": "get_weather", "content": "22 C"},
     ]
-    assert render(tok, ollama, None).text == render(tok, history[:3], None).text
+    assert prompt_with_tools(tok, ollama, None).text == prompt_with_tools(tok, history[:3], None).text
 
 
 @pytest.mark.parametrize(
@@ -396,11 +397,11 @@ def test_hermes_template_renders_tools_and_history_itself(tmp_path):
     tok = _template_tokenizer(tmp_path, HERMES_TEMPLATE)
     fmt = tool_format(tok)
     assert (fmt.name, fmt.native) == ("json_tools", True)
-    r = render(tok, ASK, [WEATHER])
+    r = prompt_with_tools(tok, ASK, [WEATHER])
     assert r.text.startswith("<|im_start|>system\n# Tools\n<tools>" + json.dumps(WEATHER) + "</tools>")
     assert "You can call functions" not in r.text  # the template's words, not the generic ones
     assert r.ids == encode_prompt(tok, r.text)
-    assert render(tok, ASK, [WEATHER], "none").ids == chat_prompt_ids(tok, ASK)
+    assert prompt_with_tools(tok, ASK, [WEATHER], "none").ids == chat_prompt_ids(tok, ASK)
     history = ASK + [
         {
             "role": "assistant",
@@ -415,14 +416,14 @@ def test_hermes_template_renders_tools_and_history_itself(tmp_path):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
     ]
-    text = render(tok, history, [WEATHER]).text
+    text = prompt_with_tools(tok, history, [WEATHER]).text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"} }\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>" in text
 
 
 def test_hermes_template_forced_call_and_parse(tmp_path):
     tok = _template_tokenizer(tmp_path, HERMES_TEMPLATE)
-    r = render(tok, ASK, [TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    r = prompt_with_tools(tok, ASK, [TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert r.prefill == "" and r.text.endswith("<|im_start|>assistant\n") and r.ids == encode_prompt(tok, r.text)
     assert _forced(tok, r).startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
     reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -435,7 +436,7 @@ def test_mistral_template_forced_call_and_history(tmp_path):
     tok = _template_tokenizer(tmp_path, MISTRAL_TEMPLATE)
     fmt = tool_format(tok)
     assert (fmt.name, fmt.start, fmt.end) == ("mistral", "[TOOL_CALLS]", "")
-    r = render(tok, ASK, [WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    r = prompt_with_tools(tok, ASK, [WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     assert (
         r.text
         == "[AVAILABLE_TOOLS]" + json.dumps([WEATHER]) + "[/AVAILABLE_TOOLS][INST]" + ASK[0]["content"] + "[/INST]"
@@ -451,6 +452,6 @@ def test_mistral_template_forced_call_and_history(tmp_path):
         },
         {"role": "tool", "tool_call_id": "abcdefghi", "content": "22 C"},
     ]
-    assert render(tok, history, None).text.endswith(
+    assert prompt_with_tools(tok, history, None).text.endswith(
         '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}</s>[TOOL_RESULTS]22 C[/TOOL_RESULTS]'
     )

@@ -276,7 +276,8 @@ def test_measured_curve_round_trip_and_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     model = tiny_model("llama")
     assert vc.curve_for(model).builtin  # nothing measured yet
-    c = calibrate.measure_curve(model, max_size=5, budget_s=3.0, context=16, max_rounds=3, long_context=48)
+    # A budget no run reaches (the rounds bound the work): every size is timed, whatever the clock says.
+    c = calibrate.measure_curve(model, max_size=5, budget_s=600.0, context=16, max_rounds=3, long_context=48, batch_s=0)
     assert len(c.costs) == 5 and c.costs[0] == 1.0 and all(x > 0 for x in c.costs)
     assert not c.builtin and c.rounds == 3 and c.base_ms > 0 and c.measured == (1, 2, 3, 4, 5)
     # The bucket sizes again after the long context (the others interpolated).
@@ -303,8 +304,8 @@ def test_a_sliding_window_model_calibrates(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
     monkeypatch.setitem(TINY_CONFIGS, "gemma_window", dict(TINY_CONFIGS["gemma3_text"], sliding_window=24))
-    c = calibrate.measure_curve(
-        tiny_model("gemma_window"), max_size=5, budget_s=3.0, context=16, max_rounds=2, long_context=40
+    c = calibrate.measure_curve(  # a budget no run reaches: the rounds bound the work
+        tiny_model("gemma_window"), max_size=5, budget_s=600.0, context=16, max_rounds=2, long_context=40, batch_s=0
     )
     assert c.rounds == 2 and c.measured == (1, 2, 3, 4, 5) and c.long_context == 40 and len(c.long_costs) == 5
 

@@ -25,8 +25,8 @@ COLOURED = ".msg.assistant .src-drafter, .msg.assistant .src-lookup"
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    """``mlx-redrafter generate --temp 0`` on PROMPT, loading alongside the server."""
-    with generate_process(PROMPT, MAX_TOKENS) as proc:
+    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT, loading alongside the server."""
+    with generate_process(PROMPT, MAX_TOKENS, "--no-draft") as proc:
         yield proc
 
 

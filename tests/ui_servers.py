@@ -55,10 +55,12 @@ def wait_healthy(url: str, proc, log: Path, timeout: float = 300) -> None:
 
 
 @contextmanager
-def generate_process(prompt: str, max_tokens: int):
-    """``mlx-redrafter generate --temp 0 -n MAX_TOKENS -p PROMPT`` started now
-    (it loads the model while a server starts beside it); always stopped."""
+def generate_process(prompt: str, max_tokens: int, *flags: str):
+    """``mlx-redrafter generate --temp 0 -n MAX_TOKENS -p PROMPT FLAGS`` started
+    now (it loads the model while a server starts beside it); always stopped.
+    ``--no-draft``: plain decoding, which the server's drafted replies equal."""
     cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(max_tokens), "-p", prompt]
+    cmd += list(flags)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc

@@ -1,6 +1,6 @@
 """The chat's slash commands (``/set``, ``/save``, ...) and its transcripts.
 
-Each command is a function of the :class:`~mlx_redrafter.chat_session.ChatSession`
+Each command is a function of the :class:`~mlx_redrafter.chat.conversation.ChatSession`
 it acts on, and returns a :class:`CommandResult` for the terminal layer.
 """
 

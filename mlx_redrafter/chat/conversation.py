@@ -25,8 +25,8 @@ from ..errors import RedrafterError
 from ..generate import stream_generate
 from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
+from ..output import RedrafterResponse, Tally
 from ..prompts import build_messages, chat_prompt_ids, render_messages
-from ..responses import RedrafterResponse, Tally
 from .commands import CommandResult, handle_command
 from .settings import ChatSettings
 

@@ -12,14 +12,21 @@ import sys
 from typing import Optional
 
 from ..errors import RedrafterError
-from ..responses import RedrafterResponse
+from ..output import RedrafterResponse
 from .commands import CommandResult, status_line
 from .conversation import ChatSession, Turn
 
 DRAFT_STYLE = "cyan"  # tokens from the drafter's accepted drafts
 LOOKUP_STYLE = "magenta"  # tokens from accepted lookup drafts
 DATASTORE_STYLE = "green"  # tokens from accepted datastore drafts (the model's past outputs)
-STYLES = {"lookup": LOOKUP_STYLE, "datastore": DATASTORE_STYLE}
+# The stateful sources: a native MTP head, a draft model, an EAGLE-3 head.
+STYLES = {
+    "lookup": LOOKUP_STYLE,
+    "datastore": DATASTORE_STYLE,
+    "mtp": "yellow",
+    "draft-model": "bright_green",
+    "eagle3": "bright_blue",
+}
 
 
 # --------------------------------------------------------------------------- the terminal loop

@@ -12,7 +12,7 @@ from typing import List, Optional
 from rich.markup import escape
 
 from ..errors import RedrafterError
-from . import datastore, drafters, make, run, tools, training  # noqa: F401 (the commands register on app)
+from . import convert, datastore, drafters, make, run, sweep, training  # noqa: F401 (the commands register on app)
 from .options import app, err
 
 

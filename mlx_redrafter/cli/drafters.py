@@ -41,15 +41,30 @@ def list_cmd(
         rows = store.candidates(identity)
     rows = store.entries() if rows is None else rows
     table = [["model", "fingerprint", "source", "speed-up", "path", ""]] + [_row(e, used) for e in rows]
+    mtp = _mtp_row(model) if model is not None else None
+    table += [mtp] if mtp else []
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for r in table:  # plain columns: whole paths, whatever the terminal's width
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    if not rows:
+    if not rows and not mtp:
         err.print(
             f"No drafters in {store.store_root()}"
             + (f" for {model}" if model else "")
             + ". `mlx-redrafter make-drafter --model M` makes one."
         )
+
+
+def _mtp_row(model: str) -> Optional[list]:
+    """The row of the MTP head the model's checkpoint ships (the tools draft
+    with it by default, beside any drafter), or None."""
+    from ..draft.mtp_load import find_mtp
+    from ..llm.load import resolve_model_path
+
+    found = find_mtp(resolve_model_path(model))
+    if found is None:
+        return None
+    layers = f"{found.layers} layer{'s' if found.layers > 1 else ''}"
+    return [model, "-", f"native MTP head ({found.family}, {layers})", "-", str(found.path), "used (--mtp none: off)"]
 
 
 @drafters_app.command("path")

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import DEFAULT_LENGTH, DEFAULT_TREE, DEFAULT_WIDTH
+from ..config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, DEFAULT_LENGTH, DEFAULT_TREE, DEFAULT_WIDTH
 from ..errors import RedrafterError
 
 app = typer.Typer(
@@ -72,6 +72,27 @@ TreeOpt = typer.Option(
     + DEFAULT_TREE
     + " otherwise).",
 )
+MtpOpt = typer.Option(
+    None,
+    "--mtp",
+    help="The model's native multi-token-prediction head (Qwen3.5/3.6/3.8, Qwen3-Next, DeepSeek-V3, GLM-4.5+, "
+    "MiMo): a checkpoint folder that holds it or a split MTP folder (default: the model's own checkpoint's, "
+    "when it ships one); 'none' to leave it out.",
+)
+MtpDepthOpt = typer.Option(
+    None, "--mtp-depth", help=f"Tokens the MTP head drafts per step, chained (default {DEFAULT_HEAD_LENGTH})."
+)
+DraftModelOpt = typer.Option(
+    None,
+    "--draft-model",
+    help="A smaller model with the same tokenizer that drafts beside the rest (mlx-lm's --draft-model): "
+    "a folder, a Hub id or a .gguf file.",
+)
+NumDraftTokensOpt = typer.Option(
+    None,
+    "--num-draft-tokens",
+    help=f"Tokens the draft model drafts per step (default {DEFAULT_DRAFT_MODEL_LENGTH}).",
+)
 AdaptiveOpt = typer.Option(False, "--adaptive", help="Let the drafter's trained controller decide the draft depth.")
 TempOpt = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy; serve: when a request does not say).")
 TopPOpt = typer.Option(0.0, "--top-p", help="Nucleus sampling (0 = off).")
@@ -119,8 +140,10 @@ def _runtime(
     tree=None,
     datastore=None,
     history=False,
+    sources=None,
 ):
-    """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved)."""
+    """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved).
+    ``sources``: a :class:`~mlx_redrafter.runtime.SourceFlags` (--mtp, --draft-model and their lengths)."""
     from ..doctor import slow_blas_warning
     from ..runtime import load_runtime
 
@@ -139,6 +162,7 @@ def _runtime(
         tree,
         datastore=datastore,
         history=history,
+        sources=sources,
     )
     if announce:
         rt.announce(err)

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
+from ..draft.stateful import SourceFlags
 from ..errors import RedrafterError
 from .options import (
     AdaptiveOpt,
@@ -15,12 +16,16 @@ from .options import (
     BeamWidthOpt,
     DatastoreOpt,
     DrafterOpt,
+    DraftModelOpt,
     DtypeOpt,
     LookupOpt,
     MinPOpt,
     ModelOpt,
+    MtpDepthOpt,
+    MtpOpt,
     NoDraftOpt,
     NoHistoryOpt,
+    NumDraftTokensOpt,
     SeedOpt,
     SystemOpt,
     TempOpt,
@@ -63,21 +68,24 @@ def generate(
     ),
     tree: Optional[str] = TreeOpt,
     datastore: Optional[str] = DatastoreOpt,
+    mtp: Optional[str] = MtpOpt,
+    mtp_depth: Optional[int] = MtpDepthOpt,
+    draft_model: Optional[str] = DraftModelOpt,
+    num_draft_tokens: Optional[int] = NumDraftTokensOpt,
 ):
-    """Generate a reply and print tokens/s (plain mlx-lm decoding without a drafter).
+    """Generate a reply and print tokens/s; it drafts by default (the model's drafter, else lookup; --no-draft: plain).
 
     With --json or --json-schema the reply is structured output (exactly
     plain constrained decoding; drafting runs the synchronous loop); cut by
     --max-tokens before the JSON closes, it exits with status 1."""
     from ..generate import stream_generate
-    from ..responses import Tally
+    from ..output import Tally
 
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    rt = _runtime(
-        model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree=tree, datastore=datastore
-    )
+    opts = dict(tree=tree, datastore=datastore, sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens))
+    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, **opts)
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(
@@ -159,6 +167,10 @@ def chat(
     dtype: Optional[str] = DtypeOpt,
     datastore: Optional[str] = DatastoreOpt,
     no_history: bool = NoHistoryOpt,
+    mtp: Optional[str] = MtpOpt,
+    mtp_depth: Optional[int] = MtpDepthOpt,
+    draft_model: Optional[str] = DraftModelOpt,
+    num_draft_tokens: Optional[int] = NumDraftTokensOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
 
@@ -184,6 +196,7 @@ def chat(
         tree=tree,
         datastore=datastore,
         history=not no_history,
+        sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens),
     )
     if seed is not None:
         import mlx.core as mx
@@ -303,8 +316,12 @@ def serve(
     api_key: Optional[str] = ApiKeyOpt,
     allow_host: List[str] = AllowHostOpt,
     allow_origin: List[str] = AllowOriginOpt,
+    mtp: Optional[str] = MtpOpt,
+    mtp_depth: Optional[int] = MtpDepthOpt,
+    draft_model: Optional[str] = DraftModelOpt,
+    num_draft_tokens: Optional[int] = NumDraftTokensOpt,
 ):
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), Ollama's (/api/chat, /api/generate, /api/tags, ...) and a chat page at /.
+    """Serve the model over HTTP: OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), OpenAI's Responses API (/v1/responses), Anthropic's Messages API (/v1/messages), Ollama's API (/api/chat, /api/generate, /api/tags, ...), a chat page at /, and /health and /metrics.
 
     Other Host names and web pages' origins are refused (403) unless allowed; --api-key guards every route but the page."""  # noqa: E501 (typer shows newlines)
     # Every check before the slow imports and the model load.
@@ -328,6 +345,7 @@ def serve(
         tree=tree,
         datastore=datastore,
         history=not no_history,
+        sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens),
     )
     engine = Engine(
         rt,

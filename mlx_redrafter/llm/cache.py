@@ -50,16 +50,21 @@ COMPACT_HOLES = 48
 # --------------------------------------------------------------------------- across turns
 
 
-def feed(forward, cache, tokens: mx.array) -> None:
+def feed(forward, cache, tokens: mx.array, sink=None) -> None:
     """Run ``tokens [T]`` through ``forward`` (a model or its backbone) into
-    ``cache``, ``PREFILL_STEP`` at a time, each chunk evaluated."""
+    ``cache``, ``PREFILL_STEP`` at a time, each chunk evaluated. ``sink(start,
+    out)``: each chunk's output ``[T, F]`` from position ``start``, evaluated
+    with it (a stateful draft source reads the backbone's hidden states)."""
     for start in range(0, tokens.size, PREFILL_STEP):
-        forward(tokens[start : start + PREFILL_STEP][None], cache=cache)
-        mx.eval([c.state for c in cache])
+        out = forward(tokens[start : start + PREFILL_STEP][None], cache=cache)
+        if sink is not None:
+            sink(start, out[0])
+        mx.eval([c.state for c in cache] + ([out] if sink is not None else []))
 
 
 def trim_cache(cache, length: int) -> bool:
-    """Trim every layer so that it holds exactly ``length`` tokens.
+    """Trim every layer so that it holds exactly ``length`` tokens (the
+    model's; a draft source's caches after them lose as many).
 
     Returns False (and changes nothing) when a layer cannot be trimmed
     (a rotating window that has wrapped) or holds fewer tokens: rebuild the
@@ -68,8 +73,11 @@ def trim_cache(cache, length: int) -> bool:
     current = cache_length(cache)
     if current is None or current < length or not can_trim_prompt_cache(cache):
         return current == length
+    # By the same count everywhere, as mlx-lm's trim_prompt_cache: a draft
+    # source's caches after the model's (a head's ends one entry earlier)
+    # keep ending where the model's does.
     for c in kv_leaves(cache):
-        c.trim(c.offset - length)
+        c.trim(current - length)
     return True
 
 
@@ -165,6 +173,9 @@ class PromptCache:
     def store(self, cache, known: Sequence[int]) -> bool:
         """Store ``cache``, which holds a prefix of ``known`` (see :meth:`settle`),
         trimmed to what is known; False (nothing stored) when it cannot be."""
+        size = target_size(self.model) if self.model is not None else len(cache)
+        if len(cache) > size and not can_trim_prompt_cache(cache[size:]):  # a hybrid draft model's state
+            drop_sources(cache, size)
         length = cache_length(cache)
         held = min(length or 0, len(known))
         if not trim_cache(cache, held) or held <= 0:
@@ -193,6 +204,45 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         return self.lru.nbytes
+
+
+# --------------------------------------------------------------------------- draft sources' caches
+
+
+def target_size(model) -> int:
+    """How many caches are the model's own (``make_prompt_cache(model)``): a
+    prompt cache may hold a draft source's caches after them, mlx-lm's layout
+    for a draft model (``make_prompt_cache(model) + make_prompt_cache(draft_model)``)."""
+    return len(make_prompt_cache(model))
+
+
+def attach_sources(cache: list, size: int, makers) -> List[list]:
+    """Each stateful draft source's caches, after the model's ``size``: the
+    ones ``cache`` holds (a prompt cache kept across turns), else new ones
+    appended to it in place. ``makers``: one function per source making its
+    empty caches. Caches left by other sources are refused."""
+    fresh = [make() for make in makers]
+    extra = cache[size:]
+    if not extra:
+        cache.extend(c for caches in fresh for c in caches)
+        return fresh
+    if [type(c) for c in extra] != [type(c) for caches in fresh for c in caches]:
+        raise RedrafterError(
+            f"The prompt cache holds {len(extra)} caches after the model's {size}, "
+            "not the ones these draft sources keep (it was used with other draft sources).",
+            "Make a new prompt cache (make_prompt_cache(model)) or keep the same MTP head and draft model.",
+        )
+    out, start = [], size
+    for caches in fresh:
+        out.append(cache[start : start + len(caches)])
+        start += len(caches)
+    return out
+
+
+def drop_sources(cache: list, size: int) -> None:
+    """Drop draft sources' caches after the model's ``size`` (in place): a
+    generation without them would leave them behind the model's."""
+    del cache[size:]
 
 
 # --------------------------------------------------------------------------- inside a step

@@ -162,6 +162,7 @@ def load_model(
         model, tokenizer = mlx_load(str(path), lazy=True)
     apply_dtype(model, dtype, keep_quantized)
     model.redrafter_spec = spec  # keys the tuned profile of the library's default shape
+    model.redrafter_path = path  # where a native MTP head is read from (draft/mtp_load.py)
     # Keys the drafter store: from the files, so the dtype policy does not change it.
     model_identity(model, spec, files_fingerprint(path))
     return model, tokenizer

@@ -56,7 +56,7 @@ def take_tree_states(cache, node: mx.array) -> None:
         pending = getattr(c, "pending", None)
         if pending is None:
             continue
-        c.cache = [None if e is None else mx.take(e, index, axis=0) for e in pending]
+        c.cache = pending.take(index)  # step/mixers.py's NodeStates or LevelStates
         c.pending = None
 
 

@@ -41,9 +41,9 @@ from .streaming import (
     Failure,
     check_model,
     client_left,
-    grammar,
     refuse_nested_extras,
-    render,
+    request_grammar,
+    request_prompt,
     sampling,
     submit,
     unsupported,
@@ -259,7 +259,7 @@ def openai_tools(tools: Optional[List[ToolIn]]) -> Optional[list]:
 
 
 def tool_choice(choice: Optional[ToolChoice]):
-    """Anthropic's tool_choice in the neutral form :func:`~mlx_redrafter.serve.tools.render` takes,
+    """Anthropic's tool_choice in the neutral form :func:`~mlx_redrafter.serve.tools.prompt_with_tools` takes,
     and whether several calls may come (``disable_parallel_tool_use`` says no; None: the format's default)."""
     if choice is None:
         return None, None
@@ -274,7 +274,7 @@ def tool_choice(choice: Optional[ToolChoice]):
 async def _render(engine: Engine, req: CountRequest, content=None, bounded: bool = True):
     check_supported(req)
     choice, parallel = tool_choice(req.tool_choice)
-    rendered = await render(
+    rendered = await request_prompt(
         engine,
         chat_messages(req),
         openai_tools(req.tools),
@@ -300,7 +300,7 @@ def anthropic_router(engine: Engine) -> APIRouter:
         check_model(engine, req.model)
         fmt = req.output_config.format if req.output_config is not None else None
         rendered = await _render(engine, req, fmt.schema_ if fmt is not None else None)
-        compiled = await grammar(engine, rendered.grammar, "output_config.format" if fmt else "tools")
+        compiled = await request_grammar(engine, rendered.grammar, "output_config.format" if fmt else "tools")
         sampled = sampling(engine, temp=req.temperature, top_p=req.top_p, top_k=req.top_k)
         params = GenParams(req.max_tokens, sampled, None, list(req.stop_sequences or []), compiled)
         queued = submit(engine, rendered.ids, params)

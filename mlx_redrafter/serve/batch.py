@@ -18,7 +18,7 @@ its steps, its cache handed in; one left alone in the batch moves back to
 drafting the same way (not under a grammar: the constrained loop starts its
 parse at the prompt). Every row keeps its sampling, seed, stop strings and
 grammar (serve/rows.py). Greedy rows give the tokens they give alone, up to
-the rounding of batched matmuls (README: "Several clients at once").
+the rounding of batched matmuls (docs/server.md, "Several clients at once").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import List, Tuple
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..llm.cache import trim_to_known
+from ..llm.cache import target_size, trim_to_known
 from ..llm.text import wrap_tokenizer
 from ..runtime import with_curve
 from ..step.curve import curve_for
@@ -181,6 +181,9 @@ class BatchDecoder:
                 prefill_step_size=PREFILL_STEP,
             )
         known, p = row.known, row.job.params
+        # A cache a row drafted in may end with an MTP head's or a draft
+        # model's caches: the batch decodes plainly, with the model's alone.
+        cache = cache[: target_size(self.model)]
         (row.uid,) = self.gen.insert(
             [known[held:]],
             max_tokens=[row.remaining() + 2],  # past the text path's own end: it ends the row

@@ -35,7 +35,7 @@ from ..step.grammar import compile_for_model
 from .batch import BatchDecoder
 from .jobs import GenParams, Job, Piece, Result, token_source  # noqa: F401 (the engine's public names)
 from .scheduler import JobQueue, QueueFull, Scheduler  # noqa: F401
-from .tools import Rendered, render, tool_format
+from .tools import Rendered, prompt_with_tools, tool_format
 
 
 class PromptTooLong(RedrafterError):
@@ -78,14 +78,14 @@ class Engine:
         ``mlx-redrafter generate`` encodes its prompt (:meth:`encode`)."""
         return self.encode(render_messages(self.rt.tokenizer, messages))
 
-    def render(
+    def chat_prompt(
         self, messages: Sequence[dict], tools: Optional[list] = None, tool_choice=None, bounded: bool = True, **options
     ) -> Rendered:
         """``messages`` and ``tools`` through the chat template (see
-        :func:`~mlx_redrafter.serve.tools.render`, which takes ``options``),
+        :func:`~mlx_redrafter.serve.tools.prompt_with_tools`, which takes ``options``),
         encoded by :meth:`encode` (``bounded``: refusing a prompt the context
         provably cannot hold); without tools the ids are :meth:`chat_ids`'."""
-        return render(
+        return prompt_with_tools(
             self.rt.tokenizer, messages, tools, tool_choice, encode=lambda text: self.encode(text, bounded), **options
         )
 
@@ -118,7 +118,7 @@ class Engine:
             "tool_calls_constrained": fmt.constrained,
         }
 
-    def grammar(self, spec):
+    def compile_grammar(self, spec):
         """``spec`` (a JSON Schema, ``"json"``...) compiled for the model; a
         :class:`RedrafterError` names what is wrong with it."""
         return compile_for_model(self.rt.model, self.rt.tokenizer, spec)
@@ -207,6 +207,8 @@ class Engine:
             "status": "ok",
             "model": self.model_id,
             "drafter": str(self.rt.drafter_path) if self.rt.drafter_path else None,
+            # The stateful sources, named: "MTP head: ...", "draft model: ..." (a row alone drafts with them).
+            "sources": list(self.rt.source_labels),
             "queue": self.queue.status(),
             "prompt_cache": self.cache_status(),
             "memory": memory_status(),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from ..config import SamplingConfig
-from ..responses import Tally
+from ..output import Tally
 
 
 @dataclass
@@ -21,7 +21,7 @@ class GenParams:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
-    grammar: object = None  # a compiled Grammar (Engine.grammar): structured output
+    grammar: object = None  # a compiled Grammar (Engine.compile_grammar): structured output
 
 
 @dataclass

@@ -61,10 +61,12 @@ class BodyLimit:
     of it, and handed on whole; past the bound the request is answered 413
     (by ``refuse(path, failure)``, in the path's API's shape) and the rest of
     the body is never read. ``app.add_middleware(BodyLimit, max_bytes=...,
-    refuse=...)``, inside the security guards."""
+    refuse=...)``, inside the security guards. ``trim`` runs after a body
+    of TRIM_BYTES or more has been answered (give_back_memory)."""
 
-    def __init__(self, app, max_bytes: int, refuse: Refuse):
+    def __init__(self, app, max_bytes: int, refuse: Refuse, trim: Callable[[], None] | None = None):
         self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
+        self.trim = trim or give_back_memory
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not _has_body(scope):
@@ -89,7 +91,7 @@ class BodyLimit:
         finally:
             if size >= TRIM_BYTES:  # its parse, template and tokens were megabytes of garbage
                 del chunks
-                await asyncio.to_thread(give_back_memory)
+                await asyncio.to_thread(self.trim)
 
     async def _too_large(self, scope, receive, send, what: str) -> None:
         message = (

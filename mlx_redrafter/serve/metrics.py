@@ -9,7 +9,8 @@ Names (counters end in ``_total`` on the wire):
 * ``redrafter_prompt_tokens_total``, ``redrafter_generated_tokens_total``;
 * ``redrafter_tokens_per_step``: a histogram of the tokens each step emitted;
 * ``redrafter_draft_tokens_accepted_total{source}``: emitted tokens that were
-  accepted drafts, by source (``drafter``, ``lookup``, ``datastore``);
+  accepted drafts, by source (``drafter``, ``mtp``, ``draft-model``,
+  ``eagle3``, ``lookup``, ``datastore``);
 * ``redrafter_prompt_cache_hits_total``, ``redrafter_prompt_cache_reused_tokens_total``,
   ``redrafter_prompt_cache_entries``, ``redrafter_prompt_cache_bytes``;
 * ``redrafter_queue_waiting``, ``redrafter_queue_running`` (requests
@@ -24,7 +25,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .engine import Engine, Result
 
-DRAFT_SOURCES = ("drafter", "lookup", "datastore")  # labels shown from the start, at 0
+# Labels shown from the start, at 0 (step/select.py's SOURCES: an MTP head, a
+# draft model and an EAGLE-3 head beside the drafter and the copies).
+DRAFT_SOURCES = ("drafter", "mtp", "draft-model", "eagle3", "lookup", "datastore")
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 

@@ -35,8 +35,8 @@ from .streaming import (
     Failure,
     client_left,
     generation_failure,
-    grammar,
-    render,
+    request_grammar,
+    request_prompt,
     sampling,
     submit,
     tokenized,
@@ -235,7 +235,7 @@ async def _render(engine: Engine, body: ChatBody):
     """The chat's prompt with its tools (Ollama has no tool_choice: auto) and
     the reply's grammar, ``format`` within."""
     messages = [m.model_dump(exclude_none=True, exclude={"images", "thinking"}) for m in body.messages]
-    return await render(engine, messages, body.tools or None, None, "format", content=_format(body.format))
+    return await request_prompt(engine, messages, body.tools or None, None, "format", content=_format(body.format))
 
 
 def _generate_ids(engine: Engine, body: GenerateBody) -> List[int]:
@@ -255,7 +255,7 @@ async def _answer(
     if not ids:  # Ollama's way to load a model: nothing to generate
         return reply.loaded()
     spec = rendered.grammar if rendered is not None else _format(body.format)
-    compiled = await grammar(engine, spec, "tools" if rendered is not None and rendered.tools else "format")
+    compiled = await request_grammar(engine, spec, "tools" if rendered is not None and rendered.tools else "format")
     queued = submit(
         engine, ids, _params(engine, body.options, compiled), "messages" if isinstance(body, ChatBody) else "prompt"
     )

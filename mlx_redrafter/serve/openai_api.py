@@ -37,8 +37,8 @@ from .streaming import (
     check_model,
     client_left,
     generation_failure,
-    grammar,
-    render,
+    request_grammar,
+    request_prompt,
     sampling,
     submit,
     tokenized,
@@ -110,7 +110,7 @@ class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
-    def grammar(self):
+    def grammar_spec(self):
         """The grammar spec this format asks for (None: free text)."""
         if self.type == "text":
             return None
@@ -216,8 +216,8 @@ def openai_router(engine: Engine) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         check_supported(req)
-        spec = req.response_format.grammar() if req.response_format is not None else None
-        rendered = await render(
+        spec = req.response_format.grammar_spec() if req.response_format is not None else None
+        rendered = await request_prompt(
             engine,
             [m.plain() for m in req.messages],
             req.tools,
@@ -228,7 +228,7 @@ def openai_router(engine: Engine) -> APIRouter:
         )
         check_model(engine, req.model)  # before the grammar's compilation, which may take a second
         # The reply's grammar: the tool calls' (the content's schema within), or the schema alone.
-        compiled = await grammar(engine, rendered.grammar, "tools" if rendered.tools else "response_format")
+        compiled = await request_grammar(engine, rendered.grammar, "tools" if rendered.tools else "response_format")
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await _serve(
             engine, req, request, rendered.ids, max_tokens, chat=True, compiled=compiled, rendered=rendered
@@ -244,8 +244,8 @@ def openai_router(engine: Engine) -> APIRouter:
             prompt = prompt[0]
         ids = await tokenized(engine.text_ids, prompt, param="prompt")
         check_model(engine, req.model)
-        spec = req.response_format.grammar() if req.response_format is not None else None
-        compiled = await grammar(engine, spec, "response_format")
+        spec = req.response_format.grammar_spec() if req.response_format is not None else None
+        compiled = await request_grammar(engine, spec, "response_format")
         return await _serve(engine, req, request, ids, req.max_tokens, chat=False, compiled=compiled)
 
     return router

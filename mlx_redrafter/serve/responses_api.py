@@ -34,9 +34,9 @@ from .streaming import (
     Failure,
     check_model,
     client_left,
-    grammar,
     refuse_nested_extras,
-    render,
+    request_grammar,
+    request_prompt,
     sampling,
     submit,
     unsupported,
@@ -277,7 +277,7 @@ def responses_router(engine: Engine) -> APIRouter:
         check_supported(req)
         check_model(engine, req.model)
         spec = content_spec(req)
-        rendered = await render(
+        rendered = await request_prompt(
             engine,
             chat_messages(req),
             chat_tools(req.tools),
@@ -288,7 +288,7 @@ def responses_router(engine: Engine) -> APIRouter:
             content=spec,
         )
         refuse_nested_extras(req)
-        compiled = await grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
+        compiled = await request_grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
         params = GenParams(
             req.max_output_tokens or engine.max_tokens,
             sampling(engine, temp=req.temperature, top_p=req.top_p),

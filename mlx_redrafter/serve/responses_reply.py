@@ -60,6 +60,7 @@ class FunctionCallItem(BaseModel):
 
 class TokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int  # required by OpenAI's published Response type
 
 
 class OutputDetails(BaseModel):
@@ -98,7 +99,8 @@ class ResponseOut(BaseModel):
 def usage(res: Result) -> dict:
     return {
         "input_tokens": res.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": res.reused_tokens},
+        # No cache write a client asked for (as Anthropic's cache_creation_input_tokens: 0).
+        "input_tokens_details": {"cached_tokens": res.reused_tokens, "cache_write_tokens": 0},
         "output_tokens": res.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": res.prompt_tokens + res.completion_tokens,

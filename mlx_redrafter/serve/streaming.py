@@ -122,7 +122,7 @@ def sampling(engine: Engine, **asked) -> SamplingConfig:
     return replace(engine.sampling, **{k: v for k, v in asked.items() if v is not None})
 
 
-async def render(
+async def request_prompt(
     engine: Engine,
     messages: List[dict],
     tools: Optional[list] = None,
@@ -133,13 +133,13 @@ async def render(
 ) -> Rendered:
     """A chat request's prompt through the chat template, with its tools
     (OpenAI's function shape) and the reply's grammar spec
-    (:func:`~mlx_redrafter.serve.tools.render`, ``options`` included), on a
+    (:func:`~mlx_redrafter.serve.tools.prompt_with_tools`, ``options`` included), on a
     worker thread (:func:`tokenized`). Tools, a tool choice or a content
     schema that cannot be honoured are a 400 naming the field (the content's
     is ``content_param``), and so are messages the model's chat template
     refuses; a prompt longer than the context is one at ``prompt_param``."""
     try:
-        return await tokenized(engine.render, messages, tools, tool_choice, param=prompt_param, **options)
+        return await tokenized(engine.chat_prompt, messages, tools, tool_choice, param=prompt_param, **options)
     except Failure:
         raise
     except RedrafterError as e:
@@ -161,13 +161,13 @@ async def tokenized(call: Callable, *args, param: str = "prompt", **kwargs):
         raise Failure(400, e.problem, TOO_LONG, param) from None
 
 
-async def grammar(engine: Engine, spec, param: str):
+async def request_grammar(engine: Engine, spec, param: str):
     """``spec`` (a JSON Schema, ``"json"``, ...) compiled for the model, or
     None without one; a bad spec is a 400 at ``param`` naming the problem."""
     if spec is None:
         return None
     try:  # off the event loop: the first compile builds the tokenizer's index (about a second)
-        return await asyncio.to_thread(engine.grammar, spec)
+        return await asyncio.to_thread(engine.compile_grammar, spec)
     except RedrafterError as e:
         raise Failure(400, e.problem, INVALID, param) from None
 

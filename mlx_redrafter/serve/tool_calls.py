@@ -77,11 +77,6 @@ class ToolCallStream:
         if self.feed(prefill):
             raise ValueError(f"A prefill must open a call, but {prefill!r} holds content.")
 
-    @property
-    def in_call(self) -> bool:
-        """Whether the text so far ends inside a call."""
-        return self._state[0] == "tool"
-
     def feed(self, text: str) -> List[Event]:
         """Events for the next ``text`` of the reply."""
         prev = self._state[0]

@@ -380,7 +380,7 @@ def _checked(spec, param: str) -> None:
 
 
 def reply_grammar(tokenizer, fmt, tools: Optional[list], choice: str, parallel: bool = True, content=None):
-    """The grammar spec of a reply (see :func:`~mlx_redrafter.serve.tools.render`): the content's
+    """The grammar spec of a reply (see :func:`~mlx_redrafter.serve.tools.prompt_with_tools`): the content's
     schema alone without tools; None in a format (or for a tool) that a
     grammar cannot express, where the calls are parsed only (logged), unless
     a content schema was asked for too (a :class:`ToolError`)."""

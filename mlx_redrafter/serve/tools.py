@@ -143,7 +143,7 @@ class Rendered:
 
     Parse the reply only when ``tools`` is not None (tools were rendered):
     without tools it is plain text, exactly as ``generate`` returns it.
-    ``grammar``: the spec to compile (``Engine.grammar``) and generate under
+    ``grammar``: the spec to compile (``Engine.compile_grammar``) and generate under
     (the calls' grammar, the content's schema alone, or None: free text).
     """
 
@@ -153,7 +153,7 @@ class Rendered:
     format: ToolFormat
     tools: Optional[list]  # the tools rendered; None when none
     grammar: Any = None
-    parallel: bool = True  # several calls may come (render's parallel_tool_calls, resolved)
+    parallel: bool = True  # several calls may come (prompt_with_tools's parallel_tool_calls, resolved)
 
     def stream(self) -> ToolCallStream:
         """A parser for the reply that follows ``ids`` (it has read the prefill)."""
@@ -211,7 +211,7 @@ def check_tool_choice(tools: Optional[list], tool_choice) -> Optional[str]:
     return tool_choice
 
 
-def render(
+def prompt_with_tools(
     tokenizer,
     messages: Sequence[Message],
     tools: Optional[list] = None,

@@ -61,8 +61,8 @@ def can_pay(draft, curve=None) -> bool:
     """Whether any tree ``draft`` could propose is expected to beat ``g0``
     alone on ``curve`` (default: ``draft.curve``, else the built-in one).
 
-    Every row it could draft (the drafter's ``W`` beams of ``L``, its lookup
-    rows, a datastore row) is scored at the most confident prior of its
+    Every row it could draft (the drafter's ``W`` beams of ``L``, the stateful
+    sources' beams, its lookup rows, a datastore row) is scored at the most confident prior of its
     source and depth: if even that best case does not pay, no step of the
     generation will, and plain decoding runs instead (a steep curve, e.g. a
     4-bit model on a CPU, where two tokens cost about two plain steps).
@@ -72,6 +72,9 @@ def can_pay(draft, curve=None) -> bool:
     if draft.drafter is not None:
         lengths += [draft.beam_length] * draft.beam_width
         sources += [SOURCES[DRAFTER]] * draft.beam_width
+    for name, width, length in draft.source_rows:  # an MTP head, a draft model
+        lengths += [length] * width
+        sources += [name] * width
     rows = draft.lookup or (1 if draft.datastore is not None else 0)
     lengths += [draft.lookup_length] * rows
     sources += [SOURCES[LOOKUP] if draft.lookup else "datastore"] * rows

@@ -38,12 +38,12 @@ from ..files import cache_root, write_json_atomic
 CURVE_VERSION = 1
 MAX_SIZE = 16
 BUCKET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # select.BUCKETS (the sizes a calibration times first)
-CONTEXT_TOKENS = 220  # the cached context each timed call attends to (DESIGN.md sections 9-10)
+CONTEXT_TOKENS = 220  # the cached context each timed call attends to (as the built-in curve was measured)
 LONG_CONTEXT_TOKENS = 1024  # the second context a calibration measures (attention makes long contexts steeper)
 MAX_CONTEXT_STRETCH = 3.0  # CostCurve.at extrapolates at most this many times the measured context gap
-# Measured here (DESIGN.md section 10, 2026-12-01): a 2-core Linux CPU, BLIS,
-# SmolLM2-135M float32, synchronous forward after 220 tokens of context,
-# median of 15 calls. Sizes 9, 11 and 13-15 were not measured; the built-in
+# Measured on a 2-core Linux CPU, BLIS, SmolLM2-135M float32, 2026-12-01
+# (docs/tuning.md, 'Measured facts the code is built on'): a synchronous
+# forward after 220 tokens of context, median of 15 calls. Sizes 9, 11 and 13-15 were not measured; the built-in
 # curve interpolates them linearly between their measured neighbours.
 BUILTIN_MEASURED = {
     1: 1.00,
@@ -60,7 +60,7 @@ BUILTIN_MEASURED = {
 }
 BUILTIN_SOURCE = (
     "built-in: measured on a 2-core Linux CPU with BLIS, SmolLM2-135M float32 "
-    "(DESIGN.md section 10); sizes 9, 11, 13-15 interpolated"
+    "(docs/tuning.md); sizes 9, 11, 13-15 interpolated"
 )
 
 
@@ -77,14 +77,14 @@ BUILTIN_COSTS = _interpolated(BUILTIN_MEASURED)
 # bench/results/curve/): 2-3 tokens cost the same, 4-16 about 10-35% more.
 BUILTIN_LONG_MEASURED = {1: 1.00, 2: 1.06, 3: 1.19, 4: 1.65, 6: 1.89, 8: 1.86, 12: 2.76, 16: 2.89}
 BATCH_SIZES = (1, 2, 4, 8)  # the batch sizes a calibration times (``serve --max-batch`` defaults to the largest)
-# Batched greedy decoding measured here (DESIGN.md section 6: a 2-core Linux
-# CPU, BLIS, SmolLM2-135M float32, ~64 tokens of context, BatchKVCache):
+# Batched greedy decoding measured on a 2-core Linux CPU, BLIS, SmolLM2-135M
+# float32, ~64 tokens of context, BatchKVCache (docs/tuning.md, as above):
 # 13 tokens/s at batch 1, 59 at 8, 85 at 16, 92 at 32, 113 at 64; as a gain
 # over batch 1, the sizes between interpolated linearly.
 BUILTIN_BATCH_MEASURED = {1: 13.0, 8: 59.0, 16: 85.0, 32: 92.0, 64: 113.0}
 BUILTIN_BATCH_SOURCE = (
     "built-in: batched greedy decoding measured on a 2-core Linux CPU with BLIS, "
-    "SmolLM2-135M float32 (DESIGN.md section 6); sizes 2-7 interpolated"
+    "SmolLM2-135M float32 (docs/tuning.md); sizes 2-7 interpolated"
 )
 
 
@@ -206,8 +206,8 @@ def builtin_batch(variant: str = "") -> Tuple[Tuple[int, ...], Tuple[float, ...]
     """``(sizes, gains)`` of batched decoding for a device with no measured
     batch curve. Float models: :data:`BUILTIN_BATCH_MEASURED`. A quantized
     ``variant``: n / c(n) of the quantized verify-cost curve (a quantized
-    matmul over n rows costs about n single-row ones on this CPU, DESIGN.md
-    section 6, so batching gains about nothing)."""
+    matmul over n rows costs about n single-row ones on this CPU, see
+    docs/tuning.md's measured facts, so batching gains about nothing)."""
     if variant.startswith("q"):
         sizes = tuple(sorted(BUILTIN_QUANTIZED_MEASURED))
         return sizes, tuple(n / BUILTIN_QUANTIZED_MEASURED[n] for n in sizes)

@@ -1,7 +1,11 @@
 """Which step loop runs a generation: plain mlx-lm decoding, the pipelined
 ReDrafter loop (the default), or the synchronous one; under a grammar
 (structured output), plain constrained decoding or the synchronous
-constrained loop (constrained.py).
+constrained loop (constrained.py). A draft with stateful sources (an MTP
+head, a draft model: ``DraftConfig.stateful``) runs the sourced loop
+(sourced.py); under a grammar those sources do not draft (the drafter and
+lookup do), and a generation without them drops their caches from the
+prompt cache (they would fall behind the model's).
 
 Every loop yields :class:`~mlx_redrafter.step.protocol.StepTokens`: the
 first token (from the prompt), then ``accepted drafts + the LLM's own next
@@ -11,6 +15,7 @@ token`` per step. The loops are endless; the caller stops them.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -18,13 +23,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..config import DraftConfig, SamplingConfig
-from ..llm.cache import check_cache
+from ..errors import RedrafterError
+from ..llm.cache import check_cache, drop_sources, target_size
 from ..llm.recurrent import leaves
 from .auto import can_pay
 from .constrained import constrained_steps
 from .grammar import Grammar, grammar_logits_processor
 from .pipelined import pipelined_steps
 from .protocol import StepStats, StepTokens
+from .sourced import sourced_steps
 from .synchronous import synchronous_steps
 from .verify import tree_support
 
@@ -53,6 +60,8 @@ def can_pipeline(cache, draft: DraftConfig, timings: bool = False) -> bool:
     generation (else the synchronous loop does): plain or quantized caches, no
     controller, no timings, and drafter beams that share few prefixes (see
     ``MAX_SHARED_NODES``) or ``tree="auto"``."""
+    if draft.stateful:  # a source with a cache of its own runs the sourced loop
+        return False
     if timings or draft.controller is not None or not all(type(c) in PIPELINED_CACHES for c in leaves(cache)):
         return False
     if draft.tree == "auto":  # the verified subset has a bucket's size whatever W x L is
@@ -79,7 +88,18 @@ def redrafter_steps(
     splits each step's time into phases (the synchronous loop, with a sync
     per phase)."""
     sampling = sampling or SamplingConfig()
-    check_cache(cache)
+    size = target_size(model)
+    check_cache(cache[:size])
+    if draft.stateful:  # a head or a draft model keeps a cache in step with the model's
+        if timings:
+            raise RedrafterError(
+                "timings=True splits the synchronous loop's phases; a draft with an MTP head or a draft model "
+                "runs the sourced loop, which does not split them.",
+                "Drop timings (--timings), or the MTP head (--mtp none) and the draft model.",
+            )
+        yield from sourced_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
+        return
+    drop_sources(cache, size)
     if draft.pipelined and can_pipeline(cache, draft, timings):
         yield from pipelined_steps(model, prompt, cache, draft=draft, sampling=sampling, history=history)
     else:
@@ -144,6 +164,10 @@ def token_steps(
         draft = DraftConfig()
     if not drafting_pays(draft):  # tree="auto" on a curve where no draft can pay: plain decoding is faster
         draft = DraftConfig()
+    if grammar is not None and draft.stateful:  # the constrained loop drafts by drafter and lookup only
+        draft = replace(draft, head=None, draft_model=None)
+    if not draft.stateful:
+        drop_sources(cache, target_size(model))
     if grammar is not None:
         if not draft.drafting:
             return plain_steps(model, prompt, cache, sampling, grammar)

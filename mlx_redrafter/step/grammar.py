@@ -187,10 +187,6 @@ class Matcher:
         if n and not self.inner.rollback(n):
             raise RedrafterError(f"The grammar matcher cannot roll back {n} tokens: {self.inner.get_error()}")
 
-    def fork(self) -> "Matcher":
-        """An independent copy of the current state."""
-        return Matcher(self.grammar, self.inner.deep_copy())
-
     def is_done(self) -> bool:
         """The output is complete: nothing but EOS may follow (or EOS was consumed)."""
         return self.inner.is_stopped()
@@ -328,7 +324,8 @@ def accept_constrained(beams: mx.array, tree, logits: mx.array, masks: mx.array,
     Every node's logits are masked with its own grammar state, then the
     unconstrained acceptance runs unchanged: greedy keeps drafts equal to
     the masked argmax; sampling walks siblings with the residual
-    renormalized over the masked target distribution (DESIGN.md section 5),
+    renormalized over the masked target distribution (the rule of
+    :func:`~mlx_redrafter.step.accept.accept_sampling`),
     so the output is exactly plain constrained decoding's.
     """
     masked = apply_mask(logits, masks)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,15 +68,35 @@ class TreePaths:
     path: mx.array
     real: mx.array
     depth: mx.array
+    host: Optional["DepthPlan"] = None  # the depth-by-depth plan, when the host knows the tree's shape
 
     @classmethod
-    def of(cls, mask: mx.array, depth: mx.array, levels: int) -> "TreePaths":
+    def of(cls, mask: mx.array, depth: mx.array, levels: int, host=None) -> "TreePaths":
         """From a tree's ancestor mask ``[N, N]`` (``[q, k]``: k is q or an
-        ancestor) and node depths ``[N]``; ``levels`` (host): the depth + 1."""
+        ancestor) and node depths ``[N]``; ``levels`` (host): the depth + 1;
+        ``host``: the tree's shape on the host, if known (then the nodes run
+        depth by depth, :meth:`TreeMixer._by_depth`)."""
         t = mx.arange(levels, dtype=mx.int32)
         at_depth = mask[:, None, :] & (depth[None, None, :] == t[None, :, None])  # [N, T, N]
         path = mx.argmax(at_depth.astype(mx.int32), axis=-1).astype(mx.int32)
-        return cls(path, t[None, :] <= depth[:, None], depth.astype(mx.int32))
+        plan = DepthPlan(*host) if host is not None else None
+        return cls(path, t[None, :] <= depth[:, None], depth.astype(mx.int32), plan)
+
+
+class DepthPlan:
+    """A tree's nodes depth by depth, from its shape on the host (built once per
+    verify call, shared by every recurrent layer): each depth's nodes, where
+    each node's parent sits in the depth above, and the way back to node order."""
+
+    def __init__(self, depths: tuple, parents: tuple):
+        levels = [[i for i, d in enumerate(depths) if d == t] for t in range(max(depths) + 1)]
+        where = {i: k for level in levels for k, i in enumerate(level)}  # node -> its place in its level
+        self.nodes = [mx.array(level, mx.int32) for level in levels]
+        self.up = [None] + [mx.array([where[parents[i]] for i in level], mx.int32) for level in levels[1:]]
+        order = [i for level in levels for i in level]
+        self.inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), mx.int32)
+        self.depth = mx.array(depths, mx.int32)
+        self.place = mx.array([where[i] for i in range(len(depths))], mx.int32)
 
 
 class _Gathered(nn.Module):
@@ -147,13 +167,31 @@ class TreeMixer(nn.Module):
 
     def __call__(self, *args, **kwargs):
         x, cache = _bind(self.inner, args, kwargs)
+        if self._paths.host is not None:
+            out, cache.pending = self._by_depth(x[0], cache)
+            return out[None]
         n = x.shape[1]
         proxy = ArraysCache(len(cache.cache))
         proxy.cache = [None if e is None else mx.broadcast_to(e, (n, *e.shape[1:])) for e in cache.cache]
         run = self._steps if self._stepwise else self._padded
         out = run(x[0], proxy)
-        cache.pending = proxy.cache  # every node's state; acceptance takes one
+        cache.pending = NodeStates(proxy.cache)  # every node's state; acceptance takes one
         return out[None]
+
+    def _by_depth(self, nodes: mx.array, cache: ArraysCache):
+        """Depth by depth (the tree's shape known on the host): each depth's
+        nodes take one decode step together, each from its parent's state,
+        so the whole tree costs N decode steps of the mixer, in depth + 1 calls."""
+        plan = self._paths.host
+        states, outs = [list(cache.cache)], []  # per level: each entry's states, rows in level order
+        for level, up in zip(plan.nodes, plan.up):
+            proxy = ArraysCache(len(cache.cache))
+            proxy.cache = [None if e is None or up is None else e[up] for e in states[-1]]
+            if up is None:  # the root's state is the cache's
+                proxy.cache = list(cache.cache)
+            outs.append(self.inner(nodes[level][:, None], mask=None, cache=proxy)[:, 0])
+            states.append(list(proxy.cache))
+        return mx.concatenate(outs)[plan.inverse], LevelStates(states[1:], plan)
 
     def _padded(self, nodes: mx.array, proxy: ArraysCache) -> mx.array:
         """One call over every node's path, right-padded (the padding contract)."""
@@ -184,6 +222,33 @@ class TreeMixer(nn.Module):
                 real = paths.real[:, t]
                 proxy.cache = [_where_rows(real, new, old) for new, old in zip(proxy.cache, before)]
                 out = y if out is None else _where_rows(paths.depth == t, y, out)
+        return out
+
+
+class NodeStates:
+    """Every node's recurrent state after a verify call, one row per node."""
+
+    def __init__(self, entries: List[Optional[mx.array]]):
+        self.entries = entries
+
+    def take(self, node: mx.array) -> List[Optional[mx.array]]:
+        """The cache entries of tree node ``node`` (a device index ``[1]``: no sync)."""
+        return [None if e is None else mx.take(e, node, axis=0) for e in self.entries]
+
+
+class LevelStates:
+    """Every node's recurrent state after a depth-by-depth verify call, kept by
+    depth (no copy of them all into one array: each can be a megabyte a layer)."""
+
+    def __init__(self, levels: List[list], plan: DepthPlan):
+        self.levels, self.plan = levels, plan
+
+    def take(self, node: mx.array) -> List[Optional[mx.array]]:
+        depth, place = self.plan.depth[node], self.plan.place[node]
+        out = None
+        for t, entries in enumerate(self.levels):
+            rows = [None if e is None else mx.take(e, mx.minimum(place, e.shape[0] - 1), axis=0) for e in entries]
+            out = rows if out is None else [_where_rows(depth == t, r, o) for r, o in zip(rows, out)]
         return out
 
 

@@ -143,8 +143,14 @@ def host_read(*arrays: mx.array) -> List[int]:
     return flat.tolist()
 
 
-def prefill(backbone, head, cache, prompt: mx.array):
-    """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy)."""
-    feed(backbone, cache, prompt[:-1])
-    hidden = backbone(prompt[-1:][None], cache=cache)[0, -1]
-    return head(hidden), hidden
+def prefill(backbone, head, cache, prompt: mx.array, sink=None):
+    """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy).
+
+    ``sink(start, hidden)``: called with the hidden states ``[T, F]`` of each
+    chunk from prompt position ``start`` (a stateful draft source reads them,
+    step/sourced.py); they are evaluated with the chunk's cache."""
+    feed(backbone, cache, prompt[:-1], sink=sink)
+    hidden = backbone(prompt[-1:][None], cache=cache)[0]
+    if sink is not None:
+        sink(prompt.size - 1, hidden)
+    return head(hidden[-1]), hidden[-1]

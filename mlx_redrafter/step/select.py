@@ -39,7 +39,9 @@ import numpy as np
 from .curve import BUCKET_SIZES
 from .tree import PAD, Tree
 
-SOURCES = ("drafter", "lookup", "datastore")
+# The stateful sources (an MTP head, a draft model, an EAGLE-3 head) score nodes by probability, as the
+# drafter does, and start from its priors (unmeasured on real weights): the calibration learns their rates.
+SOURCES = ("drafter", "lookup", "datastore", "mtp", "draft-model", "eagle3")
 BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
 DEPTHS = 8  # calibration depths; deeper nodes share the last
 Q_MIN = 0.01  # floor of q, so that p stays a normal float32 up to depth 16
@@ -51,11 +53,8 @@ MAX_WEIGHT = 2000.0  # observations kept per cell: older ones fade, so the rates
 # 0.1, 0.25, 0.5, 0.75); lookup: the matched suffix length (1, 2, 3, 4, 5+);
 # datastore: the continuation's count (1, 2-3, 4-7, 8-15, 16+).
 EDGES = np.array(
-    [
-        np.log([0.1, 0.25, 0.5, 0.75]),
-        [1.5, 2.5, 3.5, 4.5],
-        [1.5, 3.5, 7.5, 15.5],
-    ],
+    [np.log([0.1, 0.25, 0.5, 0.75]), [1.5, 2.5, 3.5, 4.5], [1.5, 3.5, 7.5, 15.5]]
+    + [np.log([0.1, 0.25, 0.5, 0.75])] * 3,
     dtype=np.float32,
 )
 N_BUCKETS = EDGES.shape[1] + 1
@@ -71,8 +70,10 @@ def _prior_table() -> np.ndarray:
     probability bucket. Depth 1, then depths 2-5 pooled (they did not fall
     with depth; deeper nodes share the last row). Lookup: a longer matched
     suffix is more often right, and once a copy has started it tends to go
-    on (conditional acceptance past depth 1 is higher). Datastore: about 30%
-    of its rows accept a first token (DESIGN.md section 10).
+    on (conditional acceptance past depth 1 is higher). Datastore: around 30%
+    for a first token, a guess that no measurement in this repository backs
+    yet. Lookup's and the datastore's rows are priors only: the online
+    calibration replaces them with what this run accepts.
     """
     q = np.zeros((len(SOURCES), DEPTHS, N_BUCKETS), np.float32)
     q[0, 0] = [0.045, 0.174, 0.389, 0.694, 0.905]
@@ -81,6 +82,7 @@ def _prior_table() -> np.ndarray:
     q[1, 1:] = [0.4, 0.55, 0.65, 0.7, 0.75]
     q[2, 0] = [0.2, 0.25, 0.3, 0.35, 0.4]
     q[2, 1:] = [0.4, 0.45, 0.5, 0.55, 0.6]
+    q[3:] = q[0]  # the stateful sources: the drafter's rates by probability (see SOURCES)
     return q
 
 
@@ -101,6 +103,7 @@ def _prior_slots() -> np.ndarray:
     q[0, 1:] = [0.5, 0.2, 0.15, 0.1]
     for s in (1, 2):
         q[s] = PRIOR_Q[s].mean(axis=1, keepdims=True) * np.array([1.0, 0.5, 0.4, 0.3])
+    q[3:] = q[0]
     return q
 
 
@@ -158,12 +161,6 @@ def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
             source.append(SOURCES.index(src))
             depth.append(j + 1)
     return Structure(np.array(parent, np.int32), np.array(source, np.int32), np.array(depth, np.int32))
-
-
-def drafter_step_scores(cumulative: mx.array) -> mx.array:
-    """Per-node draft log-probabilities ``[W, L]`` from cumulative beam scores
-    ``[W, L]`` (the score of each beam's prefix): each node's own step."""
-    return mx.concatenate([cumulative[:, :1], cumulative[:, 1:] - cumulative[:, :-1]], axis=1)
 
 
 # --------------------------------------------------------------------------- probabilities (numpy or MLX)

@@ -31,6 +31,7 @@ class Tree:
     node_index: mx.array  # [W, L] packed index of beam w's token at position j
     mask: mx.array  # [N+1, N+1] bool, [q, k] = k is q or an ancestor of q
     levels: int = 0  # depth + 1 if the builder knows it on the host (recurrent layers scan this many steps), else 0
+    host: tuple = None  # (depths, parents) of every node when the builder knows them on the host (step/mixers.py)
 
     @property
     def size(self) -> int:
@@ -156,6 +157,7 @@ class Layout:
     depth: mx.array  # [N+1]
     parent: mx.array  # [N+1]
     mask: mx.array  # [N+1, N+1]
+    host: tuple = None  # (depths, parents) on the host: g0's parent is -1
 
     @property
     def size(self) -> int:
@@ -169,7 +171,9 @@ class Layout:
         """
         nodes = beams[self.node_row, self.node_pos]
         tokens = mx.concatenate([g0.reshape(1).astype(beams.dtype), mx.maximum(nodes, 0)])
-        return Tree(tokens, self.depth, self.parent, self.node_index, self.mask, levels=max(self.lengths) + 1)
+        return Tree(
+            tokens, self.depth, self.parent, self.node_index, self.mask, levels=max(self.lengths) + 1, host=self.host
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -197,6 +201,7 @@ def layout(lengths: tuple) -> Layout:
         dep,
         mx.array(parent),
         ancestor_mask(ni, node_beam, dep),
+        (tuple(depth.tolist()), (-1,) + tuple(parent[1:].tolist())),
     )
 
 

@@ -176,7 +176,7 @@ def tree_hooks(
             c.make_mask = make_mask  # shadows the class method for this call only
             patched.append(c)
         if hooks.mixers:
-            paths = TreePaths.of(tree.mask, tree.depth, levels_of(tree))
+            paths = TreePaths.of(tree.mask, tree.depth, levels_of(tree), host_shape(tree, chain))
             for parent, name, mixer in hooks.mixers:
                 setattr(parent, name, TreeMixer(mixer, paths))
                 swapped.append((parent, name, mixer))
@@ -188,6 +188,15 @@ def tree_hooks(
             del c.make_mask
         for parent, name, mixer in swapped:
             setattr(parent, name, mixer)
+
+
+def host_shape(tree, chain: bool):
+    """``(depths, parents)`` of the tree's nodes when the host knows them: a
+    single path's always, else what the tree's builder recorded (None: not known)."""
+    if chain:
+        n = tree.size
+        return tuple(range(n)), tuple(range(-1, n - 1))
+    return tree.host
 
 
 def levels_of(tree) -> int:

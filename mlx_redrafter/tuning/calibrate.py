@@ -29,7 +29,7 @@ def _tree_for(n: int):
         rows.append(min(4, left))
         left -= rows[-1]
     lay = layout(tuple(rows))
-    return Tree(tokens, lay.depth, lay.parent, lay.node_index, lay.mask, levels=max(rows) + 1)
+    return Tree(tokens, lay.depth, lay.parent, lay.node_index, lay.mask, levels=max(rows) + 1, host=lay.host)
 
 
 class _Timer:

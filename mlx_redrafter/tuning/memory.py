@@ -42,8 +42,9 @@ def estimate_cell_bytes(
 
     embed, _, _ = model_parts(model)
     vocab = int(embed.weight.shape[0])
-    hidden = int(drafter.config.hidden_size)
-    head = int(getattr(drafter.config, "head_size", vocab))
+    config = getattr(drafter, "config", None)  # None: a grid of another source's beams (no drafter)
+    hidden = int(config.hidden_size) if config is not None else int(embed.weight.shape[-1])
+    head = int(getattr(config, "head_size", vocab))
     n = 1 + width * length
     kv = (kv_per_token if kv_per_token is not None else kv_bytes_per_token(model)) * (prompt_tokens + max_tokens + n)
     tree = 2 * n * vocab * 4 + 4 * n * hidden * 4

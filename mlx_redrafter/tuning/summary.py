@@ -121,8 +121,9 @@ def print_summary(console, results: dict, config, out_dir) -> None:
     console.print(f"wrote {', '.join(str(Path(out_dir) / n) for n in names)}")
 
 
-def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> Optional[Path]:
-    """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter."""
+def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir, grid: str = "drafter") -> Optional[Path]:
+    """Store the best (W, L, lookup) as the tuned profile of this device + model + drafter
+    (``grid``: whose W x L they are; an MTP head's or a draft model's are keyed by its folder)."""
     from ..profiles import save_profile
 
     best = results.get("best")
@@ -135,6 +136,7 @@ def save_best_profile(results: dict, model_spec: str, drafter_path, out_dir) -> 
         best["length"],
         lookup=best.get("lookup", 0),
         tree=best.get("tree", "fixed"),
+        grid=grid,
         speedup=best["speedup"],
         tokens_per_s=best["tokens_per_s"],
         sweep=str((Path(out_dir) / "results.json").resolve()),

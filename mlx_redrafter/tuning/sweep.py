@@ -199,6 +199,7 @@ def run_sweep(
     progress: Optional[Progress] = None,
     fresh: bool = False,
     controller=None,
+    make_draft: Optional[Callable[[int, int, int, str], DraftConfig]] = None,
 ) -> dict:
     """Measure every cell of the grid not already in ``out_dir/results.json``
     (written after every pass, so an interrupted sweep resumes), interleaved
@@ -207,6 +208,8 @@ def run_sweep(
     ``prompts`` are token-id lists; ``meta`` (model, drafter, dtype, ...)
     goes into the config that a resumed sweep must match. With a
     ``controller`` (adaptive depth) each cell's length is the maximum depth.
+    ``make_draft(w, l, lookup, tree)``: each cell's draft when the grid is
+    another source's (an MTP head's depth, a draft model's length).
     """
     config.check()
     if not prompts:
@@ -236,6 +239,8 @@ def run_sweep(
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
 
     def draft(w, l, k, tree):
+        if make_draft is not None:
+            return make_draft(w, l, k, tree)
         return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
 
     if todo:

@@ -108,7 +108,8 @@ async function httpError(response) {
 export async function serverInfo() {
   try {
     const health = await (await authorizedFetch("health")).json();
-    return `${health.model} · ${health.drafter ? "drafter on" : "no drafter"}`;
+    const on = [health.drafter && "drafter", ...(health.sources || []).map((s) => s.split(":")[0])].filter(Boolean);
+    return `${health.model} · ${on.length ? `${on.join(" + ")} on` : "no drafter"}`;
   } catch {
     return "";
   }

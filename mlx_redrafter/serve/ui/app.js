@@ -77,11 +77,12 @@ function setRunning(on) {
 
 /** Live stats of a reply: from the chunks' x_redrafter, then the final stats. */
 function newStats() {
-  return { tokens: 0, steps: 0, tps: 0, drafter: 0, lookup: 0, prompt: 0, reused: 0 };
+  return { tokens: 0, steps: 0, tps: 0, drafts: {}, prompt: 0, reused: 0 };
 }
 
 function addChunkStats(stats, x) {
-  for (const source of x.sources) if (source !== "llm") stats[source] += 1;
+  // Draft sources: "drafter", "mtp", "draft-model", "eagle3", "lookup", "datastore".
+  for (const source of x.sources) if (source !== "llm") stats.drafts[source] = (stats.drafts[source] || 0) + 1;
   Object.assign(stats, { tokens: x.tokens, steps: x.steps, tps: x.tokens_per_second,
     prompt: x.prompt_tokens, reused: x.prompt_tokens_reused });
 }
@@ -89,10 +90,13 @@ function addChunkStats(stats, x) {
 function statusText(s) {
   const pct = (n) => `${Math.round((100 * n) / Math.max(s.tokens, 1))}%`;
   const perStep = s.tokens / Math.max(s.steps, 1);
+  const counts = Object.entries(s.drafts);
+  const drafted = counts.reduce((sum, [, n]) => sum + n, 0);
+  const parts = counts.map(([source, n]) => `${source} ${pct(n)}`);
   return [
     `${s.tps.toFixed(1)} tokens/s`,
     `${perStep.toFixed(2)} tokens/step`,
-    `${pct(s.drafter + s.lookup)} from drafts (drafter ${pct(s.drafter)}, lookup ${pct(s.lookup)})`,
+    `${pct(drafted)} from drafts${parts.length ? ` (${parts.join(", ")})` : ""}`,
     `prompt ${s.prompt} tokens, ${s.reused} reused from the cache`,
   ].join(" · ");
 }

@@ -1,4 +1,4 @@
-"""What a stream of replies yields, and what is counted over it.
+"""What a generation outputs: the response per token, stop strings, and what is counted over a stream.
 
 :class:`RedrafterResponse` is mlx-lm's ``GenerationResponse`` plus the step's
 stats; :class:`StopMatcher` ends streamed text exactly at a stop string;
@@ -72,6 +72,8 @@ class Tally:
     tree_tokens: int = 0  # tokens verified, summed over the steps (g0 included)
     datastore_tokens: int = 0  # the part that came from datastore rows
     datastore_steps: int = 0  # steps that accepted datastore tokens
+    # Accepted draft tokens of the other sources: "drafter", "mtp", "draft-model", "eagle3".
+    source_tokens: dict = field(default_factory=dict)
     last: Optional[RedrafterResponse] = None
     _step: int = -1
 
@@ -84,6 +86,9 @@ class Tally:
         self.drafted_tokens += int(r.from_draft)
         self.lookup_tokens += int(r.from_draft and r.stats.source == "lookup")
         self.datastore_tokens += int(r.from_draft and r.stats.source == "datastore")
+        if r.from_draft and r.stats.source not in ("lookup", "datastore"):
+            source = r.stats.source or "drafter"
+            self.source_tokens[source] = self.source_tokens.get(source, 0) + 1
         if r.stats.step != self._step:
             self.steps += 1
             self.tree_tokens += r.stats.tree_size
@@ -100,6 +105,8 @@ class Tally:
         self.tree_tokens += other.tree_tokens
         self.datastore_tokens += other.datastore_tokens
         self.datastore_steps += other.datastore_steps
+        for source, n in other.source_tokens.items():
+            self.source_tokens[source] = self.source_tokens.get(source, 0) + n
         self.last = other.last or self.last
 
     @property
@@ -123,14 +130,16 @@ class Tally:
 
     @property
     def by_source(self) -> dict:
-        """Accepted draft tokens per source."""
-        drafter = self.drafted_tokens - self.lookup_tokens - self.datastore_tokens
-        return {"drafter": drafter, "lookup": self.lookup_tokens, "datastore": self.datastore_tokens}
+        """Accepted draft tokens per source (``drafter``, ``lookup`` and ``datastore``
+        always; ``mtp``, ``draft-model``, ``eagle3`` when they drafted)."""
+        others = {k: n for k, n in self.source_tokens.items() if k != "drafter"}
+        drafter = self.source_tokens.get("drafter", 0)
+        return {"drafter": drafter, **others, "lookup": self.lookup_tokens, "datastore": self.datastore_tokens}
 
     def draft_summary(self) -> str:
-        """``"40% from drafts"``, split by source when lookup or datastore drafts were accepted."""
+        """``"40% from drafts"``, split by source when more than the drafter's were accepted."""
         text = f"{self.draft_share:.0%} from drafts"
-        if self.lookup_tokens or self.datastore_tokens:
+        if self.lookup_tokens or self.datastore_tokens or set(self.source_tokens) - {"drafter"}:
             parts = [f"{n / max(self.tokens, 1):.0%} {k}" for k, n in self.by_source.items() if n or k != "datastore"]
             text += f" ({', '.join(parts)})"
         return text

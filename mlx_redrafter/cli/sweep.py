@@ -1,4 +1,5 @@
-"""The tools' commands: ``sweep`` (tuning) and the converters (``convert``, ``convert-gguf``, ``inspect``)."""
+"""``mlx-redrafter sweep``: the beam width x length grid measured against plain
+decoding on this device (the work is in tuning/sweep.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,21 @@ import typer
 from rich.console import Console
 
 from ..errors import RedrafterError
-from .options import DtypeOpt, ModelOpt, NeededDrafterOpt, TempOpt, TopPOpt, _runtime, app, err, progress_bar
+from .options import (
+    DraftModelOpt,
+    DtypeOpt,
+    ModelOpt,
+    MtpOpt,
+    NeededDrafterOpt,
+    TempOpt,
+    TopPOpt,
+    _runtime,
+    app,
+    err,
+    progress_bar,
+)
+
+GRIDS = ("drafter", "mtp", "draft-model")
 
 # sweep's own flags (the shared ones are in options.py)
 LengthsOpt = typer.Option("2,3,4,5", "--lengths", help="Beam lengths (drafted tokens, g0 not counted), e.g. 2,3,4,5.")
@@ -36,6 +51,13 @@ SweepAdaptiveOpt = typer.Option(
 )
 SweepLookupOpt = typer.Option(
     None, "--lookup/--no-lookup", help="Measure every cell with lookup drafts only, or only without (default: both)."
+)
+GridOpt = typer.Option(
+    "drafter",
+    "--grid",
+    help="Whose beams the width x length grid shapes: drafter, mtp (the model's MTP head: its depth is L) "
+    "or draft-model (--draft-model's; its draft length is L). mtp and draft-model draft beside --drafter "
+    "only when one is given.",
 )
 SweepTreeOpt = typer.Option(
     None,
@@ -67,12 +89,13 @@ def sweep(
     lookup: Optional[bool] = SweepLookupOpt,
     dtype: Optional[str] = DtypeOpt,
     tree: Optional[str] = SweepTreeOpt,
+    grid: str = GridOpt,
+    mtp: Optional[str] = MtpOpt,
+    draft_model: Optional[str] = DraftModelOpt,
 ):
     """Measure ReDrafter over a beam width x length (x lookup on/off) grid against plain mlx-lm decoding: heatmaps, CSV, JSON."""  # noqa: E501 (one line: typer shows newlines)
     from ..prompts import load_prompt_set, select_conversations
-    from ..runtime import resolve_drafter_path
     from ..tuning import sweep as sw
-    from ..tuning.results import check_resumable
     from ..tuning.summary import print_summary
 
     # Every check that needs no model comes before the slow load.
@@ -83,21 +106,17 @@ def sweep(
     if num_prompts < 1:
         raise RedrafterError(f"--num-prompts must be at least 1 (got {num_prompts}).")
     convs = select_conversations(load_prompt_set(prompts), num_prompts)
-    drafter_path = resolve_drafter_path(model, drafter)
-    meta = {**sw.sweep_meta(model, drafter_path, prompts, dtype), "adaptive": adaptive}
-    if not fresh:  # a mismatched --out fails now, not after the model load
-        partial = sw.sweep_key(config, [], meta)
-        check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
-    s = _runtime(model, str(drafter_path), dtype=dtype, adaptive=adaptive, announce=False, tree=tree)
+    grid_args = (grid, model, drafter, mtp, draft_model, dtype, adaptive, tree, prompts)
+    s, make_draft, drafter_path, meta = _grid_runtime(sw, config, grid_args, out, fresh)
     config.curve = _sweep_curve(s, model, config.has_auto(), save_profile)
     err.print(
         f"[dim]model {model}, drafter {drafter_path}: {len(config.cells())} cells x {len(convs)} prompts, "
         f"{max_tokens} tokens each[/dim]"
     )
-    results = _run_sweep(s, _sweep_prompts(s, convs, config), config, out, meta, fresh)
+    results = _run_sweep(s, _sweep_prompts(s, convs, config), config, out, meta, fresh, make_draft)
     print_summary(Console(), results, config, out)  # the tables are the command's output: stdout
     if save_profile:
-        _save_profile(results, model, drafter_path, out)
+        _save_profile(results, model, drafter_path, out, grid)
 
 
 def _sweep_config(widths, lengths, max_tokens, baseline_every, timings, memory_limit, temp, top_p, seed):
@@ -124,7 +143,7 @@ def _sweep_prompts(rt, convs, config) -> list:
     return ids
 
 
-def _run_sweep(rt, ids, config, out: Path, meta: dict, fresh: bool) -> dict:
+def _run_sweep(rt, ids, config, out: Path, meta: dict, fresh: bool, make_draft=None) -> dict:
     """Run the sweep under a progress bar; Ctrl-C keeps the finished cells in ``out``."""
     from ..tuning.sweep import run_sweep
 
@@ -142,10 +161,66 @@ def _run_sweep(rt, ids, config, out: Path, meta: dict, fresh: bool) -> dict:
                 progress=lambda done, total, label: bar.update(task, completed=done, total=total, description=label),
                 fresh=fresh,
                 controller=rt.controller,
+                make_draft=make_draft,
             )
         except KeyboardInterrupt:
             err.print(f"Interrupted: finished cells are saved in {out}/results.json; rerun the same command to resume.")
             raise typer.Exit(130)
+
+
+def _grid_runtime(sw, config, grid_args, out, fresh):
+    """``(runtime, make_draft, path, meta)`` of a sweep, a resumed sweep's
+    results checked against ``meta`` (a drafter's grid before the slow load)."""
+    from ..draft.stateful import SourceFlags
+    from ..runtime import resolve_drafter_path
+    from ..tuning.results import check_resumable
+
+    grid, model, drafter, mtp, draft_model, dtype, adaptive, tree, prompts = grid_args
+    if grid not in GRIDS:
+        raise RedrafterError(f"Unknown --grid {grid!r}.", f"Use one of: {', '.join(GRIDS)}.")
+    if grid == "drafter":
+        make_draft, path = None, resolve_drafter_path(model, drafter)
+        meta = {**sw.sweep_meta(model, path, prompts, dtype), "adaptive": adaptive}
+    else:  # the source's folder keys the results: known once the model is loaded
+        rt, make_draft, path, meta = _source_grid(sw, config, *grid_args)
+    if not fresh:  # a mismatched --out fails now
+        partial = sw.sweep_key(config, [], meta)
+        check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
+    if grid == "drafter":
+        flags = SourceFlags(mtp=mtp or "none", draft_model=draft_model)  # beside the drafter only when named
+        rt = _runtime(model, str(path), dtype=dtype, adaptive=adaptive, announce=False, tree=tree, sources=flags)
+    return rt, make_draft, path, meta
+
+
+def _source_grid(sw, config, grid, model, drafter, mtp, draft_model, dtype, adaptive, tree, prompts):
+    """``(runtime, make_draft, path, meta)`` of a grid of an MTP head's or a
+    draft model's width x length (beside ``--drafter`` only when one is
+    given); that source's folder keys the results and the profile."""
+    import dataclasses
+
+    from ..draft.stateful import SourceFlags
+
+    if grid == "draft-model" and not draft_model:
+        raise RedrafterError("--grid draft-model needs --draft-model.", "Name the draft model with --draft-model M.")
+    flags = SourceFlags(mtp=mtp if grid == "mtp" else (mtp or "none"), draft_model=draft_model)
+    rt = _runtime(model, drafter or "none", dtype=dtype, adaptive=adaptive, announce=False, tree=tree, sources=flags)
+    if grid == "mtp" and rt.draft.head is None:
+        raise RedrafterError(
+            f"{model} ships no MTP head.", "Point --mtp at its original checkpoint or a split MTP folder."
+        )
+    if grid == "mtp":
+        path, shape = rt.draft.head.found.path, ("head_width", "head_length")
+    else:
+        from ..llm.load import resolve_model_path
+
+        path, shape = resolve_model_path(draft_model), ("draft_model_width", "draft_model_length")
+    meta = {**sw.sweep_meta(model, path, prompts, dtype), "adaptive": adaptive, "grid": grid}
+
+    def make_draft(w, length, k, cell_tree):
+        extra = {shape[0]: w, shape[1]: length}
+        return dataclasses.replace(rt.draft, lookup=k, tree=cell_tree, curve=config.curve, **extra)
+
+    return rt, make_draft, path, meta
 
 
 def _sweep_curve(rt, model_spec, has_auto: bool, save_profile: bool):
@@ -160,60 +235,14 @@ def _sweep_curve(rt, model_spec, has_auto: bool, save_profile: bool):
     return curve_for(rt.model, model_spec) if has_auto else None
 
 
-def _save_profile(results, model, drafter_path, out) -> None:
+def _save_profile(results, model, drafter_path, out, grid="drafter") -> None:
     from ..tuning.results import cell_key, cell_label
     from ..tuning.summary import save_best_profile
 
-    path = save_best_profile(results, model, drafter_path, out)
+    path = save_best_profile(results, model, drafter_path, out, grid=grid)
     if path is None:
         err.print("[yellow]No cell was measured: no profile saved.[/yellow]")
     else:
         best = results["best"]
         note = "" if best["speedup"] > 1 else " (slower than plain decoding here: consider --no-draft)"
         err.print(f"saved profile {path}: {cell_label(*cell_key(best))}{note}")
-
-
-@app.command()
-def convert(
-    src: str = typer.Argument(
-        ..., help="Drafter folder (safetensors or pytorch_model.bin, sharded too), a weights file, or a Hub repo id."
-    ),
-    dst: Path = typer.Argument(..., help="Output drafter folder (config.json + model.safetensors)."),
-    dtype: str = typer.Option("float16", "--dtype", help="float32 | float16 | bfloat16."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Check that the drafter fits this LLM."),
-):
-    """Convert a PyTorch-trained drafter into MLX (pickles are read, never executed)."""
-    from ..converters.drafter import convert_drafter
-
-    report = convert_drafter(src, dst, dtype=dtype, model=model)
-    print("\n".join(report.lines()))
-
-
-@app.command("inspect")
-def inspect_cmd(
-    drafter: str = typer.Argument(..., help="Drafter folder (MLX or PyTorch format) or Hub repo id."),
-    model: Optional[str] = typer.Option(
-        None, "--model", "-m", help="Also show the cost of a draft step relative to this LLM."
-    ),
-    dtype: Optional[str] = DtypeOpt,
-):
-    """Print a drafter's config, parameter count, size and dtype (and its cost per step with --model)."""
-    from ..converters.drafter import inspect_drafter
-
-    print("\n".join(inspect_drafter(drafter, model=model, dtype=dtype).lines()))
-
-
-@app.command("convert-gguf")
-def convert_gguf_cmd(
-    src: Path = typer.Argument(..., help="A .gguf file."),
-    dst: Path = typer.Argument(..., help="Output folder (an mlx-lm model)."),
-):
-    """Convert a GGUF model (llama, gemma3) into an mlx-lm folder."""
-    from rich.progress import Progress
-
-    from ..converters.gguf import convert_gguf
-
-    with Progress(transient=True, console=err) as progress:
-        task = progress.add_task("converting tensors", total=None)
-        out = convert_gguf(src, dst, progress=lambda i, n: progress.update(task, completed=i, total=n))
-    err.print(f"wrote {out} (open it with mlx_lm.load or --model {out})")

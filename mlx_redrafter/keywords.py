@@ -1,0 +1,94 @@
+"""``stream_generate``'s keywords, resolved once into a
+:class:`~mlx_redrafter.config.SamplingConfig` and a
+:class:`~mlx_redrafter.config.DraftConfig` (:func:`call_configs`), and the
+stateful sources a draft gains (:func:`with_sources`: an MTP head, a draft
+model), for the library and the commands alike.
+"""
+
+from __future__ import annotations
+
+from .config import SamplingConfig, library_draft
+from .errors import RedrafterError
+from .runtime import tree_kw, with_curve, with_sources
+
+AUTO = "auto"  # drafter= and mtp= defaults: the model's own (the store's drafter, the checkpoint's MTP head)
+
+
+def _refuse_both(given, what: str, **loose) -> None:
+    """A resolved config and loose keywords for the same thing contradict each other."""
+    named = sorted(k for k, v in loose.items() if v not in (None, False, 0))
+    if given is not None and named:
+        raise RedrafterError(
+            f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it."
+        )
+
+
+def call_configs(
+    model,
+    sampling,
+    draft,
+    max_tokens: int,
+    loose_sampling: dict,
+    loose_draft: dict,
+    loose_sources: dict,
+    datastore=None,
+):
+    """``(SamplingConfig, DraftConfig)`` of a :func:`~mlx_redrafter.generate.stream_generate`
+    call: the resolved ones given, else the loose keywords' with the store
+    that ``datastore=`` names (:func:`~mlx_redrafter.draft.datastore.use.open_datastore`)
+    and the stateful sources they name (``mtp=``, ``draft_model=``)."""
+    from dataclasses import replace
+
+    from .draft.datastore.use import open_datastore
+
+    _refuse_both(sampling, "sampling", **loose_sampling)
+    sampling = sampling or SamplingConfig(**loose_sampling)
+    if max_tokens < 1:
+        raise RedrafterError(f"max_tokens must be at least 1 (got {max_tokens}).")
+    auto = isinstance(loose_draft["drafter"], str) and loose_draft["drafter"] == AUTO
+    mtp = loose_sources["mtp"]
+    own_mtp = isinstance(mtp, str) and mtp == AUTO
+    _refuse_both(
+        draft,
+        "draft",
+        **{**loose_draft, "drafter": None if auto else loose_draft["drafter"]},
+        **{**loose_sources, "mtp": None if own_mtp else mtp},
+        datastore=datastore is not None and datastore is not False,
+    )
+    if draft is not None:
+        return sampling, with_curve(model, draft)
+    d = dict(loose_draft)
+    if auto:
+        from .hub.store import drafter_for
+
+        d["drafter"] = drafter_for(model)[0]
+    elif isinstance(d["drafter"], str):
+        raise RedrafterError(
+            f"drafter={d['drafter']!r} is not a drafter.",
+            f"Pass load_drafter({d['drafter']!r}), None for plain decoding, or {AUTO!r} for the store's.",
+        )
+    draft = library_draft(
+        model,
+        d["drafter"],
+        d["beam_width"],
+        d["beam_length"],
+        d["lookup"],
+        warp=d["warp"],
+        controller=d["controller"],
+        **tree_kw(d["tree"], model),
+    )
+    from .draft.mtp_load import resolve_mtp
+
+    src = loose_sources
+    draft = with_sources(
+        model,
+        draft,
+        resolve_mtp(model, mtp),
+        src["mtp_depth"],
+        src["draft_model"],
+        src["num_draft_tokens"],
+        d["lookup"],
+    )
+    store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
+    draft = draft if store is None else replace(draft, datastore=store)
+    return sampling, with_curve(model, draft)
