@@ -331,7 +331,7 @@ def check_fits(drafter, model) -> None:
     from ..llm.identity import model_dims
 
     dims = model_dims(model)
-    own = getattr(drafter.config, "fit_problem", None)  # a head kind's own rule (draft/heads.py)
+    own = getattr(drafter.config, "fit_problem", None)  # a head kind's own rule (draft/kinds.py)
     problem = None if dims is None else (own(*dims) if own else fit_problem(drafter.config, *dims))
     if problem:
         raise RedrafterError(problem, FIT_FIX)

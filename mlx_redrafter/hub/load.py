@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..draft.eagle3_io import layout_of, read_config_dict, read_eagle3, safetensors_files
-from ..draft.heads import read_head
+from ..draft.kinds import read_head
 
 
 def load_drafter(path, dtype=None):

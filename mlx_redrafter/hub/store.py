@@ -11,7 +11,7 @@ tools look in it (:func:`find`) for the drafter of the model they loaded.
 The drafters shipped in the package (``mlx_redrafter/drafters/``, with their
 own META) are part of what :func:`find` and :func:`entries` see; a drafter
 in the store made for the same model is preferred to them. A drafter whose
-sizes do not fit the model (draft/heads.py: ``head_fit_problem``) is never
+sizes do not fit the model (draft/kinds.py: ``head_fit_problem``) is never
 picked; :func:`candidates` says why.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from ..draft.heads import head_fit_problem as fit_problem
-from ..draft.heads import read_head_config as read_config
+from ..draft.kinds import head_fit_problem as fit_problem
+from ..draft.kinds import read_head_config as read_config
 from ..draft.redrafter import SHIPPED_DRAFTERS
 from ..errors import RedrafterError
 from ..files import atomic_folder, cache_root, write_json_atomic
@@ -282,7 +282,7 @@ def drafter_for(model, model_spec: Optional[str] = None):
     model's float dtype, or ``(None, None)``. Cached on the model: a later
     call costs one ``stat`` of the model's family folder, and sees a drafter
     installed or removed since."""
-    from ..draft.heads import read_head
+    from ..draft.kinds import read_head
 
     identity = model_identity(model, model_spec)
     family = store_root() / identity.family
