@@ -176,7 +176,7 @@ class DraftConfig:
                 f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
             )
         shapes = (
-            ("An MTP head", self.head, self.head_width, self.head_length, "--mtp-width/--mtp-depth"),
+            ("A layer head", self.head, self.head_width, self.head_length, "--mtp-depth or --beam-width/--beam-length"),
             ("A draft model", self.draft_model, self.draft_model_width, self.draft_model_length, "--num-draft-tokens"),
         )
         for what, source, width, length, flag in shapes:
@@ -187,8 +187,8 @@ class DraftConfig:
                 )
         if self.controller is not None and self.stateful:
             raise RedrafterError(
-                "The adaptive-depth controller does not run beside an MTP head or a draft model.",
-                "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
+                "The adaptive-depth controller does not run beside a layer head (MTP, EAGLE-3) or a draft model.",
+                "Drop --adaptive (controller=), or the head (--mtp none; a ReDrafter --drafter) and the draft model.",
             )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
@@ -208,13 +208,25 @@ class Resolved:
     profile: Optional[dict] = None  # the tuned profile's dict, if one was found
 
 
+def is_layer_head(drafter) -> bool:
+    """Whether a drafter is a layer head (an EAGLE-3 head, draft/head.py's
+    protocol: decoder layers with a KV cache of their own, fed the target's
+    taps) rather than the recurrent ReDrafter head. A layer head drafts as a
+    stateful source (``DraftConfig.head``, the sourced loop)."""
+    return drafter is not None and hasattr(drafter, "make_cache") and hasattr(drafter, "taps")
+
+
 def draft_shape(
-    model_spec, drafter_path, beam_width: Optional[int] = None, beam_length: Optional[int] = None
+    model_spec,
+    drafter_path,
+    beam_width: Optional[int] = None,
+    beam_length: Optional[int] = None,
+    defaults: Tuple[int, int] = (DEFAULT_WIDTH, DEFAULT_LENGTH),
 ) -> Tuple[int, int, str, Optional[dict]]:
     """``(width, length, source, profile)``: the given values, each missing one
     from the tuned profile of this device + model + drafter, else the built-in
-    default. ``profile`` is the profile's dict, or None."""
-    width, length, source = DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default"
+    ``defaults``. ``profile`` is the profile's dict, or None."""
+    (width, length), source = defaults, "built-in default"
     profile = lookup_profile(model_spec, drafter_path) if model_spec and drafter_path else None
     if profile is not None:
         width, length = profile["beam_width"], profile["beam_length"]
@@ -255,19 +267,28 @@ def resolve(
 
     ``model_spec`` and ``drafter_path`` key the tuned profile; without them
     (a drafter built in code) only the built-in defaults fill what is not
-    given. ``tree``: as given, else the profile's (a sweep's best cell may be
+    given. A layer-head drafter (an EAGLE-3 head, :func:`is_layer_head`)
+    becomes the draft's ``head``, its beams ``head_width x head_length`` (by
+    default one beam of ``DEFAULT_HEAD_LENGTH``), drafted by the sourced loop.
+    ``tree``: as given, else the profile's (a sweep's best cell may be
     an auto one), else ``tree_default`` (the caller's default for the model,
     step/curve.py's ``default_tree``). ``kw``: the other :class:`DraftConfig`
     fields (``controller``, ``warp``...).
     """
     profile, source = None, "built-in default"
     width, length = beam_width, beam_length
+    head = is_layer_head(drafter)
     if drafter is not None:
-        width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length)
+        defaults = (1, DEFAULT_HEAD_LENGTH) if head else (DEFAULT_WIDTH, DEFAULT_LENGTH)
+        width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length
     tree = tree or (profile or {}).get("tree") or tree_default
-    draft = DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), tree=tree, **kw)
+    lookup = lookup_beams(lookup, drafter, profile)
+    if head:  # its beams come from the sourced loop's chain, beside lookup's rows
+        draft = DraftConfig(lookup=lookup, tree=tree, head=drafter, head_width=width, head_length=length, **kw)
+    else:
+        draft = DraftConfig(drafter, width, length, lookup=lookup, tree=tree, **kw)
     return Resolved(draft, source, profile)
 
 

@@ -80,10 +80,17 @@ def call_configs(
     from .draft.mtp_load import resolve_mtp
 
     src = loose_sources
+    # An EAGLE-3 drafter is the draft's layer head: the model's own MTP head stays out.
+    if draft.head is not None and src["mtp_depth"] is not None:
+        raise RedrafterError(
+            "mtp_depth= sets an MTP head's depth, but the drafter is an EAGLE-3 head.",
+            "Set the EAGLE-3 head's beams with beam_width= and beam_length=.",
+        )
+    head = None if own_mtp and draft.head is not None else resolve_mtp(model, mtp)
     draft = with_sources(
         model,
         draft,
-        resolve_mtp(model, mtp),
+        head,
         src["mtp_depth"],
         src["draft_model"],
         src["num_draft_tokens"],

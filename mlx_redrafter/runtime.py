@@ -85,6 +85,8 @@ class Runtime:
             if self.draft.drafting:
                 what = " + ".join(guesses + ([copies] if self.draft.lookup_rows else []))
                 line = f"model {self.model_spec}, drafting: {what} per step{'' if guesses else ' (no drafter)'}"
+                if self.drafter_path is not None:  # an EAGLE-3 drafter: a layer head, not draft.drafter
+                    line += f" [{self.shape_source}, drafter {self.drafter_path}]"
                 console.print(f"[dim]{escape(line)}[/dim]")
                 self._announce_sources(console)
                 self._announce_datastore(console)
@@ -118,7 +120,7 @@ class Runtime:
         d, out = self.draft, []
         for who, source, width, length in (
             ("drafter", d.drafter, d.beam_width, d.beam_length),
-            ("MTP", d.head, d.head_width, d.head_length),
+            ("EAGLE-3" if getattr(d.head, "source", None) == "eagle3" else "MTP", d.head, d.head_width, d.head_length),
             ("draft-model", d.draft_model, d.draft_model_width, d.draft_model_length),
         ):
             if source is not None:
@@ -209,11 +211,21 @@ def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
 
     from .draft.stateful import load_sources
 
-    if rt.draft.controller is not None and flags.mtp is None:  # --adaptive: the model's own head stays out, said so
+    if rt.draft.head is not None and flags.mtp_depth is not None:
+        raise RedrafterError(
+            "--mtp-depth sets an MTP head's depth, but the drafter is an EAGLE-3 head.",
+            "Set the EAGLE-3 head's beams with --beam-width/--beam-length.",
+        )
+    own_out = None  # why the model's own MTP head stays out, if it does
+    if rt.draft.controller is not None:
+        own_out = "--adaptive drafts with the drafter alone"
+    elif rt.draft.head is not None:
+        own_out = "the EAGLE-3 drafter is the draft's layer head"
+    if own_out and flags.mtp is None:  # the model's own head stays out, said so
         from .draft.mtp_load import locate_mtp
 
         if locate_mtp(rt.model) is not None:
-            rt.source_labels = ("MTP head: left out (--adaptive drafts with the drafter alone)",)
+            rt.source_labels = (f"MTP head: left out ({own_out})",)
         flags = dataclasses.replace(flags, mtp="none")
     found = load_sources(rt.model, rt.tokenizer, flags, dtype)
     if found.head is None and found.draft_model is None:
@@ -411,6 +423,13 @@ def with_sources(
     extra = {}
     if lookup is None and not draft.lookup:
         extra["lookup"] = DEFAULT_LOOKUP
+    if head is None:  # the draft's own head (an EAGLE-3 drafter) stays as it is
+        head, head_width, head_length = draft.head, draft.head_width, draft.head_length
+    elif draft.head is not None:
+        raise RedrafterError(
+            "The drafter is an EAGLE-3 head and an MTP head was asked for too; a draft runs one layer head.",
+            "Drop the MTP head (--mtp none, mtp=None), or draft with another drafter.",
+        )
     return dataclasses.replace(
         draft,
         head=head,

@@ -84,7 +84,7 @@ def load_head(run, folder):
 
     head = load_drafter(folder)
     check_fits(head, run.model)
-    return head
+    return head.bind(run.model) if hasattr(head, "bind") else head
 
 
 def controller_stage(run) -> None:
@@ -199,7 +199,7 @@ def verdict_settings(run) -> dict:
     """What the verdict measures besides plain decoding: lookup alone, the new
     drafter and the drafter the model already uses (if any), in the shape the
     tools give a drafter by default."""
-    from ..config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
+    from ..config import DEFAULT_LOOKUP, DraftConfig, resolve
     from ..hub.store import find
     from ..step.curve import curve_for, default_tree
     from ..tuning.verdict import EXISTING, LOOKUP
@@ -208,8 +208,8 @@ def verdict_settings(run) -> dict:
     tree = default_tree(run.model)
     curve = curve_for(run.model, run.cfg.model) if tree == "auto" else None
 
-    def shape(drafter):
-        return DraftConfig(drafter, DEFAULT_WIDTH, DEFAULT_LENGTH, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)
+    def shape(drafter):  # the built-in shape of its kind (an EAGLE-3 head drafts as the draft's layer head)
+        return resolve(drafter, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve).draft
 
     settings = {LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)}
     for kind, folder in run.head_dirs.items():
@@ -274,7 +274,8 @@ def verdict_stage(run) -> None:
     for key in CANDIDATES:
         if key in settings:
             s = settings[key]
-            verdict[key].update(beam_width=s.beam_width, beam_length=s.beam_length, lookup=s.lookup, tree=s.tree)
+            shape = (s.head_width, s.head_length) if s.head is not None else (s.beam_width, s.beam_length)
+            verdict[key].update(beam_width=shape[0], beam_length=shape[1], lookup=s.lookup, tree=s.tree)
     if EXISTING in verdict:
         verdict[EXISTING]["path"] = str(run.existing.path)
     if not install:
