@@ -168,6 +168,12 @@ class DraftConfig:
         )
         return depth + 1
 
+    def _head_words(self) -> Tuple[str, str]:
+        """The head's kind and the flags that shape its beams, for messages."""
+        if getattr(self.head, "source", None) == "eagle3":
+            return "An EAGLE-3 head", "--beam-width/--beam-length"
+        return "An MTP head", "--mtp-width/--mtp-depth"
+
     def check(self) -> None:
         """Refuse a shape no step can verify."""
         if self.drafter is not None and (self.beam_width < 1 or self.beam_length < 1):
@@ -176,10 +182,10 @@ class DraftConfig:
                 f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
             )
         shapes = (
-            ("A layer head", self.head, self.head_width, self.head_length, "--mtp-depth or --beam-width/--beam-length"),
-            ("A draft model", self.draft_model, self.draft_model_width, self.draft_model_length, "--num-draft-tokens"),
+            (*self._head_words(), self.head, self.head_width, self.head_length),
+            ("A draft model", "--num-draft-tokens", self.draft_model, self.draft_model_width, self.draft_model_length),
         )
-        for what, source, width, length, flag in shapes:
+        for what, flag, source, width, length in shapes:
             if source is not None and (width < 1 or length < 1):
                 raise RedrafterError(
                     f"{what}'s beams need a width and a length of at least 1 (got width {width}, length {length}).",

@@ -211,16 +211,11 @@ def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
 
     from .draft.stateful import load_sources
 
-    if rt.draft.head is not None and flags.mtp_depth is not None:
-        raise RedrafterError(
-            "--mtp-depth sets an MTP head's depth, but the drafter is an EAGLE-3 head.",
-            "Set the EAGLE-3 head's beams with --beam-width/--beam-length.",
-        )
-    own_out = None  # why the model's own MTP head stays out, if it does
-    if rt.draft.controller is not None:
-        own_out = "--adaptive drafts with the drafter alone"
-    elif rt.draft.head is not None:
-        own_out = "the EAGLE-3 drafter is the draft's layer head"
+    if rt.draft.head is not None:  # the drafter is an EAGLE-3 head
+        flags.check_beside_head()
+    # Why the model's own MTP head stays out, if it does.
+    own_out = "--adaptive drafts with the drafter alone" if rt.draft.controller is not None else None
+    own_out = "the EAGLE-3 drafter is the draft's layer head" if rt.draft.head is not None else own_out
     if own_out and flags.mtp is None:  # the model's own head stays out, said so
         from .draft.mtp_load import locate_mtp
 

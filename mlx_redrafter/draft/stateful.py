@@ -44,6 +44,14 @@ class SourceFlags:
                 "--num-draft-tokens needs --draft-model.", "Name the draft model with --draft-model M."
             )
 
+    def check_beside_head(self, flag: str = "--mtp-depth", fix: str = "--beam-width/--beam-length") -> None:
+        """Refuse an MTP head's depth when the drafter is an EAGLE-3 head (the draft runs one layer head)."""
+        if self.mtp_depth is not None:
+            raise RedrafterError(
+                f"{flag} sets an MTP head's depth, but the drafter is an EAGLE-3 head.",
+                f"Set the EAGLE-3 head's beams with {fix}.",
+            )
+
 
 @dataclass
 class Loaded:
