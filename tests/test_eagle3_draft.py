@@ -189,3 +189,52 @@ def test_generate_drafter_points_at_a_head_folder(tiny, capsys, layout):
     assert drafted_share(err) > 0
     code, _, err = _generate(capsys, *args, "--mtp-depth", "3")
     assert code != 0 and "--beam-width/--beam-length" in err
+
+
+def _eagle3_share(err: str) -> float:
+    import re
+
+    shares = re.findall(r"(\d+)% eagle3", err)
+    assert shares, f"no '% eagle3' in:\n{err}"
+    return int(shares[-1]) / 100
+
+
+def test_a_head_make_drafter_trained_drafts_through_drafter(tiny, tmp_path, monkeypatch, capsys):
+    """``make-drafter --head eagle3`` on the bigram model: its verdict measures
+    the head drafting (exact, tokens/step above 1), and ``generate --drafter``
+    pointed at the folder it wrote drafts with it, exactly, its drafts accepted."""
+    import json
+    import random
+
+    from mlx_redrafter.train.budget import Sizes
+    from mlx_redrafter.train.recipe import RecipeConfig, make_drafter
+
+    folder = tiny[0]
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    rng, words = random.Random(0), [f"w{i}" for i in range(5, 90)]
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"id": f"c{i}", "turns": [" ".join(rng.choice(words) for _ in range(8))]}) + "\n")
+    sizes = Sizes(controller_prompts=2, controller_tokens=16, verdict_prompts=3, verdict_tokens=24, calibrate_s=0.3)
+    eagle3 = dict(batch_size=8, window=32, max_steps=100, draft_vocab_size=48, lr=3e-3, warmup_steps=5, depth=3)
+    cfg = RecipeConfig(
+        model=str(folder),
+        minutes=1.0,
+        out=tmp_path / "work",
+        prompts=str(tmp_path / "prompts.jsonl"),
+        max_conversations=60,
+        sizes=sizes,
+        distill={"batch_size": 8, "max_new_tokens": 24},
+        eagle3=eagle3,
+        head="eagle3",
+    )
+    report = make_drafter(cfg)
+    measured = report.verdict["eagle3"]
+    assert measured["identical_outputs"] == 3 and measured["tokens_per_step"] > 1.2
+    assert (measured["beam_width"], measured["beam_length"]) == (1, 2)  # a layer head's built-in shape
+    head = tmp_path / "work" / "eagle3"
+    assert json.loads((head / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    code, plain, _ = _generate(capsys, "--model", str(folder), "--no-draft", "-p", PROMPT)
+    code, out, err = _generate(capsys, "--model", str(folder), "--drafter", str(head), "--no-lookup", "-p", PROMPT)
+    assert code == 0 and out == plain
+    assert _eagle3_share(err) > 0.1
