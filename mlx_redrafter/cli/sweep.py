@@ -172,7 +172,7 @@ def _grid_runtime(sw, config, grid_args, out, fresh):
     """``(runtime, make_draft, path, meta)`` of a sweep, a resumed sweep's
     results checked against ``meta`` (a drafter's grid before the slow load)."""
     from ..draft.stateful import SourceFlags
-    from ..runtime import resolve_drafter_path
+    from ..runtime import LoadOptions, resolve_drafter_path
     from ..tuning.results import check_resumable
 
     grid, model, drafter, mtp, draft_model, dtype, adaptive, tree, prompts = grid_args
@@ -188,7 +188,9 @@ def _grid_runtime(sw, config, grid_args, out, fresh):
         check_resumable(out, partial, only=[k for k in partial if k not in ("prompts_digest", "num_prompts")])
     if grid == "drafter":
         flags = SourceFlags(mtp=mtp or "none", draft_model=draft_model)  # beside the drafter only when named
-        rt = _runtime(model, str(path), dtype=dtype, adaptive=adaptive, announce=False, tree=tree, sources=flags)
+        rt = _runtime(
+            LoadOptions(model, str(path), dtype=dtype, adaptive=adaptive, tree=tree, sources=flags), announce=False
+        )
     return rt, make_draft, path, meta
 
 
@@ -199,11 +201,14 @@ def _source_grid(sw, config, grid, model, drafter, mtp, draft_model, dtype, adap
     import dataclasses
 
     from ..draft.stateful import SourceFlags
+    from ..runtime import LoadOptions
 
     if grid == "draft-model" and not draft_model:
         raise RedrafterError("--grid draft-model needs --draft-model.", "Name the draft model with --draft-model M.")
     flags = SourceFlags(mtp=mtp if grid == "mtp" else (mtp or "none"), draft_model=draft_model)
-    rt = _runtime(model, drafter or "none", dtype=dtype, adaptive=adaptive, announce=False, tree=tree, sources=flags)
+    rt = _runtime(
+        LoadOptions(model, drafter or "none", dtype=dtype, adaptive=adaptive, tree=tree, sources=flags), announce=False
+    )
     if grid == "mtp" and rt.draft.head is None:
         raise RedrafterError(
             f"{model} ships no MTP head.", "Point --mtp at its original checkpoint or a split MTP folder."

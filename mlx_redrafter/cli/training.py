@@ -293,13 +293,14 @@ def train_controller_cmd(
 ):
     """Train the adaptive-depth controller for a drafter on this device (saved next to the drafter)."""
     from ..prompts import first_turn_ids
+    from ..runtime import LoadOptions
     from ..step.curve import load_curve
     from ..train.controller import fit_and_save
 
     if num_prompts < 1 or max_tokens < 1 or epochs < 1:
         raise RedrafterError("--num-prompts, --max-tokens and --epochs must be at least 1.")
     convs = _controller_conversations(prompts, seed)
-    s = _runtime(model, drafter, beam_width=beam_width, beam_length=beam_length, announce=False)
+    s = _runtime(LoadOptions(model, drafter, beam_width=beam_width, beam_length=beam_length), announce=False)
     if s.drafter is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)

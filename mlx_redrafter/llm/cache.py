@@ -37,7 +37,8 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import RedrafterError
-from .recurrent import cache_length, is_hybrid, kv_leaves, leaves, snapshot
+from .parts import model_parts
+from .recurrent import cache_length, kv_leaves, leaves, snapshot
 
 SUPPORTED_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache)
 # Tokens per forward when a prompt is fed into a cache (bounded memory per call).
@@ -81,6 +82,21 @@ def trim_cache(cache, length: int) -> bool:
     return True
 
 
+def always_trimmable(cache) -> bool:
+    """Whether every layer of ``cache`` can be trimmed however long it grows
+    (a sliding window that has wrapped, or a recurrent state, cannot)."""
+    return all(isinstance(c, (KVCache, QuantizedKVCache)) for c in leaves(cache))
+
+
+def _prefill_forward(model):
+    """What feeds a prompt into a cache: the backbone (no logits over the
+    vocabulary for every token), or the model where it has none."""
+    try:
+        return model_parts(model)[1]
+    except RedrafterError:
+        return model
+
+
 def trim_to_known(cache, known: Sequence[int]):
     """``(cache, held)``: ``cache`` (which holds a prefix of ``known``) trimmed
     to its first ``held`` tokens, at most all of ``known`` but the last (the
@@ -101,11 +117,14 @@ class PromptCache:
     The chat keeps one entry (its one conversation); the server several, so
     that alternating conversations each reuse their own prefix.
 
-    A hybrid model's recurrent states cannot be trimmed back to a prefix, so
-    for it :meth:`fetch` prefills all of a prompt but its last token itself
-    and stores that state (the turn boundary the next turn's prompt extends),
-    and :meth:`store` keeps a cache only when it holds exactly known tokens;
-    such a model keeps two entries at least (the boundary and the reply's end).
+    A hybrid model's recurrent states, and a sliding window past its size
+    (Gemma 3's), cannot be trimmed back to a prefix, so for such a model
+    (``checkpoints``) :meth:`take` prefills all of a prompt but its last token
+    itself and stores that state (the turn boundary the next turn's prompt
+    extends), and a copy at each mark it is given (the server's: the end of
+    the system prompt and tools every request repeats): :meth:`checkpoint`;
+    :meth:`store` keeps a cache only when it holds exactly known tokens; such
+    a model keeps two entries at least (the boundary and the reply's end).
     ``cache`` and ``ids``: the working cache (mlx-lm's per-layer list, or
     ``None``) and the token ids whose KV it holds once settled.
     """
@@ -119,8 +138,8 @@ class PromptCache:
                 "Give --prompt-cache-size and --prompt-cache-bytes positive values.",
             )
         self.model = model
-        self.hybrid = model is not None and is_hybrid(make_prompt_cache(model))
-        self.lru = LRUPromptCache(max(max_size, 2) if self.hybrid else max_size, max_bytes)
+        self.checkpoints = model is not None and not always_trimmable(make_prompt_cache(model))
+        self.lru = LRUPromptCache(max(max_size, 2) if self.checkpoints else max_size, max_bytes)
         self.cache = None
         self.ids: List[int] = []
         self.hits = 0  # generations that reused a cached prefix
@@ -137,8 +156,18 @@ class PromptCache:
     def fetch(self, ids: Sequence[int]):
         """``(cache, length)``: a copy of the stored cache sharing the longest
         prefix with ``ids``, trimmed to that prefix (at most all of ``ids``
-        but the last), or a fresh cache and 0. Several generations at once
-        (the server's batch) each fetch their own."""
+        but the last), or a fresh cache and 0; ``checkpoints``: prefilled
+        up to the last token (:meth:`take`)."""
+        cache, _, held = self.take(ids)
+        return cache, held
+
+    def take(self, ids: Sequence[int], marks: Sequence[int] = ()):
+        """``(cache, reused, held)``: a copy of the stored cache sharing the
+        longest prefix with ``ids`` (its first ``reused`` tokens), or a fresh
+        cache, holding ``held`` tokens once a model with ``checkpoints`` has
+        prefilled the rest up to the last token (:meth:`checkpoint`, with
+        ``marks``). Several generations at once (the server's batch) each
+        take their own."""
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, list(ids))
         keep = len(ids) - len(rest)
         if cache is not None and not rest:  # an exact hit: stream_generate needs one prompt token
@@ -147,18 +176,29 @@ class PromptCache:
                 cache = None
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
-        if self.hybrid and len(ids) - keep > 1:
-            keep = self._boundary(cache, ids, keep)
-        self.hits += 1 if keep > 0 else 0
-        self.reused_tokens += keep
-        return cache, keep
+        held = self.checkpoint(cache, ids, keep, marks) if self.checkpoints and len(ids) - keep > 1 else keep
+        self.hits += 1 if held > 0 else 0
+        self.reused_tokens += held
+        return cache, keep, held
 
-    def _boundary(self, cache, ids: Sequence[int], keep: int) -> int:
-        """A hybrid model: prefill ``ids[keep:-1]`` into ``cache`` and store a
-        copy of it, the state a later prompt that extends this one starts from."""
-        feed(self.model, cache, mx.array(ids[keep:-1], mx.int32))
-        self.lru.insert_cache(self.KEY, list(ids[:-1]), snapshot(cache))
-        return len(ids) - 1
+    def checkpoint(self, cache, ids: Sequence[int], held: int, marks: Sequence[int] = ()) -> int:
+        """For a model whose cache cannot be trimmed back once long (a
+        recurrent state, a sliding window past its size), which can only be
+        reused up to where it was stored: prefill ``cache`` (which holds
+        ``ids[:held]``) up to each of ``marks`` (e.g. the end of a system
+        prompt every request shares) and to all of ``ids`` but the last,
+        storing a copy at each, so that the next turn (its prompt extends
+        this one) or the next request with the same head finds them (as
+        mlx-lm's server does: a mark's copy kept longest, as its "system"
+        segment, the prompt's as its "user" one). The length ``cache`` holds then."""
+        ends = {m: "system" for m in marks if held < m < len(ids) - 1}
+        ends[len(ids) - 1] = "user"
+        forward = _prefill_forward(self.model)
+        for mark in sorted(m for m in ends if m > held):
+            feed(forward, cache, mx.array(ids[held:mark], mx.int32))
+            held = mark
+            self.lru.insert_cache(self.KEY, list(ids[:held]), snapshot(cache), cache_type=ends[mark])
+        return held
 
     def settle(self, known: List[int]) -> None:
         """After a generation: the cache holds a prefix of ``known`` (prompt +

@@ -14,20 +14,32 @@ history), ``tools`` (custom tools: ``name``, ``description``,
 sends them through ``extra_body``: they are read from the body either way)
 and ``output_config.format`` (a JSON Schema, through the grammar engine).
 
-Fields that do not change the reply (``metadata``, ``service_tier``,
-``cache_control``: the prompt cache works without it) are accepted. Anything
-else this server cannot honour (``thinking``, images, documents, server
-tools, a final assistant message to continue, ...) is a 400 naming the
-field, as Anthropic's API refuses a field it does not know. Errors are
-Anthropic's: ``{"type": "error", "error": {"type": ..., "message": ...}}``.
-The ``x-api-key`` and ``anthropic-version`` headers are accepted (the key is
-checked where the server has one).
+A ``system``-role message inside ``messages`` (Claude Code sends one) is
+rendered in its place; tools with ``defer_loading`` are left out of the
+prompt, as Anthropic's API leaves them out until a tool search loads them;
+``thinking`` blocks of earlier turns are dropped, as Anthropic's API drops
+them. Fields that do not change the reply here (``metadata``,
+``service_tier``, ``cache_control``: the prompt cache works on its own,
+``thinking`` and ``output_config.effort`` for a model that neither thinks
+nor has effort levels, ``context_management`` edits that only clear
+thinking) are accepted and named once in the log (:mod:`.policy`); server
+tools (``web_search_*``, ...) are left out of the prompt, with a log line.
+Anything else this server cannot honour (images, documents, other tool
+types, ``context_management`` edits of tool results, a final assistant
+message to continue, ...) is a 400 naming the field, as Anthropic's API
+refuses a field it does not know. A prompt longer than the context is
+Anthropic's ``prompt is too long: N tokens > M maximum`` (Claude Code
+compacts its history on these words). Errors are Anthropic's: ``{"type":
+"error", "error": {"type": ..., "message": ...}}``. The ``x-api-key``,
+``anthropic-version`` and ``anthropic-beta`` headers and the ``?beta=true``
+query are accepted (the key is checked where the server has one); the betas
+they name are the fields above.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -35,7 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .anthropic_reply import CountOut, MessageOut, MessageReply
 from .engine import Engine, GenParams
+from .policy import hosted_tool, note_once
 from .streaming import (
+    KEEPALIVE_S,
     MISSING,
     UNSUPPORTED,
     Failure,
@@ -45,9 +59,14 @@ from .streaming import (
     request_grammar,
     request_prompt,
     sampling,
+    shared_head,
     submit,
+    tokenized,
     unsupported,
 )
+from .tools import Rendered
+
+API = "Anthropic Messages"
 
 # Anthropic's error types by HTTP status (its API answers 529 where this server answers 503).
 ERROR_TYPES = {
@@ -60,14 +79,21 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-# Top-level fields accepted although they do not change the reply.
-ACCEPTED = {"metadata", "service_tier", "cache_control", "inference_geo"}
+# Top-level fields accepted although they change nothing here, and why (logged once per server).
+NO_EFFECT = {
+    "metadata": "it is bookkeeping for a hosted service",
+    "service_tier": "one model serves every request alike",
+    "inference_geo": "the model runs on this machine",
+    "cache_control": "the prompt cache reuses every prefix it holds on its own",
+}
+THINKS_NOT = "the served model does not think: replies have no thinking blocks"
 
 
 def error_body(f: Failure) -> dict:
-    """Anthropic's error object for ``f``."""
+    """Anthropic's error object for ``f`` (a prompt past the context in Anthropic's words: :func:`too_long`)."""
     kind = ERROR_TYPES.get(f.status, "api_error" if f.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": f.message}}
+    message = too_long(*f.sizes) if f.sizes is not None else f.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(f: Failure) -> JSONResponse:
@@ -96,10 +122,13 @@ class Block(_Body):
     is_error: Optional[bool] = None
     cache_control: Optional[Dict[str, Any]] = None
     citations: Optional[List[Any]] = None
+    thinking: Optional[str] = None  # an earlier turn's thinking block (dropped, as Anthropic's API drops it)
+    signature: Optional[str] = None
+    data: Optional[str] = None  # redacted_thinking
 
 
 class MessageIn(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Union[str, List[Block]]
 
 
@@ -109,6 +138,7 @@ class ToolIn(_Body):
     input_schema: Optional[Dict[str, Any]] = None  # a custom tool's (required there); server tools have none
     type: Optional[str] = None  # "custom" (or none); server tools have other types
     cache_control: Optional[Dict[str, Any]] = None
+    defer_loading: Optional[bool] = None  # left out of the prompt until a tool search loads it
 
 
 class ToolChoice(_Body):
@@ -120,6 +150,7 @@ class ToolChoice(_Body):
 class Thinking(_Body):
     type: str
     budget_tokens: Optional[int] = None
+    display: Optional[str] = None
 
 
 class OutputFormat(_Body):
@@ -160,21 +191,48 @@ class MessagesRequest(CountRequest):
 # --------------------------------------------------------------------------- requests into prompts
 
 
-def check_supported(req: CountRequest) -> None:
-    """A 400 naming the first field asked for that this server cannot honour."""
-    for name in req.model_extra or {}:
-        if name not in ACCEPTED:
+def check_supported(engine: Engine, req: CountRequest) -> None:
+    """A 400 naming the first field asked for that this server cannot honour;
+    those it accepts with no effect are logged once (:data:`NO_EFFECT`)."""
+    declared = {k: getattr(req, k) for k in NO_EFFECT if k in type(req).model_fields}
+    for name, value in {**(req.model_extra or {}), **declared}.items():
+        if value is None:
+            continue
+        if name == "context_management":
+            _check_context_management(value)
+            note_once(engine, API, name, "its edits clear thinking, and replies here have none")
+        elif name in NO_EFFECT:
+            note_once(engine, API, name, NO_EFFECT[name])
+        else:
             raise unsupported(name)
     if req.thinking is not None and req.thinking.type != "disabled":
-        raise unsupported("thinking", 'the served model does not think; drop it or send {"type": "disabled"}')
+        note_once(engine, API, "thinking", THINKS_NOT)
     config = getattr(req, "output_config", None)
     if config is not None and config.effort is not None:
-        raise unsupported("output_config.effort")
+        note_once(engine, API, "output_config.effort", "the served model has no effort levels")
     if req.messages[-1].role == "assistant":
         raise unsupported(
             f"messages.{len(req.messages) - 1}",
             "a final assistant message (a prefill to continue) cannot be continued here; end with a user message",
         )
+
+
+def _check_context_management(value) -> None:
+    """Only edits that clear thinking (a no-op: no thinking here) are accepted;
+    one that clears tool results would change the prompt, which this server does not."""
+    if not isinstance(value, dict):
+        raise Failure(400, "'context_management' must be an object.", param="context_management")
+    for key in value:
+        if key != "edits":
+            raise unsupported(f"context_management.{key}")
+    for i, edit in enumerate(value.get("edits") or []):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not str(kind).startswith("clear_thinking"):
+            raise unsupported(
+                f"context_management.edits.{i}",
+                f"this server cannot apply the edit {kind!r} (it keeps the prompt as sent); "
+                "only clear_thinking edits, a no-op here, are accepted",
+            )
 
 
 def _blocks(content: Union[str, List[Block]]) -> List[Block]:
@@ -201,17 +259,34 @@ def _result(b: Block, where: str) -> dict:
     return {"role": "tool", "tool_call_id": b.tool_use_id or "", "content": f"Error: {text}" if b.is_error else text}
 
 
+# Claude Code's first system block: billing metadata for Anthropic, not for the model, whose
+# cc_version suffix and cch hash change with each conversation (and request) at the prompt's
+# first tokens, so no new conversation would reuse the cached system prompt and tools.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _system_blocks(system: Union[str, List[Block]]) -> List[Block]:
+    """The system prompt's blocks less Claude Code's billing header (as sglang and vllm-mlx drop it)."""
+    return [b for b in _blocks(system) if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER))]
+
+
 def chat_messages(req: CountRequest) -> List[dict]:
     """The request's system prompt and messages as the chat template reads
     them (OpenAI's shape: tool calls on the assistant, results as ``tool``
-    messages that answer them)."""
+    messages that answer them); Claude Code's billing-header block is left out."""
     out: List[dict] = []
-    if req.system:
-        out.append({"role": "system", "content": _text(_blocks(req.system), "system")})
+    system = _system_blocks(req.system) if req.system else []
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
     for i, m in enumerate(req.messages):
+        if m.role == "system":  # in its place in the conversation (Claude Code's environment notes)
+            out.append({"role": "system", "content": _text(_blocks(m.content), f"messages.{i}.content")})
+            continue
         texts, calls, results = [], [], []
         for j, b in enumerate(_blocks(m.content)):
             where = f"messages.{i}.content.{j}"
+            if b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier turns' thinking is not part of the prompt (as in Anthropic's API)
             if b.type == "text":
                 texts.append(b.text or "")
             elif b.type == "tool_use" and m.role == "assistant":
@@ -237,10 +312,16 @@ def chat_messages(req: CountRequest) -> List[dict]:
     return out
 
 
-def openai_tools(tools: Optional[List[ToolIn]]) -> Optional[list]:
-    """Anthropic's custom tools as function tools; server tools are refused by name."""
-    out = []
+def openai_tools(engine: Engine, tools: Optional[List[ToolIn]]) -> Tuple[Optional[list], List[str]]:
+    """Anthropic's custom tools as function tools, and the paths of those
+    left out of the prompt: deferred ones (``defer_loading``) and server
+    tools (logged once, :func:`~.policy.hosted_tool`); other tool types are
+    refused by name."""
+    out, skipped = [], []
     for i, t in enumerate(tools or []):
+        if t.defer_loading or hosted_tool(engine, API, t.type, "tools"):
+            skipped.append(f"tools.{i}")
+            continue
         if t.type not in (None, "custom"):
             raise Failure(
                 400,
@@ -255,7 +336,7 @@ def openai_tools(tools: Optional[List[ToolIn]]) -> Optional[list]:
         if t.description:
             function["description"] = t.description
         out.append({"type": "function", "function": function})
-    return out or None
+    return out or None, skipped
 
 
 def tool_choice(choice: Optional[ToolChoice]):
@@ -271,21 +352,21 @@ def tool_choice(choice: Optional[ToolChoice]):
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-async def _render(engine: Engine, req: CountRequest, content=None, bounded: bool = True):
-    check_supported(req)
+async def _render(engine: Engine, req: CountRequest, content=None, bounded: bool = True) -> Tuple[Rendered, int]:
+    """The request's prompt, and how many of its tokens are the head every turn repeats (:func:`shared_head`)."""
+    check_supported(engine, req)
     choice, parallel = tool_choice(req.tool_choice)
-    rendered = await request_prompt(
-        engine,
-        chat_messages(req),
-        openai_tools(req.tools),
-        choice,
-        content_param="output_config.format",
-        parallel_tool_calls=parallel,
-        content=content,
-        bounded=bounded,
-    )
-    refuse_nested_extras(req)
-    return rendered
+    messages = chat_messages(req)
+    tools, skipped = openai_tools(engine, req.tools)
+    options = dict(parallel_tool_calls=parallel, content=content, bounded=bounded)
+    rendered = await request_prompt(engine, messages, tools, choice, content_param="output_config.format", **options)
+    refuse_nested_extras(req, skipped)
+    return rendered, await tokenized(shared_head, engine, messages, rendered.ids, tools, choice)
+
+
+def too_long(tokens: int, maximum: int) -> str:
+    """Anthropic's words for a prompt past the context (Claude Code compacts its history on them)."""
+    return f"prompt is too long: {tokens} tokens > {maximum} maximum"
 
 
 # --------------------------------------------------------------------------- the routes
@@ -299,14 +380,14 @@ def anthropic_router(engine: Engine) -> APIRouter:
     async def messages(req: MessagesRequest, request: Request):
         check_model(engine, req.model)
         fmt = req.output_config.format if req.output_config is not None else None
-        rendered = await _render(engine, req, fmt.schema_ if fmt is not None else None)
+        rendered, head = await _render(engine, req, fmt.schema_ if fmt is not None else None)
         compiled = await request_grammar(engine, rendered.grammar, "output_config.format" if fmt else "tools")
         sampled = sampling(engine, temp=req.temperature, top_p=req.top_p, top_k=req.top_k)
         params = GenParams(req.max_tokens, sampled, None, list(req.stop_sequences or []), compiled)
-        queued = submit(engine, rendered.ids, params)
+        queued = submit(engine, rendered.ids, params, head=head)
         reply = MessageReply(engine, rendered, error_body)
         if req.stream:
-            return queued.stream(reply.sse(queued.events(request)))
+            return queued.stream(reply.sse(queued.events(request, KEEPALIVE_S)))
         result = await queued.result(request)
         return client_left() if result is None else reply.whole(result)
 
@@ -314,6 +395,6 @@ def anthropic_router(engine: Engine) -> APIRouter:
     async def count_tokens(req: CountRequest):
         check_model(engine, req.model)
         # Counted whatever the length (no early refusal): what a client decides on; the body bound limits the work.
-        return JSONResponse({"input_tokens": len((await _render(engine, req, bounded=False)).ids)})
+        return JSONResponse({"input_tokens": len((await _render(engine, req, bounded=False))[0].ids)})
 
     return router

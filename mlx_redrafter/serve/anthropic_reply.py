@@ -8,9 +8,11 @@ the prompt), ``ping``, for each block ``content_block_start``, its deltas
 (``text_delta``; a call's whole input as one ``input_json_delta``, sent once
 the call is parsed) and ``content_block_stop``, then ``message_delta`` (the
 ``stop_reason``, the final usage) and ``message_stop``; a failure is an
-``error`` event. ``usage.cache_read_input_tokens`` counts the prompt tokens
-whose KV came from the prompt cache, and ``input_tokens`` the rest, as
-Anthropic counts them. Both forms carry ``redrafter``, the drafting stats
+``error`` event. While nothing comes (a long prefill) a ``ping`` goes out
+every :data:`~.streaming.KEEPALIVE_S` seconds, as Anthropic's API sends
+them. ``usage.cache_read_input_tokens`` counts the prompt tokens whose KV
+came from the prompt cache, and ``input_tokens`` the rest, as Anthropic
+counts them. Both forms carry ``redrafter``, the drafting stats
 the other routes carry.
 """
 
@@ -146,7 +148,9 @@ class MessageReply:
         yield _event("ping", {})
         blocks = _Blocks()
         async for kind, value in events:
-            if kind == "text":
+            if kind == "wait":  # a long prefill: Anthropic's keep-alive, which clients read and skip
+                yield _event("ping", {})
+            elif kind == "text":
                 for e in self._events(value.text):
                     for out in blocks.add(e):
                         yield out

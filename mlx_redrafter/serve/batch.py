@@ -116,8 +116,8 @@ class BatchDecoder:
             row = Row(job, self.tokenizer)
             self.rows.append(row)
             try:
-                cache, held = self.engine.cache.fetch(job.ids)
-                row.begin(held)
+                cache, reused, held = self.engine.cache_for(job)
+                row.begin(reused)
                 if alone:
                     row.start_alone(self.model, self.draft, cache, job.ids[held:], job.ids[:held], self.gain.add)
                 else:

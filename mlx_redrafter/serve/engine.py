@@ -21,6 +21,7 @@ resolved :class:`~mlx_redrafter.config.DraftConfig` with the job's own
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -39,7 +40,26 @@ from .tools import Rendered, prompt_with_tools, tool_format
 
 
 class PromptTooLong(RedrafterError):
-    """A prompt the model's context cannot hold (each API's ``context_length_exceeded``)."""
+    """A prompt the model's context cannot hold (each API's
+    ``context_length_exceeded``): ``tokens`` (at least that many), where
+    ``maximum`` fit (room for one reply token kept), for an API to say in its
+    own words (Anthropic's ``prompt is too long: N tokens > M maximum``)."""
+
+    def __init__(self, size: str, tokens: int, limit: int, margin: int):
+        super().__init__(
+            f"The prompt has {size} and the model's context is {limit} tokens "
+            f"(room for at least one reply token is needed).",
+            "Send a shorter prompt.",
+        )
+        self.tokens, self.maximum = tokens, limit - margin - 1
+
+
+def short_name(spec: str) -> str:
+    """The name a client can type for a model served as ``spec``: a file's or
+    folder's stem, a Hub id's last part (``./gemma-3-270m.gguf``:
+    ``gemma-3-270m``; ``mlx-community/Qwen3-0.6B-4bit``: ``Qwen3-0.6B-4bit``)."""
+    name = PurePath(spec.rstrip("/\\")).name or spec
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 class Engine:
@@ -48,9 +68,21 @@ class Engine:
     with ``queue_size`` more waiting, and prompt caches shared across requests
     (at most ``prompt_cache_size`` sequences and ``prompt_cache_bytes``
     bytes). ``max_tokens`` and ``sampling``: what a request that does not say
-    gets. ``listeners`` are called on the worker thread with every job's
+    gets; ``max_tokens_cap``: the longest reply whatever a request asks (None:
+    the context's room), and ``cap_ends_turn``: a reply that cap cuts is
+    reported as a finished turn (``stop``), for a model that never ends one
+    (a base model), whose cut replies agents take for errors.
+    ``served_names``: the names the model answers to (the first is the one
+    the server reports, as vLLM's ``--served-model-name``); besides, it
+    always answers to the model as given and its short name (:attr:`names`).
+    ``listeners`` are called on the worker thread with every job's
     :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
     step decoded, ``queue.shed_listeners`` for each request turned away."""
+
+    # The policies below, as set by __init__ (their defaults here serve test doubles that skip it).
+    max_tokens_cap: Optional[int] = None
+    cap_ends_turn = False
+    checkpoints = False  # whether the prompt cache copies caches at checkpoints (PromptCache.checkpoint)
 
     def __init__(
         self,
@@ -61,12 +93,19 @@ class Engine:
         prompt_cache_size: int = 10,
         prompt_cache_bytes: int = 1 << 63,
         max_batch: int = 8,
+        max_tokens_cap: Optional[int] = None,
+        served_names: Sequence[str] = (),
+        cap_ends_turn: bool = False,
     ):
         self.rt = runtime
-        self.model_id = runtime.model_spec
+        self.model_id = served_names[0] if served_names else runtime.model_spec
+        spec = runtime.model_spec
+        self.names = list(dict.fromkeys([self.model_id, *served_names, spec, short_name(spec)]))
         self.max_tokens = max_tokens
+        self.max_tokens_cap, self.cap_ends_turn = max_tokens_cap, cap_ends_turn
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
+        self.checkpoints = self.cache.checkpoints
         decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
         self.queue = Scheduler(decoder, queue_size)
         self.listeners: List[Callable[[Result], None]] = []
@@ -100,11 +139,7 @@ class Engine:
         limit = context_limit(self.rt.model)
         floor = token_floor(self.rt.tokenizer, text) if bounded and limit else 0
         if floor and floor > limit - self._margin() - 1:  # fit()'s test, on a lower bound of the length
-            raise PromptTooLong(
-                f"The prompt has at least {floor} tokens ({len(text)} characters) and the model's context is "
-                f"{limit} tokens (room for at least one reply token is needed).",
-                "Send a shorter prompt.",
-            )
+            raise PromptTooLong(f"at least {floor} tokens ({len(text)} characters)", floor, limit, self._margin())
         return list(encode_prompt(self.rt.tokenizer, text))
 
     def card(self) -> dict:
@@ -128,20 +163,20 @@ class Engine:
         return self.rt.draft.margin
 
     def fit(self, ids: List[int], max_tokens: int) -> int:
-        """``max_tokens`` cut to what the context leaves after the prompt;
-        a :class:`RedrafterError` when the prompt alone does not fit."""
+        """``max_tokens`` cut to ``max_tokens_cap`` and to what the context
+        leaves after the prompt (a cap, as Anthropic's and OpenAI's APIs
+        take a ``max_tokens`` past the room left: the reply ends there with
+        ``length``); a :class:`PromptTooLong` when the prompt alone does not fit."""
         if not ids:
             raise RedrafterError("The prompt is empty.", "Send at least one token of prompt.")
+        if self.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.max_tokens_cap)
         limit = context_limit(self.rt.model)
         if not limit:
             return max_tokens
         room = limit - len(ids) - self._margin()
         if room < 1:
-            raise PromptTooLong(
-                f"The prompt has {len(ids)} tokens and the model's context is {limit} tokens "
-                f"(room for at least one reply token is needed).",
-                "Send a shorter prompt.",
-            )
+            raise PromptTooLong(f"{len(ids)} tokens", len(ids), limit, self._margin())
         return min(max_tokens, room)
 
     # ------------------------------------------------------------------ jobs
@@ -156,11 +191,22 @@ class Engine:
     def stop(self) -> None:
         self.queue.stop()
 
-    def job(self, ids: List[int], params: GenParams, emit: Callable[[str, object], None]) -> Job:
+    def job(self, ids: List[int], params: GenParams, emit: Callable[[str, object], None], head: int = 0) -> Job:
         """A job for ``ids``, its ``max_tokens`` cut to fit the context
-        (a :class:`RedrafterError` when the prompt alone does not fit)."""
-        params.max_tokens = self.fit(ids, params.max_tokens)
-        return Job(list(ids), params, emit)
+        (a :class:`RedrafterError` when the prompt alone does not fit);
+        ``head``: how many of its first tokens every request of its kind
+        shares (a system prompt and tools: kept in the prompt cache)."""
+        asked, params.max_tokens = params.max_tokens, self.fit(ids, params.max_tokens)
+        params.capped = self.max_tokens_cap is not None and params.max_tokens == self.max_tokens_cap < asked
+        return Job(list(ids), params, emit, head)
+
+    def cache_for(self, job: Job):
+        """``(cache, reused, held)``: the KV cache ``job`` starts from, the
+        prompt tokens it reused from the prompt cache, and those it holds
+        (more for a model whose cache cannot be trimmed back: it is prefilled
+        up to the checkpoints the next requests reuse, ``job.head`` among
+        them: :meth:`~mlx_redrafter.llm.cache.PromptCache.take`)."""
+        return self.cache.take(job.ids, [job.head] if job.head else [])
 
     def finish(self, row, cache) -> None:
         """A row's reply ended (or its client left): store its KV cache (which
@@ -171,6 +217,8 @@ class Engine:
         ids = job.ids
         res.tokens = list(generated)
         res.cancelled = res.finish_reason is None
+        if res.finish_reason == "length" and job.params.capped and self.cap_ends_turn:
+            res.finish_reason, res.cut = "stop", True
         if res.finish_reason == "stop" and not row.eos and job.params.stop:
             res.stop_sequence = first_stop(self.rt.tokenizer.decode(generated), job.params.stop)
         if cache is not None:
@@ -200,6 +248,7 @@ class Engine:
             "generation_tps": round(t.last.generation_tps, 2) if t.last is not None else 0.0,
             "structured": {"complete": not res.incomplete} if res.structured else None,
             "tokens_batched": res.batched_tokens,  # decoded together with other requests (plain decoding)
+            "cut_at_cap": res.cut,  # ended by --max-tokens-cap, reported as a finished turn (--cap-ends-turn)
         }
 
     def health(self) -> dict:

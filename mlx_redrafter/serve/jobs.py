@@ -22,6 +22,7 @@ class GenParams:
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     grammar: object = None  # a compiled Grammar (Engine.compile_grammar): structured output
+    capped: bool = False  # max_tokens is the server's --max-tokens-cap, below what the request asked
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Result:
     stop_sequence: Optional[str] = None  # the stop string that ended the reply (None: EOS, max_tokens, cancelled)
     tokens: List[int] = field(default_factory=list)  # the reply's token ids (EOS not included)
     batched_tokens: int = 0  # of them, those decoded in a batch with other requests (the rest: alone, drafting)
+    cut: bool = False  # the server's cap ended the reply, reported as a finished turn (serve --cap-ends-turn)
 
     @property
     def completion_tokens(self) -> int:
@@ -100,6 +102,7 @@ class Job:
     ids: List[int]
     params: GenParams
     emit: Callable[[str, object], None]
+    head: int = 0  # the first tokens every request of its kind shares (system prompt, tools): kept cached
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

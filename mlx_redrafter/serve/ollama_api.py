@@ -156,7 +156,7 @@ def _unsupported(req: _Generation, extra: dict) -> None:
 
 
 def _check_model(engine: Engine, facts: ModelFacts, model: Optional[str]) -> None:
-    if model and model not in (engine.model_id, facts.name):
+    if model and model not in (*engine.names, facts.name):  # the served names (serve --served-model-name) too
         raise Failure(404, f"model '{model}' not found; this server serves '{facts.name}'.", NO_MODEL, "model")
 
 

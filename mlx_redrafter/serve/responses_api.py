@@ -13,11 +13,17 @@ A request holds ``input`` (a string, or items: messages of
 constrained by the grammar engine, see :mod:`~mlx_redrafter.serve.tools`),
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``
 and ``text.format`` (``text``, ``json_object`` or ``json_schema``, through
-the grammar engine). Fields that do not change the reply (``metadata``,
-``user``, ``prompt_cache_key``: the prompt cache works without it, ...) are
-accepted; anything else this server cannot honour (images, files,
-``reasoning``, hosted tools, ...) is a 400 naming the field. Errors are
-OpenAI's error objects.
+the grammar engine). ``namespace`` tools (Codex groups its agent tools in
+one) are their functions, each call coming back with its ``namespace``.
+Fields that do not change the reply here (``metadata``, ``user``,
+``client_metadata``, ``prompt_cache_key``: the prompt cache finds prefixes
+on its own, ``reasoning`` for a model that does not reason, ``include:
+["reasoning.encrypted_content"]`` with no reasoning to include, ...) are
+accepted and named once in the log (:mod:`.policy`); hosted tools
+(``web_search``, ...) are left out of the prompt, with a log line. Anything
+else this server cannot honour (images, files, other tool types, ...) is a
+400 naming the field. A prompt longer than the context is a 400 with code
+``context_length_exceeded``. Errors are OpenAI's error objects.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Engine, GenParams
+from .policy import hosted_tool, note_once
 from .responses_reply import ResponseOut, ResponsesReply
 from .streaming import (
+    KEEPALIVE_S,
     UNSUPPORTED,
     Failure,
     check_model,
@@ -38,19 +46,23 @@ from .streaming import (
     request_grammar,
     request_prompt,
     sampling,
+    shared_head,
     submit,
+    tokenized,
     unsupported,
 )
 
-# Fields accepted although they do not change the reply (the prompt cache needs no key).
-ACCEPTED = {
-    "metadata",
-    "user",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "service_tier",
-    "stream_options",
+API = "Responses"
+# Fields accepted although they change nothing here, and why (logged once per server).
+NO_EFFECT = {
+    "metadata": "it is bookkeeping for a hosted service",
+    "client_metadata": "it is bookkeeping for a hosted service",
+    "user": "it is bookkeeping for a hosted service",
+    "safety_identifier": "it is bookkeeping for a hosted service",
+    "prompt_cache_key": "the prompt cache finds every prefix it holds on its own",
+    "prompt_cache_retention": "the prompt cache keeps entries by its own bounds (--prompt-cache-size, -bytes)",
+    "service_tier": "one model serves every request alike",
+    "stream_options": "the stream's events are the same either way",
 }
 # What ``include`` may ask for: this server's replies hold no reasoning to include.
 INCLUDABLE = {"reasoning.encrypted_content"}
@@ -65,6 +77,8 @@ class _Body(BaseModel):
 class Part(_Body):
     type: str
     text: Optional[str] = None
+    annotations: Optional[List[Any]] = None  # an output_text part sent back as history
+    logprobs: Optional[List[Any]] = None
 
 
 class Item(_Body):
@@ -80,14 +94,18 @@ class Item(_Body):
     output: Union[str, List[Part], None] = None
     id: Optional[str] = None
     status: Optional[str] = None
+    namespace: Optional[str] = None  # a function_call of a namespace's function
 
 
 class FunctionTool(_Body):
+    """A function tool, or a ``namespace`` of them (its ``tools``)."""
+
     type: str
     name: Optional[str] = None
     description: Optional[str] = None
     parameters: Optional[Dict[str, Any]] = None
     strict: Optional[bool] = None
+    tools: Optional[List["FunctionTool"]] = None
 
 
 class TextFormat(_Body):
@@ -127,8 +145,9 @@ class ResponsesRequest(_Body):
 # --------------------------------------------------------------------------- requests into prompts
 
 
-def check_supported(req: ResponsesRequest) -> None:
-    """A 400 naming the first field asked for that this server cannot honour."""
+def check_supported(engine: Engine, req: ResponsesRequest) -> None:
+    """A 400 naming the first field asked for that this server cannot honour;
+    those it accepts with no effect are logged once (:data:`NO_EFFECT`)."""
     if req.previous_response_id is not None:
         raise _stateless("previous_response_id", "send the whole conversation in 'input'")
     if req.store:
@@ -136,15 +155,20 @@ def check_supported(req: ResponsesRequest) -> None:
     for name, value in (req.model_extra or {}).items():
         if name == "conversation" and value is not None:
             raise _stateless(name, "send the whole conversation in 'input'")
-        if name not in ACCEPTED and value is not None:
+        if value is None:
+            continue
+        if name not in NO_EFFECT:
             raise unsupported(name)
+        note_once(engine, API, name, NO_EFFECT[name])
     extra = [i for i in req.include or [] if i not in INCLUDABLE]
     if extra:
         raise unsupported("include", f"this server cannot include {extra[0]!r}")
+    if req.include:
+        note_once(engine, API, "include", "the replies hold no reasoning to include")
     if req.truncation not in (None, "disabled"):
         raise unsupported("truncation", "a conversation longer than the context is refused, not truncated")
     if req.reasoning and any(v not in (None, "none") for v in req.reasoning.values()):
-        raise unsupported("reasoning", "the served model does not reason; drop it")
+        note_once(engine, API, "reasoning", "the served model does not reason: replies have no reasoning items")
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise unsupported("text.verbosity")
 
@@ -214,23 +238,45 @@ def chat_messages(req: ResponsesRequest) -> List[dict]:
     return out
 
 
-def chat_tools(tools: Optional[List[FunctionTool]]) -> Optional[list]:
-    """The API's flat function tools in the chat shape; hosted tools are refused by name."""
-    out = []
-    for i, t in enumerate(tools or []):
+class Tools:
+    """A request's tools in the chat shape (``functions``, None without any),
+    the namespace of each namespaced function's name (``namespaces``), and
+    the paths of hosted tools left out of the prompt (``skipped``, each logged
+    once: :func:`~.policy.hosted_tool`); other tool types are refused by name."""
+
+    def __init__(self, engine: Engine, tools: Optional[List[FunctionTool]]):
+        self.namespaces: Dict[str, str] = {}
+        self.skipped: List[str] = []
+        out: List[dict] = []
+        for i, t in enumerate(tools or []):
+            if hosted_tool(engine, API, t.type, "tools"):
+                self.skipped.append(f"tools.{i}")
+            elif t.type == "namespace" and t.name:
+                out += [self._function(f, f"tools.{i}.tools.{j}", t) for j, f in enumerate(t.tools or [])]
+            else:
+                out.append(self._function(t, f"tools.{i}"))
+        names = [f["function"]["name"] for f in out]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise Failure(400, f"Two tools are named {twice!r} (namespaces included); name them apart.", param="tools")
+        self.functions = out or None
+
+    def _function(self, t: FunctionTool, where: str, namespace: Optional[FunctionTool] = None) -> dict:
         if t.type != "function" or not t.name:
             raise Failure(
                 400,
-                f"'tools.{i}' is a '{t.type}' tool, which mlx-redrafter serve does not have; send "
+                f"'{where}' is a '{t.type}' tool, which mlx-redrafter serve does not have; send "
                 "function tools with a name.",
                 UNSUPPORTED,
-                f"tools.{i}",
+                where,
             )
         function = {"name": t.name, "parameters": t.parameters or {"type": "object", "properties": {}}}
-        if t.description:
-            function["description"] = t.description
-        out.append({"type": "function", "function": function})
-    return out or None
+        about = [namespace.description if namespace else None, t.description]
+        if any(about):
+            function["description"] = "\n\n".join(a for a in about if a)
+        if namespace is not None:
+            self.namespaces[t.name] = namespace.name
+        return {"type": "function", "function": function}
 
 
 def content_spec(req: ResponsesRequest):
@@ -274,20 +320,21 @@ def responses_router(engine: Engine) -> APIRouter:
 
     @router.post("/v1/responses", response_model=ResponseOut)
     async def responses(req: ResponsesRequest, request: Request):
-        check_supported(req)
+        check_supported(engine, req)
         check_model(engine, req.model)
         spec = content_spec(req)
+        messages, tools = chat_messages(req), Tools(engine, req.tools)
+        options = dict(parallel_tool_calls=req.parallel_tool_calls, content=spec)
         rendered = await request_prompt(
             engine,
-            chat_messages(req),
-            chat_tools(req.tools),
+            messages,
+            tools.functions,
             req.tool_choice,
             content_param="text.format",
             prompt_param="input",
-            parallel_tool_calls=req.parallel_tool_calls,
-            content=spec,
+            **options,
         )
-        refuse_nested_extras(req)
+        refuse_nested_extras(req, tools.skipped)
         compiled = await request_grammar(engine, rendered.grammar, "text.format" if spec is not None else "tools")
         params = GenParams(
             req.max_output_tokens or engine.max_tokens,
@@ -296,10 +343,11 @@ def responses_router(engine: Engine) -> APIRouter:
             [],
             compiled,
         )
-        queued = submit(engine, rendered.ids, params, "input")
-        reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel))
+        head = await tokenized(shared_head, engine, messages, rendered.ids, tools.functions, req.tool_choice)
+        queued = submit(engine, rendered.ids, params, "input", head=head)
+        reply = ResponsesReply(engine, rendered, _echo(req, rendered.parallel), tools.namespaces)
         if req.stream:
-            return queued.stream(reply.sse(queued.events(request)))
+            return queued.stream(reply.sse(queued.events(request, KEEPALIVE_S)))
         result = await queued.result(request)
         return client_left() if result is None else reply.whole(result)
 

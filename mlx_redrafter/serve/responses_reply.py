@@ -13,7 +13,10 @@ one ``response.function_call_arguments.delta`` (the whole arguments, sent
 once the call is parsed), ``response.function_call_arguments.done``,
 ``response.output_item.done``; last ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut the reply, as the API
-does). A failure is an ``error`` event and ``response.failed``. The
+does). A failure is an ``error`` event and ``response.failed``. While
+nothing comes (a long prefill) ``response.in_progress`` is sent again every
+:data:`~.streaming.KEEPALIVE_S` seconds: the API has no ping, and Codex
+drops a stream that stays silent for minutes. The
 response carries ``redrafter``, the drafting stats the other routes carry.
 """
 
@@ -56,6 +59,7 @@ class FunctionCallItem(BaseModel):
     name: str
     arguments: str
     status: str
+    namespace: Optional[str] = None
 
 
 class TokensDetails(BaseModel):
@@ -110,14 +114,15 @@ def usage(res: Result) -> dict:
 class ResponsesReply:
     """Builds the response objects of one request; ``echo`` holds the
     request's fields a response repeats (instructions, tools, tool_choice,
-    text, temperature, ...)."""
+    text, temperature, ...); ``namespaces``: the namespace of each namespaced
+    function, which its calls carry."""
 
-    def __init__(self, engine: Engine, rendered: Rendered, echo: dict):
+    def __init__(self, engine: Engine, rendered: Rendered, echo: dict, namespaces: Optional[Dict[str, str]] = None):
         self.engine, self.echo = engine, echo
         self.id = "resp_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.tools = rendered.stream() if rendered.tools is not None else None
-        self.items = _Items()
+        self.items = _Items(namespaces or {})
 
     def _events(self, text: str, last: bool = False) -> List[Union[str, ToolCall]]:
         return reply_events(self.tools, text, last)
@@ -163,7 +168,9 @@ class ResponsesReply:
         yield seq.event("response.created", {"response": self.response("in_progress")})
         yield seq.event("response.in_progress", {"response": self.response("in_progress")})
         async for kind, value in events:
-            if kind == "text":
+            if kind == "wait":  # a long prefill: the API has no ping; the response is in progress, again
+                yield seq.event("response.in_progress", {"response": self.response("in_progress")})
+            elif kind == "text":
                 for e in self._events(value.text):
                     for name, data in self.items.add(e):
                         yield seq.event(name, data)
@@ -196,9 +203,10 @@ class _Items:
     """The output items of a reply and the events that build them; a message
     item stays open while text comes."""
 
-    def __init__(self):
+    def __init__(self, namespaces: Dict[str, str]):
         self.output: List[dict] = []
         self.text: Optional[dict] = None  # the open message item
+        self.namespaces = namespaces
 
     def _where(self) -> dict:
         return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1}
@@ -219,6 +227,8 @@ class _Items:
             "arguments": "",
             "status": "in_progress",
         }
+        if event.name in self.namespaces:
+            item["namespace"] = self.namespaces[event.name]
         self.output.append(item)
         out.append(("response.output_item.added", {"output_index": len(self.output) - 1, "item": dict(item)}))
         item.update(arguments=event.arguments, status="completed")

@@ -25,11 +25,15 @@ from pydantic import BaseModel
 from ..config import SamplingConfig
 from ..errors import RedrafterError
 from .engine import Engine, GenParams, Job, PromptTooLong, QueueFull, Result
+from .policy import fold_system, log_once
 from .tool_calls import Event, ToolCallStream
 from .tools import Rendered
 
 # How often a request waiting for the model checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
+# A stream that asks for it hears from the server this often while nothing else comes (a long
+# prefill): agents drop a stream that is silent for minutes (Claude Code, Codex CLI: 5 by default).
+KEEPALIVE_S = 10.0
 log = logging.getLogger(__name__)
 
 # What a failure is, in OpenAI's ``code`` words; each API maps these to its own.
@@ -50,7 +54,11 @@ class Failure(Exception):
     """A request that cannot be answered: an HTTP ``status``, a ``message``
     that says what to change, the ``kind`` of failure (the constants above)
     and the request field at fault (``param``, dotted); ``headers`` go on
-    the answer whatever its shape (a 503's ``Retry-After``)."""
+    the answer whatever its shape (a 503's ``Retry-After``); ``sizes``: a
+    prompt past the context's ``(tokens, most that fit)``, which an API may
+    say in its own words (:func:`prompt_too_long`)."""
+
+    sizes: Optional[Tuple[int, int]] = None
 
     def __init__(
         self,
@@ -63,6 +71,13 @@ class Failure(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.headers = dict(headers or {})
+
+
+def prompt_too_long(e: PromptTooLong, param: str) -> Failure:
+    """The 400 ``context_length_exceeded`` of a prompt past the context, with its sizes."""
+    failure = Failure(400, e.problem, TOO_LONG, param)
+    failure.sizes = (e.tokens, e.maximum)
+    return failure
 
 
 def generation_failure(e: BaseException) -> Failure:
@@ -84,13 +99,14 @@ def extra_fields(model: BaseModel, path: str = "") -> Iterator[Tuple[str, object
         yield from _extras_in(getattr(model, name), f"{path}{name}.")
 
 
-def refuse_nested_extras(req: BaseModel) -> None:
+def refuse_nested_extras(req: BaseModel, skip: Sequence[str] = ()) -> None:
     """A 400 naming the first field sent inside the request's parts (a tool,
     a block, an item) that their models do not declare. Run after the parts'
     own checks, so that a part of a type this server refuses is named as
-    such; the top level's fields are each API's ``check_supported``'s."""
+    such; the top level's fields are each API's ``check_supported``'s.
+    ``skip``: parts left out of the prompt (``tools.3``), whose fields do not matter."""
     for name, _ in extra_fields(req):
-        if "." in name:
+        if "." in name and not any(name.startswith(s + ".") for s in skip):
             raise unsupported(name)
 
 
@@ -108,12 +124,12 @@ def unsupported(field: str, why: str = "drop it from the request") -> Failure:
 
 
 def check_model(engine: Engine, model: Optional[str], also: Sequence[str] = ()) -> None:
-    """A 404 for a request naming a model this server does not serve
-    (``also``: other names it answers to, such as Ollama's ``name:latest``)."""
-    if model and model not in (engine.model_id, *also):
-        raise Failure(
-            404, f"The model '{model}' does not exist here; this server serves '{engine.model_id}'.", NO_MODEL, "model"
-        )
+    """A 404 for a request naming a model this server does not serve: it
+    answers to :attr:`Engine.names` (the model as served, its short name,
+    ``--served-model-name``) and ``also`` (such as Ollama's ``name:latest``)."""
+    if model and model not in (*engine.names, *also):
+        names = " or ".join(f"'{n}'" for n in engine.names)
+        raise Failure(404, f"The model '{model}' does not exist here; this server serves {names}.", NO_MODEL, "model")
 
 
 def sampling(engine: Engine, **asked) -> SamplingConfig:
@@ -139,7 +155,7 @@ async def request_prompt(
     is ``content_param``), and so are messages the model's chat template
     refuses; a prompt longer than the context is one at ``prompt_param``."""
     try:
-        return await tokenized(engine.chat_prompt, messages, tools, tool_choice, param=prompt_param, **options)
+        return await tokenized(chat_prompt, engine, messages, tools, tool_choice, param=prompt_param, **options)
     except Failure:
         raise
     except RedrafterError as e:
@@ -147,6 +163,43 @@ async def request_prompt(
         raise Failure(400, e.problem, INVALID, content_param if param == "content" else param) from None
     except Exception as e:  # e.g. a template that refuses a role or an order of roles
         raise Failure(400, f"The model's chat template refused these messages: {e}", INVALID, "messages") from None
+
+
+def chat_prompt(engine: Engine, messages: List[dict], tools, tool_choice, **options) -> Rendered:
+    """:meth:`Engine.chat_prompt`; a template that refuses a system message
+    inside the conversation gets it folded into the user turn beside it (logged once)."""
+    try:
+        return engine.chat_prompt(messages, tools, tool_choice, **options)
+    except RedrafterError:
+        raise
+    except Exception as e:
+        folded = fold_system(messages)
+        if folded is None:
+            raise
+        rendered = engine.chat_prompt(folded, tools, tool_choice, **options)
+        log_once(
+            engine,
+            ("system messages folded",),
+            f"The chat template refused a system message inside the conversation ({e}); "
+            "such messages are folded into the user turn beside them.",
+        )
+        return rendered
+
+
+def shared_head(engine: Engine, messages: List[dict], ids: List[int], tools=None, tool_choice=None) -> int:
+    """How many of ``ids`` (``messages`` rendered) are the system messages'
+    and the tools' alone, which every turn and request of an agent repeats,
+    for the prompt cache to keep (run it through :func:`tokenized`); 0 where
+    the cache needs no checkpoints (its stored replies serve every prefix)
+    or there is no system message."""
+    n = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    if not n or not engine.checkpoints:
+        return 0
+    try:
+        probe = chat_prompt(engine, list(messages[:n]) + [{"role": "user", "content": ""}], tools, tool_choice).ids
+    except Exception:  # a template that wants more than a system message: no checkpoint, nothing else lost
+        return 0
+    return next((i for i, (a, b) in enumerate(zip(probe, ids)) if a != b), min(len(probe), len(ids)))
 
 
 async def tokenized(call: Callable, *args, param: str = "prompt", **kwargs):
@@ -158,7 +211,7 @@ async def tokenized(call: Callable, *args, param: str = "prompt", **kwargs):
     try:
         return await asyncio.to_thread(call, *args, **kwargs)
     except PromptTooLong as e:
-        raise Failure(400, e.problem, TOO_LONG, param) from None
+        raise prompt_too_long(e, param) from None
 
 
 async def request_grammar(engine: Engine, spec, param: str):
@@ -178,9 +231,12 @@ class Queued:
     def __init__(self, job: Job, events: "asyncio.Queue[Tuple[str, object]]"):
         self.job, self._events = job, events
 
-    async def events(self, request: Request) -> AsyncIterator[Tuple[str, object]]:
+    async def events(self, request: Request, keepalive: Optional[float] = None) -> AsyncIterator[Tuple[str, object]]:
         """``("text", Piece)`` ... then ``("done", Result)`` or ``("error",
-        exception)``; cancels the job when the client leaves."""
+        exception)``, and ``("wait", None)`` after each ``keepalive`` seconds
+        without any (for a stream to send its API's keep-alive event); cancels
+        the job when the client leaves."""
+        quiet = 0.0
         while True:
             try:
                 kind, value = await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_S)
@@ -190,7 +246,12 @@ class Queued:
                 self.job.cancel()
                 return
             if kind is None:
+                quiet += DISCONNECT_POLL_S
+                if keepalive is not None and quiet >= keepalive:
+                    quiet = 0.0
+                    yield "wait", None
                 continue
+            quiet = 0.0
             yield kind, value
             if kind in ("done", "error"):
                 return
@@ -213,9 +274,10 @@ class Queued:
         return CancellingStream(self.job, body, media_type=media_type)
 
 
-def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "messages") -> Queued:
+def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "messages", head: int = 0) -> Queued:
     """Queue a job for ``ids`` (a 400 at ``param`` when the prompt is empty or
-    does not fit the context, a 503 when the queue is full)."""
+    does not fit the context, a 503 when the queue is full); ``head``: its
+    first tokens every request of its kind repeats (:func:`shared_head`)."""
     if not ids:
         raise Failure(400, "The prompt is empty.", INVALID, param)
     loop = asyncio.get_running_loop()
@@ -225,7 +287,9 @@ def submit(engine: Engine, ids: List[int], params: GenParams, param: str = "mess
         loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
     try:
-        job = engine.job(ids, params, emit)
+        job = engine.job(ids, params, emit, head)
+    except PromptTooLong as e:
+        raise prompt_too_long(e, param) from None
     except RedrafterError as e:
         raise Failure(400, e.problem, TOO_LONG, param) from None
     try:
