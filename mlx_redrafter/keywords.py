@@ -91,7 +91,6 @@ def _with_call_sources(model, draft, own_mtp: bool, src: dict, lookup):
     from .draft.mtp_load import resolve_mtp
     from .draft.stateful import SourceFlags
 
-    if draft.head is not None:
-        SourceFlags(mtp_depth=src["mtp_depth"]).check_beside_head("mtp_depth=", "beam_width= and beam_length=")
+    SourceFlags(mtp_depth=src["mtp_depth"]).check_beside_head(draft.head, "mtp_depth=", "beam_width= and beam_length=")
     head = None if own_mtp and draft.head is not None else resolve_mtp(model, src["mtp"])
     return with_sources(model, draft, head, src["mtp_depth"], src["draft_model"], src["num_draft_tokens"], lookup)

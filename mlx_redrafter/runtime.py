@@ -227,10 +227,8 @@ def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
 
     from .draft.stateful import load_sources
 
-    if rt.draft.head is not None:  # the drafter is an EAGLE-3 head
-        flags.check_beside_head()
-    # Why the model's own MTP head stays out, if it does.
-    own_out = "--adaptive drafts with the drafter alone" if rt.draft.controller is not None else None
+    flags.check_beside_head(rt.draft.head)  # the drafter may be an EAGLE-3 head
+    own_out = "--adaptive drafts with the drafter alone" if rt.draft.controller is not None else None  # own MTP out
     own_out = "the EAGLE-3 drafter is the draft's layer head" if rt.draft.head is not None else own_out
     if own_out and flags.mtp is None:  # the model's own head stays out, said so
         from .draft.mtp_load import locate_mtp
@@ -428,6 +426,7 @@ def with_sources(
     import dataclasses
 
     from .config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, DEFAULT_LOOKUP
+    from .draft.stateful import check_one_head
 
     if head is None and draft_model is None:
         return draft
@@ -438,13 +437,9 @@ def with_sources(
     extra = {}
     if lookup is None and not draft.lookup:
         extra["lookup"] = DEFAULT_LOOKUP
+    check_one_head(draft.head, head)
     if head is None:  # the draft's own head (an EAGLE-3 drafter) stays as it is
         head, head_width, head_length = draft.head, draft.head_width, draft.head_length
-    elif draft.head is not None:
-        raise RedrafterError(
-            "The drafter is an EAGLE-3 head and an MTP head was asked for too; a draft runs one layer head.",
-            "Drop the MTP head (--mtp none, mtp=None), or draft with another drafter.",
-        )
     return dataclasses.replace(
         draft,
         head=head,
