@@ -238,3 +238,24 @@ def test_a_head_make_drafter_trained_drafts_through_drafter(tiny, tmp_path, monk
     code, out, err = _generate(capsys, "--model", str(folder), "--drafter", str(head), "--no-lookup", "-p", PROMPT)
     assert code == 0 and out == plain
     assert _eagle3_share(err) > 0.1
+
+
+def test_sweep_shapes_an_eagle3_heads_beams_and_generate_uses_its_profile(tiny, tmp_path, monkeypatch, capsys):
+    import json
+
+    folder, _, _, heads = tiny
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "turns": ["w5 w9 w11"]}\n{"id": "b", "turns": ["w40 w7"]}\n')
+    head, out = heads["speculators"], tmp_path / "sweep"
+    args = ["sweep", "--model", str(folder), "--drafter", str(head), "--widths", "1,2", "--lengths", "2"]
+    args += ["--prompts", str(tmp_path / "p.jsonl"), "--num-prompts", "2", "--max-tokens", "12", "--out", str(out)]
+    assert cli([*args, "--save-profile"]) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    alone = [c for c in results["cells"] if c["lookup"] == 0 and c["tree"] == "fixed"]
+    assert all(c["identical_outputs"] == 2 for c in results["cells"])
+    assert {c["width"]: c["tree_size"] for c in alone} == {1: 3, 2: 5}  # g0 and the head's W x 2 drafts
+    assert all(c["tokens_per_step"] > 1 for c in alone)  # its drafts accepted
+    best = results["best"]
+    code, _, err = _generate(capsys, "--model", str(folder), "--drafter", str(head), "-p", PROMPT)
+    guesses = f"{best['width']} EAGLE-3 guess{'es' if best['width'] > 1 else ''} of {best['length']} tokens"
+    assert code == 0 and guesses in err and "tuned profile" in err
