@@ -11,7 +11,7 @@ resolved :class:`DraftConfig` along as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from .errors import RedrafterError
@@ -139,6 +139,22 @@ class DraftConfig:
         if self.draft_model is not None:
             out.append((self.draft_model, self.draft_model_width, self.draft_model_length))
         return out
+
+    @property
+    def head_is_drafter(self) -> bool:
+        """Whether the layer head is the drafter (an EAGLE-3 drafter), not a source beside it (an MTP head)."""
+        return self.drafter is None and getattr(self.head, "source", None) == "eagle3"
+
+    @property
+    def drafter_shape(self) -> Tuple[int, int]:
+        """``(width, length)`` of the drafter's beams (an EAGLE-3 drafter's: its layer head's)."""
+        return (self.head_width, self.head_length) if self.head_is_drafter else (self.beam_width, self.beam_length)
+
+    def shaped(self, width: int, length: int, lookup: int) -> "DraftConfig":
+        """This draft with the drafter's beams ``width x length`` (see :attr:`drafter_shape`) and ``lookup`` beams."""
+        shape = {"head_width": width, "head_length": length} if self.head_is_drafter else {}
+        shape = shape or {"beam_width": width, "beam_length": length}
+        return replace(self, lookup=lookup, **shape)
 
     @property
     def lookup_rows(self) -> int:

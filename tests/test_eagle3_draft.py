@@ -259,3 +259,27 @@ def test_sweep_shapes_an_eagle3_heads_beams_and_generate_uses_its_profile(tiny, 
     code, _, err = _generate(capsys, "--model", str(folder), "--drafter", str(head), "-p", PROMPT)
     guesses = f"{best['width']} EAGLE-3 guess{'es' if best['width'] > 1 else ''} of {best['length']} tokens"
     assert code == 0 and guesses in err and "tuned profile" in err
+
+
+def test_a_chat_drafts_with_an_eagle3_head_in_the_settings_shape(tiny):
+    """ChatSession with an EAGLE-3 drafter: every turn equals plain greedy
+    decoding with the head's drafts accepted, its beams shaped by the settings
+    (``/set beam_width=`` reaches the head)."""
+    from mlx_redrafter.chat import ChatSession, ChatSettings
+    from mlx_redrafter.generate import generate
+    from mlx_redrafter.prompts import build_messages, render_messages
+
+    _, model, tok, heads = tiny
+    head = load_drafter(heads["eagle"], dtype="float32")
+    s = ChatSession(model, tok, head, ChatSettings(max_tokens=24, beam_width=1, beam_length=2, lookup=0))
+    t1 = s.reply("w5 w9 w11")
+    s.settings.beam_width = 2
+    assert s.draft().head_width == 2 and s.draft().head_length == 2 and s.draft().drafter is None
+    t2 = s.reply("w40 w7 w3")
+    history = []
+    for turn, user in ((t1, "w5 w9 w11"), (t2, "w40 w7 w3")):
+        full = render_messages(tok, build_messages(None, history, user))
+        assert turn.reply == generate(model, tok, full, drafter=None, lookup=False, max_tokens=24)
+        history.append((user, turn.reply))
+    assert t1.tally.source_tokens.get("eagle3", 0) >= 2 and t2.tally.source_tokens.get("eagle3", 0) >= 2
+    assert t2.tally.tree_tokens > t1.tally.tree_tokens * t2.tally.steps / t1.tally.steps  # wider trees: W = 2

@@ -274,8 +274,8 @@ def verdict_stage(run) -> None:
     for key in CANDIDATES:
         if key in settings:
             s = settings[key]
-            shape = (s.head_width, s.head_length) if s.head is not None else (s.beam_width, s.beam_length)
-            verdict[key].update(beam_width=shape[0], beam_length=shape[1], lookup=s.lookup, tree=s.tree)
+            (w, length), more = s.drafter_shape, dict(lookup=s.lookup, tree=s.tree)
+            verdict[key].update(beam_width=w, beam_length=length, **more)
     if EXISTING in verdict:
         verdict[EXISTING]["path"] = str(run.existing.path)
     if not install:
