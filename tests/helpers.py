@@ -310,12 +310,13 @@ def drafted_share(stderr: str) -> float:
 BIGRAM_CONTEXT = 0.02
 
 
-def bigram_model(seed: int = 0):
+def bigram_model(seed: int = 0, **config_changes):
     """A tiny llama whose next token mostly follows from the last one: its
     attention and MLP outputs are scaled down to ``BIGRAM_CONTEXT``, its
     embeddings are centred, and the special tokens (``SPECIALS``: EOS among
-    them) are never its argmax. :func:`bigram_drafter` predicts it."""
-    model = tiny_model("llama", seed=seed)
+    them) are never its argmax. :func:`bigram_drafter` predicts it.
+    ``config_changes``: e.g. ``num_hidden_layers=4``."""
+    model = tiny_model("llama", seed=seed, **config_changes)
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * BIGRAM_CONTEXT
         layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * BIGRAM_CONTEXT
@@ -387,12 +388,13 @@ def squeeze(text: str) -> str:
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 
 
-def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = False):
+def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = False, **config_changes):
     """A tiny model (a llama, or a hybrid family of tests/hybrids.py) as an
     mlx-lm folder, with a word-level tokenizer (``w0 w1 ...``), an EOS token
     and a chat template, all built here (another ``seed``: another copy of the
     same model, same family; ``bigram``: the llama :func:`bigram_model`, which
-    :func:`save_bigram_drafter` predicts)."""
+    :func:`save_bigram_drafter` predicts; ``config_changes``: a llama's, e.g.
+    ``num_hidden_layers=4``)."""
     from pathlib import Path
 
     from hybrids import HYBRID_CONFIGS, tiny_hybrid
@@ -403,9 +405,13 @@ def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = Fa
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hybrid = kind in HYBRID_CONFIGS
-    model = tiny_hybrid(kind, seed=seed) if hybrid else bigram_model(seed) if bigram else tiny_model(kind, seed=seed)
+    if hybrid:
+        model = tiny_hybrid(kind, seed=seed)
+    else:
+        model = (bigram_model if bigram else lambda s, **c: tiny_model(kind, seed=s, **c))(seed, **config_changes)
     save_model(path, model)
-    save_config(dict(HYBRID_CONFIGS[kind] if hybrid else TINY_CONFIGS[kind]), path / "config.json")
+    config = HYBRID_CONFIGS[kind] if hybrid else {**TINY_CONFIGS[kind], **config_changes}
+    save_config(dict(config), path / "config.json")
     words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
