@@ -40,7 +40,7 @@ ADAPTIVE_MODES = ["plain", "fixed", "auto", "auto_deep", "radar", "radar_auto"]
 
 def drafts(model, drafter, curve, controller=None):
     from mlx_redrafter.config import DraftConfig, library_draft
-    from mlx_redrafter.runtime import tree_kw, with_curve
+    from mlx_redrafter.keywords import tree_kw, with_curve
 
     # The controller's own shape (the W x L it was trained for: 2 x 4 shipped).
     cw, cl = (controller.config.beam_width, controller.config.beam_length) if controller else (2, 4)

@@ -2,14 +2,17 @@
 :class:`~mlx_redrafter.config.SamplingConfig` and a
 :class:`~mlx_redrafter.config.DraftConfig` (:func:`call_configs`), and the
 stateful sources a draft gains (:func:`with_sources`: an MTP head, a draft
-model), for the library and the commands alike.
+model), for the library and the commands alike; the tree a draft runs
+(:func:`tree_kw`, :func:`plain_tree`) and the device curve it carries under
+``tree="auto"`` (:func:`with_curve`).
 """
 
 from __future__ import annotations
 
-from .config import SamplingConfig, library_draft
+from typing import Optional
+
+from .config import DraftConfig, SamplingConfig, library_draft
 from .errors import RedrafterError
-from .runtime import tree_kw, with_curve, with_sources
 
 AUTO = "auto"  # drafter= and mtp= defaults: the model's own (the store's drafter, the checkpoint's MTP head)
 
@@ -87,10 +90,80 @@ def _with_call_sources(model, draft, own_mtp: bool, src: dict, lookup):
     """``draft`` with the stateful sources of a call's ``mtp=`` and
     ``draft_model=`` keywords. An EAGLE-3 drafter is the draft's layer head:
     the model's own MTP head stays out, one asked for is refused
-    (runtime.py ``with_sources``), and so is ``mtp_depth=``."""
+    (:func:`with_sources`), and so is ``mtp_depth=``."""
     from .draft.mtp_load import resolve_mtp
     from .draft.stateful import SourceFlags
 
     SourceFlags(mtp_depth=src["mtp_depth"]).check_beside_head(draft.head, "mtp_depth=", "beam_width= and beam_length=")
     head = None if own_mtp and draft.head is not None else resolve_mtp(model, src["mtp"])
     return with_sources(model, draft, head, src["mtp_depth"], src["draft_model"], src["num_draft_tokens"], lookup)
+
+
+def tree_kw(tree: Optional[str], model=None) -> dict:
+    """``tree=`` and ``tree_default=`` for :func:`~mlx_redrafter.config.resolve`:
+    the tree given (None: a tuned profile's, else the default for ``model``,
+    :func:`~mlx_redrafter.step.curve.default_tree`, or DraftConfig's own when
+    no model is given)."""
+    from .step.curve import default_tree
+
+    return {"tree": tree, **({} if model is None else {"tree_default": default_tree(model)})}
+
+
+def plain_tree(tree: Optional[str], model) -> str:
+    """The tree of a draft without a drafter (no profile): as given, else the model's default."""
+    from .step.curve import default_tree
+
+    return tree or default_tree(model)
+
+
+def with_sources(
+    model,
+    draft: DraftConfig,
+    head=None,
+    head_length: Optional[int] = None,
+    draft_model=None,
+    draft_model_length: Optional[int] = None,
+    lookup=None,
+    head_width: Optional[int] = None,
+) -> DraftConfig:
+    """``draft`` with its stateful sources: an MTP (or other layer) head and a
+    draft model, each with its length (None: the default). A model that
+    drafts with one of them and was not told about lookup drafts with lookup
+    too (``lookup``: the flag or keyword as given)."""
+    import dataclasses
+
+    from .config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, DEFAULT_LOOKUP
+    from .draft.stateful import check_one_head
+
+    if head is None and draft_model is None:
+        return draft
+    if draft_model is not None:
+        from .draft.draft_model import check_draft_model
+
+        check_draft_model(model, draft_model)
+    extra = {}
+    if lookup is None and not draft.lookup:
+        extra["lookup"] = DEFAULT_LOOKUP
+    check_one_head(draft.head, head)
+    if head is None:  # the draft's own head (an EAGLE-3 drafter) stays as it is
+        head, head_width, head_length = draft.head, draft.head_width, draft.head_length
+    return dataclasses.replace(
+        draft,
+        head=head,
+        head_width=head_width or 1,
+        head_length=head_length or DEFAULT_HEAD_LENGTH,
+        draft_model=draft_model,
+        draft_model_length=draft_model_length or DEFAULT_DRAFT_MODEL_LENGTH,
+        **extra,
+    )
+
+
+def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:
+    """``draft`` with this device's verify-cost curve for ``model`` when its tree is ``auto`` and it has none."""
+    import dataclasses
+
+    from .step.curve import curve_for
+
+    if draft.tree != "auto" or draft.curve is not None:
+        return draft
+    return dataclasses.replace(draft, curve=curve_for(model, model_spec))

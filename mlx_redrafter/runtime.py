@@ -22,6 +22,7 @@ from rich.markup import escape
 from .config import DraftConfig, resolve
 from .draft.redrafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F401 (re-exported)
 from .errors import RedrafterError
+from .keywords import plain_tree, tree_kw, with_curve, with_sources
 
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
 
@@ -390,73 +391,3 @@ def _without_drafter(rt: Runtime, no_drafter: bool, lookup, tree: Optional[str])
                 rt.plain_reason = "no drafter; lookup drafts do not pay on this device's verify-cost curve"
         rt.hint = f"No drafter for this model yet: `mlx-redrafter make-drafter --model {spec}` makes one."
     rt.draft = draft
-
-
-def tree_kw(tree: Optional[str], model=None) -> dict:
-    """``tree=`` and ``tree_default=`` for :func:`~mlx_redrafter.config.resolve`:
-    the tree given (None: a tuned profile's, else the default for ``model``,
-    :func:`~mlx_redrafter.step.curve.default_tree`, or DraftConfig's own when
-    no model is given)."""
-    from .step.curve import default_tree
-
-    return {"tree": tree, **({} if model is None else {"tree_default": default_tree(model)})}
-
-
-def plain_tree(tree: Optional[str], model) -> str:
-    """The tree of a draft without a drafter (no profile): as given, else the model's default."""
-    from .step.curve import default_tree
-
-    return tree or default_tree(model)
-
-
-def with_sources(
-    model,
-    draft: DraftConfig,
-    head=None,
-    head_length: Optional[int] = None,
-    draft_model=None,
-    draft_model_length: Optional[int] = None,
-    lookup=None,
-    head_width: Optional[int] = None,
-) -> DraftConfig:
-    """``draft`` with its stateful sources: an MTP (or other layer) head and a
-    draft model, each with its length (None: the default). A model that
-    drafts with one of them and was not told about lookup drafts with lookup
-    too (``lookup``: the flag or keyword as given)."""
-    import dataclasses
-
-    from .config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, DEFAULT_LOOKUP
-    from .draft.stateful import check_one_head
-
-    if head is None and draft_model is None:
-        return draft
-    if draft_model is not None:
-        from .draft.draft_model import check_draft_model
-
-        check_draft_model(model, draft_model)
-    extra = {}
-    if lookup is None and not draft.lookup:
-        extra["lookup"] = DEFAULT_LOOKUP
-    check_one_head(draft.head, head)
-    if head is None:  # the draft's own head (an EAGLE-3 drafter) stays as it is
-        head, head_width, head_length = draft.head, draft.head_width, draft.head_length
-    return dataclasses.replace(
-        draft,
-        head=head,
-        head_width=head_width or 1,
-        head_length=head_length or DEFAULT_HEAD_LENGTH,
-        draft_model=draft_model,
-        draft_model_length=draft_model_length or DEFAULT_DRAFT_MODEL_LENGTH,
-        **extra,
-    )
-
-
-def with_curve(model, draft: DraftConfig, model_spec: Optional[str] = None) -> DraftConfig:
-    """``draft`` with this device's verify-cost curve for ``model`` when its tree is ``auto`` and it has none."""
-    import dataclasses
-
-    from .step.curve import curve_for
-
-    if draft.tree != "auto" or draft.curve is not None:
-        return draft
-    return dataclasses.replace(draft, curve=curve_for(model, model_spec))

@@ -142,7 +142,8 @@ def command_of(words: List[str]) -> Optional[Tuple[str, List[str]]]:
         if words[1] == "-m" and words[2:3] in (["mlx_redrafter.cli"], ["mlx_redrafter"]):
             return "cli", ["mlx-redrafter", *words[3:]]
         if words[1].endswith(".py") and Path(words[1]).parent.name == "bench":
-            return "bench", words[1:]
+            # a block may name the checkout as $REPO (one that runs from outside it)
+            return "bench", [re.sub(r"^\$\{?REPO\}?/", "", words[1]), *words[2:]]
     return None
 
 
@@ -153,7 +154,7 @@ def value_choices() -> Dict[str, set]:
     """The values of options the CLI takes as text and checks after parsing,
     read from the lists the project checks them against."""
     from mlx_redrafter.config import TREES
-    from mlx_redrafter.draft.datastore import KINDS
+    from mlx_redrafter.draft.datastore.index import KINDS
     from mlx_redrafter.llm.load import DTYPES
     from mlx_redrafter.train.trainer import PRESETS
 
@@ -422,13 +423,16 @@ def route_problems(text: str, routes: Dict[str, set]) -> List[str]:
 def model_problems(text: str, root) -> List[str]:
     """Model names in client examples that the server documented does not
     answer to: ``serve``'s default model, or one a ``serve --model M`` of the page serves."""
+    from mlx_redrafter.serve.engine import short_name
+
     _, serve, _ = walk(["mlx-redrafter", "serve"], root)
     served = {next(p.default for p in serve.params if "--model" in p.opts)}
     for block in fenced_blocks(Path("page.md"), text):
         for words in shell_commands(block):
             cmd = command_of(words)
             if cmd and cmd[0] == "cli" and cmd[1][1:2] == ["serve"]:
-                served.update(value_after(cmd[1], ("--model", "-m")))
+                given = value_after(cmd[1], ("--model", "-m"))
+                served.update(given, (short_name(m) for m in given))  # it answers to a file's stem too
     code = "\n".join(b.text for b in fenced_blocks(Path("page.md"), text))
     named = {next(g for g in m if g) for m in MODEL_NAMES.findall(code)}
     return [f"model {n!r} is not one the documented server serves" for n in named if n.split(":")[0] not in served]

@@ -294,7 +294,7 @@ def test_the_default_tree_follows_the_model_variant(tmp_path, monkeypatch):
     curve, where nothing pays), float ones to "fixed" (bench/RESULTS.md)."""
     import mlx.nn as nn
 
-    from mlx_redrafter.runtime import with_curve
+    from mlx_redrafter.keywords import with_curve
     from mlx_redrafter.step.curve import curve_for, default_tree
 
     monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))

@@ -13,7 +13,7 @@ import re
 import typer
 
 from mlx_redrafter.cli import app
-from mlx_redrafter.llm.cache import PromptCache
+from mlx_redrafter.llm.prompt_cache import PromptCache
 from mlx_redrafter.serve.app import create_app
 from mlx_redrafter.serve.engine import Engine, JobQueue
 

@@ -203,7 +203,7 @@ def test_a_second_turn_reuses_the_first_from_its_boundary_state(family):
     """A recurrent state cannot be trimmed back: the prompt cache keeps the
     state at each prompt's last-but-one token, which the next turn's prompt
     extends, and the reply's end when the cache holds exactly known tokens."""
-    from mlx_redrafter.llm.cache import PromptCache
+    from mlx_redrafter.llm.prompt_cache import PromptCache
 
     name, model = family
     cache = PromptCache(model)

@@ -1,4 +1,4 @@
-"""The prompt cache (mlx_redrafter.llm.cache.PromptCache on mlx-lm's
+"""The prompt cache (mlx_redrafter.llm.prompt_cache.PromptCache on mlx-lm's
 LRUPromptCache): alternating conversations each reuse their own prefix, the
 replies equal fresh decoding, and the bounds on entries and bytes hold."""
 
@@ -7,7 +7,7 @@ from helpers import OracleDrafter, accepted_in_steps, generate_tokens, prompts, 
 
 from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.errors import RedrafterError
-from mlx_redrafter.llm.cache import PromptCache
+from mlx_redrafter.llm.prompt_cache import PromptCache
 
 N = 10
 

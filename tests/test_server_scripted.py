@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from openai import OpenAI
 
 from mlx_redrafter.config import SamplingConfig
-from mlx_redrafter.llm.cache import PromptCache
+from mlx_redrafter.llm.prompt_cache import PromptCache
 from mlx_redrafter.serve.app import create_app
 from mlx_redrafter.serve.engine import Engine, JobQueue, Piece, Result
 from mlx_redrafter.serve.tools import GENERIC_FORMAT, Rendered, check_tool_choice, parser_format

@@ -610,9 +610,10 @@ def test_a_profile_from_an_auto_cell_sets_the_tree(tmp_path, tiny_folder):
     tree is then the profile's unless one is given."""
     from mlx_redrafter.config import library_draft
     from mlx_redrafter.hub.load import load_drafter
+    from mlx_redrafter.keywords import tree_kw
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.profiles import save_profile
-    from mlx_redrafter.runtime import load_runtime, tree_kw
+    from mlx_redrafter.runtime import load_runtime
 
     model, _ = load_model(str(tiny_folder))
     dfolder = save_random_drafter(tmp_path / "d", seed=11)

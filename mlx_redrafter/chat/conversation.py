@@ -23,8 +23,8 @@ from typing import Callable, Iterator, List, Optional, Sequence
 from ..config import DraftConfig, resolve
 from ..errors import RedrafterError
 from ..generate import stream_generate
-from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
+from ..llm.prompt_cache import PromptCache
 from ..output import RedrafterResponse, Tally
 from ..prompts import build_messages, chat_prompt_ids, render_messages
 from .commands import CommandResult, handle_command

@@ -29,9 +29,9 @@ from typing import List, Tuple
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..keywords import with_curve
 from ..llm.cache import target_size, trim_to_known
 from ..llm.text import wrap_tokenizer
-from ..runtime import with_curve
 from ..step.curve import curve_for
 from ..step.dispatch import drafting_pays
 from ..step.protocol import PREFILL_STEP

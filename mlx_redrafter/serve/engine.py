@@ -11,7 +11,7 @@ concurrent ones are decoded together where that pays
 (:mod:`~mlx_redrafter.serve.batch`).
 
 The KV caches stay from one request to the next
-(:class:`~mlx_redrafter.llm.cache.PromptCache`, on mlx-lm's
+(:class:`~mlx_redrafter.llm.prompt_cache.PromptCache`, on mlx-lm's
 ``LRUPromptCache``): a request whose ids share a prefix with a cached
 sequence prefills only the rest, so a follow-up turn of a conversation costs
 only its new tokens, even when other conversations came in between. Every job runs the runtime's one
@@ -28,8 +28,8 @@ import mlx.core as mx
 
 from ..config import SamplingConfig
 from ..errors import RedrafterError
-from ..llm.cache import PromptCache
 from ..llm.parts import context_limit
+from ..llm.prompt_cache import PromptCache
 from ..llm.text import encode_prompt, token_floor
 from ..prompts import render_messages
 from ..step.grammar import compile_for_model
@@ -205,7 +205,7 @@ class Engine:
         prompt tokens it reused from the prompt cache, and those it holds
         (more for a model whose cache cannot be trimmed back: it is prefilled
         up to the checkpoints the next requests reuse, ``job.head`` among
-        them: :meth:`~mlx_redrafter.llm.cache.PromptCache.take`)."""
+        them: :meth:`~mlx_redrafter.llm.prompt_cache.PromptCache.take`)."""
         return self.cache.take(job.ids, [job.head] if job.head else [])
 
     def finish(self, row, cache) -> None:
