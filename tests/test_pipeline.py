@@ -245,3 +245,25 @@ def test_host_read_is_the_only_sync_of_steps_py():
     lines = inspect.getsourcelines(steps.host_read)
     first, last = lines[1], lines[1] + len(lines[0])
     assert all(first <= line < last for line, _ in reads)
+
+
+def test_a_layout_cached_by_one_thread_is_used_by_another():
+    """The server's worker thread reuses the layouts a caller's thread made:
+    MLX's streams are per thread, so a cached lazy array would fail there
+    ("There is no Stream(cpu, 0) in current thread")."""
+    import threading
+
+    from mlx_redrafter.step.tree import layout
+
+    lay, errors = layout((3, 2, 1, 1)), []
+
+    def use():
+        try:
+            mx.eval(lay.mask.astype(mx.float32).sum() + lay.depth.sum() + lay.node_index.sum())
+        except RuntimeError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=use)
+    worker.start()
+    worker.join()
+    assert not errors, errors

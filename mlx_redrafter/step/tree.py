@@ -193,7 +193,7 @@ def layout(lengths: tuple) -> Layout:
     parent = np.array([0] + [node_index[r, j - 1] if j else 0 for r, j in zip(rows, pos)], np.int32)
     node_beam = mx.array([0] + rows, mx.int32)
     ni, dep = mx.array(node_index), mx.array(depth)
-    return Layout(
+    lay = Layout(
         tuple(lengths),
         mx.array(rows, mx.int32),
         mx.array(pos, mx.int32),
@@ -203,6 +203,11 @@ def layout(lengths: tuple) -> Layout:
         ancestor_mask(ni, node_beam, dep),
         (tuple(depth.tolist()), (-1,) + tuple(parent[1:].tolist())),
     )
+    # Evaluated here, once: a lazy array cached by one thread cannot be
+    # evaluated by another (MLX's streams are per thread), and the server's
+    # worker thread reuses layouts a caller's thread made.
+    mx.eval(lay.node_row, lay.node_pos, lay.node_index, lay.depth, lay.parent, lay.mask)
+    return lay
 
 
 def merged_parent(lay: Layout, beams: mx.array) -> mx.array:
