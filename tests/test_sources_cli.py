@@ -63,7 +63,7 @@ def test_a_model_that_ships_an_mtp_head_drafts_with_it(mimo_folder, capsys):
     code, plain, _, _ = _generate(capsys, "--model", str(mimo_folder), "--no-draft", "-p", "w5 w9 w11")
     assert code == 0
     code, out, err, words = _generate(capsys, "--model", str(mimo_folder), "-p", "w5 w9 w11")
-    assert code == 0 and out == plain and _share(words, "mtp") >= 0.2
+    assert code == 0 and out == plain and _share(words, "mtp") >= 0.2  # 33% measured
     assert "1 MTP guess of 2 tokens + 1 copy from the context per step" in words
     assert "MTP head: mimo MTP head, 1 layer (checkpoint" in words
     code, out, _, words = _generate(capsys, "--model", str(mimo_folder), "--mtp", "none", "-p", "w5 w9 w11")
@@ -84,7 +84,7 @@ def test_a_draft_model_joins_from_the_command_line(mimo_folder, tmp_path, capsys
     code, plain, _, _ = _generate(capsys, "--model", str(mimo_folder), "--no-draft", "-p", "w5 w9")
     args = ["--model", str(mimo_folder), "--mtp", "none", "--draft-model", str(sibling), "--num-draft-tokens", "2"]
     code, out, _, words = _generate(capsys, *args, "-p", "w5 w9")
-    assert code == 0 and out == plain and _share(words, "draft-model") >= 0.2
+    assert code == 0 and out == plain and _share(words, "draft-model") >= 0.1  # 21% measured
     assert "1 draft-model guess of 2 tokens" in words and f"draft model: {sibling}" in words
 
 
