@@ -153,7 +153,7 @@ def value_choices() -> Dict[str, set]:
     """The values of options the CLI takes as text and checks after parsing,
     read from the lists the project checks them against."""
     from mlx_redrafter.config import TREES
-    from mlx_redrafter.draft.datastore import KINDS
+    from mlx_redrafter.draft.datastore.index import KINDS
     from mlx_redrafter.llm.load import DTYPES
     from mlx_redrafter.train.trainer import PRESETS
 
