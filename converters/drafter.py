@@ -122,7 +122,8 @@ def read_weights(path: Path) -> Tuple[Dict[str, SourceTensor], List[Path]]:
     return tensors, files
 
 
-def _find_weights(folder: Path) -> Path:
+def find_weights(folder: Path) -> Path:
+    """The weights file (or shard index) of a drafter folder, in the order of ``WEIGHT_FILES``."""
     for name in WEIGHT_FILES:
         if (folder / name).is_file():
             return folder / name
@@ -160,7 +161,7 @@ def read_checkpoint(src) -> Checkpoint:
             f"{folder} is not a ReDrafter drafter (config.json has model_type {config.model_type!r}).",
             f"Point at a drafter folder (model_type {MODEL_TYPE!r}); LLMs are loaded with --model.",
         )
-    tensors, files = read_weights(weights or _find_weights(folder))
+    tensors, files = read_weights(weights or find_weights(folder))
     return Checkpoint(folder, config, tensors, files)
 
 

@@ -11,7 +11,7 @@ resolved :class:`DraftConfig` along as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from .errors import RedrafterError
@@ -141,6 +141,22 @@ class DraftConfig:
         return out
 
     @property
+    def head_is_drafter(self) -> bool:
+        """Whether the layer head is the drafter (an EAGLE-3 drafter), not a source beside it (an MTP head)."""
+        return self.drafter is None and getattr(self.head, "source", None) == "eagle3"
+
+    @property
+    def drafter_shape(self) -> Tuple[int, int]:
+        """``(width, length)`` of the drafter's beams (an EAGLE-3 drafter's: its layer head's)."""
+        return (self.head_width, self.head_length) if self.head_is_drafter else (self.beam_width, self.beam_length)
+
+    def shaped(self, width: int, length: int, lookup: int) -> "DraftConfig":
+        """This draft with the drafter's beams ``width x length`` (see :attr:`drafter_shape`) and ``lookup`` beams."""
+        shape = {"head_width": width, "head_length": length} if self.head_is_drafter else {}
+        shape = shape or {"beam_width": width, "beam_length": length}
+        return replace(self, lookup=lookup, **shape)
+
+    @property
     def lookup_rows(self) -> int:
         """Rows of a step's tree after the drafter's: lookup rows, or the one datastore row."""
         return self.lookup if self.lookup else int(self.datastore is not None)
@@ -168,6 +184,12 @@ class DraftConfig:
         )
         return depth + 1
 
+    def _head_words(self) -> Tuple[str, str]:
+        """The head's kind and the flags that shape its beams, for messages."""
+        if getattr(self.head, "source", None) == "eagle3":
+            return "An EAGLE-3 head", "--beam-width/--beam-length"
+        return "An MTP head", "--mtp-width/--mtp-depth"
+
     def check(self) -> None:
         """Refuse a shape no step can verify."""
         if self.drafter is not None and (self.beam_width < 1 or self.beam_length < 1):
@@ -176,10 +198,10 @@ class DraftConfig:
                 f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
             )
         shapes = (
-            ("An MTP head", self.head, self.head_width, self.head_length, "--mtp-width/--mtp-depth"),
-            ("A draft model", self.draft_model, self.draft_model_width, self.draft_model_length, "--num-draft-tokens"),
+            (*self._head_words(), self.head, self.head_width, self.head_length),
+            ("A draft model", "--num-draft-tokens", self.draft_model, self.draft_model_width, self.draft_model_length),
         )
-        for what, source, width, length, flag in shapes:
+        for what, flag, source, width, length in shapes:
             if source is not None and (width < 1 or length < 1):
                 raise RedrafterError(
                     f"{what}'s beams need a width and a length of at least 1 (got width {width}, length {length}).",
@@ -187,8 +209,8 @@ class DraftConfig:
                 )
         if self.controller is not None and self.stateful:
             raise RedrafterError(
-                "The adaptive-depth controller does not run beside an MTP head or a draft model.",
-                "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
+                "The adaptive-depth controller does not run beside a layer head (MTP, EAGLE-3) or a draft model.",
+                "Drop --adaptive (controller=), or the head (--mtp none; a ReDrafter --drafter) and the draft model.",
             )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
@@ -208,13 +230,25 @@ class Resolved:
     profile: Optional[dict] = None  # the tuned profile's dict, if one was found
 
 
+def is_layer_head(drafter) -> bool:
+    """Whether a drafter is a layer head (an EAGLE-3 head, draft/head.py's
+    protocol: decoder layers with a KV cache of their own, fed the target's
+    taps) rather than the recurrent ReDrafter head. A layer head drafts as a
+    stateful source (``DraftConfig.head``, the sourced loop)."""
+    return drafter is not None and hasattr(drafter, "make_cache") and hasattr(drafter, "taps")
+
+
 def draft_shape(
-    model_spec, drafter_path, beam_width: Optional[int] = None, beam_length: Optional[int] = None
+    model_spec,
+    drafter_path,
+    beam_width: Optional[int] = None,
+    beam_length: Optional[int] = None,
+    defaults: Tuple[int, int] = (DEFAULT_WIDTH, DEFAULT_LENGTH),
 ) -> Tuple[int, int, str, Optional[dict]]:
     """``(width, length, source, profile)``: the given values, each missing one
     from the tuned profile of this device + model + drafter, else the built-in
-    default. ``profile`` is the profile's dict, or None."""
-    width, length, source = DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default"
+    ``defaults``. ``profile`` is the profile's dict, or None."""
+    (width, length), source = defaults, "built-in default"
     profile = lookup_profile(model_spec, drafter_path) if model_spec and drafter_path else None
     if profile is not None:
         width, length = profile["beam_width"], profile["beam_length"]
@@ -255,19 +289,28 @@ def resolve(
 
     ``model_spec`` and ``drafter_path`` key the tuned profile; without them
     (a drafter built in code) only the built-in defaults fill what is not
-    given. ``tree``: as given, else the profile's (a sweep's best cell may be
+    given. A layer-head drafter (an EAGLE-3 head, :func:`is_layer_head`)
+    becomes the draft's ``head``, its beams ``head_width x head_length`` (by
+    default one beam of ``DEFAULT_HEAD_LENGTH``), drafted by the sourced loop.
+    ``tree``: as given, else the profile's (a sweep's best cell may be
     an auto one), else ``tree_default`` (the caller's default for the model,
     step/curve.py's ``default_tree``). ``kw``: the other :class:`DraftConfig`
     fields (``controller``, ``warp``...).
     """
     profile, source = None, "built-in default"
     width, length = beam_width, beam_length
+    head = is_layer_head(drafter)
     if drafter is not None:
-        width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length)
+        defaults = (1, DEFAULT_HEAD_LENGTH) if head else (DEFAULT_WIDTH, DEFAULT_LENGTH)
+        width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length
     tree = tree or (profile or {}).get("tree") or tree_default
-    draft = DraftConfig(drafter, width, length, lookup=lookup_beams(lookup, drafter, profile), tree=tree, **kw)
+    lookup = lookup_beams(lookup, drafter, profile)
+    if head:  # its beams come from the sourced loop's chain, beside lookup's rows
+        draft = DraftConfig(lookup=lookup, tree=tree, head=drafter, head_width=width, head_length=length, **kw)
+    else:
+        draft = DraftConfig(drafter, width, length, lookup=lookup, tree=tree, **kw)
     return Resolved(draft, source, profile)
 
 

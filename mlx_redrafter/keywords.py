@@ -77,18 +77,20 @@ def call_configs(
         controller=d["controller"],
         **tree_kw(d["tree"], model),
     )
-    from .draft.mtp_load import resolve_mtp
-
-    src = loose_sources
-    draft = with_sources(
-        model,
-        draft,
-        resolve_mtp(model, mtp),
-        src["mtp_depth"],
-        src["draft_model"],
-        src["num_draft_tokens"],
-        d["lookup"],
-    )
+    draft = _with_call_sources(model, draft, own_mtp, loose_sources, d["lookup"])
     store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
     draft = draft if store is None else replace(draft, datastore=store)
     return sampling, with_curve(model, draft)
+
+
+def _with_call_sources(model, draft, own_mtp: bool, src: dict, lookup):
+    """``draft`` with the stateful sources of a call's ``mtp=`` and
+    ``draft_model=`` keywords. An EAGLE-3 drafter is the draft's layer head:
+    the model's own MTP head stays out, one asked for is refused
+    (runtime.py ``with_sources``), and so is ``mtp_depth=``."""
+    from .draft.mtp_load import resolve_mtp
+    from .draft.stateful import SourceFlags
+
+    SourceFlags(mtp_depth=src["mtp_depth"]).check_beside_head(draft.head, "mtp_depth=", "beam_width= and beam_length=")
+    head = None if own_mtp and draft.head is not None else resolve_mtp(model, src["mtp"])
+    return with_sources(model, draft, head, src["mtp_depth"], src["draft_model"], src["num_draft_tokens"], lookup)

@@ -85,6 +85,8 @@ class Runtime:
             if self.draft.drafting:
                 what = " + ".join(guesses + ([copies] if self.draft.lookup_rows else []))
                 line = f"model {self.model_spec}, drafting: {what} per step{'' if guesses else ' (no drafter)'}"
+                if self.drafter_path is not None:  # an EAGLE-3 drafter: a layer head, not draft.drafter
+                    line += f" [{self.shape_source}, drafter {self.drafter_path}]"
                 console.print(f"[dim]{escape(line)}[/dim]")
                 self._announce_sources(console)
                 self._announce_datastore(console)
@@ -118,7 +120,7 @@ class Runtime:
         d, out = self.draft, []
         for who, source, width, length in (
             ("drafter", d.drafter, d.beam_width, d.beam_length),
-            ("MTP", d.head, d.head_width, d.head_length),
+            ("EAGLE-3" if getattr(d.head, "source", None) == "eagle3" else "MTP", d.head, d.head_width, d.head_length),
             ("draft-model", d.draft_model, d.draft_model_width, d.draft_model_length),
         ):
             if source is not None:
@@ -225,11 +227,14 @@ def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
 
     from .draft.stateful import load_sources
 
-    if rt.draft.controller is not None and flags.mtp is None:  # --adaptive: the model's own head stays out, said so
+    flags.check_beside_head(rt.draft.head)  # the drafter may be an EAGLE-3 head
+    own_out = "--adaptive drafts with the drafter alone" if rt.draft.controller is not None else None  # own MTP out
+    own_out = "the EAGLE-3 drafter is the draft's layer head" if rt.draft.head is not None else own_out
+    if own_out and flags.mtp is None:  # the model's own head stays out, said so
         from .draft.mtp_load import locate_mtp
 
         if locate_mtp(rt.model) is not None:
-            rt.source_labels = ("MTP head: left out (--adaptive drafts with the drafter alone)",)
+            rt.source_labels = (f"MTP head: left out ({own_out})",)
         flags = dataclasses.replace(flags, mtp="none")
     found = load_sources(rt.model, rt.tokenizer, flags, dtype)
     if found.head is None and found.draft_model is None:
@@ -421,6 +426,7 @@ def with_sources(
     import dataclasses
 
     from .config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, DEFAULT_LOOKUP
+    from .draft.stateful import check_one_head
 
     if head is None and draft_model is None:
         return draft
@@ -431,6 +437,9 @@ def with_sources(
     extra = {}
     if lookup is None and not draft.lookup:
         extra["lookup"] = DEFAULT_LOOKUP
+    check_one_head(draft.head, head)
+    if head is None:  # the draft's own head (an EAGLE-3 drafter) stays as it is
+        head, head_width, head_length = draft.head, draft.head_width, draft.head_length
     return dataclasses.replace(
         draft,
         head=head,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -310,12 +311,13 @@ def drafted_share(stderr: str) -> float:
 BIGRAM_CONTEXT = 0.02
 
 
-def bigram_model(seed: int = 0):
+def bigram_model(seed: int = 0, **config_changes):
     """A tiny llama whose next token mostly follows from the last one: its
     attention and MLP outputs are scaled down to ``BIGRAM_CONTEXT``, its
     embeddings are centred, and the special tokens (``SPECIALS``: EOS among
-    them) are never its argmax. :func:`bigram_drafter` predicts it."""
-    model = tiny_model("llama", seed=seed)
+    them) are never its argmax. :func:`bigram_drafter` predicts it.
+    ``config_changes``: e.g. ``num_hidden_layers=4``."""
+    model = tiny_model("llama", seed=seed, **config_changes)
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * BIGRAM_CONTEXT
         layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * BIGRAM_CONTEXT
@@ -387,12 +389,13 @@ def squeeze(text: str) -> str:
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>"]
 
 
-def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = False):
+def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = False, **config_changes):
     """A tiny model (a llama, or a hybrid family of tests/hybrids.py) as an
     mlx-lm folder, with a word-level tokenizer (``w0 w1 ...``), an EOS token
     and a chat template, all built here (another ``seed``: another copy of the
     same model, same family; ``bigram``: the llama :func:`bigram_model`, which
-    :func:`save_bigram_drafter` predicts)."""
+    :func:`save_bigram_drafter` predicts; ``config_changes``: a llama's, e.g.
+    ``num_hidden_layers=4``)."""
     from pathlib import Path
 
     from hybrids import HYBRID_CONFIGS, tiny_hybrid
@@ -403,9 +406,13 @@ def save_tiny_folder(path, seed: int = 0, kind: str = "llama", bigram: bool = Fa
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hybrid = kind in HYBRID_CONFIGS
-    model = tiny_hybrid(kind, seed=seed) if hybrid else bigram_model(seed) if bigram else tiny_model(kind, seed=seed)
+    if hybrid:
+        model = tiny_hybrid(kind, seed=seed)
+    else:
+        model = (bigram_model if bigram else lambda s, **c: tiny_model(kind, seed=s, **c))(seed, **config_changes)
     save_model(path, model)
-    save_config(dict(HYBRID_CONFIGS[kind] if hybrid else TINY_CONFIGS[kind]), path / "config.json")
+    config = HYBRID_CONFIGS[kind] if hybrid else {**TINY_CONFIGS[kind], **config_changes}
+    save_config(dict(config), path / "config.json")
     words = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -474,3 +481,28 @@ def bpe_tokenizer(folder, texts, vocab_size: int = 1024, chat_template=None):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=chat_template)
     fast.save_pretrained(folder)
     return fast
+
+
+AGENT_RECORDINGS = Path(__file__).parent / "fixtures" / "agents"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def agent_model_folder(root, kind: str, layers: int = 1, **config):
+    """A tiny ``kind`` model (``layers`` layers) as an mlx-lm folder under
+    ``root``, with a byte-level BPE trained on the agents' recorded requests
+    (tests/fixtures/agents) and a ChatML template: its prompts are as long as
+    the agents' real ones (about 12k tokens), and with one layer a prefill
+    costs next to nothing. ``config``: overrides (``max_position_embeddings``)."""
+    from mlx_lm.utils import save_config, save_model
+
+    folder = Path(root) / kind
+    folder.mkdir()
+    texts = [p.read_text() for p in sorted(AGENT_RECORDINGS.glob("*.json"))]
+    vocab = len(bpe_tokenizer(folder, texts, 8192, CHATML))
+    config = dict(TINY_CONFIGS[kind], vocab_size=vocab, num_hidden_layers=layers, **config)
+    save_model(folder, tiny_model(kind, **config))
+    save_config(config, folder / "config.json")
+    return folder

@@ -26,8 +26,7 @@ from pathlib import Path
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from fastapi.testclient import TestClient
-from helpers import TINY_CONFIGS, bpe_tokenizer, tiny_model
-from mlx_lm.utils import save_config, save_model
+from helpers import agent_model_folder
 from openai.types.responses import Response, ResponseStreamEvent
 
 from mlx_redrafter.serve import anthropic_api, responses_api
@@ -37,10 +36,6 @@ from mlx_redrafter.serve.policy import fold_system
 
 AGENTS = Path(__file__).parent / "fixtures" / "agents"
 CAP = 48  # --max-tokens-cap: Claude Code asks for 32000
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # A template that takes a system message only first, as many do (Gemma's, Mistral's).
 STRICT = (
     "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
@@ -65,25 +60,14 @@ def recorded(name: str) -> dict:
     return json.loads((AGENTS / f"{name}.json").read_text())
 
 
-def _folder(root: Path, kind: str, layers: int = 1, **config) -> Path:
-    folder = root / kind
-    folder.mkdir()
-    texts = [p.read_text() for p in sorted(AGENTS.glob("*.json"))]
-    vocab = len(bpe_tokenizer(folder, texts, 8192, CHATML))
-    config = dict(TINY_CONFIGS[kind], vocab_size=vocab, num_hidden_layers=layers, **config)
-    save_model(folder, tiny_model(kind, **config))
-    save_config(config, folder / "config.json")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Tiny models with the agents' context (32k), and one of 64 tokens."""
     return {
-        "llama": _folder(tmp_path_factory.mktemp("agents"), "llama", max_position_embeddings=32768),
+        "llama": agent_model_folder(tmp_path_factory.mktemp("agents"), "llama", max_position_embeddings=32768),
         # a sliding layer (8 tokens: its attention costs little), then a global one
-        "gemma": _folder(tmp_path_factory.mktemp("agents"), "gemma3_text", 2, max_position_embeddings=32768),
-        "short": _folder(tmp_path_factory.mktemp("agents-short"), "llama", max_position_embeddings=64),
+        "gemma": agent_model_folder(tmp_path_factory.mktemp("agents"), "gemma3_text", 2, max_position_embeddings=32768),
+        "short": agent_model_folder(tmp_path_factory.mktemp("agents-short"), "llama", max_position_embeddings=64),
     }
 
 

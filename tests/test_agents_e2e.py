@@ -1,22 +1,24 @@
 """The real agents against the real server (issue 48): Claude Code and Codex
 CLI, installed from npm (bench/agents.py: once, into a cache folder), each
-run non-interactively for two turns against ``mlx-redrafter serve`` on the
-Gemma 3 270M GGUF (``make setup-gemma``), exactly as docs/server.md tells a
-user to run them.
+run non-interactively for two turns against ``mlx-redrafter serve``, exactly
+as docs/server.md tells a user to run them.
 
-Gemma 3 270M is a base model: it has no chat template (the server renders
-``role: content`` lines) and never ends a turn, so the server caps every
-reply (``--max-tokens-cap``) and reports the cut as the turn's end
+The model is tests/helpers.py's agent model: a one-layer tiny llama with a
+byte-level BPE trained on the agents' recorded requests and a ChatML
+template, so its prompts are as long as with a real model (12-15k tokens)
+and a prefill costs next to nothing (bench/agents.py runs the same turns on
+the Gemma 3 270M GGUF for bench/RESULTS.md). Its replies are random tokens
+that never end a turn, so the server caps every reply
+(``--max-tokens-cap``) and reports the cut as the turn's end
 (``--cap-ends-turn``: both clients take a reply cut short for an error and
-retry it). A turn ends in bounded time. What is checked is
-the protocol, not the words: Claude Code's JSON result has ``is_error:
-false``, Codex exits 0 with a final message, every request either client
-sent got a 2xx, and the second turn prefilled only what is new (its 12-15k
-tokens of system prompt and tools came from the prompt cache).
+retry it). What is checked is the protocol, not the words: Claude Code's
+JSON result has ``is_error: false``, Codex exits 0 with a final message,
+every request either client sent got a 2xx, and the second turn prefilled
+only what is new (the system prompt and tools came from the prompt cache).
 
-Without Node.js and npm, or without the Gemma extra, the test is skipped,
-unless ``MLX_REDRAFTER_REQUIRE_AGENTS`` is set (``.ci/run`` sets it, and
-installs both first): then it fails, so CI never skips it silently.
+Without Node.js and npm the test is skipped, unless
+``MLX_REDRAFTER_REQUIRE_AGENTS`` is set (``.ci/run`` sets it, and installs
+the clients first): then it fails, so CI never skips it silently.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import agent_model_folder
 
 REPO = Path(__file__).resolve().parents[1]
-CAP = 8  # tokens a reply may have: Gemma 3 270M decodes about 8 a second on 2 cores
+CAP = 8  # tokens a reply may have
 
 
 def _bench():
@@ -60,14 +63,12 @@ def clients():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, clients):
-    """``serve`` on the Gemma 3 270M GGUF: its URL, the model's short name, its log."""
-    try:
-        gguf = agents.gemma_gguf()
-    except ImportError:
-        _missing("the Gemma 3 GGUF extra is not installed: make setup-gemma")
-    log = tmp_path_factory.mktemp("agents-serve") / "serve.log"
-    with agents.serving(["--model", str(gguf), "--max-tokens-cap", str(CAP), "--cap-ends-turn"], log) as url:
-        yield url, gguf.name.removesuffix(".gguf"), log
+    """``serve`` on the agent model: its URL, the model's short name, its log."""
+    root = tmp_path_factory.mktemp("agents-serve")
+    folder = agent_model_folder(root, "llama", max_position_embeddings=32768)
+    log = root / "serve.log"
+    with agents.serving(["--model", str(folder), "--max-tokens-cap", str(CAP), "--cap-ends-turn"], log) as url:
+        yield url, folder.name, log
 
 
 def _turns(run, clients, server, tmp_path):

@@ -28,6 +28,7 @@ STORAGES = {
     np.dtype("float16"): "HalfStorage",
     np.dtype("float64"): "DoubleStorage",
     np.dtype("int64"): "LongStorage",
+    np.dtype("bool"): "BoolStorage",
 }
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 

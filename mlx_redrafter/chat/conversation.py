@@ -17,10 +17,10 @@ whatever the template does to earlier replies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
-from ..config import DraftConfig
+from ..config import DraftConfig, resolve
 from ..errors import RedrafterError
 from ..generate import stream_generate
 from ..llm.cache import PromptCache
@@ -133,7 +133,7 @@ class ChatSession:
         ``history_store``: a :class:`~mlx_redrafter.draft.datastore.use.History`
         that each finished reply is appended to."""
         self.model, self.tokenizer = model, tokenizer
-        self.base_draft = draft or DraftConfig(drafter, controller=controller)
+        self.base_draft = draft or resolve(drafter, controller=controller).draft  # an EAGLE-3 drafter: its head
         self.settings = settings or ChatSettings()
         self.system = system
         self.turns: List[Turn] = [Turn(u, a) for u, a in history]
@@ -150,7 +150,7 @@ class ChatSession:
         """A chat on a :class:`~mlx_redrafter.runtime.Runtime` (its resolved
         beam shape and lookup beams win over ``settings``)."""
         settings = settings or ChatSettings()
-        settings.beam_width, settings.beam_length, settings.lookup = rt.beam_width, rt.beam_length, rt.lookup
+        (settings.beam_width, settings.beam_length), settings.lookup = rt.draft.drafter_shape, rt.lookup
         info = {"model": rt.model_spec, "drafter": str(rt.drafter_path) if rt.drafter_path else None}
         return cls(
             rt.model, rt.tokenizer, settings=settings, info=info, draft=rt.draft, history_store=rt.history, **kwargs
@@ -167,7 +167,7 @@ class ChatSession:
     def draft(self) -> DraftConfig:
         """The draft of the next turn: the base one with the settings' beam shape and lookup beams."""
         s = self.settings
-        return replace(self.base_draft, beam_width=s.beam_width, beam_length=s.beam_length, lookup=s.lookup)
+        return self.base_draft.shaped(s.beam_width, s.beam_length, s.lookup)
 
     # ------------------------------------------------------------------ conversation
 

@@ -21,11 +21,13 @@ def _clock(seconds: Optional[float]) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def _command(model, minutes, hours, out, prompts, max_conversations) -> str:
+def _command(model, minutes, hours, out, prompts, max_conversations, head="redrafter") -> str:
     """The command line as the user would type it again (recorded in the drafter's metadata)."""
     parts = ["mlx-redrafter", "make-drafter", "--model", model]
     parts += ["--hours", f"{hours:g}"] if hours is not None else ["--minutes", f"{minutes:g}"]
-    for flag, value in (("--out", out), ("--prompts", prompts), ("--max-conversations", max_conversations)):
+    extra = (("--out", out), ("--prompts", prompts), ("--max-conversations", max_conversations))
+    extra += (("--head", None if head == "redrafter" else head),)
+    for flag, value in extra:
         if value is not None:
             parts += [flag, str(value)]
     return " ".join(shlex.quote(p) for p in parts)
@@ -60,10 +62,18 @@ def make_drafter_cmd(
         "--max-conversations",
         help="Distil at most this many conversations, over all runs (default: as many as the budget allows).",
     ),
+    head: str = typer.Option(
+        "redrafter",
+        "--head",
+        help="The draft head to train: 'redrafter' (the recurrent ReDrafter head), 'eagle3' (an EAGLE-3 head, "
+        "trained with training-time test and saved in vLLM's speculators layout), or 'auto' (both, each with half "
+        "of the training time, on the same data; the verdict installs the faster).",
+    ),
 ):
     """Make a drafter for any mlx-lm model: distil, train, fit the depth controller, calibrate this
     device, measure the drafter against decoding without one on held-out prompts, and install it
     for the model if it is faster. Ctrl-C keeps everything; the same command continues."""
+    from ..train.heads import heads_of
     from ..train.recipe import RecipeConfig, make_drafter
 
     if (minutes is None) == (hours is None):
@@ -71,6 +81,7 @@ def make_drafter_cmd(
             "Give the time budget once: --minutes N or --hours H.",
             "E.g. --hours 1.5 (a rerun with a larger budget continues).",
         )
+    heads_of(head)  # an unknown --head fails before anything loads
     budget = minutes if minutes is not None else 60 * hours
     if budget <= 0 or (max_conversations is not None and max_conversations < 1):
         raise RedrafterError("The budget must be positive and --max-conversations at least 1.")
@@ -80,7 +91,8 @@ def make_drafter_cmd(
         out,
         prompts,
         max_conversations,
-        command=_command(model, minutes, hours, out, prompts, max_conversations),
+        command=_command(model, minutes, hours, out, prompts, max_conversations, head),
+        head=head,
     )
     try:
         report = _run(cfg, make_drafter)
@@ -131,10 +143,15 @@ def _print_report(report, cfg) -> None:
     plain = v.get("plain", {})
     err.print(f"verdict on {v.get('prompts')} held-out prompts, {v.get('max_tokens')} tokens each, {v.get('device')}:")
     err.print(f"  plain decoding   {plain.get('tokens_per_second', 0):.1f} tok/s")
-    for name in ("lookup", "drafter", "existing"):
+    labels = {
+        "lookup": "lookup alone",
+        "drafter": "new drafter",
+        "eagle3": "new EAGLE-3 head",
+        "existing": "drafter in use",
+    }
+    for name, label in labels.items():
         if name in v:
             r = v[name]
-            label = {"lookup": "lookup alone", "drafter": "new drafter", "existing": "drafter in use"}[name]
             err.print(
                 f"  {label:<16} {r['speedup']:.2f}x, {r['tokens_per_step']:.2f} tokens/step, "
                 f"{r['identical_outputs']}/{v['prompts']} outputs identical to plain"
@@ -152,7 +169,13 @@ def _print_report(report, cfg) -> None:
         err.print(f"More data? {escape(need['message'])}.", soft_wrap=True)
     if need.get("more_minutes"):
         more = _command(
-            cfg.model, round(cfg.minutes + need["more_minutes"]), None, cfg.out, cfg.prompts, cfg.max_conversations
+            cfg.model,
+            round(cfg.minutes + need["more_minutes"]),
+            None,
+            cfg.out,
+            cfg.prompts,
+            cfg.max_conversations,
+            cfg.head,
         )
         err.print(f"To go on: {escape(more)}", soft_wrap=True)
     err.print(f"The drafter stays in {escape(str(report.drafter))} (with its metadata).", soft_wrap=True)

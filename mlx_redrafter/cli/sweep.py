@@ -147,13 +147,15 @@ def _run_sweep(rt, ids, config, out: Path, meta: dict, fresh: bool, make_draft=N
     """Run the sweep under a progress bar; Ctrl-C keeps the finished cells in ``out``."""
     from ..tuning.sweep import run_sweep
 
+    # The drafter's grid: an EAGLE-3 drafter is the draft's layer head (its cells shape that head's beams).
+    drafter = rt.drafter if rt.drafter is not None or make_draft is not None else rt.draft.head
     with progress_bar("count", eta=True) as bar:
         task = bar.add_task("sweep", total=None)
         try:
             return run_sweep(
                 rt.model,
                 ids,
-                rt.drafter,
+                drafter,
                 config,
                 out,
                 meta,

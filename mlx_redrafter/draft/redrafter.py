@@ -325,11 +325,15 @@ def fit_problem(config: DrafterConfig, hidden: int, vocab: int, num_layers: int)
     return None
 
 
-def check_fits(drafter: Drafter, model) -> None:
-    """Raise when the drafter was made for another LLM (hidden size or vocabulary)."""
+def check_fits(drafter, model) -> None:
+    """Raise when the drafter was made for another LLM (hidden size or
+    vocabulary); a layer head (EAGLE-3) that fits is bound to the model."""
     from ..llm.identity import model_dims
 
     dims = model_dims(model)
-    problem = None if dims is None else fit_problem(drafter.config, *dims)
+    own = getattr(drafter.config, "fit_problem", None)  # a head kind's own rule (draft/kinds.py)
+    problem = None if dims is None else (own(*dims) if own else fit_problem(drafter.config, *dims))
     if problem:
         raise RedrafterError(problem, FIT_FIX)
+    if hasattr(drafter, "bind"):
+        drafter.bind(model)

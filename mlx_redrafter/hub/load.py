@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..draft.redrafter import Drafter, read_drafter
+from ..draft.eagle3_io import layout_of, read_config_dict, read_eagle3, safetensors_files
+from ..draft.kinds import read_head
 
 
-def load_drafter(path, dtype=None) -> Drafter:
+def load_drafter(path, dtype=None):
     """Load a drafter: a folder (``config.json`` + ``model.safetensors``); the
     id of a model the drafter store holds a drafter for (``mlx-redrafter
     drafters list``; e.g. one ``make-drafter`` installed) or that a drafter
@@ -25,9 +26,20 @@ def load_drafter(path, dtype=None) -> Drafter:
 
     ``dtype`` defaults to the LLM policy (float16 on a GPU, float32 on the
     CPU). Parameters are evaluated before returning.
+
+    The folder may hold a ReDrafter drafter (a
+    :class:`~mlx_redrafter.draft.redrafter.Drafter`) or an EAGLE-3 head in
+    either published layout (an :class:`~mlx_redrafter.draft.eagle3.Eagle3Head`;
+    the tools bind it to the model they load, ``head.bind(model)`` from Python).
     """
     if isinstance(path, str) and not Path(path).expanduser().exists():
         from .locate import locate
 
         path = locate(path).path
-    return read_drafter(path, dtype)
+    folder = Path(path).expanduser()
+    folder = folder.parent if folder.is_file() else folder
+    if (folder / "config.json").is_file() and layout_of(read_config_dict(folder)) and not safetensors_files(folder):
+        from .locate import eagle3_tensors  # an EAGLE-3 head in a PyTorch pickle: read safely, never run
+
+        return read_eagle3(folder, dtype, tensors=eagle3_tensors(folder))
+    return read_head(path, dtype)

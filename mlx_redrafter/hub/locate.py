@@ -10,7 +10,9 @@ layouts load: this project's (``config.json`` + ``model.safetensors``, with
 the official key names, so an official safetensors checkpoint is one too) and
 the official PyTorch code's (``pytorch_model.bin`` or shards), which is
 converted once, through converters/drafter.py's safe reader (no pickle code
-runs), into the store.
+runs), into the store. EAGLE-3 heads load too (draft/eagle3_io.py): one in
+vLLM's speculators layout is kept as it is, one in the EAGLE repository's
+layout is converted once into the speculators layout.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..draft.eagle3_io import layout_of
 from ..draft.redrafter import MODEL_TYPE, shipped_drafter_path
 from ..errors import RedrafterError
 from ..llm.identity import ModelIdentity, model_name
@@ -99,10 +102,14 @@ def fetch(repo: str, say: Optional[Callable[[str], None]] = None) -> Located:
     meta = store.read_meta(snapshot)
     identity = ModelIdentity.from_dict(meta.get("base_model"))
     hub = {"repo": repo, "revision": revision}
-    if (snapshot / "model.safetensors").is_file():
+    eagle3 = (
+        layout_of(json.loads((snapshot / "config.json").read_text())) if (snapshot / "config.json").is_file() else None
+    )
+    if (snapshot / "model.safetensors").is_file() and eagle3 != "eagle":
         path = store.install(snapshot, identity, {**meta, "source": f"hub:{repo}", "hub": hub}, name=store.slug(repo))
         return Located(path, f"hub:{repo}")
-    return Located(_convert(repo, snapshot, identity, {**meta, "hub": hub}, say), f"converted from hub:{repo}")
+    convert = _convert_eagle3 if eagle3 else _convert
+    return Located(convert(repo, snapshot, identity, {**meta, "hub": hub}, say), f"converted from hub:{repo}")
 
 
 def _check_is_drafter(repo: str, folder: Path) -> None:
@@ -111,12 +118,45 @@ def _check_is_drafter(repo: str, folder: Path) -> None:
         kind = json.loads((folder / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         kind = None
-    if kind != MODEL_TYPE:
+    if kind != MODEL_TYPE and not _is_eagle3(folder):
         raise RedrafterError(
-            f"{repo} on the Hugging Face Hub is not a ReDrafter drafter (config.json model_type {kind!r}), "
+            f"{repo} on the Hugging Face Hub is not a ReDrafter drafter or an EAGLE-3 head "
+            f"(config.json model_type {kind!r}), "
             "and the drafter store holds no drafter for a model of that name.",
             f"Make one for it: mlx-redrafter make-drafter --model {repo}",
         )
+
+
+def _is_eagle3(folder: Path) -> bool:
+    try:
+        return layout_of(json.loads((folder / "config.json").read_text())) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def eagle3_tensors(folder: Path) -> dict:
+    """An EAGLE-3 head's weights as numpy arrays, from whichever file the folder
+    holds (a PyTorch pickle is read without running it, converters/torch_pickle.py)."""
+    from ..converters.drafter import find_weights, read_weights
+
+    tensors, _ = read_weights(find_weights(folder))
+    return {k: t.array for k, t in tensors.items()}
+
+
+def _convert_eagle3(repo: str, snapshot: Path, identity, meta: dict, say) -> Path:
+    """An EAGLE-3 head in the EAGLE repository's layout (or sharded), once into the store in the speculators
+    layout, in the dtype its config names (float16 when it names none)."""
+    from ..draft.eagle3_io import read_eagle3, save_eagle3
+
+    say(f"Converting the EAGLE-3 head {repo} into the drafter store (once; pickles are read, never run)...")
+    dtype = json.loads((snapshot / "config.json").read_text()).get("torch_dtype") or "float16"
+    store.store_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=store.store_root(), prefix=".convert-") as tmp:
+        head = read_eagle3(snapshot, dtype="float32", tensors=eagle3_tensors(snapshot))  # widened exactly
+        out = save_eagle3(head, Path(tmp) / "head", dtype=dtype if dtype in ("float16", "bfloat16") else "float32")
+        path = store.install(out, identity, {**meta, "source": f"converted from hub:{repo}"}, name=store.slug(repo))
+    say(f"Converted {repo} (EAGLE-3, the EAGLE repository's layout) -> {path}")
+    return path
 
 
 def _convert(repo: str, snapshot: Path, identity, meta: dict, say) -> Path:

@@ -11,7 +11,7 @@ tools look in it (:func:`find`) for the drafter of the model they loaded.
 The drafters shipped in the package (``mlx_redrafter/drafters/``, with their
 own META) are part of what :func:`find` and :func:`entries` see; a drafter
 in the store made for the same model is preferred to them. A drafter whose
-sizes do not fit the model (draft/redrafter.py: ``fit_problem``) is never
+sizes do not fit the model (draft/kinds.py: ``head_fit_problem``) is never
 picked; :func:`candidates` says why.
 """
 
@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from ..draft.redrafter import SHIPPED_DRAFTERS, fit_problem, read_config
+from ..draft.kinds import head_fit_problem as fit_problem
+from ..draft.kinds import read_head_config as read_config
+from ..draft.redrafter import SHIPPED_DRAFTERS
 from ..errors import RedrafterError
 from ..files import atomic_folder, cache_root, write_json_atomic
 from ..llm.identity import ModelIdentity, model_identity  # noqa: F401 (the store's interface)
@@ -280,7 +282,7 @@ def drafter_for(model, model_spec: Optional[str] = None):
     model's float dtype, or ``(None, None)``. Cached on the model: a later
     call costs one ``stat`` of the model's family folder, and sees a drafter
     installed or removed since."""
-    from ..draft.redrafter import read_drafter
+    from ..draft.kinds import read_head
 
     identity = model_identity(model, model_spec)
     family = store_root() / identity.family
@@ -289,7 +291,9 @@ def drafter_for(model, model_spec: Optional[str] = None):
     if isinstance(cached, _Cached) and cached.key == key:
         return cached.drafter, cached.found
     found = find(identity)
-    drafter = None if found is None else read_drafter(found.path, dtype=_float_dtype(model))
+    drafter = None if found is None else read_head(found.path, dtype=_float_dtype(model))
+    if hasattr(drafter, "bind"):  # a layer head reads the model's layers (and maybe its embedding)
+        drafter.bind(model)
     model.redrafter_store_drafter = _Cached(key, drafter, found)
     return drafter, found
 

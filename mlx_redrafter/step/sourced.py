@@ -45,8 +45,12 @@ from .verify import install_tree_hooks, verify
 
 
 def source_head(model, source):
-    """The chainable head of a stateful source: a layer head as it is, an mlx-lm model wrapped."""
+    """The chainable head of a stateful source: a layer head as it is (bound to
+    ``model`` when it binds: an EAGLE-3 head's taps from the model's layer
+    count, its embedding when it has none), an mlx-lm model wrapped."""
     if hasattr(source, "make_cache") and hasattr(source, "taps"):
+        if hasattr(source, "bind"):
+            source.bind(model)
         return source
     return ModelHead(source, vocab=model_parts(model)[0].weight.shape[0])
 

@@ -35,6 +35,7 @@ class Rates:
     step_s: float = 0.0  # one plain decode step of the LLM
     positions_per_s: float = 0.0  # distillation: training positions (replies and prompts) per second
     train_steps_per_s: float = 0.0  # drafter training steps per second
+    eagle3_positions_per_s: float = 0.0  # EAGLE-3 head training: positions (chain origins) per second
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "Rates":
@@ -85,12 +86,26 @@ def fit_sizes(budget_s: float, step_s: float, base: Optional[Sizes] = None) -> S
     )
 
 
-def train_seconds_per_position(rates: Rates, batch_size: int, held_out: float) -> float:
-    return PASSES * (1 - held_out) / (batch_size * max(rates.train_steps_per_s, 1e-9))
+def train_seconds_per_position(rates: Rates, batch_size: int, held_out: float, heads=("redrafter",)) -> float:
+    """Training seconds that one more distilled position calls for: each head
+    in ``heads`` makes :data:`PASSES` passes over the data (the ReDrafter head
+    at its steps of ``batch_size`` positions, the EAGLE-3 head at its own rate)."""
+    seconds = 0.0
+    if "redrafter" in heads:
+        seconds += PASSES * (1 - held_out) / (batch_size * max(rates.train_steps_per_s, 1e-9))
+    if "eagle3" in heads:
+        seconds += PASSES * (1 - held_out) / max(rates.eagle3_positions_per_s, 1e-9)
+    return seconds
 
 
 def more_distill_s(
-    left_s: float, positions: int, train_spent_s: float, rates: Rates, batch_size: int, held_out: float
+    left_s: float,
+    positions: int,
+    train_spent_s: float,
+    rates: Rates,
+    batch_size: int,
+    held_out: float,
+    heads=("redrafter",),
 ) -> float:
     """Seconds more of distillation, out of ``left_s`` for distillation and
     training together, so that training keeps pace with the data: with
@@ -98,7 +113,7 @@ def more_distill_s(
     - x)`` equals the seconds that ``positions + rate * x`` positions call for."""
     if left_s <= 0:
         return 0.0
-    k = train_seconds_per_position(rates, batch_size, held_out)
+    k = train_seconds_per_position(rates, batch_size, held_out, heads)
     x = (left_s + train_spent_s - k * positions) / (1 + k * rates.positions_per_s)
     return min(max(x, 0.0), left_s)
 

@@ -143,11 +143,16 @@ def curve_latency(latency: Dict[str, float], curve) -> Dict[str, float]:
 
 
 def step_cost(latency: Dict[str, float], tree_size: np.ndarray) -> np.ndarray:
-    """Estimated step time (ms) for verifying trees of the given sizes."""
+    """Estimated step time (ms) for verifying trees of the given sizes ``[..., L]``
+    (depth 1..L). A layer head's table prices each depth's drafting of its own
+    (``draft_D``: one more draft call per depth, train/head_controller.py)."""
     table = {int(k.split("_")[1]): v for k, v in latency.items() if k.startswith("verify_")}
     keys = np.array(sorted(table))
     vals = np.array([table[k] for k in keys])
-    return np.interp(tree_size, keys, vals) + latency["draft"] + latency["controller"]
+    draft = latency["draft"]
+    if "draft_1" in latency:
+        draft = np.array([latency[f"draft_{d}"] for d in range(1, tree_size.shape[-1] + 1)])
+    return np.interp(tree_size, keys, vals) + draft + latency["controller"]
 
 
 # --------------------------------------------------------------------------- training

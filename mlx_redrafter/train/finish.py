@@ -13,6 +13,7 @@ touch).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -76,16 +77,33 @@ def _after(run, stage: str) -> float:
 # --------------------------------------------------------------------------- controller and curve
 
 
-def controller_stage(run) -> None:
-    """Train the depth controller next to the drafter (``train-controller``'s fit)."""
-    from ..config import DEFAULT_WIDTH
+def load_head(run, folder):
+    """The head in ``folder``, fitted to (and, a layer head, bound to) the run's model."""
+    from ..draft.redrafter import check_fits
     from ..hub.load import load_drafter
-    from ..step.curve import load_curve
-    from .controller import fit_and_save
 
+    head = load_drafter(folder)
+    check_fits(head, run.model)
+    return head.bind(run.model) if hasattr(head, "bind") else head
+
+
+def controller_stage(run) -> None:
+    """Train the depth controller next to each new head (``train-controller``'s fit)."""
     stamp = run.stamp()
     if run.state.finished("controller", stamp):
         return
+    run.state["controllers"] = {}
+    for kind, folder in run.head_dirs.items():
+        _controller(run, kind, folder)
+    run.state.finish("controller", stamp)
+
+
+def _controller(run, kind: str, folder) -> None:
+    from ..config import DEFAULT_WIDTH
+    from ..step.curve import load_curve
+    from .controller import fit_and_save
+    from .head_controller import fit_head_controller
+
     ids = [p for _, p in controller_prompts(run)]
     tic, after = time.perf_counter(), _after(run, "controller")
 
@@ -93,21 +111,36 @@ def controller_stage(run) -> None:
         fraction = {"recording": 0.9 * done / max(total or 1, 1), "measuring latency": 0.9}.get(stage, 0.95)
         run.tell(_status(run, "controller", tic, fraction, f"{stage} {done}/{total or '?'}", after))
 
+    eos, curve, head = run.tokenizer.eos_token_ids, load_curve(run.model, run.cfg.model), load_head(run, folder)
     with run.state.timed("controller"):
-        fit = fit_and_save(
-            run.model,
-            load_drafter(run.drafter_dir),
-            run.drafter_dir,
-            ids,
-            DEFAULT_WIDTH,
-            CONTROLLER_DEPTH,
-            run.sizes.controller_tokens,
-            eos_ids=run.tokenizer.eos_token_ids,
-            seed=run.cfg.seed,
-            curve=load_curve(run.model, run.cfg.model),
-            progress=progress,
-        )
-    run.state["controller"] = {
+        if kind == "eagle3":  # a layer head: one beam, each depth a draft call of its own
+            fit = fit_head_controller(
+                run.model,
+                head,
+                folder,
+                ids,
+                CONTROLLER_DEPTH,
+                run.sizes.controller_tokens,
+                eos,
+                curve=curve,
+                seed=run.cfg.seed,
+                progress=progress,
+            )
+        else:
+            fit = fit_and_save(
+                run.model,
+                head,
+                folder,
+                ids,
+                DEFAULT_WIDTH,
+                CONTROLLER_DEPTH,
+                run.sizes.controller_tokens,
+                eos_ids=eos,
+                seed=run.cfg.seed,
+                curve=curve,
+                progress=progress,
+            )
+    run.state["controllers"][kind] = {
         "prompts": len(ids),
         "steps": fit.steps,
         "best_depth": fit.best_depth,
@@ -116,15 +149,15 @@ def controller_stage(run) -> None:
         "beats_fixed": fit.beats_fixed,
     }
     line = ", ".join(f"L={d}: {v:.2f}" for d, v in fit.fixed.items())
+    what = "depth controller" if len(run.head_dirs) == 1 else f"depth controller ({kind})"
     run.tell(
         Status(
             "controller",
             1.0,
-            line=f"depth controller: {fit.steps} steps recorded; offline tokens per "
+            line=f"{what}: {fit.steps} steps recorded; offline tokens per "
             f"plain-step time {line}, adaptive {fit.learned:.2f}",
         )
     )
-    run.state.finish("controller", stamp)
 
 
 def calibrate_stage(run) -> None:
@@ -166,31 +199,30 @@ def verdict_settings(run) -> dict:
     """What the verdict measures besides plain decoding: lookup alone, the new
     drafter and the drafter the model already uses (if any), in the shape the
     tools give a drafter by default."""
-    from ..config import DEFAULT_LENGTH, DEFAULT_LOOKUP, DEFAULT_WIDTH, DraftConfig
-    from ..hub.load import load_drafter
+    from ..config import DEFAULT_LOOKUP, DraftConfig, resolve
     from ..hub.store import find
     from ..step.curve import curve_for, default_tree
-    from ..tuning.verdict import DRAFTER, EXISTING, LOOKUP
+    from ..tuning.verdict import EXISTING, LOOKUP
+    from .heads import VERDICT_KEYS
 
     tree = default_tree(run.model)
     curve = curve_for(run.model, run.cfg.model) if tree == "auto" else None
 
-    def shape(drafter):
-        return DraftConfig(drafter, DEFAULT_WIDTH, DEFAULT_LENGTH, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)
+    def shape(drafter):  # the built-in shape of its kind (an EAGLE-3 head drafts as the draft's layer head)
+        return resolve(drafter, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve).draft
 
-    settings = {
-        LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve),
-        DRAFTER: shape(load_drafter(run.drafter_dir)),
-    }
+    settings = {LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)}
+    for kind, folder in run.head_dirs.items():
+        settings[VERDICT_KEYS[kind]] = shape(load_head(run, folder))
     run.existing = find(run.identity)
     if run.existing is not None:
-        settings[EXISTING] = shape(load_drafter(run.existing.path))
+        settings[EXISTING] = shape(load_head(run, run.existing.path))
     return settings
 
 
 def verdict_stage(run) -> None:
     """The new drafter against plain decoding, lookup alone and the drafter in use; the install rule."""
-    from ..tuning.verdict import DRAFTER, EXISTING, decide, real_measure, run_verdict, summarize
+    from ..tuning.verdict import CANDIDATES, EXISTING, chosen, decide, real_measure, run_verdict, summarize
 
     stamp = run.stamp()
     if run.state.finished("verdict", stamp):
@@ -237,13 +269,13 @@ def verdict_stage(run) -> None:
         **summary,
         "installed": install,
         "reason": reason,
+        "chosen": chosen(summary),
     }
-    verdict[DRAFTER].update(
-        beam_width=settings[DRAFTER].beam_width,
-        beam_length=settings[DRAFTER].beam_length,
-        lookup=settings[DRAFTER].lookup,
-        tree=settings[DRAFTER].tree,
-    )
+    for key in CANDIDATES:
+        if key in settings:
+            s = settings[key]
+            (w, length), more = s.drafter_shape, dict(lookup=s.lookup, tree=s.tree)
+            verdict[key].update(beam_width=w, beam_length=length, **more)
     if EXISTING in verdict:
         verdict[EXISTING]["path"] = str(run.existing.path)
     if not install:
@@ -254,20 +286,24 @@ def verdict_stage(run) -> None:
 
 def learning_need(run, summary):
     """What the drafter's learning curve says it lacks (:mod:`.learning`)."""
-    from ..tuning.verdict import DRAFTER, target_speedup
+    from ..tuning.verdict import chosen, target_speedup
     from .budget import train_seconds_per_position
+    from .heads import EAGLE3, kind_of_key
     from .learning import data_needed, learning_points
     from .shards import Manifest
     from .trainer import LOG
 
-    points = learning_points(run.drafter_dir / LOG, run.train_cfg.batch_size)
+    key = chosen(summary)
+    kind = kind_of_key(key)
+    batch = run.eagle3_cfg.positions_per_step if kind == EAGLE3 else run.train_cfg.batch_size
+    points = learning_points(run.drafter_dir / LOG, batch)
     record = training_record(run.drafter_dir)
     accuracy = (record.get("eval_acc") or [points[-1][1] if points else 0.0])[0]
     per_position = 1 / max(run.rates.positions_per_s, 1e-9) + train_seconds_per_position(
-        run.rates, run.train_cfg.batch_size, run.source.held_out
+        run.rates, run.train_cfg.batch_size, run.source.held_out, (kind,)
     )
-    d = summary[DRAFTER]
-    warmup = run.train_cfg.warmup_steps * run.train_cfg.batch_size
+    d = summary[key]
+    warmup = (run.eagle3_cfg if kind == EAGLE3 else run.train_cfg).warmup_steps * batch
     return data_needed(
         points,
         accuracy,
@@ -282,8 +318,6 @@ def learning_need(run, summary):
 
 def training_record(drafter_dir: Path) -> dict:
     """The training record saved with the drafter (its step and held-out metrics)."""
-    import json
-
     try:
         return dict(json.loads((Path(drafter_dir) / "config.json").read_text()).get("training") or {})
     except (OSError, ValueError):
@@ -346,16 +380,19 @@ def build_meta(run) -> dict:
     """What the drafter's model card says: the base model, the data, the
     recipe (the command and each stage's minutes), held-out acceptance and
     the verdict with the device it was measured on."""
+    from .heads import EAGLE3, FOLDERS
     from .shards import Manifest
     from .trainer import checkpoint_state
 
     m, record, seconds = Manifest.load(run.data), training_record(run.drafter_dir), run.state["seconds"]
     stages = {s: {"minutes": round(v / 60, 2)} for s, v in seconds.items()}
     stages.setdefault("train", {})["steps"] = checkpoint_state(run.drafter_dir).get("step", 0)
-    train, distill = run.train_cfg, run.distill_cfg
+    distill = run.distill_cfg
+    kind = next(k for k, f in FOLDERS.items() if run.drafter_dir.name == f)
     accepted = record.get("eval_accepted_w1")
     return {
         "source": "make-drafter",
+        "head": kind,
         "base_model": run.identity.to_dict(),
         "data": {
             "prompts": run.source.label,
@@ -376,22 +413,8 @@ def build_meta(run) -> dict:
                 k: getattr(distill, k)
                 for k in ("batch_size", "max_new_tokens", "max_prompt_tokens", "top_k", "prompt_positions", "raw")
             },
-            "train": {
-                k: getattr(train, k)
-                for k in (
-                    "exit_dim",
-                    "num_draft_layers",
-                    "rnn",
-                    "draft_vocab_size",
-                    "depth",
-                    "batch_size",
-                    "lr",
-                    "skip_repeats",
-                    "soft_weight",
-                    "depth_decay",
-                )
-            },
-            "controller": run.state["controller"],
+            "train": eagle3_recipe(run) if kind == EAGLE3 else redrafter_recipe(run),
+            "controller": (run.state["controllers"] or {}).get(kind),
         },
         "acceptance": {
             "held_out": {
@@ -404,3 +427,22 @@ def build_meta(run) -> dict:
         },
         "verdict": run.state["verdict"],
     }
+
+
+def redrafter_recipe(run) -> dict:
+    keys = ("exit_dim", "num_draft_layers", "rnn", "draft_vocab_size", "depth", "batch_size", "lr")
+    return {k: getattr(run.train_cfg, k) for k in keys + ("skip_repeats", "soft_weight", "depth_decay")}
+
+
+def eagle3_recipe(run) -> dict:
+    """The EAGLE-3 head's training settings and its shape (intermediate size, draft vocabulary)."""
+    keys = ("depth", "window", "batch_size", "lr", "soft_weight", "depth_decay")
+    out = {k: getattr(run.eagle3_cfg, k) for k in keys}
+    config = json.loads((run.head_dirs["eagle3"] / "config.json").read_text())
+    layer = config.get("transformer_layer_config") or {}
+    out.update(
+        intermediate_size=layer.get("intermediate_size"),
+        draft_vocab_size=config.get("draft_vocab_size"),
+        layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
+    )
+    return out

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, measure_step_s, measure_train_rate, more_distill_s
+from .heads import EAGLE3, FOLDERS, REDRAFTER, draft_vocab_size, heads_of, train_eagle3_stage
 from .recipe_state import STAGES, State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
-DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
-LARGE_VOCAB = 65536  # past this many tokens the draft vocabulary doubles (see head_settings)
 TRAIN_FLOOR = 0.1  # the least share of the budget that training gets
 
 
@@ -49,12 +48,14 @@ class RecipeConfig:
     distill: dict = field(default_factory=dict)  # DistillConfig fields over the recipe's
     train: dict = field(default_factory=dict)  # TrainConfig fields over the recipe's
     seed: int = 0
+    head: str = REDRAFTER  # which draft head to train: redrafter, eagle3, or auto (both; the faster is installed)
+    eagle3: dict = field(default_factory=dict)  # Eagle3TrainConfig fields over the recipe's
 
 
 @dataclass
 class Report:
     out: Path
-    drafter: Path  # the drafter in the work folder
+    drafter: Path  # the drafter in the work folder (the head the verdict chose)
     installed: Optional[Path]  # where the store keeps it (None: the verdict refused it)
     verdict: dict
     meta: dict
@@ -67,8 +68,7 @@ def head_settings(hidden: int, vocab: int) -> dict:
     own output rows) and a reduced draft vocabulary, 4096 tokens, or 8192 for
     a vocabulary over 65536 (Gemma 3's 262144 spreads the same text over more
     ids; a doubling costs 1.7x the draft time, section 12's vocabulary table)."""
-    draft = DEFAULT_VOCAB if vocab <= LARGE_VOCAB else 2 * DEFAULT_VOCAB
-    return dict(exit_dim=hidden, num_draft_layers=1, draft_vocab_size=draft if draft < vocab else None, skip_repeats=5)
+    return dict(exit_dim=hidden, num_draft_layers=1, draft_vocab_size=draft_vocab_size(vocab), skip_repeats=5)
 
 
 def make_drafter(cfg: RecipeConfig, progress: Optional[Callable[[Status], None]] = None, measure=None) -> Report:
@@ -102,8 +102,18 @@ class _Run:
     def __init__(self, cfg: RecipeConfig, state: State, out: Path, tell, measure=None):
         self.cfg, self.state, self.out, self.tell, self.measure = cfg, state, out, tell, measure
         self.budget = 60.0 * cfg.minutes
-        self.data, self.drafter_dir = out / "data", out / "drafter"
+        self.heads = heads_of(cfg.head)
+        self.data, self.head_dirs = out / "data", {kind: out / FOLDERS[kind] for kind in self.heads}
         self.held_acc = None
+
+    @property
+    def drafter_dir(self) -> Path:
+        """The folder of the head the stages after training report on: the one
+        the verdict chose, else the first this run trains."""
+        from .heads import kind_of_key
+
+        key = (self.state["verdict"] or {}).get("chosen")
+        return self.head_dirs[kind_of_key(key) if key else self.heads[0]]
 
     # -- set-up --------------------------------------------------------------
 
@@ -113,6 +123,7 @@ class _Run:
         from ..prompts import has_chat_template
 
         self.tell(Status("loading", info=f"model {self.cfg.model}"))
+        self.state.pin("head", {"head": self.cfg.head}, {"head": self.cfg.head})
         self.model, self.tokenizer = load_model(self.cfg.model)
         self.identity = model_identity(self.model, self.cfg.model)
         self.source = open_source(self.cfg.prompts, self.cfg.model, self.tokenizer, self.out, self.state["held_out"])
@@ -131,6 +142,8 @@ class _Run:
         config's overrides, fixed by the folder's first run (the budget
         fields excepted: a rerun may change them)."""
         from .distill import DistillConfig
+        from .eagle3_trainer import distill_layers
+        from .heads import eagle3_settings
         from .trainer import BUDGET_FIELDS, TrainConfig
 
         distill = asdict(
@@ -139,6 +152,8 @@ class _Run:
                 raw=self.raw,
                 seed=self.cfg.seed,
                 max_prompt_tokens=1024 if self.source.label == HISTORY else 384,
+                # An EAGLE-3 head reads three of the model's layers: the data keeps their outputs.
+                feature_layers=distill_layers(self.identity.num_layers) if EAGLE3 in self.heads else [],
             )
         )
         distill = {k: v for k, v in distill.items() if k not in ("minutes", "max_conversations")}
@@ -154,6 +169,7 @@ class _Run:
         fixed = {k: v for k, v in self.cfg.train.items() if k not in BUDGET_FIELDS}
         budget = {"epochs": 1000.0, **{k: v for k, v in self.cfg.train.items() if k in BUDGET_FIELDS}}
         train = self.state.pin("train", {**train, **fixed}, fixed)
+        self.eagle3_cfg = eagle3_settings(self) if EAGLE3 in self.heads else None
         return (
             DistillConfig(**{**distill, "max_conversations": self.cfg.max_conversations}),
             TrainConfig(**{**train, **budget}),
@@ -166,9 +182,14 @@ class _Run:
             self.tell(Status("loading", info="timing a decode step"))
             conv = (self.held or [{"id": "x", "turns": ["Hello"]}])[0]
             self.rates.step_s = measure_step_s(self.model, conversation_ids(self.tokenizer, conv, self.raw)[:256])
-        if not self.rates.train_steps_per_s:
+        if REDRAFTER in self.heads and not self.rates.train_steps_per_s:
             self.tell(Status("loading", info="timing a training step"))
             self.rates.train_steps_per_s = measure_train_rate(self.model, self.train_cfg, top_k=self.distill_cfg.top_k)
+        if EAGLE3 in self.heads and not self.rates.eagle3_positions_per_s:
+            from .eagle3_trainer import measure_rate
+
+            self.tell(Status("loading", info="timing an EAGLE-3 training step"))
+            self.rates.eagle3_positions_per_s = measure_rate(self.model, self.eagle3_cfg, top_k=self.distill_cfg.top_k)
         self.state["rates"] = asdict(self.rates)
         self.sizes = self.cfg.sizes or fit_sizes(self.budget, self.rates.step_s)
         self.state.save()
@@ -176,10 +197,12 @@ class _Run:
     # -- what is left ----------------------------------------------------------
 
     def stamp(self) -> Optional[str]:
-        """The drafter in the folder, as the stages after training key what they measured."""
+        """The heads in the folder, as the stages after training key what they measured (None: one is missing)."""
         from ..profiles import drafter_id
 
-        return drafter_id(self.drafter_dir) if (self.drafter_dir / "model.safetensors").is_file() else None
+        if not all((d / "model.safetensors").is_file() for d in self.head_dirs.values()):
+            return None
+        return " + ".join(drafter_id(d) for d in self.head_dirs.values())
 
     def data_final(self) -> bool:
         return self.state.finished("distill", self.budget) and self.state.finished("train", self.budget)
@@ -225,8 +248,9 @@ class _Run:
         live = LiveRate(self.rates.positions_per_s)
 
         def planned() -> float:
-            rates = Rates(self.rates.step_s, live.rate or self.rates.positions_per_s, self.rates.train_steps_per_s)
-            return more_distill_s(left, start, train_spent, rates, self.train_cfg.batch_size, self.source.held_out)
+            rates = replace(self.rates, positions_per_s=live.rate or self.rates.positions_per_s)
+            batch, held = self.train_cfg.batch_size, self.source.held_out
+            return more_distill_s(left, start, train_spent, rates, batch, held, self.heads)
 
         def progress(m, running):
             live.update(positions(m) + running)
@@ -275,17 +299,30 @@ class _Run:
     # -- training ------------------------------------------------------------
 
     def train(self) -> None:
-        from dataclasses import replace
-
-        from .trainer import checkpoint_state, train
+        from .trainer import checkpoint_state
 
         if self.state.finished("train", self.budget):
             return
-        ck = checkpoint_state(self.drafter_dir)
-        # Training gets at least TRAIN_FLOOR of the budget in all, also when
-        # distillation ran past its share (its first replies take what they take).
+        for i, kind in enumerate(self.heads):
+            # Each head gets an equal share of what is left. Training gets at
+            # least TRAIN_FLOOR of the budget in all, also when distillation
+            # ran past its share (its first replies take what they take).
+            done = checkpoint_state(self.head_dirs[kind]).get("seconds", 0.0)
+            floor = TRAIN_FLOOR * self.budget / len(self.heads)
+            left = max(self.left_s() / (len(self.heads) - i), floor - done, 0.0)
+            if kind == EAGLE3:
+                train_eagle3_stage(self, left)
+            else:
+                self._train_redrafter(left)
+            self.state["rates"] = asdict(self.rates)
+        self.state.finish("train", self.budget)
+
+    def _train_redrafter(self, left: float) -> None:
+        from .trainer import checkpoint_state, train
+
+        folder = self.head_dirs[REDRAFTER]
+        ck = checkpoint_state(folder)
         done = ck.get("seconds", 0.0)
-        left = max(self.left_s(), TRAIN_FLOOR * self.budget - done, 0.0)
         steps = max(int(left * self.rates.train_steps_per_s), 1)
         every = self.train_cfg.eval_every if "eval_every" in self.cfg.train else max(10, steps // 8)
         cfg = replace(self.train_cfg, minutes=(done + left) / 60, eval_every=every, checkpoint_every=every)
@@ -313,7 +350,7 @@ class _Run:
             train(
                 self.model,
                 self.data,
-                self.drafter_dir,
+                folder,
                 cfg,
                 resume=bool(ck),
                 extend=True,
@@ -321,15 +358,13 @@ class _Run:
                 progress=progress,
                 log_console=log_console,
             )
-        after = checkpoint_state(self.drafter_dir)
+        after = checkpoint_state(folder)
         added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
         if added > 1 and secs > 0:
             self.rates.train_steps_per_s = added / secs
-            self.state["rates"] = asdict(self.rates)
         self.tell(
             Status("train", 1.0, line=f"trained {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)")
         )
-        self.state.finish("train", self.budget)
 
     # -- the stages after training (finish.py) ----------------------------------
 

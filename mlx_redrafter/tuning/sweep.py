@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..config import TREES, DraftConfig, SamplingConfig
+from ..config import TREES, DraftConfig, SamplingConfig, is_layer_head
 from ..errors import RedrafterError
 from .measure import Pass, run_pass, time_split_ms, warm_up
 from .memory import estimate_cell_bytes, kv_bytes_per_token, memory_budget_bytes
@@ -241,6 +241,8 @@ def run_sweep(
     def draft(w, l, k, tree):
         if make_draft is not None:
             return make_draft(w, l, k, tree)
+        if is_layer_head(drafter):  # an EAGLE-3 head: its beams are the draft's layer head's
+            return DraftConfig(lookup=k, tree=tree, curve=config.curve, head=drafter, head_width=w, head_length=l)
         return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
 
     if todo:

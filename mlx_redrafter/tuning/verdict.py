@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Optional
 from ..config import DraftConfig
 
 PLAIN, PLAIN_AFTER, LOOKUP, DRAFTER, EXISTING = "plain", "plain again", "lookup", "drafter", "existing"
+EAGLE3 = "eagle3"  # a new EAGLE-3 head (make-drafter --head eagle3|auto); DRAFTER is the new ReDrafter head
+CANDIDATES = (DRAFTER, EAGLE3)
 Measure = Callable[[str, Optional[DraftConfig], List[List[int]], int], dict]
 
 
@@ -91,12 +93,17 @@ def summarize(passes: dict) -> dict:
     return out
 
 
+def chosen(summary: dict) -> str:
+    """The new head the verdict weighs: the faster of the new ones it measured (DRAFTER, EAGLE3)."""
+    return max((k for k in CANDIDATES if k in summary), key=lambda k: summary[k]["speedup"])
+
+
 def decide(summary: dict) -> tuple:
-    """``(install, reason)``: install only a drafter that measured faster than
-    the best setting without one (plain, or lookup alone) and than the
-    drafter the model already uses (if any), with outputs identical to plain
-    decoding."""
-    new = summary[DRAFTER]["speedup"]
+    """``(install, reason)``: install only a drafter (the faster new head,
+    :func:`chosen`) that measured faster than the best setting without one
+    (plain, or lookup alone) and than the drafter the model already uses (if
+    any), with outputs identical to plain decoding."""
+    new = summary[chosen(summary)]["speedup"]
     rivals = {"plain decoding": 1.0}
     if LOOKUP in summary:
         rivals["lookup alone"] = summary[LOOKUP]["speedup"]

@@ -1,0 +1,54 @@
+"""The kinds of draft head a drafter folder may hold, and what differs by kind:
+its config, whether it fits a model, and reading it.
+
+* ``redrafter``: the recurrent ReDrafter head (draft/redrafter.py), this
+  project's and the official layout;
+* ``eagle3``: an EAGLE-3 head (draft/eagle3.py) in either published layout
+  (draft/eagle3_io.py).
+
+The drafter store, the Hub and ``load_drafter`` go through here, so that a
+folder of either kind installs, is found for its model and loads the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .eagle3 import KIND as EAGLE3
+from .eagle3 import Eagle3Config
+from .eagle3_io import config_from_dict, layout_of, read_config_dict, read_eagle3
+from .redrafter import fit_problem as redrafter_fit_problem
+from .redrafter import read_config, read_drafter
+
+REDRAFTER = "redrafter"
+KINDS = (REDRAFTER, EAGLE3)
+
+
+def kind_of(path) -> str:
+    """The kind of head in folder ``path`` (from its ``config.json``)."""
+    return EAGLE3 if layout_of(read_config_dict(Path(path))) else REDRAFTER
+
+
+def read_head_config(path):
+    """The config of the head in folder ``path``: a :class:`DrafterConfig` or an :class:`Eagle3Config`."""
+    path = Path(path)
+    if kind_of(path) == EAGLE3:
+        return config_from_dict(read_config_dict(path), str(path / "config.json"))
+    return read_config(path)
+
+
+def head_fit_problem(config, hidden: int, vocab: int, num_layers: int) -> Optional[str]:
+    """Why a head of ``config`` (either kind) cannot draft for a model of these sizes, or None."""
+    if isinstance(config, Eagle3Config):
+        return config.fit_problem(hidden, vocab, num_layers)
+    return redrafter_fit_problem(config, hidden, vocab, num_layers)
+
+
+def read_head(path, dtype=None):
+    """The head in folder ``path``, of whichever kind (an EAGLE-3 head still needs ``bind(model)``)."""
+    path = Path(path).expanduser()
+    folder = path.parent if path.is_file() else path
+    if folder.is_dir() and (folder / "config.json").is_file() and kind_of(folder) == EAGLE3:
+        return read_eagle3(folder, dtype)
+    return read_drafter(path, dtype)

@@ -1,0 +1,120 @@
+"""``make-drafter``'s draft heads (``--head``): which kinds a run trains, where
+each lives in the work folder, and the EAGLE-3 head's settings and training
+stage (the ReDrafter head's are in train/recipe.py, as before).
+
+* ``redrafter`` (the default): the recurrent ReDrafter head, in ``OUT/drafter``;
+* ``eagle3``: an EAGLE-3 head (draft/eagle3.py) trained with training-time
+  test (train/eagle3_trainer.py), in ``OUT/eagle3``, in the speculators layout;
+* ``auto``: both, on the same distilled data, each with half of the training
+  time; the verdict measures both and installs the faster
+  (:func:`~mlx_redrafter.tuning.verdict.chosen`).
+
+Distillation keeps the EAGLE-3 head's three taps when it trains one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, replace
+from typing import Tuple
+
+from ..errors import RedrafterError
+from .recipe_state import Status
+
+REDRAFTER, EAGLE3, AUTO = "redrafter", "eagle3", "auto"
+CHOICES = (REDRAFTER, EAGLE3, AUTO)
+FOLDERS = {REDRAFTER: "drafter", EAGLE3: "eagle3"}
+VERDICT_KEYS = {REDRAFTER: "drafter", EAGLE3: "eagle3"}  # tuning/verdict.py's DRAFTER and EAGLE3
+BUDGET_FIELDS = ("minutes", "max_steps", "epochs")
+
+
+DEFAULT_VOCAB = 4096  # the default preset's draft vocabulary (bench/RESULTS.md section 12)
+LARGE_VOCAB = 65536  # past this many tokens the draft vocabulary doubles
+
+
+def draft_vocab_size(vocab: int):
+    """Either head's draft vocabulary for a model of ``vocab`` tokens: 4096, or 8192
+    past 65536 (Gemma 3's 262144 spreads the same text over more ids; a
+    doubling costs 1.7x the draft time, section 12's vocabulary table); None
+    when that is the whole vocabulary."""
+    draft = DEFAULT_VOCAB if vocab <= LARGE_VOCAB else 2 * DEFAULT_VOCAB
+    return draft if draft < vocab else None
+
+
+def heads_of(choice: str) -> Tuple[str, ...]:
+    """The kinds ``--head choice`` trains."""
+    if choice not in CHOICES:
+        raise RedrafterError(f"Unknown --head {choice!r}.", f"Use one of: {', '.join(CHOICES)}.")
+    return (REDRAFTER, EAGLE3) if choice == AUTO else (choice,)
+
+
+def kind_of_key(key: str) -> str:
+    """The head kind of a verdict key."""
+    return {v: k for k, v in VERDICT_KEYS.items()}[key]
+
+
+def eagle3_settings(run):
+    """The EAGLE-3 head's training settings: the recipe's, the config's
+    overrides, fixed by the folder's first run (the budget fields excepted)."""
+    from .eagle3_trainer import Eagle3TrainConfig
+
+    vocab = draft_vocab_size(run.identity.vocab_size)
+    base = asdict(Eagle3TrainConfig(draft_vocab_size=vocab, eval_fraction=run.source.held_out, seed=run.cfg.seed))
+    base = {k: v for k, v in base.items() if k not in BUDGET_FIELDS}
+    fixed = {k: v for k, v in run.cfg.eagle3.items() if k not in BUDGET_FIELDS}
+    budget = {"epochs": 1000.0, **{k: v for k, v in run.cfg.eagle3.items() if k in BUDGET_FIELDS}}
+    return Eagle3TrainConfig(**{**run.state.pin("eagle3", {**base, **fixed}, fixed), **budget})
+
+
+def train_eagle3_stage(run, left: float) -> None:
+    """Train (or go on training) the EAGLE-3 head for ``left`` more seconds
+    (at least one step), as the ReDrafter head's stage does."""
+    from .eagle3_trainer import train_eagle3
+    from .trainer import checkpoint_state
+
+    folder = run.head_dirs[EAGLE3]
+    ck = checkpoint_state(folder)
+    done = ck.get("seconds", 0.0)
+    cfg = run.eagle3_cfg
+    steps = max(int(left * run.rates.eagle3_positions_per_s / cfg.positions_per_step), 1)
+    every = cfg.eval_every if "eval_every" in run.cfg.eagle3 else max(10, steps // 8)
+    cfg = replace(cfg, minutes=(done + left) / 60, eval_every=every, checkpoint_every=every)
+    tic = time.perf_counter()
+
+    def progress(step, total, loss):
+        e = time.perf_counter() - tic
+        acc = "" if run.held_acc is None else f", held-out first-draft accuracy {run.held_acc:.3f}"
+        run.tell(
+            Status(
+                "train",
+                min(e / max(left, 1e-9), 1.0),
+                left - e,
+                left - e + run.fixed_todo_s(),
+                f"EAGLE-3 head: step {step}, loss {loss:.3f}{acc}",
+            )
+        )
+
+    def log_console(line: str) -> None:
+        rec = json.loads(line)
+        if rec.get("eval_acc"):
+            run.held_acc = rec["eval_acc"][0]
+
+    with run.state.timed("train"):
+        train_eagle3(
+            run.model,
+            run.data,
+            folder,
+            cfg,
+            resume=bool(ck),
+            extend=True,
+            eos_ids=sorted(run.tokenizer.eos_token_ids),
+            progress=progress,
+            log_console=log_console,
+        )
+    after = checkpoint_state(folder)
+    added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
+    if added > 1 and secs > 0:
+        run.rates.eagle3_positions_per_s = added * cfg.positions_per_step / secs
+    line = f"trained the EAGLE-3 head {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"
+    run.tell(Status("train", 1.0, line=line))
