@@ -190,7 +190,7 @@ class OracleDrafter:
 
 # stream_generate's keywords that say how to draft: the plain baseline drops them.
 DRAFTING = ("drafter", "beam_width", "beam_length", "lookup", "lookup_context", "controller", "warp", "draft")
-DRAFTING += ("datastore", "tree")
+DRAFTING += ("datastore", "tree", "mtp", "mtp_depth", "draft_model", "num_draft_tokens")
 
 
 def accepted_drafts(responses, source=None) -> int:
@@ -220,12 +220,13 @@ def _check_min(min_accepted: int) -> None:
 
 
 def plain_responses(model, tokenizer, prompt, **kw):
-    """``stream_generate`` with no drafter and no lookup (explicitly: ``drafter``'s
-    default would pick the store's), checked to have verified no draft."""
+    """``stream_generate`` with no drafter, no lookup and no MTP head (explicitly:
+    ``drafter``'s default would pick the store's, ``mtp``'s the head a model's
+    checkpoint ships), checked to have verified no draft."""
     from mlx_redrafter.generate import stream_generate
 
     kw = {**kw, "prompt_cache": kw["prompt_cache"]() if callable(kw.get("prompt_cache")) else kw.get("prompt_cache")}
-    rs = list(stream_generate(model, tokenizer, prompt, drafter=None, lookup=False, **kw))
+    rs = list(stream_generate(model, tokenizer, prompt, drafter=None, lookup=False, mtp=None, **kw))
     assert not any(r.from_draft or r.stats.tree_size > 1 for r in rs), "the plain baseline drafted"
     return rs
 
@@ -240,8 +241,8 @@ def assert_exact_under_drafting(model, tokenizer, prompt, *, min_accepted: int, 
     ``drafted``: any of ``stream_generate``'s keywords (``drafter=``,
     ``draft=DraftConfig(...)``, ``lookup=``, ``datastore=``, ``grammar=``,
     ``stop=``, ``max_tokens=`` ...). The plain run gets the same keywords
-    minus the drafting ones (``DRAFTING``), with ``drafter=None, lookup=False``
-    (so a grammar or a stop string applies to both). ``prompt_cache``: a
+    minus the drafting ones (``DRAFTING``), with ``drafter=None, lookup=False,
+    mtp=None`` (so a grammar or a stop string applies to both). ``prompt_cache``: a
     callable that makes a fresh cache (each run gets its own). Greedy only:
     sampling with drafts is exact in distribution, not token for token
     (check those runs' acceptance with :func:`accepted_drafts`).

@@ -15,7 +15,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import OracleDrafter, random_drafter, run_steps
+from helpers import OracleDrafter, accepted_in_steps, random_drafter, run_steps
 from hybrids import FAMILIES, tiny_hybrid
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from test_sampling import chi2_passes
@@ -25,7 +25,6 @@ from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.llm.recurrent import kv_leaves, leaves
 from mlx_redrafter.step.accept import target_probs
-from mlx_redrafter.step.constrained import constrained_steps
 from mlx_redrafter.step.synchronous import synchronous_steps
 
 PROMPT = [5, 9, 13, 2, 7, 11, 3]
@@ -53,7 +52,9 @@ def test_greedy_with_drafts_equals_plain(family, pipelined, width, length):
     draft = DraftConfig(oracle, width, length, lookup=1, pipelined=pipelined)
     out, stats, _ = run_steps(model, PROMPT, draft, N)
     assert out == plain[:N]
-    assert accepted(stats) >= N // 2, "the drafts were not accepted: the equality would prove nothing"
+    assert accepted_in_steps(stats, N, "drafter") >= N // 2, (
+        "the drafts were not accepted: the equality would prove nothing"
+    )
     assert any(0 < s.accepted < length for s in stats), "no step accepted part of a draft"
     assert any(s.accepted == length for s in stats), "no step accepted a whole draft"
 
@@ -71,7 +72,7 @@ def test_tree_auto_on_a_hybrid_equals_plain(name, pipelined):
     curve = CostCurve(tuple(1.0 + 0.05 * n for n in range(16)))  # drafts pay: the selection verifies several nodes
     draft = DraftConfig(oracle, 3, 3, lookup=1, pipelined=pipelined, tree="auto", curve=curve)
     out, stats, _ = run_steps(model, PROMPT, draft, N)
-    assert out == plain[:N] and accepted(stats) >= N // 3
+    assert out == plain[:N] and accepted_in_steps(stats, N, "drafter") >= N // 3
     assert any(s.tree_size > 2 for s in stats), "the selection verified no tree"
 
 
@@ -210,10 +211,12 @@ def test_a_second_turn_reuses_the_first_from_its_boundary_state(family):
     first = PROMPT + [1, 2, 3]
     reused = cache.reuse(first)
     assert reused == len(first) - 1  # prefilled by the cache itself, up to its boundary
+    oracle = OracleDrafter(model, first, 8, 2)
     reply, stats = generate_tokens(
-        model, first[reused:], draft=DraftConfig(lookup=1), max_tokens=8, prompt_cache=cache.cache
+        model, first[reused:], draft=DraftConfig(oracle, 1, 2, lookup=1), max_tokens=8, prompt_cache=cache.cache
     )
     assert reply == generate_tokens(model, first, max_tokens=8)[0]
+    assert accepted_in_steps(stats, 8, "drafter") >= 3, name
     cache.settle(first + reply)
     second = first + reply + [4, 5, 6, 4, 5, 6]
     oracle = OracleDrafter(model, second, 12, 2)
@@ -223,7 +226,7 @@ def test_a_second_turn_reuses_the_first_from_its_boundary_state(family):
         model, second[reused:], draft=DraftConfig(oracle, 1, 2), max_tokens=12, prompt_cache=cache.cache
     )
     assert out == generate_tokens(model, second, max_tokens=12)[0], name
-    assert accepted(stats) > 0
+    assert accepted_in_steps(stats, 12, "drafter") >= 5, name
 
 
 @pytest.fixture(scope="module")
@@ -241,18 +244,30 @@ def chat_parts(tmp_path_factory):
 
 
 def test_a_multi_turn_chat_reuses_its_cache_and_equals_plain_greedy(chat_parts):
+    """Each turn equals plain greedy decoding of the whole conversation, with
+    drafts accepted from an oracle that knows both turns' plain replies."""
     from mlx_redrafter.chat.conversation import ChatSession
     from mlx_redrafter.chat.settings import ChatSettings
     from mlx_redrafter.generate import generate
-    from mlx_redrafter.prompts import build_messages, render_messages
+    from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
 
     model, tok = chat_parts
-    session = ChatSession(model, tok, None, ChatSettings(max_tokens=12, lookup=1))
-    t1 = session.reply("abcabcabc")
-    t2 = session.reply("abcabc again")
+    users = ["abcabcabc", "abcabc again"]
+    plain1 = generate(
+        model, tok, render_messages(tok, build_messages(None, [], users[0])), drafter=None, lookup=False, max_tokens=12
+    )
+    prompts = [chat_prompt_ids(tok, build_messages(None, [], users[0]))]
+    prompts.append(chat_prompt_ids(tok, build_messages(None, [(users[0], plain1)], users[1])))
+    oracle = OracleDrafter(model, prompts, 12, 3)
+    session = ChatSession(model, tok, oracle, ChatSettings(max_tokens=12, beam_width=2, beam_length=3, lookup=1))
+    t1 = session.reply(users[0])
+    t2 = session.reply(users[1])
     assert t2.reused_tokens >= t1.reused_tokens + t1.prefilled_tokens - 1  # turn 1 not recomputed
-    full = render_messages(tok, build_messages(None, [("abcabcabc", t1.reply)], "abcabc again"))
+    full = render_messages(tok, build_messages(None, [(users[0], t1.reply)], users[1]))
+    assert t1.reply == plain1
     assert t2.reply == generate(model, tok, full, drafter=None, lookup=False, max_tokens=12)
+    for turn in (t1, t2):
+        assert turn.tally.source_tokens.get("drafter", 0) >= 4, turn.tally
 
 
 def test_serve_batches_hybrid_rows_and_a_row_alone_drafts(chat_parts):
@@ -316,17 +331,21 @@ def test_make_drafter_doctor_and_sweep_run_on_a_hybrid_folder(tmp_path, monkeypa
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
 def test_grammar_constrained_output_on_a_hybrid_equals_plain_constrained_decoding(name):
     """Structured output (the synchronous constrained loop: forced rows the
-    grammar dictates, lookup and drafter rows, each node masked) on a hybrid."""
+    grammar dictates, lookup and drafter rows, each node masked) on a hybrid:
+    a real drafter's beams beside an oracle's that knows the constrained reply,
+    whose drafts are accepted (a random drafter's alone never are)."""
+    from collections import Counter
+
     from test_grammar import CHARS, SCHEMAS, check_valid, reference, speculative
 
     from mlx_redrafter.step.grammar import compile_grammar
 
     model = tiny_hybrid(name)
     grammar = compile_grammar(CHARS, SCHEMAS[1], vocab_size=97)  # short strings: a random model completes it
-    draft = DraftConfig(random_drafter(), 2, 2, lookup=1)
     prompt = [5, 9, 17, 3]
     ref = reference(model, prompt, grammar, 120)
     check_valid(ref, SCHEMAS[1])
-    assert speculative(model, prompt, grammar, draft, 120) == ref
-    steps = list(constrained_steps(model, mx.array(prompt), make_prompt_cache(model), draft, SamplingConfig(), grammar))
-    assert sum(s.stats.accepted for s in steps) > 0, "no draft (forced or drafted) was accepted"
+    oracle = OracleDrafter(model, prompt, 120, 2, inner=random_drafter(), replies=[ref])
+    taken = Counter()
+    assert speculative(model, prompt, grammar, DraftConfig(oracle, 2, 2, lookup=1), 120, taken=taken) == ref
+    assert taken["drafter"] >= 4, taken

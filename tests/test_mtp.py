@@ -117,15 +117,18 @@ def _random(module, seed):
     return module
 
 
-def deepseek_checkpoint(folder: Path):
+def deepseek_checkpoint(folder: Path, leak=None):
     """A tiny DeepSeek-V3 target and, in its folder, the next-n layer in the
     original layout (``model.layers.2.*``: experts one by one, ``kv_b_proj``),
-    plus the pieces the test's own reference forward uses."""
+    plus the pieces the test's own reference forward uses. ``leak``: random
+    weights made predictable (:func:`_pass_through`)."""
     model_cls, args_cls = _get_classes(DEEPSEEK)
     args = args_cls.from_dict(DEEPSEEK)
     target = _random(model_cls(args), 0)
     layer = _random(type(target.model.layers[0])(args, 2), 1)  # MoE: 2 >= first_k_dense_replace
     extra = _random(_NextN(64, 97), 2)
+    if leak is not None:
+        _pass_through(target, layer, extra, leak)
     keys = {}
     for k, v in tree_flatten(layer.parameters()):
         if ".switch_mlp." in k:  # back to the checkpoint's experts one by one
@@ -147,6 +150,30 @@ def deepseek_checkpoint(folder: Path):
     mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "pt"})
     (folder / "config.json").write_text(json.dumps(DEEPSEEK))
     return target, layer, extra
+
+
+def _scale_outputs(module, factor):
+    """Scale the projections that write a layer's output (attention's
+    ``o_proj``, every MLP's and expert's ``down_proj``) by ``factor``."""
+    from mlx.utils import tree_unflatten
+
+    ends = ("o_proj.weight", "down_proj.weight")
+    module.update(tree_unflatten([(k, v * factor) for k, v in tree_flatten(module.parameters()) if k.endswith(ends)]))
+
+
+def _pass_through(target, layer, extra, leak):
+    """The target's layers add only ``leak`` times their outputs (its next
+    token then mostly follows from the current one), and the next-n layer
+    passes the token through: ``eh_proj`` keeps the embedding half, the layer
+    adds nothing, ``shared_head`` is the target's norm and LM head. The head
+    is then right by construction at ``leak=0``, and mostly right above it."""
+    _scale_outputs(target, leak)
+    _scale_outputs(layer, 0.0)
+    extra.eh_proj.weight = mx.concatenate([mx.eye(64), mx.zeros((64, 64))], axis=1)
+    extra.enorm.weight = extra.hnorm.weight = mx.ones((64,))
+    extra.shared_head["norm"].weight = target.model.norm.weight
+    extra.shared_head["head"].weight = target.lm_head.weight
+    mx.eval(target.parameters(), layer.parameters(), extra.parameters())
 
 
 class _NextN(nn.Module):
@@ -194,15 +221,17 @@ def test_a_deepseek_v3_next_n_layer_runs_vllms_forward(tmp_path):
 
 def test_a_deepseek_v3_target_drafts_with_its_next_n_head_exactly(tmp_path):
     """MLA attention through tree verification, with the next-n head's beams
-    and lookup in one tree: plain decoding's tokens, and the head's cache a
-    clean pass over them (its random weights are rarely right: rejections)."""
+    and lookup in one tree: plain decoding's tokens, the head's drafts
+    accepted whole, in part and not at all (a pass-through head on a leaky
+    target), and the head's cache a clean pass over the kept tokens."""
+    from helpers import accepted_in_steps
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_redrafter.config import DraftConfig
     from mlx_redrafter.generate import generate_tokens
     from mlx_redrafter.llm.parts import model_parts
 
-    target, _, _ = deepseek_checkpoint(tmp_path / "ds")
+    target, _, _ = deepseek_checkpoint(tmp_path / "ds", leak=0.02)
     head = load_mtp(target, tmp_path / "ds")
     prompt = [5, 9, 11, 3, 5, 9]
     plain, _ = generate_tokens(target, prompt, max_tokens=40)
@@ -215,6 +244,8 @@ def test_a_deepseek_v3_target_drafts_with_its_next_n_head_exactly(tmp_path):
         prompt_cache=cache,
     )
     assert tokens == plain[:24] and max(s.tree_size for s in stats) >= 5  # head beams (2 x 2) and lookup verified
+    assert accepted_in_steps(stats, 24, "mtp") >= 5  # 10 measured
+    assert {0, 1, 2} <= {s.accepted for s in stats[1:]}
     held = cache[0].offset
     ids = mx.array((prompt + plain)[:held], mx.int32)[None]
     _, backbone, _ = model_parts(target)
