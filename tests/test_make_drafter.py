@@ -434,3 +434,13 @@ def test_cli_make_drafter(tiny, tmp_path, capsys):
     assert cli(argv) == 0 and "Already done" in capsys.readouterr().err
     assert cli(["make-drafter", "--model", str(folder), "--minutes", "1", "--out", str(out)]) == 1  # other prompts
     assert "holds a make-drafter run" in capsys.readouterr().err
+
+
+def test_the_stages_run_in_the_order_the_state_file_names_them(tmp_path):
+    """make_drafter calls RecipeRun.stages() in order; the state file keys them by recipe_state.STAGES."""
+    from mlx_redrafter.train.recipe import RecipeConfig, RecipeRun
+    from mlx_redrafter.train.recipe_state import STAGES, State
+
+    run = RecipeRun(RecipeConfig(model="m", minutes=1.0), State.open(tmp_path, "m", "sharegpt"), tmp_path, print)
+    assert tuple(stage.__name__ for stage in run.stages()) == STAGES
+    assert run.model is None and run.held_ids is None  # declared, set by load() and the stages

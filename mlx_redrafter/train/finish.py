@@ -8,7 +8,9 @@ measures the new drafter again, one that did not skips them. The controller
 and the verdict run on held-out prompts only (:mod:`.sources`): the verdict
 on the first ones, the controller on the next (the same ones when there are
 too few: the verdict measures fixed shapes, which the controller does not
-touch).
+touch). Every function here takes the run
+(:class:`~mlx_redrafter.train.recipe.RecipeRun`, whose attributes are all
+declared there; not imported: recipe.py imports this module).
 """
 
 from __future__ import annotations
@@ -32,23 +34,23 @@ def held_prompts(run) -> List[Tuple[str, List[int]]]:
     from ..llm.parts import context_limit
     from ..prompts import conversation_ids
 
-    if getattr(run, "_held_ids", None) is None:
+    if run.held_ids is None:
         limit = context_limit(run.model) or 1 << 30
         room = max(run.sizes.verdict_tokens, run.sizes.controller_tokens) + 16
         want = run.sizes.verdict_prompts + run.sizes.controller_prompts
-        run._held_ids = []
+        run.held_ids = []
         for conv in run.held:
             ids = conversation_ids(run.tokenizer, conv, run.raw)
             if len(ids) <= min(MAX_PROMPT_TOKENS, limit - room):
-                run._held_ids.append((conv["id"], ids))
-            if len(run._held_ids) >= want:
+                run.held_ids.append((conv["id"], ids))
+            if len(run.held_ids) >= want:
                 break
-    if not run._held_ids:
+    if not run.held_ids:
         raise RedrafterError(
             f"None of the prompts in {run.source.path} is held out (or short enough) to measure the drafter on.",
             "Give more prompts (the verdict holds out a share of them by id).",
         )
-    return run._held_ids
+    return run.held_ids
 
 
 def verdict_prompts(run):

@@ -24,11 +24,11 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, measure_step_s, measure_train_rate, more_distill_s
 from .heads import EAGLE3, FOLDERS, REDRAFTER, draft_vocab_size, heads_of, train_eagle3_stage
-from .recipe_state import STAGES, State, Status, default_out, positions
+from .recipe_state import State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
 TRAIN_FLOOR = 0.1  # the least share of the budget that training gets
@@ -87,24 +87,56 @@ def make_drafter(cfg: RecipeConfig, progress: Optional[Callable[[Status], None]]
     label = source_label(cfg.prompts)
     out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model, label)
     state = State.open(out, cfg.model, label)
-    run = _Run(cfg, state, out, progress or (lambda status: None), measure)
+    run = RecipeRun(cfg, state, out, progress or (lambda status: None), measure)
     with state.timed("setup"):
         run.load()
     finished_before = run.all_finished()
-    for stage in STAGES:
-        getattr(run, stage)()
+    for stage in run.stages():
+        stage()
     return run.report(finished_before)
 
 
-class _Run:
-    """One run of the recipe into a work folder: the loaded model and what the stages share."""
+class RecipeRun:
+    """One run of the recipe into a work folder: the loaded model and what the
+    stages share. Every attribute is declared here; :meth:`load` sets the
+    model's (None before it), the stages the ones they measure."""
+
+    # Given: the recipe, the folder's state, the folder, the progress callback, the verdict's passes.
+    cfg: RecipeConfig
+    state: State
+    out: Path
+    tell: Callable[[Status], None]
+    measure: Optional[Callable]
+    budget: float  # seconds, over every run into the folder
+    heads: Tuple[str, ...]  # the kinds of head trained: redrafter, eagle3 or both
+    data: Path  # the distilled data
+    head_dirs: Dict[str, Path]  # each head's folder
+    # Set by load(): the model, where its prompts come from, the settings fixed by the folder's first run.
+    model: object = None
+    tokenizer: object = None
+    identity: object = None  # the model's identity (llm/identity.py), keys the store
+    source: object = None  # the prompts (sources.py), with the held-out share
+    raw: bool = False  # no chat template: prompts are raw text
+    held: Optional[List[dict]] = None  # the held-out conversations
+    distill_cfg: object = None
+    train_cfg: object = None
+    eagle3_cfg: object = None  # None unless an EAGLE-3 head is trained
+    rates: Optional[Rates] = None  # measured rates the budget plans with
+    sizes: object = None  # the fixed stages' prompt counts and lengths (budget.fit_sizes)
+    # Set by the stages.
+    held_acc: Optional[float] = None  # the last held-out first-draft accuracy training logged
+    held_ids: Optional[List[Tuple[str, List[int]]]] = None  # the held-out prompts that fit (finish.held_prompts)
+    existing: object = None  # the store's drafter for the model the verdict measures against, if any
 
     def __init__(self, cfg: RecipeConfig, state: State, out: Path, tell, measure=None):
         self.cfg, self.state, self.out, self.tell, self.measure = cfg, state, out, tell, measure
         self.budget = 60.0 * cfg.minutes
         self.heads = heads_of(cfg.head)
         self.data, self.head_dirs = out / "data", {kind: out / FOLDERS[kind] for kind in self.heads}
-        self.held_acc = None
+
+    def stages(self) -> Tuple[Callable[[], None], ...]:
+        """The stages in their order (recipe_state.STAGES names them in the state file)."""
+        return (self.distill, self.train, self.controller, self.calibrate, self.verdict, self.install)
 
     @property
     def drafter_dir(self) -> Path:
