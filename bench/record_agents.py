@@ -1,4 +1,5 @@
-"""What Claude Code and Codex CLI send, recorded: ``python bench/agents.py --record DIR``.
+"""What Claude Code and Codex CLI send, recorded: ``python bench/record_agents.py DIR``
+(or ``python bench/agents.py --record DIR``, which runs this).
 
 A logging server records every request (method, path, query, headers,
 body) and answers in the API's own stream events with a canned reply: a
@@ -143,3 +144,22 @@ def _write(path: Path, request: dict) -> None:
     text = json.dumps(request, indent=1, ensure_ascii=False)
     text = re.sub(r'(device_id\\+":\\+")([0-9a-f]{64})', lambda m: m[1] + "0" * 64, text)
     path.write_text(text + "\n")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from agents import install_clients
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path, help="The folder the requests are written to (tests/fixtures/agents).")
+    args = ap.parse_args(argv)
+    record(install_clients(), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.exit(main())
