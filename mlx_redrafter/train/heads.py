@@ -67,33 +67,35 @@ def eagle3_settings(run):
     return Eagle3TrainConfig(**{**run.state.pin("eagle3", {**base, **fixed}, fixed), **budget})
 
 
-def train_eagle3_stage(run, left: float) -> None:
-    """Train (or go on training) the EAGLE-3 head for ``left`` more seconds
-    (at least one step), as the ReDrafter head's stage does."""
+def train_head(run, kind: str, left: float) -> None:
+    """Train (or go on training) the ``kind`` head for ``left`` more seconds
+    (at least one step), its progress told and its measured rate kept. The
+    two kinds differ in their trainer, their settings, and their rate: the
+    ReDrafter head's in steps per second, the EAGLE-3 head's in positions (a
+    step's window of chained positions varies with its settings)."""
     from .eagle3_trainer import train_eagle3
-    from .trainer import checkpoint_state
+    from .trainer import checkpoint_state, train
 
-    folder = run.head_dirs[EAGLE3]
+    eagle = kind == EAGLE3
+    folder, cfg, given = (
+        run.head_dirs[kind],
+        *((run.eagle3_cfg, run.cfg.eagle3) if eagle else (run.train_cfg, run.cfg.train)),
+    )
+    per_step = cfg.positions_per_step if eagle else 1
+    rate = run.rates.eagle3_positions_per_s if eagle else run.rates.train_steps_per_s
     ck = checkpoint_state(folder)
-    done = ck.get("seconds", 0.0)
-    cfg = run.eagle3_cfg
-    steps = max(int(left * run.rates.eagle3_positions_per_s / cfg.positions_per_step), 1)
-    every = cfg.eval_every if "eval_every" in run.cfg.eagle3 else max(10, steps // 8)
-    cfg = replace(cfg, minutes=(done + left) / 60, eval_every=every, checkpoint_every=every)
+    steps = max(int(left * rate / per_step), 1)
+    every = cfg.eval_every if "eval_every" in given else max(10, steps // 8)
+    cfg = replace(cfg, minutes=(ck.get("seconds", 0.0) + left) / 60, eval_every=every, checkpoint_every=every)
+    # The ReDrafter head is the one make-drafter trains by default: its lines name no head.
+    label, whose = ("EAGLE-3 head: ", "the EAGLE-3 head ") if eagle else ("", "")
     tic = time.perf_counter()
 
     def progress(step, total, loss):
         e = time.perf_counter() - tic
         acc = "" if run.held_acc is None else f", held-out first-draft accuracy {run.held_acc:.3f}"
-        run.tell(
-            Status(
-                "train",
-                min(e / max(left, 1e-9), 1.0),
-                left - e,
-                left - e + run.fixed_todo_s(),
-                f"EAGLE-3 head: step {step}, loss {loss:.3f}{acc}",
-            )
-        )
+        info = f"{label}step {step}, loss {loss:.3f}{acc}"
+        run.tell(Status("train", min(e / max(left, 1e-9), 1.0), left - e, left - e + run.fixed_todo_s(), info))
 
     def log_console(line: str) -> None:
         rec = json.loads(line)
@@ -101,7 +103,7 @@ def train_eagle3_stage(run, left: float) -> None:
             run.held_acc = rec["eval_acc"][0]
 
     with run.state.timed("train"):
-        train_eagle3(
+        (train_eagle3 if eagle else train)(
             run.model,
             run.data,
             folder,
@@ -114,7 +116,9 @@ def train_eagle3_stage(run, left: float) -> None:
         )
     after = checkpoint_state(folder)
     added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
-    if added > 1 and secs > 0:
-        run.rates.eagle3_positions_per_s = added * cfg.positions_per_step / secs
-    line = f"trained the EAGLE-3 head {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"
+    if added > 1 and secs > 0 and eagle:
+        run.rates.eagle3_positions_per_s = added * per_step / secs
+    elif added > 1 and secs > 0:
+        run.rates.train_steps_per_s = added / secs
+    line = f"trained {whose}{added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"
     run.tell(Status("train", 1.0, line=line))

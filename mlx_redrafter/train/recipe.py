@@ -20,14 +20,13 @@ on from the checkpoint, and the stages after it measure the new drafter.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, measure_step_s, measure_train_rate, more_distill_s
-from .heads import EAGLE3, FOLDERS, REDRAFTER, draft_vocab_size, heads_of, train_eagle3_stage
+from .heads import EAGLE3, FOLDERS, REDRAFTER, draft_vocab_size, heads_of, train_head
 from .recipe_state import State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
@@ -342,61 +341,9 @@ class RecipeRun:
             done = checkpoint_state(self.head_dirs[kind]).get("seconds", 0.0)
             floor = TRAIN_FLOOR * self.budget / len(self.heads)
             left = max(self.left_s() / (len(self.heads) - i), floor - done, 0.0)
-            if kind == EAGLE3:
-                train_eagle3_stage(self, left)
-            else:
-                self._train_redrafter(left)
+            train_head(self, kind, left)
             self.state["rates"] = asdict(self.rates)
         self.state.finish("train", self.budget)
-
-    def _train_redrafter(self, left: float) -> None:
-        from .trainer import checkpoint_state, train
-
-        folder = self.head_dirs[REDRAFTER]
-        ck = checkpoint_state(folder)
-        done = ck.get("seconds", 0.0)
-        steps = max(int(left * self.rates.train_steps_per_s), 1)
-        every = self.train_cfg.eval_every if "eval_every" in self.cfg.train else max(10, steps // 8)
-        cfg = replace(self.train_cfg, minutes=(done + left) / 60, eval_every=every, checkpoint_every=every)
-        tic = time.perf_counter()
-
-        def progress(step, total, loss):
-            e = time.perf_counter() - tic
-            acc = "" if self.held_acc is None else f", held-out first-draft accuracy {self.held_acc:.3f}"
-            self.tell(
-                Status(
-                    "train",
-                    min(e / max(left, 1e-9), 1.0),
-                    left - e,
-                    left - e + self.fixed_todo_s(),
-                    f"step {step}, loss {loss:.3f}{acc}",
-                )
-            )
-
-        def log_console(line: str) -> None:
-            rec = json.loads(line)
-            if rec.get("eval_acc"):
-                self.held_acc = rec["eval_acc"][0]
-
-        with self.state.timed("train"):
-            train(
-                self.model,
-                self.data,
-                folder,
-                cfg,
-                resume=bool(ck),
-                extend=True,
-                eos_ids=sorted(self.tokenizer.eos_token_ids),
-                progress=progress,
-                log_console=log_console,
-            )
-        after = checkpoint_state(folder)
-        added, secs = after.get("step", 0) - ck.get("step", 0), after.get("seconds", 0.0) - ck.get("seconds", 0.0)
-        if added > 1 and secs > 0:
-            self.rates.train_steps_per_s = added / secs
-        self.tell(
-            Status("train", 1.0, line=f"trained {added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)")
-        )
 
     # -- the stages after training (finish.py) ----------------------------------
 
