@@ -281,14 +281,23 @@ def fit_and_save(
         progress=lambda i: tell("recording", i, len(prompts)),
     )
     tell("measuring latency", 0, None)
-    config.latency = measure_latency(model, drafter, width, length, top_k=config.top_k)
-    if curve is not None:
-        config.latency = curve_latency(config.latency, curve)
+    latency = measure_latency(model, drafter, width, length, top_k=config.top_k)
+    return train_and_save(episodes, config, latency, curve, drafter_path, epochs, seed, tell)
+
+
+def train_and_save(
+    episodes, config: ControllerConfig, latency, curve, folder, epochs: int, seed: int, tell
+) -> FitReport:
+    """The end of a fit, for any draft source: the measured ``latency`` (priced
+    by the device's ``curve`` when given, :func:`curve_latency`), the
+    controller trained on the recorded ``episodes``, saved in ``folder``, and
+    its expected speed-up against every fixed depth."""
+    config.latency = latency if curve is None else curve_latency(latency, curve)
     tell("training", 0, epochs)
     controller = train_controller(
         episodes, config, epochs=epochs, seed=seed, progress=lambda e, _: tell("training", e, epochs)
     )
-    path = save_controller(controller, drafter_path) / WEIGHTS
-    fixed = {d: expected_speedup(d, episodes, config.latency) for d in range(1, length + 1)}
+    path = save_controller(controller, folder) / WEIGHTS
+    fixed = {d: expected_speedup(d, episodes, config.latency) for d in range(1, config.beam_length + 1)}
     learned = expected_speedup(controller, episodes, config.latency)
     return FitReport(len(episodes.accepted), fixed, learned, path)

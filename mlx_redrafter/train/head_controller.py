@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..draft.controller import WEIGHTS, Controller, ControllerConfig, save_controller
-from .controller import Episodes, FitReport, curve_latency, expected_speedup, train_controller
+from ..draft.controller import Controller, ControllerConfig
+from .controller import Episodes, FitReport, train_and_save
 
 
 def _greedy(model, prompt: List[int], max_tokens: int, eos_ids) -> List[int]:
@@ -151,14 +151,4 @@ def fit_head_controller(
         model, head, prompts, length, max_tokens, eos_ids, config.top_k, lambda i: tell("recording", i, len(prompts))
     )
     tell("measuring latency", 0, None)
-    config.latency = head_latency(model, head, length)
-    if curve is not None:
-        config.latency = curve_latency(config.latency, curve)
-    tell("training", 0, epochs)
-    controller = train_controller(
-        episodes, config, epochs=epochs, seed=seed, progress=lambda e, _: tell("training", e, epochs)
-    )
-    path = save_controller(controller, folder) / WEIGHTS
-    fixed = {d: expected_speedup(d, episodes, config.latency) for d in range(1, length + 1)}
-    learned = expected_speedup(controller, episodes, config.latency)
-    return FitReport(len(episodes.accepted), fixed, learned, path)
+    return train_and_save(episodes, config, head_latency(model, head, length), curve, folder, epochs, seed, tell)
