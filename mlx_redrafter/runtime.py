@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from .config import DraftConfig, resolve
 from .draft.redrafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F401 (re-exported)
+from .draft.stateful import SourceFlags
 from .errors import RedrafterError
 from .keywords import plain_tree, tree_kw, with_curve, with_sources
 
@@ -160,7 +161,7 @@ class LoadOptions:
     the default); ``datastore``: a store file, ``"none"``, or None for the
     model's own stores when it drafts (draft/datastore/use.py); ``history``:
     append replies to the model's history; ``sources``: a
-    :class:`~mlx_redrafter.draft.stateful.SourceFlags` (None: the model's own
+    :class:`~mlx_redrafter.draft.stateful.SourceFlags` (by default the model's own
     MTP head, if its checkpoint ships one, and no draft model)."""
 
     model: str = "default"
@@ -174,11 +175,10 @@ class LoadOptions:
     tree: Optional[str] = None
     datastore: Optional[str] = None
     history: bool = False
-    sources: Optional[object] = None
+    sources: SourceFlags = field(default_factory=SourceFlags)
 
     def check(self) -> None:
         """Refuse contradicting or out-of-range flags, before the slow load."""
-        from .draft.stateful import SourceFlags
         from .llm.load import parse_dtype
 
         if self.no_draft and self.drafter:
@@ -195,7 +195,6 @@ class LoadOptions:
                 raise RedrafterError(f"{name} must be at least 1 (got {v}).")
         parse_dtype(self.dtype)  # a bad dtype fails now, not after the load
         DraftConfig(**({} if self.tree is None else {"tree": self.tree})).check()
-        self.sources = self.sources or SourceFlags()
         self.sources.check(self.no_draft)
 
 
