@@ -10,7 +10,10 @@ LLM's reply, so this is what ``W=1`` decoding accepts there. A walk over each
 reply (draft, accept, move on by ``1 + accepted``) gives the tokens per step
 of ``W=1 L=1..5`` decoding with the drafter alone (no lookup). No decoding
 loop runs, so every drafter is measured on the same replies in seconds; the
-live check is ``mlx-redrafter sweep`` (see bench/RESULTS.md).
+live check is ``mlx-redrafter sweep`` (see bench/RESULTS.md). An EAGLE-3 head
+(a folder ``load_drafter`` reads as one) drafts from its own KV cache, fed
+the prompt and the reply up to each position as the step loop feeds it, one
+chained call per depth (minutes, not seconds).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 .venv/bin/python bench/acceptance.py \\
         --drafters shipped=mlx_redrafter/drafters/smollm2-135m-instruct,new=runs/drafter-v2 \\
@@ -227,11 +230,45 @@ def walk(runs: np.ndarray, length: int) -> int:
     return steps
 
 
-def evaluate(drafter, embed, data, layers=()) -> dict:
+def head_runs(model, head, prompt: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """:func:`accepted_runs` of a layer head (an EAGLE-3 head): its own KV cache
+    fed the prompt and the reply up to each position, teacher-forced, as the
+    step loop feeds it the accepted text; from each position one greedy chain
+    of ``MAX_L`` calls (train/head_controller.py's ``_chain``), trimmed off again."""
+    from mlx_redrafter.step.sourced import columns
+    from mlx_redrafter.train.head_controller import _chain
+
+    full = np.concatenate([prompt, tokens]).astype(np.int32)
+    layers = list(dict.fromkeys(head.taps))
+    _, backbone, _ = model_parts(model, layers)
+    wide = backbone(mx.array(full)[None])
+    feats = mx.take(wide, columns(layers, head.taps, model.args.hidden_size, last=False), axis=-1)
+    cache, p, n = head.make_cache(), len(prompt), len(tokens)
+    if p > 1:  # pairs (token after j, features at j) of the prompt
+        head(mx.array(full[1:p])[None], feats[:, : p - 1], cache, first=True)
+    runs = np.zeros(n, np.int64)
+    for i in range(n - 1):
+        # Reply token i (g0) paired with the features that produced it; the chain drafts tokens i+1.. .
+        logits, hidden = head(mx.array(full[p + i : p + i + 1])[None], feats[:, p + i - 1 : p + i], cache, first=True)
+        drafts, _ = _chain(head, cache, logits[0, -1], hidden[:, -1:], MAX_L, 1)
+        for c in cache:
+            c.trim(MAX_L - 1)
+        want = tokens[i + 1 : i + 1 + MAX_L]
+        right = np.array(drafts)[: len(want)] == want
+        runs[i] = int(np.cumprod(right).sum())
+    return runs
+
+
+def evaluate(drafter, embed, data, layers=(), model=None) -> dict:
     """Acceptance by depth and W=1 tokens/step of ``drafter`` on ``data``
-    (replies whose contexts hold ``layers``' features, then the last state)."""
-    want, h = drafter.config.feature_layers or [], drafter.config.hidden_size
-    runs = [accepted_runs(drafter, embed, t, pick(c, list(layers), want, h)) for t, c in data]
+    (replies whose contexts hold ``layers``' features, then the last state);
+    a layer head (``model`` given) drafts from its own cache (:func:`head_runs`)."""
+    if getattr(drafter, "kind", None) == "eagle3":
+        drafter.bind(model)
+        runs = [head_runs(model, drafter, q, t) for (t, _), q in zip(data, data.prompts)]
+    else:
+        want, h = drafter.config.feature_layers or [], drafter.config.hidden_size
+        runs = [accepted_runs(drafter, embed, t, pick(c, list(layers), want, h)) for t, c in data]
     allr = np.concatenate([r[:-1] for r in runs])  # positions with at least one token after g0
     by_depth = [round(float((allr >= d).mean()), 4) for d in range(1, MAX_L + 1)]
     tokens = sum(len(r) - 1 for r in runs)
@@ -292,12 +329,15 @@ def main():
     embed, _, _ = model_parts(model)
     folders = dict(item.split("=", 1) for item in args.drafters.split(","))
     drafters = {name: load_drafter(folder, dtype="float32") for name, folder in folders.items()}
-    layers = sorted({i for d in drafters.values() for i in (d.config.feature_layers or [])} | set(reply_layers(model)))
+    fused = [i for d in drafters.values() for i in (getattr(d.config, "feature_layers", None) or [])]
+    layers = sorted(set(fused) | set(reply_layers(model)))
     prompts = load_prompts(args.prompts)
     data = replies(model, tok, prompts, args.max_tokens, layers, args.out / "replies.safetensors")
     results = {}
     for name, d in drafters.items():
-        results[name] = {"folder": folders[name], **evaluate(d, embed, data, layers)}
+        tic = time.perf_counter()
+        results[name] = {"folder": folders[name], **evaluate(d, embed, data, layers, model)}
+        print(f"{name}: {time.perf_counter() - tic:.0f} s", file=sys.stderr)
         if args.calibration:
             results[name]["calibration"] = calibration(d, embed, data, layers)
     if args.calibration:

@@ -207,10 +207,13 @@ class DraftConfig:
                     f"{what}'s beams need a width and a length of at least 1 (got width {width}, length {length}).",
                     f"Use {flag} with values of at least 1.",
                 )
-        if self.controller is not None and self.stateful:
+        # The controller decides the calls of one drafter: the ReDrafter head's
+        # beam search, or a layer head's chain (an EAGLE-3 drafter), alone.
+        if self.controller is not None and self.stateful and (self.drafter is not None or self.draft_model is not None):
             raise RedrafterError(
-                "The adaptive-depth controller does not run beside a layer head (MTP, EAGLE-3) or a draft model.",
-                "Drop --adaptive (controller=), or the head (--mtp none; a ReDrafter --drafter) and the draft model.",
+                "The adaptive-depth controller decides the draft depth of one drafter, and this draft has two "
+                "(a ReDrafter drafter or a draft model beside a layer head).",
+                "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
             )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")

@@ -88,7 +88,8 @@ class Runtime:
                 what = " + ".join(guesses + ([copies] if self.draft.lookup_rows else []))
                 line = f"model {self.model_spec}, drafting: {what} per step{'' if guesses else ' (no drafter)'}"
                 if self.drafter_path is not None:  # an EAGLE-3 drafter: a layer head, not draft.drafter
-                    line += f" [{self.shape_source}, drafter {self.drafter_path}]"
+                    adaptive = ", adaptive depth" if self.controller is not None else ""
+                    line += f" [{self.shape_source}{adaptive}, drafter {self.drafter_path}]"
                 console.print(f"[dim]{escape(line)}[/dim]")
                 self._announce_sources(console)
                 self._announce_datastore(console)

@@ -13,7 +13,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 from eagle3_heads import save_pass_through_head
-from helpers import assert_exact_under_drafting, cli, drafted_share, save_tiny_folder, tiny_model
+from helpers import assert_exact_under_drafting, bigram_drafter, cli, drafted_share, save_tiny_folder, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import chi2_passes, exact_first_tokens
 
@@ -136,6 +136,88 @@ def test_an_mtp_head_beside_an_eagle3_drafter_is_refused(tiny):
         generate(model, tok, PROMPT, drafter=head, mtp_depth=3, max_tokens=4)
 
 
+# --------------------------------------------------------------------------- adaptive depth (RADAR)
+
+
+def _controller(length: int, bias: float = 0.0, seed: int = 0):
+    """A depth controller for one beam of ``length``: random, its continue
+    logit shifted by ``bias`` (+10: always deeper, -10: never)."""
+    from mlx_redrafter.draft.controller import Controller, ControllerConfig
+
+    mx.random.seed(seed)
+    c = Controller(ControllerConfig(beam_width=1, beam_length=length))
+    c.mlp[1].bias = c.mlp[1].bias + bias
+    mx.eval(c.parameters())
+    return c
+
+
+def test_the_gate_keeps_the_depth_the_controller_picks_from_all_depths():
+    """One depth at a time (a layer head's calls), the same rule as the
+    controller over the whole stack of confidences: stop at the first depth
+    below the threshold."""
+    from mlx_redrafter.draft.controller import DepthGate
+
+    ctrl, picked = _controller(5), []
+    for seed in range(40):
+        mx.random.seed(seed)
+        conf = mx.sort(mx.random.uniform(shape=(5, ctrl.top_k)), axis=-1)[:, ::-1]
+        # A threshold between this stack's logits: stops at every depth happen.
+        logits = sorted(ctrl.continue_logits(conf)[1:].tolist())
+        ctrl.config.threshold = float(mx.sigmoid(mx.array(logits[seed % 4] + 1e-4)))
+        gate, kept = DepthGate(ctrl), 0
+        while kept < 5 and gate(kept, conf[kept]):
+            kept += 1
+        assert kept == ctrl.depth(conf).item()
+        assert gate.reads == min(kept, 4)  # one host read per depth past the first, none past a stop
+        picked.append(kept)
+    assert len(set(picked)) >= 3
+
+
+@pytest.mark.parametrize("bias, depth", [(-10.0, 1), (10.0, 3)])
+def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, bias, depth):
+    """``controller=`` beside an EAGLE-3 head: the controller decides each step's
+    draft calls; the output is plain greedy decoding's, with drafts accepted."""
+    _, model, tok, heads = tiny
+    head = load_drafter(heads["speculators"], dtype="float32")
+    calls = []
+    real = type(head).__call__
+
+    def counted(self, tokens, features, cache=None, first=True, **kw):
+        calls.append(first)
+        return real(self, tokens, features, cache, first, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(head), "__call__", counted)
+        got = assert_exact_under_drafting(
+            model,
+            tok,
+            PROMPT,
+            drafter=head,
+            beam_width=1,
+            beam_length=3,
+            controller=_controller(3, bias),
+            lookup=False,
+            max_tokens=40,
+            min_accepted=5,
+            source="eagle3",
+        )
+    steps = {r.stats.step: r.stats for r in got if r.stats.step > 0}.values()
+    assert {s.depth for s in steps} == {depth}  # only the controller's depth is verified
+    chained = calls.count(False)  # depth 1 comes from the commit call; each later depth is one chained call
+    assert chained == len(steps) * (depth if depth < 3 else 2)  # a dropped depth's call is the last one made
+
+
+def test_the_controller_beside_two_drafters_is_refused(tiny):
+    from test_sources import pass_through_head, repeating_target
+
+    from mlx_redrafter.generate import generate
+
+    _, model, tok, _ = tiny
+    mtp = pass_through_head(repeating_target())
+    with pytest.raises(RedrafterError, match="one drafter"):
+        generate(model, tok, PROMPT, drafter=bigram_drafter(model), mtp=mtp, controller=_controller(3), max_tokens=4)
+
+
 # --------------------------------------------------------------------------- sampling
 
 V = 5
@@ -238,6 +320,19 @@ def test_a_head_make_drafter_trained_drafts_through_drafter(tiny, tmp_path, monk
     code, out, err = _generate(capsys, "--model", str(folder), "--drafter", str(head), "--no-lookup", "-p", PROMPT)
     assert code == 0 and out == plain
     assert _eagle3_share(err) > 0.1
+    # The depth controller make-drafter trained beside the head decides its calls (--adaptive) ...
+    adaptive = ["--model", str(folder), "--drafter", str(head), "--no-lookup", "--adaptive", "-p", PROMPT]
+    code, out, err = _generate(capsys, *adaptive, "-L", "3")
+    assert code == 0 and out == plain, (out, plain, err)
+    assert "adaptive depth" in err
+    assert _eagle3_share(err) > 0.1
+    # ... and train-controller retrains it for the head on this device.
+    before = (head / "controller.safetensors").stat().st_mtime_ns
+    code = cli(["train-controller", "--model", str(folder), "--drafter", str(head), "--num-prompts", "2", "-n", "16",
+                "-L", "3", "--epochs", "3"])  # fmt: skip
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 0 and "steps recorded" in err and (head / "controller.safetensors").stat().st_mtime_ns > before
+    assert json.loads((head / "controller.json").read_text())["beam_length"] == 3
 
 
 def test_sweep_shapes_an_eagle3_heads_beams_and_generate_uses_its_profile(tiny, tmp_path, monkeypatch, capsys):

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..config import is_layer_head
 from ..errors import RedrafterError
 from ..train.trainer import PRESETS
 from .options import BeamWidthOpt, ModelOpt, NeededDrafterOpt, SystemOpt, _runtime, app, err, progress_bar
@@ -301,13 +302,23 @@ def train_controller_cmd(
         raise RedrafterError("--num-prompts, --max-tokens and --epochs must be at least 1.")
     convs = _controller_conversations(prompts, seed)
     s = _runtime(LoadOptions(model, drafter, beam_width=beam_width, beam_length=beam_length), announce=False)
-    if s.drafter is None:
+    head = s.draft.head if s.drafter is None and is_layer_head(s.draft.head) else None  # an EAGLE-3 drafter
+    if s.drafter is None and head is None:
         raise RedrafterError("train-controller needs a drafter.", "Pass --drafter PATH.")
     s.announce(err)
     ids = first_turn_ids(s.tokenizer, convs)
     ids = [p for p in ids if len(p) <= 512][:num_prompts]
     with progress_bar("count") as bar:
         task = bar.add_task("recording", total=len(ids))
+        tell = lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total)  # noqa: E731
+        if head is not None:  # one beam, each depth a call of the head (train/head_controller.py)
+            from ..train.head_controller import fit_head_controller
+
+            fit = fit_head_controller(
+                s.model, head, s.drafter_path, ids, beam_length, max_tokens, s.tokenizer.eos_token_ids,
+                epochs=epochs, alpha=alpha, seed=seed, progress=tell, curve=load_curve(s.model, model),
+            )  # fmt: skip
+            return _report_fit(fit)
         fit = fit_and_save(
             s.model,
             s.drafter,
@@ -321,7 +332,7 @@ def train_controller_cmd(
             alpha=alpha,
             seed=seed,
             curve=load_curve(s.model, model),  # doctor --calibrate's; None: the latencies timed here
-            progress=lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total),
+            progress=tell,
         )
     _report_fit(fit)
 

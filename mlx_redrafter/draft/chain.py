@@ -17,7 +17,9 @@ the target's features at them, once the step's read has brought the
 accepted length to the host (:meth:`Chain.extend`), and asks it for the next
 step's beams from the LLM's next token ``g0`` (:meth:`Chain.draft`). Both
 build lazy graphs and read nothing: the loop's one read per step is
-unchanged. ``draft`` feeds the pending tokens and ``g0`` in one call (``g0``
+unchanged, except under an adaptive-depth controller (RADAR), whose
+decision after each draft call is read on the host so that a depth it
+drops is never drafted. ``draft`` feeds the pending tokens and ``g0`` in one call (``g0``
 always enters the target's cache, so its entry is kept), then chains the
 head to depth L in copies of the cache, or in the cache itself and trimmed
 back (one beam, trimmable caches): a rejected draft never stays in a cache.
@@ -38,6 +40,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .beam import Beams
+from .controller import DepthGate
 from .head import head_beams, takes_last
 
 CHUNK = 512  # positions fed per call (as the target's prefill chunks); longer pending runs are fed early
@@ -51,8 +54,10 @@ class Chain:
     ``length`` tokens per step.
     """
 
-    def __init__(self, head, width: int, length: int):
+    def __init__(self, head, width: int, length: int, controller=None):
         self.head, self.width, self.length = head, width, length
+        self.controller = controller  # adaptive depth: decides each draft call (draft/controller.py DepthGate)
+        self.reads = 0  # host reads the last draft() made (the controller's decisions)
         self.source = head.source
         self.reads_hidden = getattr(head, "reads_hidden", True)
         self.last = {"last": True} if takes_last(head) else {}
@@ -96,9 +101,17 @@ class Chain:
             self._feed(CHUNK)
             mx.eval([c.state for c in self.cache])
         logits, hidden = self._feed(len(self._tokens))
+        gate = None if self.controller is None else DepthGate(self.controller)
         beams, written = head_beams(
-            self.head, logits[0, -1], None if hidden is None else hidden[0, -1], self.cache, self.width, self.length
+            self.head,
+            logits[0, -1],
+            None if hidden is None else hidden[0, -1],
+            self.cache,
+            self.width,
+            self.length,
+            gate,
         )
+        self.reads = 0 if gate is None else gate.reads
         for c in self.cache if written else ():
             c.trim(written)
         self._fed = True

@@ -81,6 +81,33 @@ class Controller(nn.Module):
         return 1 + mx.cumprod(keep, axis=-1).sum(axis=-1)
 
 
+class DepthGate:
+    """The controller deciding a layer head's draft calls one at a time, as
+    RADAR runs it over EAGLE-3: after each draft call the LSTM reads that
+    depth's top-k confidences, and the host reads whether the depth is kept
+    (and the next call made). The same rule as :meth:`Controller.depth`
+    (depth 1 always kept; stop at the first depth below the threshold), one
+    depth at a time: a layer head's depths are calls of their own, and a
+    depth never drafted costs nothing. One gate per step (the LSTM's state
+    is the step's); ``reads`` counts its host reads."""
+
+    def __init__(self, controller: Controller):
+        self.controller, self.state, self.reads = controller, (None, None), 0
+        t = controller.config.threshold
+        self.bar = float(np.log(t / (1 - t)))
+
+    def __call__(self, depth: int, confidences: mx.array) -> bool:
+        """Whether drafted depth ``depth + 1`` (0-based ``depth``) is verified,
+        from its ``[k]`` confidences; depth 1 is, without a read."""
+        c = self.controller
+        h, cell = c.lstm(confidences.reshape(1, -1), *self.state)
+        self.state = (h[-1], cell[-1])
+        if depth == 0:
+            return True
+        self.reads += 1
+        return c.mlp[1](nn.relu(c.mlp[0](h[-1])))[0].item() >= self.bar
+
+
 def save_controller(controller: Controller, folder) -> Path:
     folder = Path(folder)
     from mlx.utils import tree_flatten

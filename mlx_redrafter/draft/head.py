@@ -128,7 +128,7 @@ def _map_arrays(c, fn):
 
 
 def head_beams(
-    head, logits: mx.array, hidden: Optional[mx.array], cache: list, width: int, length: int
+    head, logits: mx.array, hidden: Optional[mx.array], cache: list, width: int, length: int, gate=None
 ) -> Tuple[Beams, int]:
     """Beam search over a head chained to depth ``length``, lazily.
 
@@ -140,12 +140,19 @@ def head_beams(
     one beam and trimmable caches the chain runs in ``cache`` itself; the
     caller trims the returned number of positions off it. Otherwise it runs
     in copies (:func:`beam_caches`) and 0 is returned.
+
+    ``gate(depth, confidences)`` (a :class:`~mlx_redrafter.draft.controller.DepthGate`),
+    when given, is asked after each depth's call with the top-k
+    probabilities of the distribution that gave the best beam its token there;
+    on False that depth is dropped and no deeper call is made (the beams
+    are shorter than ``length``).
     """
     logp = _log_softmax(logits)[None]  # [1, Vd]
     scores = mx.array([0.0] + [NEG] * (width - 1), dtype=mx.float32)
     tokens = history = path_scores = parent = None
     in_place = width == 1 and all(c.is_trimmable() for c in cache)
     chain = cache if in_place else None
+    calls = 0  # chained calls made (in place: positions to trim)
     for depth in range(length):
         if depth:
             if chain is None:  # copies of the committed cache: every row alike, no reorder yet
@@ -156,8 +163,11 @@ def head_beams(
             out, hid = head(tokens[:, None], feats, chain, first=False)
             logp = _log_softmax(out[:, -1])
             hidden = None if hid is None else hid[:, -1]
+            calls += 1
         vocab = logp.shape[-1]
         total = (scores[:, None] + logp).reshape(-1)
+        if gate is not None and not gate(depth, _confidences(logp, total, vocab, gate.controller.top_k)):
+            break
         idx = top_w(total, width)
         parent = idx // vocab
         scores = total[idx]
@@ -168,7 +178,13 @@ def head_beams(
         path_scores = (
             scores[:, None] if path_scores is None else mx.concatenate([path_scores[parent], scores[:, None]], axis=1)
         )
-    return Beams(history, scores, path_scores=path_scores), (length - 1 if in_place else 0)
+    return Beams(history, scores, path_scores=path_scores), (calls if in_place else 0)
+
+
+def _confidences(logp: mx.array, total: mx.array, vocab: int, k: int) -> mx.array:
+    """``[k]`` descending top-k probabilities of the row whose continuation is the best beam."""
+    row = logp[0] if logp.shape[0] == 1 else logp[mx.argmax(total) // vocab]
+    return mx.exp(mx.sort(mx.topk(row, k))[::-1])
 
 
 def _log_softmax(logits: mx.array) -> mx.array:

@@ -80,7 +80,10 @@ class _Sourced:
     def __init__(self, model, cache, draft: DraftConfig, sampling: SamplingConfig, history: List[int]):
         self.model, self.cfg, self.sampling = model, draft, sampling
         self.cache = cache[: target_size(model)]
-        self.chains = [Chain(source_head(model, s), w, n) for s, w, n in draft.source_shapes]
+        # The controller (adaptive depth) decides the layer head's calls: the first source, when it is one.
+        shapes = draft.source_shapes
+        gated = [draft.controller if draft.head is not None and i == 0 else None for i in range(len(shapes))]
+        self.chains = [Chain(source_head(model, s), w, n, c) for (s, w, n), c in zip(shapes, gated)]
         for chain, caches in zip(
             self.chains, attach_sources(cache, len(self.cache), [c.make_cache for c in self.chains])
         ):
@@ -126,7 +129,7 @@ class _Sourced:
         for chain in self.chains:
             beams = chain.draft(g0_val)
             parts.append((beams.tokens, drafter_scores(beams) if self.auto is not None else None))
-            lengths += [chain.length] * chain.width
+            lengths += [beams.tokens.shape[1]] * chain.width  # the controller's depth, else the chain's length
             sources += [chain.source] * chain.width
         host += [float("nan")] * sum(lengths)
         proposals, source = context_or_store(self.lookup, self.store, cfg.lookup_length, cfg.lookup)
@@ -244,7 +247,7 @@ def sourced_steps(
             acc, hidden, read_array, depth, size, structure = run.verify(parts, lengths, sources, host, g0)
             take_tree_states(run.cache, acc.last)  # recurrent layers: the accepted node's state (lazy)
             read = StepRead.parse(host_read(read_array), depth)
-            syncs += 1
+            syncs += 1 + sum(chain.reads for chain in run.chains)
             if not read.in_place:
                 compact_cache(run.cache, starts, acc.path)
             set_cache_length(run.cache, starts, offsets, 1 + read.n)

@@ -242,7 +242,8 @@ def run_sweep(
         if make_draft is not None:
             return make_draft(w, l, k, tree)
         if is_layer_head(drafter):  # an EAGLE-3 head: its beams are the draft's layer head's
-            return DraftConfig(lookup=k, tree=tree, curve=config.curve, head=drafter, head_width=w, head_length=l)
+            head = {"head": drafter, "head_width": w, "head_length": l}
+            return DraftConfig(controller=controller, lookup=k, tree=tree, curve=config.curve, **head)
         return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
 
     if todo:
