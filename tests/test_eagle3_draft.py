@@ -67,15 +67,23 @@ def test_each_published_layout_loads_and_drafts_exactly(tiny, layout, width, len
     assert max(r.stats.tree_size for r in got) == 1 + width * length  # the head's beams alone, as asked
 
 
-def test_the_heads_cache_is_a_clean_pass_over_the_accepted_text(tiny):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_heads_cache_is_a_clean_pass_over_the_accepted_text(tiny, adaptive):
     """Drafts accepted in part and rejected: the head's cache ends holding what a
-    teacher-forced pass over the accepted text gives, one entry behind the model's."""
+    teacher-forced pass over the accepted text gives, one entry behind the model's
+    (also when a depth controller stops the head's chain early: its dropped call
+    is trimmed off too)."""
     _, model, _, heads = tiny
     head = load_drafter(heads["speculators"], dtype="float32")
     cache, prompt = make_prompt_cache(model), [5, 9, 11, 3, 20]
-    tokens, stats = generate_tokens(model, prompt, draft=library_draft(model, head, 1, 3, 0), prompt_cache=cache)
+    draft = library_draft(model, head, 1, 4 if adaptive else 3, 0)
+    if adaptive:  # keeps 2 of 4 depths: the third call is made, dropped and trimmed off; no fourth
+        draft.controller = _keeping(4, 2)
+    tokens, stats = generate_tokens(model, prompt, draft=draft, prompt_cache=cache)
     accepted = [s.accepted for s in stats[1:]]
-    assert 0 in accepted and any(0 < a < 3 for a in accepted)  # rejected drafts, some after accepted ones
+    assert 0 in accepted and any(0 < a for a in accepted)  # rejected drafts, and accepted ones
+    if not adaptive:
+        assert any(0 < a < 3 for a in accepted)  # some rejected after accepted ones
     assert {s.source for s in stats if s.accepted} == {"eagle3"}
     model_cache, head_cache = cache[0], cache[-1]
     assert len(cache) == len(model.model.layers) + 1 and head_cache.offset == model_cache.offset - 1
@@ -151,6 +159,26 @@ def _controller(length: int, bias: float = 0.0, seed: int = 0):
     return c
 
 
+def _keeping(length: int, keep: int):
+    """A depth controller that keeps exactly ``keep`` of ``length`` depths, whatever
+    the confidences: its LSTM ignores its input, so its state grows with the
+    depth (``h_t = tanh(0.46 t)``), and its continue logit is ``bias - mean(h_t)``,
+    with the bias between the ``keep``-th and the next depth's ``h``."""
+    import math
+
+    c = _controller(length)
+    h = c.config.hidden
+    c.lstm.Wx = mx.zeros_like(c.lstm.Wx)
+    c.lstm.Wh = mx.zeros_like(c.lstm.Wh)
+    c.lstm.bias = mx.concatenate([mx.full((h,), 10.0), mx.full((h,), 10.0), mx.full((h,), 0.5), mx.full((h,), 10.0)])
+    c.mlp[0].weight, c.mlp[0].bias = mx.eye(h), mx.zeros((h,))
+    rise = [math.tanh(math.tanh(0.5) * t) for t in range(1, length + 2)]
+    c.mlp[1].weight = mx.full((1, h), -1.0 / h)
+    c.mlp[1].bias = mx.array([(rise[keep - 1] + rise[keep]) / 2])
+    mx.eval(c.parameters())
+    return c
+
+
 def test_the_gate_keeps_the_depth_the_controller_picks_from_all_depths():
     """One depth at a time (a layer head's calls), the same rule as the
     controller over the whole stack of confidences: stop at the first depth
@@ -173,8 +201,8 @@ def test_the_gate_keeps_the_depth_the_controller_picks_from_all_depths():
     assert len(set(picked)) >= 3
 
 
-@pytest.mark.parametrize("bias, depth", [(-10.0, 1), (10.0, 3)])
-def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, bias, depth):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, depth):
     """``controller=`` beside an EAGLE-3 head: the controller decides each step's
     draft calls; the output is plain greedy decoding's, with drafts accepted."""
     _, model, tok, heads = tiny
@@ -195,7 +223,7 @@ def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, bias
             drafter=head,
             beam_width=1,
             beam_length=3,
-            controller=_controller(3, bias),
+            controller=_keeping(3, depth),
             lookup=False,
             max_tokens=40,
             min_accepted=5,
