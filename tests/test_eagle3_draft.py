@@ -77,7 +77,7 @@ def test_the_heads_cache_is_a_clean_pass_over_the_accepted_text(tiny, adaptive):
     head = load_drafter(heads["speculators"], dtype="float32")
     cache, prompt = make_prompt_cache(model), [5, 9, 11, 3, 20]
     draft = library_draft(model, head, 1, 4 if adaptive else 3, 0)
-    if adaptive:  # keeps 2 of 4 depths: the third call is made, dropped and trimmed off; no fourth
+    if adaptive:  # keeps 2 of 4 depths, deciding after each call: the third is made, dropped and trimmed off
         draft.controller = _keeping(4, 2)
     tokens, stats = generate_tokens(model, prompt, draft=draft, prompt_cache=cache)
     accepted = [s.accepted for s in stats[1:]]
@@ -147,26 +147,27 @@ def test_an_mtp_head_beside_an_eagle3_drafter_is_refused(tiny):
 # --------------------------------------------------------------------------- adaptive depth (RADAR)
 
 
-def _controller(length: int, bias: float = 0.0, seed: int = 0):
+def _controller(length: int, bias: float = 0.0, seed: int = 0, before_call: bool = False):
     """A depth controller for one beam of ``length``: random, its continue
     logit shifted by ``bias`` (+10: always deeper, -10: never)."""
     from mlx_redrafter.draft.controller import Controller, ControllerConfig
 
     mx.random.seed(seed)
-    c = Controller(ControllerConfig(beam_width=1, beam_length=length))
+    c = Controller(ControllerConfig(beam_width=1, beam_length=length, before_call=before_call))
     c.mlp[1].bias = c.mlp[1].bias + bias
     mx.eval(c.parameters())
     return c
 
 
-def _keeping(length: int, keep: int):
+def _keeping(length: int, keep: int, before_call: bool = False):
     """A depth controller that keeps exactly ``keep`` of ``length`` depths, whatever
     the confidences: its LSTM ignores its input, so its state grows with the
     depth (``h_t = tanh(0.46 t)``), and its continue logit is ``bias - mean(h_t)``,
-    with the bias between the ``keep``-th and the next depth's ``h``."""
+    with the bias between the ``keep``-th and the next depth's ``h`` (in either
+    order the decision on depth ``d + 1`` reads the state after ``d + 1`` inputs)."""
     import math
 
-    c = _controller(length)
+    c = _controller(length, before_call=before_call)
     h = c.config.hidden
     c.lstm.Wx = mx.zeros_like(c.lstm.Wx)
     c.lstm.Wh = mx.zeros_like(c.lstm.Wh)
@@ -179,32 +180,39 @@ def _keeping(length: int, keep: int):
     return c
 
 
-def test_the_gate_keeps_the_depth_the_controller_picks_from_all_depths():
-    """One depth at a time (a layer head's calls), the same rule as the
-    controller over the whole stack of confidences: stop at the first depth
-    below the threshold."""
-    from mlx_redrafter.draft.controller import DepthGate
+@pytest.mark.parametrize("before_call", [False, True])
+def test_the_gate_keeps_the_depth_the_controller_picks_from_all_depths(before_call):
+    """One depth at a time (a layer head's calls), driven as the head's beam
+    search drives it, the same rule as the controller over the whole stack of
+    confidences (before each call: the depths drafted so far): stop at the
+    first decision below the threshold."""
+    from mlx_redrafter.draft.controller import DepthGate, before_call_inputs
 
-    ctrl, picked = _controller(5), []
+    ctrl, picked = _controller(5, before_call=before_call), []
     for seed in range(40):
         mx.random.seed(seed)
         conf = mx.sort(mx.random.uniform(shape=(5, ctrl.top_k)), axis=-1)[:, ::-1]
+        inputs = before_call_inputs(conf) if before_call else conf
         # A threshold between this stack's logits: stops at every depth happen.
-        logits = sorted(ctrl.continue_logits(conf)[1:].tolist())
+        logits = sorted(ctrl.continue_logits(inputs)[1:].tolist())
         ctrl.config.threshold = float(mx.sigmoid(mx.array(logits[seed % 4] + 1e-4)))
         gate, kept = DepthGate(ctrl), 0
-        while kept < 5 and gate(kept, conf[kept]):
+        while kept < 5 and (kept == 0 or gate.deeper(kept)) and gate.drafted(kept, conf[kept]):
             kept += 1
-        assert kept == ctrl.depth(conf).item()
+        assert kept == ctrl.depth(inputs).item()
         assert gate.reads == min(kept, 4)  # one host read per depth past the first, none past a stop
         picked.append(kept)
     assert len(set(picked)) >= 3
 
 
+@pytest.mark.parametrize("before_call", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, depth):
+def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, depth, before_call):
     """``controller=`` beside an EAGLE-3 head: the controller decides each step's
-    draft calls; the output is plain greedy decoding's, with drafts accepted."""
+    draft calls; the output is plain greedy decoding's, with drafts accepted.
+    Before each call (a head's controller as make-drafter trains it) no call
+    is wasted; after each (the recurrent drafter's order) a dropped depth's
+    call was made."""
     _, model, tok, heads = tiny
     head = load_drafter(heads["speculators"], dtype="float32")
     calls = []
@@ -223,7 +231,7 @@ def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, dept
             drafter=head,
             beam_width=1,
             beam_length=3,
-            controller=_keeping(3, depth),
+            controller=_keeping(3, depth, before_call),
             lookup=False,
             max_tokens=40,
             min_accepted=5,
@@ -232,7 +240,8 @@ def test_adaptive_depth_decides_the_heads_draft_calls_and_stays_exact(tiny, dept
     steps = {r.stats.step: r.stats for r in got if r.stats.step > 0}.values()
     assert {s.depth for s in steps} == {depth}  # only the controller's depth is verified
     chained = calls.count(False)  # depth 1 comes from the commit call; each later depth is one chained call
-    assert chained == len(steps) * (depth if depth < 3 else 2)  # a dropped depth's call is the last one made
+    wasted = 0 if before_call or depth == 3 else 1  # after each call: the dropped depth's call was made
+    assert chained == len(steps) * (depth - 1 + wasted)
 
 
 def test_the_controller_beside_two_drafters_is_refused(tiny):

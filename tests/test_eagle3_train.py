@@ -233,9 +233,10 @@ def cycling(tmp_path_factory):
     return target, read_eagle3(out, dtype="float32").bind(target)
 
 
-def test_the_controller_for_a_head_prices_each_depth_as_draft_calls(cycling, tmp_path):
+def test_the_controller_for_a_head_prices_each_depth_as_draft_calls(cycling, tmp_path, monkeypatch):
     import numpy as np
 
+    import mlx_redrafter.train.head_controller as hc
     from mlx_redrafter.draft.controller import load_controller
     from mlx_redrafter.train.controller import step_cost
     from mlx_redrafter.train.head_controller import fit_head_controller, head_latency, record_head_episodes
@@ -249,10 +250,17 @@ def test_the_controller_for_a_head_prices_each_depth_as_draft_calls(cycling, tmp
     assert latency["draft_1"] < latency["draft_2"] < latency["draft_3"]  # each depth is one more call
     cost = step_cost(latency, episodes.tree_sizes[:1].astype(float))
     assert np.all(np.diff(cost[0]) > np.diff([latency[f"verify_{n}"] for n in (2, 3, 4)]))
+    trained = []
+    real = hc.train_and_save
+    monkeypatch.setattr(hc, "train_and_save", lambda eps, *a: trained.append(eps) or real(eps, *a))
     fit = fit_head_controller(target, head, tmp_path, prompts, 3, 24, epochs=5)
-    assert fit.steps == len(record_head_episodes(target, head, prompts, 3, 24).accepted)
+    assert fit.steps == len(episodes.accepted)
+    # It decides before each call: trained on the depths drafted before each decision (run time's DepthGate).
+    seen = trained[0].confidences
+    assert (seen[:, 0] == 0).all() and np.array_equal(seen[:, 1:], episodes.confidences[:, :-1])
     ctrl = load_controller(tmp_path)
     assert ctrl.config.beam_width == 1 and ctrl.config.beam_length == 3 and "draft_3" in ctrl.config.latency
+    assert ctrl.config.before_call
 
 
 class FakePasses:

@@ -46,6 +46,12 @@ class ControllerConfig:
     threshold: float = 0.5  # continue while P(continue) >= threshold
     alpha: float = 0.05
     latency: Dict[str, float] = field(default_factory=dict)  # measured cost model, ms
+    # A layer head's controller decides before each draft call (RADAR's order
+    # over EAGLE-3): its LSTM reads the confidences of the depths drafted so
+    # far, the first input a zero vector (:func:`before_call_inputs`). False:
+    # it reads each depth's own confidences (the recurrent drafter's, whose
+    # search drafts every depth in one lazily evaluated graph).
+    before_call: bool = False
 
 
 class Controller(nn.Module):
@@ -81,31 +87,56 @@ class Controller(nn.Module):
         return 1 + mx.cumprod(keep, axis=-1).sum(axis=-1)
 
 
+def before_call_inputs(confidences):
+    """``[..., L, k]`` per-depth confidences as a before-call controller reads
+    them: entry ``d`` holds depth ``d``'s (entry 0 zeros), so the decision on
+    drafting depth ``d + 1`` reads depths ``1..d`` (numpy or MLX)."""
+    zeros = confidences[..., :1, :] * 0
+    lib = mx if isinstance(confidences, mx.array) else np
+    return lib.concatenate([zeros, confidences[..., :-1, :]], axis=-2)
+
+
 class DepthGate:
     """The controller deciding a layer head's draft calls one at a time, as
-    RADAR runs it over EAGLE-3: after each draft call the LSTM reads that
-    depth's top-k confidences, and the host reads whether the depth is kept
-    (and the next call made). The same rule as :meth:`Controller.depth`
-    (depth 1 always kept; stop at the first depth below the threshold), one
-    depth at a time: a layer head's depths are calls of their own, and a
-    depth never drafted costs nothing. One gate per step (the LSTM's state
-    is the step's); ``reads`` counts its host reads."""
+    RADAR runs it over EAGLE-3 (one gate per step: the LSTM's state is the
+    step's; ``reads`` counts its host reads). :func:`~.head.head_beams` asks
+    :meth:`deeper` before each call past the first and tells :meth:`drafted`
+    each depth's top-k confidences once the call is made.
+
+    * ``before_call`` (what ``make-drafter`` and ``train-controller`` train for
+      a head): the decision to draft depth ``d + 1`` reads the confidences of
+      depths ``1..d``; a depth it does not draft costs nothing.
+    * otherwise: each depth is drafted, then kept or dropped by its own
+      confidences; a dropped depth's call was made.
+
+    Either way the rule is :meth:`Controller.depth`'s (depth 1 always; stop at
+    the first decision below the threshold), one depth at a time."""
 
     def __init__(self, controller: Controller):
         self.controller, self.state, self.reads = controller, (None, None), 0
         t = controller.config.threshold
         self.bar = float(np.log(t / (1 - t)))
+        self.before = controller.config.before_call
+        if self.before:
+            self._feed(mx.zeros((controller.top_k,)))
 
-    def __call__(self, depth: int, confidences: mx.array) -> bool:
-        """Whether drafted depth ``depth + 1`` (0-based ``depth``) is verified,
-        from its ``[k]`` confidences; depth 1 is, without a read."""
-        c = self.controller
-        h, cell = c.lstm(confidences.reshape(1, -1), *self.state)
+    def _feed(self, x: mx.array) -> None:
+        h, cell = self.controller.lstm(x.reshape(1, -1), *self.state)
         self.state = (h[-1], cell[-1])
-        if depth == 0:
-            return True
+
+    def _go(self) -> bool:
         self.reads += 1
-        return c.mlp[1](nn.relu(c.mlp[0](h[-1])))[0].item() >= self.bar
+        mlp = self.controller.mlp
+        return mlp[1](nn.relu(mlp[0](self.state[0])))[0].item() >= self.bar
+
+    def deeper(self, depth: int) -> bool:
+        """Before the call for depth ``depth + 1`` (0-based ``depth``, at least 1): make it?"""
+        return self._go() if self.before else True
+
+    def drafted(self, depth: int, confidences: mx.array) -> bool:
+        """Depth ``depth + 1`` was drafted with these ``[k]`` confidences: keep it?"""
+        self._feed(confidences)
+        return True if self.before or depth == 0 else self._go()
 
 
 def save_controller(controller: Controller, folder) -> Path:

@@ -141,11 +141,12 @@ def head_beams(
     caller trims the returned number of positions off it. Otherwise it runs
     in copies (:func:`beam_caches`) and 0 is returned.
 
-    ``gate(depth, confidences)`` (a :class:`~mlx_redrafter.draft.controller.DepthGate`),
-    when given, is asked after each depth's call with the top-k
-    probabilities of the distribution that gave the best beam its token there;
-    on False that depth is dropped and no deeper call is made (the beams
-    are shorter than ``length``).
+    ``gate`` (a :class:`~mlx_redrafter.draft.controller.DepthGate`), when
+    given, is asked before each call past the first whether to make it
+    (``deeper``), and told after each depth the top-k probabilities of the
+    distribution that gave the best beam its token there (``drafted``: keep
+    the depth?); the chain stops at the first no (the beams are shorter than
+    ``length``).
     """
     logp = _log_softmax(logits)[None]  # [1, Vd]
     scores = mx.array([0.0] + [NEG] * (width - 1), dtype=mx.float32)
@@ -155,6 +156,8 @@ def head_beams(
     calls = 0  # chained calls made (in place: positions to trim)
     for depth in range(length):
         if depth:
+            if gate is not None and not gate.deeper(depth):
+                break
             if chain is None:  # copies of the committed cache: every row alike, no reorder yet
                 chain = beam_caches(cache, width)
             elif not in_place:  # each row follows the beam it continues
@@ -166,7 +169,7 @@ def head_beams(
             calls += 1
         vocab = logp.shape[-1]
         total = (scores[:, None] + logp).reshape(-1)
-        if gate is not None and not gate(depth, _confidences(logp, total, vocab, gate.controller.top_k)):
+        if gate is not None and not gate.drafted(depth, _confidences(logp, total, vocab, gate.controller.top_k)):
             break
         idx = top_w(total, width)
         parent = idx // vocab

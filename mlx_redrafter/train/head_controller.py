@@ -4,7 +4,9 @@ RADAR was built on EAGLE-3 trees: after each draft call an LSTM reads the
 top-k confidences and decides whether one more call pays. For a layer head
 every depth is a call of its own (the first from the call that feeds the
 accepted positions, each later one a chained call on the head's own state),
-so the price of depth ``D`` grows with ``D``: the latency model here times
+so the price of depth ``D`` grows with ``D``, and the controller decides
+before each call from the depths drafted so far (``before_call``: a depth
+it does not draft costs nothing): the latency model here times
 both calls and prices depth ``D`` at ``commit + (D - 1) x chained``
 (``draft_D`` in the controller's latency table; train/controller.py's
 ``step_cost`` reads it).
@@ -21,12 +23,13 @@ the recurrent drafter's (train/controller.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..draft.controller import Controller, ControllerConfig
+from ..draft.controller import Controller, ControllerConfig, before_call_inputs
 from .controller import Episodes, FitReport, train_and_save
 
 
@@ -145,10 +148,12 @@ def fit_head_controller(
     """:func:`~mlx_redrafter.train.controller.fit_and_save` for a layer head
     (one beam): record, measure this device's latencies, train, save next to the head."""
     tell = progress or (lambda stage, done, total: None)
-    config = ControllerConfig(beam_width=1, beam_length=length, alpha=alpha)
+    config = ControllerConfig(beam_width=1, beam_length=length, alpha=alpha, before_call=True)
     tell("recording", 0, len(prompts))
     episodes = record_head_episodes(
         model, head, prompts, length, max_tokens, eos_ids, config.top_k, lambda i: tell("recording", i, len(prompts))
     )
+    # It decides before each call, from the depths drafted so far (draft/controller.py DepthGate).
+    episodes = dataclasses.replace(episodes, confidences=before_call_inputs(episodes.confidences))
     tell("measuring latency", 0, None)
     return train_and_save(episodes, config, head_latency(model, head, length), curve, folder, epochs, seed, tell)
