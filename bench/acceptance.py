@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter import load_model
+from mlx_redrafter.config import is_layer_head
 from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.llm.parts import default_feature_layers, model_parts
 from mlx_redrafter.prompts import load_prompt_set
@@ -263,7 +264,7 @@ def evaluate(drafter, embed, data, layers=(), model=None) -> dict:
     """Acceptance by depth and W=1 tokens/step of ``drafter`` on ``data``
     (replies whose contexts hold ``layers``' features, then the last state);
     a layer head (``model`` given) drafts from its own cache (:func:`head_runs`)."""
-    if getattr(drafter, "kind", None) == "eagle3":
+    if is_layer_head(drafter):
         drafter.bind(model)
         runs = [head_runs(model, drafter, q, t) for (t, _), q in zip(data, data.prompts)]
     else:

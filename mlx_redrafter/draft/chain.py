@@ -18,9 +18,10 @@ accepted length to the host (:meth:`Chain.extend`), and asks it for the next
 step's beams from the LLM's next token ``g0`` (:meth:`Chain.draft`). Both
 build lazy graphs and read nothing: the loop's one read per step is
 unchanged, except under an adaptive-depth controller (RADAR), whose
-decision after each draft call is read on the host so that a depth it
-drops is never drafted. ``draft`` feeds the pending tokens and ``g0`` in one call (``g0``
-always enters the target's cache, so its entry is kept), then chains the
+decision on each depth is read on the host (draft/controller.py
+``DepthGate``), so that no deeper call follows a stop. ``draft`` feeds the
+pending tokens and ``g0`` in one call (``g0`` always enters the target's
+cache, so its entry is kept), then chains the
 head to depth L in copies of the cache, or in the cache itself and trimmed
 back (one beam, trimmable caches): a rejected draft never stays in a cache.
 :meth:`Chain.close` feeds what is still pending when the generation ends,

@@ -72,7 +72,17 @@ class Controller(nn.Module):
         is the logit of verifying depth ``d + 1`` given the confidences of
         depths ``1..d+1`` (entry 0 is unused: depth 1 is always verified)."""
         h, _ = self.lstm(confidences)
+        return self.logit(h)
+
+    def logit(self, h: mx.array) -> mx.array:
+        """The continue logit of LSTM states ``h [..., hidden]`` -> ``[...]``."""
         return self.mlp[1](nn.relu(self.mlp[0](h)))[..., 0]
+
+    @property
+    def bar(self) -> float:
+        """The continue logit at the threshold: deeper while the logit is at least this."""
+        t = self.config.threshold
+        return float(np.log(t / (1 - t)))
 
     def choose_depth(self, beams) -> mx.array:
         """The generation loop's hook: depth to verify for these :class:`~.beam.Beams`."""
@@ -82,8 +92,7 @@ class Controller(nn.Module):
         """Drafted depth to verify, in ``[1, L]`` (lazy): stop at the first
         depth whose continue-probability falls below the threshold."""
         logits = self.continue_logits(confidences)[..., 1:]
-        t = self.config.threshold
-        keep = (logits >= float(np.log(t / (1 - t)))).astype(mx.int32)
+        keep = (logits >= self.bar).astype(mx.int32)
         return 1 + mx.cumprod(keep, axis=-1).sum(axis=-1)
 
 
@@ -114,8 +123,7 @@ class DepthGate:
 
     def __init__(self, controller: Controller):
         self.controller, self.state, self.reads = controller, (None, None), 0
-        t = controller.config.threshold
-        self.bar = float(np.log(t / (1 - t)))
+        self.bar = controller.bar
         self.before = controller.config.before_call
         if self.before:
             self._feed(mx.zeros((controller.top_k,)))
@@ -126,8 +134,7 @@ class DepthGate:
 
     def _go(self) -> bool:
         self.reads += 1
-        mlp = self.controller.mlp
-        return mlp[1](nn.relu(mlp[0](self.state[0])))[0].item() >= self.bar
+        return self.controller.logit(self.state[0]).item() >= self.bar
 
     def deeper(self, depth: int) -> bool:
         """Before the call for depth ``depth + 1`` (0-based ``depth``, at least 1): make it?"""

@@ -185,9 +185,14 @@ def head_beams(
 
 
 def _confidences(logp: mx.array, total: mx.array, vocab: int, k: int) -> mx.array:
-    """``[k]`` descending top-k probabilities of the row whose continuation is the best beam."""
-    row = logp[0] if logp.shape[0] == 1 else logp[mx.argmax(total) // vocab]
-    return mx.exp(mx.sort(mx.topk(row, k))[::-1])
+    """``[k]`` confidences of the row whose continuation is the best beam."""
+    return top_confidences(logp[0] if logp.shape[0] == 1 else logp[mx.argmax(total) // vocab], k)
+
+
+def top_confidences(logp: mx.array, k: int) -> mx.array:
+    """``[k]`` descending top-k probabilities of one log-distribution ``[V]``: what a
+    depth controller reads of a depth (at run time, and in its recorded episodes)."""
+    return mx.exp(mx.sort(mx.topk(logp, k))[::-1])
 
 
 def _log_softmax(logits: mx.array) -> mx.array:
@@ -203,4 +208,4 @@ def check_vocabulary(head_vocab: int, target_vocab: int, what: str) -> Optional[
     return None
 
 
-__all__: List[str] = ["LayerHead", "beam_caches", "head_beams", "reorder_caches", "target_ids"]
+__all__: List[str] = ["LayerHead", "beam_caches", "head_beams", "reorder_caches", "target_ids", "top_confidences"]

@@ -80,10 +80,11 @@ class _Sourced:
     def __init__(self, model, cache, draft: DraftConfig, sampling: SamplingConfig, history: List[int]):
         self.model, self.cfg, self.sampling = model, draft, sampling
         self.cache = cache[: target_size(model)]
-        # The controller (adaptive depth) decides the layer head's calls: the first source, when it is one.
-        shapes = draft.source_shapes
-        gated = [draft.controller if draft.head is not None and i == 0 else None for i in range(len(shapes))]
-        self.chains = [Chain(source_head(model, s), w, n, c) for (s, w, n), c in zip(shapes, gated)]
+        # The controller (adaptive depth) decides the layer head's calls (never a draft model's).
+        self.chains = [
+            Chain(source_head(model, s), w, n, draft.controller if s is draft.head else None)
+            for s, w, n in draft.source_shapes
+        ]
         for chain, caches in zip(
             self.chains, attach_sources(cache, len(self.cache), [c.make_cache for c in self.chains])
         ):

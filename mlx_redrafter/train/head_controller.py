@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..draft.controller import Controller, ControllerConfig, before_call_inputs
+from ..draft.head import top_confidences
 from .controller import Episodes, FitReport, train_and_save
 
 
@@ -48,7 +49,7 @@ def _chain(head, cache, logits: mx.array, hidden: mx.array, length: int, top_k: 
             out, hid = head(drafts[-1].reshape(1, 1), hidden, cache, first=False)
             logits, hidden = out[0, -1], hid[:, -1:]
         logp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
-        confs.append(mx.exp(mx.sort(mx.topk(logp, top_k))[::-1]))
+        confs.append(top_confidences(logp, top_k))
         idx = mx.argmax(logp)
         drafts.append(idx if head.draft_to_target is None else head.draft_to_target[idx])
     return mx.stack(drafts), mx.stack(confs)
