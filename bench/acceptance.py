@@ -149,9 +149,10 @@ def lookup_calibration(data: Replies, length: int = 4) -> dict:
     of its draft's tokens at each depth accepted given the one before was,
     by the matched suffix length's bucket (step/select.py's lookup edges)."""
     from mlx_redrafter.draft.lookup import Lookup
-    from mlx_redrafter.step.select import N_BUCKETS, SOURCES, bucket_of
+    from mlx_redrafter.step.select import N_BUCKETS, bucket_of
+    from mlx_redrafter.step.sources.lookup import PRIOR
 
-    src = SOURCES.index("lookup")
+    edges, src = np.array([PRIOR.edges], np.float32), 0
     hits, seen = np.zeros((length, N_BUCKETS)), np.zeros((length, N_BUCKETS))
     for (t, _), prompt in zip(data, data.prompts):
         look = Lookup(prompt.tolist())
@@ -160,7 +161,7 @@ def lookup_calibration(data: Replies, length: int = 4) -> dict:
             rows = look.propose(length, 1)
             if not rows:
                 continue
-            b = int(bucket_of(np, np.full(1, src), np.full(1, look.matched[0], np.float32))[0])
+            b = int(bucket_of(np, edges, np.full(1, src), np.full(1, look.matched[0], np.float32))[0])
             for d, token in enumerate(rows[0][: len(t) - 1 - pos]):
                 seen[d, b] += 1
                 if token != t[pos + 1 + d]:
@@ -206,7 +207,9 @@ def calibration(drafter, embed, data, layers=()) -> dict:
     nothing fell), ``n`` the drafts counted; step/select.py's drafter priors
     come from this table."""
     from mlx_redrafter.step.select import N_BUCKETS, bucket_of
+    from mlx_redrafter.step.sources.redrafter import PRIOR
 
+    edges = np.array([PRIOR.edges], np.float32)
     want, h = drafter.config.feature_layers or [], drafter.config.hidden_size
     hits, seen = np.zeros((MAX_L, N_BUCKETS)), np.zeros((MAX_L, N_BUCKETS))
     for t, c in data:
@@ -215,7 +218,7 @@ def calibration(drafter, embed, data, layers=()) -> dict:
         parent = np.concatenate([np.ones_like(right[:, :1]), np.cumprod(right, axis=1)[:, :-1]], axis=1).astype(bool)
         for d in range(MAX_L):
             m = parent[:, d] & valid[:, d]
-            b = bucket_of(np, np.zeros(int(m.sum()), np.int32), score[m, d])
+            b = bucket_of(np, edges, np.zeros(int(m.sum()), np.int32), score[m, d])
             np.add.at(hits[d], b, right[m, d])
             np.add.at(seen[d], b, 1)
     return rates(hits, seen)
@@ -236,7 +239,7 @@ def head_runs(model, head, prompt: np.ndarray, tokens: np.ndarray) -> np.ndarray
     fed the prompt and the reply up to each position, teacher-forced, as the
     step loop feeds it the accepted text; from each position one greedy chain
     of ``MAX_L`` calls (train/head_controller.py's ``_chain``), trimmed off again."""
-    from mlx_redrafter.step.sourced import columns
+    from mlx_redrafter.step.loop import columns
     from mlx_redrafter.train.head_controller import _chain
 
     full = np.concatenate([prompt, tokens]).astype(np.int32)

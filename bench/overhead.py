@@ -48,7 +48,7 @@ from mlx_redrafter.draft.redrafter import Drafter, DrafterConfig
 from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.prompts import build_messages, chat_prompt_ids, render_messages
 from mlx_redrafter.runtime import shipped_drafter_path
-from mlx_redrafter.step import dispatch
+from mlx_redrafter.step import plan
 from mlx_redrafter.tuning.measure import measure
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -134,17 +134,18 @@ def time_steps(model, ids, draft, n, timings=False):
 
 @contextmanager
 def always_pipelined():
-    """The pipelined loop even for trees it leaves to the synchronous one (dispatch.MAX_SHARED_NODES)."""
-    limit = dispatch.MAX_SHARED_NODES
-    dispatch.MAX_SHARED_NODES = 10**9
+    """Build ahead even for trees left to read-then-build (plan.MAX_SHARED_NODES)."""
+    limit = plan.MAX_SHARED_NODES
+    plan.MAX_SHARED_NODES = 10**9
     try:
         yield
     finally:
-        dispatch.MAX_SHARED_NODES = limit
+        plan.MAX_SHARED_NODES = limit
 
 
 def row(model, ids, draft, n):
-    out = {"default_loop": "pipelined" if dispatch.can_pipeline(make_prompt_cache(model), draft) else "sync"}
+    ahead = plan.make_plan(model, draft, cache=make_prompt_cache(model)).schedule == plan.AHEAD
+    out = {"default_loop": "pipelined" if ahead else "sync"}
     tokens = {}
     for name, pipelined in (("sync", False), ("pipelined", True)):
         with always_pipelined():

@@ -131,10 +131,10 @@ PROMPTS = [
 
 
 class HostClock:
-    """Wraps the constrained loop's ``tree_masks`` to total the grammar's host time."""
+    """Wraps the grammar mask's ``tree_masks`` to total the grammar's host time."""
 
     def __init__(self):
-        import mlx_redrafter.step.constrained as loop
+        import mlx_redrafter.step.grammar as loop
 
         self.loop, self.inner, self.seconds, self.calls = loop, loop.tree_masks, 0.0, 0
         loop.tree_masks = self
@@ -152,15 +152,16 @@ def run(model, prompt, grammar, draft, max_tokens):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_redrafter.config import DraftConfig, SamplingConfig
-    from mlx_redrafter.step.constrained import constrained_steps
+    from mlx_redrafter.config import SamplingConfig
     from mlx_redrafter.step.dispatch import token_steps
+    from mlx_redrafter.step.plan import AFTER_READ, DraftPlan, TreePolicy, make_plan
 
     cache, sampling = make_prompt_cache(model), SamplingConfig()
-    if draft is None:  # "forced": the constrained loop with nothing drafting (dispatch would run plain)
-        steps = constrained_steps(model, mx.array(prompt), cache, DraftConfig(), sampling, grammar)
+    if draft is None:  # "forced": the grammar's forced tokens alone (the library would run plain)
+        plan = DraftPlan((), TreePolicy("fixed", packed=True), AFTER_READ, structured=True)
     else:
-        steps = token_steps(model, mx.array(prompt), cache, draft=draft, sampling=sampling, grammar=grammar)
+        plan = make_plan(model, draft, grammar=True, cache=cache)
+    steps = token_steps(model, mx.array(prompt), cache, plan=plan, sampling=sampling, grammar=grammar)
     tokens, n_steps, tic = [], 0, None
     for s in steps:
         tokens += s.tokens

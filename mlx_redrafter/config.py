@@ -113,10 +113,15 @@ class DraftConfig:
     draft_model: object = None
     draft_model_width: int = 1
     draft_model_length: int = DEFAULT_DRAFT_MODEL_LENGTH
+    # The caller's own sources: objects with a ``name`` and ``propose(tokens)``
+    # (step/sources/host.py); their rows join the others' in the one tree.
+    sources: tuple = ()
 
     @property
     def drafting(self) -> bool:
-        return self.drafter is not None or self.lookup > 0 or self.datastore is not None or self.stateful
+        return (
+            self.drafter is not None or self.lookup > 0 or self.datastore is not None or self.stateful or self.sources
+        )
 
     @property
     def stateful(self) -> bool:

@@ -39,6 +39,7 @@ from .llm.text import prompt_array, wrap_tokenizer
 from .output import RedrafterResponse, StopMatcher
 from .step.dispatch import token_steps
 from .step.grammar import compile_for_model
+from .step.plan import make_plan
 
 INCOMPLETE = (
     "The structured output was cut (max_tokens or a stop string) before its grammar was complete: "
@@ -66,7 +67,14 @@ def _timings(timings: bool, profile: Optional[bool]) -> bool:
     return timings or profile
 
 
-def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
+def checked_plan(model, prompt: mx.array, draft: Optional[DraftConfig], **kw):
+    """The generation's :class:`~mlx_redrafter.step.plan.DraftPlan` (``kw``:
+    :func:`~mlx_redrafter.step.plan.make_plan`'s), once the prompt is checked."""
+    check_generation_args(model, prompt)
+    return make_plan(model, draft, **kw)
+
+
+def check_generation_args(model, prompt: mx.array) -> None:
     if prompt.size == 0:
         raise RedrafterError("The prompt is empty.", "Give at least one token of prompt.")
     limit = context_limit(model)
@@ -75,11 +83,6 @@ def check_generation_args(model, prompt: mx.array, draft: DraftConfig) -> None:
             f"The prompt has {prompt.size} tokens but the model's context is {limit} tokens.",
             "Shorten the prompt.",
         )
-    draft.check()
-    if draft.drafter is not None:
-        from .draft.redrafter import check_fits
-
-        check_fits(draft.drafter, model)
 
 
 def stream_generate(
@@ -113,6 +116,7 @@ def stream_generate(
     mtp_depth: Optional[int] = None,
     draft_model=None,
     num_draft_tokens: Optional[int] = None,
+    sources: Sequence = (),
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when
     there is a drafter: the one given, else the drafter store's for this
@@ -183,6 +187,12 @@ def stream_generate(
             in ``prompt_cache`` (after the model's layers, mlx-lm's layout).
         num_draft_tokens: tokens the draft model drafts per step (default 3).
             Under a grammar neither the MTP head nor the draft model drafts.
+        sources: your own draft sources: objects with a ``name`` (their label
+            in the stats) and ``propose(tokens)`` (the prompt and every token
+            emitted so far -> draft rows, lists of token ids of any number and
+            lengths). Their rows join the tree with every other source's and
+            are verified the same way: the output stays the model's own
+            (docs/sources.md shows one in 30 lines).
         datastore: suffix-datastore drafts (draft/datastore/use.py): a store file,
             a ``Datastore``, ``"default"`` (the model's own stores, only when
             the call already drafts), or ``None``/``False`` (none, the default).
@@ -227,13 +237,14 @@ def stream_generate(
             warp=warp,
             controller=controller,
             tree=tree,
+            sources=tuple(sources),
         ),
         dict(mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens),
         datastore,
     )
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
-    check_generation_args(model, prompt, draft)
+    plan = checked_plan(model, prompt, draft, grammar=grammar is not None, timings=timings, cache=prompt_cache)
     if seed is not None:
         mx.random.seed(seed)
     grammar = None if grammar is None else compile_for_model(model, tokenizer, grammar)
@@ -241,7 +252,7 @@ def stream_generate(
         model,
         prompt,
         prompt_cache,
-        draft=draft,
+        plan=plan,
         sampling=sampling,
         timings=timings,
         history=lookup_context,
@@ -358,8 +369,8 @@ def generate_tokens(
     draft = draft or DraftConfig()
     sampling = SamplingConfig(temp, top_p, min_p, top_k)
     prompt = mx.array(prompt, dtype=mx.int32) if not isinstance(prompt, mx.array) else prompt
-    check_generation_args(model, prompt, draft)
-    steps = token_steps(model, prompt, prompt_cache, draft=draft, sampling=sampling, timings=timings)
+    plan = checked_plan(model, prompt, draft, timings=timings, cache=prompt_cache)
+    steps = token_steps(model, prompt, prompt_cache, plan=plan, sampling=sampling, timings=timings)
     tokens, stats = [], []
     try:
         for step in steps:

@@ -19,7 +19,7 @@ AUTO = "auto"  # drafter= and mtp= defaults: the model's own (the store's drafte
 
 def _refuse_both(given, what: str, **loose) -> None:
     """A resolved config and loose keywords for the same thing contradict each other."""
-    named = sorted(k for k, v in loose.items() if v not in (None, False, 0))
+    named = sorted(k for k, v in loose.items() if v not in (None, False, 0, ()))
     if given is not None and named:
         raise RedrafterError(
             f"Both {what}= and {', '.join(named)}= were given.", f"Put everything in {what}=, or drop it."
@@ -78,6 +78,7 @@ def call_configs(
         d["lookup"],
         warp=d["warp"],
         controller=d["controller"],
+        sources=d["sources"],
         **tree_kw(d["tree"], model),
     )
     draft = _with_call_sources(model, draft, own_mtp, loose_sources, d["lookup"])

@@ -70,6 +70,19 @@ class Runtime:
     hint: Optional[str] = None  # no drafter: how to make one
     source_labels: tuple = ()  # the stateful sources, named: ("MTP head: ...", "draft model: ...")
 
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def plan(self, structured: bool = False):
+        """The :class:`~mlx_redrafter.step.plan.DraftPlan` of the runtime's draft
+        (``structured``: for a generation under a grammar), made once per draft."""
+        from .step.plan import make_plan
+
+        key = (id(self.draft), structured)
+        if key not in self._plans:
+            self._plans = {k: v for k, v in self._plans.items() if k[0] == id(self.draft)}
+            self._plans[key] = (self.draft, make_plan(self.model, self.draft, grammar=structured))
+        return self._plans[key][1]
+
     # Read-only views of the resolved draft, for the announcement and reports.
     drafter = property(lambda self: self.draft.drafter)
     beam_width = property(lambda self: self.draft.beam_width)
@@ -137,9 +150,7 @@ class Runtime:
             console.print(f"[dim]{escape(label)}[/dim]", soft_wrap=True)
 
     def _announce_unpaid(self, console) -> None:
-        from .step.dispatch import drafting_pays
-
-        if self.draft.tree == "auto" and not drafting_pays(self.draft):
+        if self.draft.tree == "auto" and self.draft.drafting and not self.plan().drafting:
             c2 = self.draft.curve(2) if self.draft.curve is not None else None
             cost = f" (2 tokens cost {c2:.2f} plain steps)" if c2 is not None else ""
             console.print(
@@ -379,12 +390,13 @@ def _without_drafter(rt: Runtime, no_drafter: bool, lookup, tree: Optional[str])
 
     from .step.auto import can_pay
     from .step.curve import curve_for
+    from .step.sources import request_sources
 
     model, spec = rt.model, rt.model_spec
     rt.plain_reason = "--drafter none" if no_drafter else "no drafter"
     draft = with_curve(model, DraftConfig(lookup=int(bool(lookup)), tree=plain_tree(tree, model)), spec)
     if not no_drafter:
-        pays = can_pay(dataclasses.replace(draft, lookup=1), curve_for(model, spec))
+        pays = can_pay(request_sources(dataclasses.replace(draft, lookup=1)), curve_for(model, spec))
         if lookup is None:
             draft = dataclasses.replace(draft, lookup=int(pays))
             if not pays:

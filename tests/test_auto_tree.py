@@ -25,11 +25,12 @@ from helpers import (
 from test_sampling import PROMPT, V_SMALL, chi2_passes, exact_first_tokens, small_model  # noqa: F401
 
 from mlx_redrafter.config import DraftConfig, SamplingConfig
-from mlx_redrafter.step.auto import AutoTree, can_pay, row_sources
+from mlx_redrafter.step.auto import AutoTree, can_pay
 from mlx_redrafter.step.curve import CostCurve, builtin_curve
-from mlx_redrafter.step.dispatch import drafting_pays
-from mlx_redrafter.step.select import BUCKETS, SOURCES
-from mlx_redrafter.step.tree import PAD
+from mlx_redrafter.step.plan import make_plan
+from mlx_redrafter.step.select import BUCKETS
+from mlx_redrafter.step.sources import request_sources
+from mlx_redrafter.step.sources.lookup import PRIOR as LOOKUP
 
 N = 32
 FLAT = CostCurve(tuple([1.0] * 16))  # extra tokens are free: verify every candidate (up to a bucket)
@@ -143,25 +144,9 @@ def test_a_steep_curve_verifies_g0_alone(pipelined):
     assert all(s.tree_size == 1 and s.accepted == 0 for s in stats)
 
 
-def test_synchronous_calibration_learns_from_the_accepted_drafts():
-    at = AutoTree(FLAT)
-    rows = [[5, 6], [5, 7], [9, PAD]]
-    sources = row_sources(2, 3)
-    kept = at.trim(rows, sources, [4, 4, 4, 4, 2, -1])
-    assert kept == rows  # a flat curve keeps every real node
-    before = at.cal.trials.copy(), at.cal.hits.copy()
-    at.observe_rows([5, 6])  # row 0 accepted whole
-    trials, hits = at.cal.trials - before[0], at.cal.hits - before[1]
-    d, k = SOURCES.index("drafter"), SOURCES.index("lookup")
-    assert trials[d, 0, 4] == 2 and hits[d, 0, 4] == 2  # both copies of the first token were right
-    assert trials[d, 1, 4] == 2 and hits[d, 1, 4] == 1  # 6 right, 7 wrong
-    assert trials[k, 0, 2] == 1 and hits[k, 0, 2] == 0  # the lookup row's 9 was wrong
-    assert trials.sum() == 5  # the padding was never a trial
-    at.observe_rows([5, 6])  # nothing pending: nothing learned twice
-    assert (at.cal.trials - before[0]).sum() == 5
-
-
-def test_pipelined_calibration_learns_from_the_read(monkeypatch):
+@pytest.mark.parametrize("pipelined", [True, False], ids=["ahead", "after-read"])
+def test_calibration_learns_from_the_read(monkeypatch, pipelined):
+    """Both schedules choose on the device and learn from the codes in the step's read."""
     from mlx_redrafter.step import auto as auto_mod
 
     seen = []
@@ -174,7 +159,7 @@ def test_pipelined_calibration_learns_from_the_read(monkeypatch):
     monkeypatch.setattr(auto_mod.AutoTree, "observe", spy)
     model = tiny_model("llama")
     p = prompts(1)[0]
-    got, stats = run(model, p, auto(OracleDrafter(model, p, N, 2), 2, 2, 0, FLAT))
+    got, stats = run(model, p, auto(OracleDrafter(model, p, N, 2), 2, 2, 0, FLAT, pipelined))
     assert got == generate_tokens(model, p, max_tokens=N)[0] and accepted(got, stats) >= 4
     assert len(seen) >= len(stats) - 2  # every verified tree is learned from (the last one may be unread)
     # 4 candidates, so bucket 4 (g0 + 3 nodes); the oracle drafts real tokens, never padding.
@@ -262,11 +247,13 @@ Q4_LIKE = CostCurve(tuple(1.0 + 0.97 * (n - 1) for n in range(1, 17)))  # a 4-bi
     ids=["flat", "shallow", "builtin", "steep", "q4-like", "builtin-q4"],
 )
 def test_can_pay_known_answers(curve, pays):
+    model = tiny_model("llama")
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
     for draft in (auto(drafter, 2, 1, 1, curve), auto(None, 2, 1, 1, curve), auto(drafter, 4, 3, 0, curve)):
-        assert can_pay(draft) == pays
-        assert drafting_pays(draft) == pays
-    assert drafting_pays(DraftConfig(drafter, 2, 1, lookup=1, curve=STEEP))  # a fixed tree always drafts
+        assert can_pay(request_sources(draft), curve) == pays
+        plan = make_plan(model, draft)
+        assert plan.drafting == pays and (pays or "pay" in plan.reason)
+    assert make_plan(model, DraftConfig(drafter, 2, 1, lookup=1, curve=STEEP)).drafting  # a fixed tree always drafts
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -282,7 +269,8 @@ def test_auto_runs_plain_decoding_when_nothing_pays(monkeypatch, pipelined):
     def refuse(*a, **k):
         raise AssertionError("the ReDrafter loop ran although nothing pays")
 
-    monkeypatch.setattr(dispatch, "redrafter_steps", refuse)
+    monkeypatch.setattr(dispatch, "ahead_steps", refuse)
+    monkeypatch.setattr(dispatch, "after_read_steps", refuse)
     draft = auto(OracleDrafter(model, p, N, 2), 2, 2, 1, STEEP, pipelined)
     out, stats = generate_tokens(model, p, draft=draft, max_tokens=N)
     assert out == ref
@@ -305,13 +293,13 @@ def test_the_default_tree_follows_the_model_variant(tmp_path, monkeypatch):
     curve = curve_for(model)
     assert curve.builtin and curve.variant.startswith("q4g32") and curve(2) > 1.5
     draft = with_curve(model, DraftConfig(lookup=1, tree=default_tree(model)))
-    assert not drafting_pays(draft)
+    assert not make_plan(model, draft).drafting
 
 
 def test_a_strong_host_match_sizes_the_bucket_for_its_row():
     """The pipelined loop passes the host's lookup match length: a weak match
     verifies g0 alone, a strong one its row (SHALLOW curve)."""
-    at = AutoTree(SHALLOW)
+    at = AutoTree(SHALLOW, [LOOKUP])
     structure, _ = at.shape([4], ["lookup"])
     assert at.bucket(structure, [1.0] * 4) == 1
     assert at.bucket(structure, [6.0] * 4) == 4
@@ -324,8 +312,8 @@ def test_a_strong_host_match_sizes_the_bucket_for_its_row():
 def test_a_row_left_out_is_learned_from_the_greedy_tokens():
     """Greedy, a draft token is accepted exactly when it equals the model's
     own: a host row that was not verified still teaches its cells."""
-    at = AutoTree(FLAT)
-    k = SOURCES.index("lookup")
+    at = AutoTree(FLAT, [LOOKUP])
+    k = at.cal.channel("lookup")
     before = at.cal.trials.copy(), at.cal.hits.copy()
     # Proposed after the read history: it must first repeat what the step in flight emitted ([5]).
     at.observe_unverified([[5, 6, 7, 8, 9], [4, 6, 7, 8, 9]], [2, 3], "lookup", before=[5], emitted=[6, 7, 1])

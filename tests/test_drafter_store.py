@@ -302,7 +302,7 @@ def test_no_drafter_drafts_by_lookup_where_it_pays_and_names_make_drafter(folder
     gen = ["generate", "--model", str(tiny), "--prompt", PROMPT, "-n", "12", "--raw"]
     assert cli(gen + ["--no-draft"]) == 0
     plain = capsys.readouterr().out
-    assert auto.can_pay(load_runtime(str(tiny), "none", lookup=True).draft)  # the float built-in curve: lookup pays
+    assert load_runtime(str(tiny), "none", lookup=True).plan().drafting  # the float built-in curve: lookup pays
     assert cli(gen) == 0
     got = capsys.readouterr()
     assert got.out == plain and drafted_share(got.err) > 0  # copies from the context accepted
@@ -310,7 +310,7 @@ def test_no_drafter_drafts_by_lookup_where_it_pays_and_names_make_drafter(folder
     lines = [line for line in got.err.splitlines() if "make-drafter" in line]
     assert len(lines) == 1 and f"`mlx-redrafter make-drafter --model {tiny}`" in lines[0]
     # Where lookup does not pay on the curve: plain decoding, the same one line.
-    monkeypatch.setattr(auto, "can_pay", lambda draft, curve=None: False)
+    monkeypatch.setattr(auto, "can_pay", lambda sources, curve=None: False)
     rt = load_runtime(str(tiny))
     assert rt.lookup == 0 and not rt.draft.drafting and "do not pay" in rt.plain_reason and "make-drafter" in rt.hint
     # The flags still win, and --drafter none says nothing about make-drafter.

@@ -23,7 +23,7 @@ from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.llm.load import load_model
 from mlx_redrafter.llm.parts import model_parts
-from mlx_redrafter.step.sourced import columns
+from mlx_redrafter.step.loop import columns
 
 PROMPT = "w5 w9 w11 w3 w20"
 DRAFT_VOCAB = 72  # of 97: every token the bigram model predicts from one token, and some more

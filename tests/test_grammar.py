@@ -27,8 +27,9 @@ from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.step import grammar as grammar_mod
 from mlx_redrafter.step.accept import Accepted, target_probs, walk_tree
 from mlx_redrafter.step.accept import _path as accept_path
-from mlx_redrafter.step.constrained import constrained_steps
+from mlx_redrafter.step.dispatch import token_steps
 from mlx_redrafter.step.grammar import compile_grammar, grammar_logits_processor, tree_masks
+from mlx_redrafter.step.plan import AFTER_READ, DraftPlan, TreePolicy, make_plan
 
 EOS = 95
 
@@ -81,6 +82,17 @@ def reference(model, prompt, grammar, max_tokens, sampling=SamplingConfig()):
         if out[-1] in grammar.eos_ids:
             break
     return out
+
+
+def constrained_steps(model, prompt, cache, draft, sampling, grammar, history=()):
+    """The step loop under ``grammar``, drafting whatever ``draft`` asks for
+    (with nothing else, the grammar's forced tokens alone: a plan that drafts
+    them, which the library leaves to plain constrained decoding)."""
+    plan = make_plan(model, draft, grammar=True)
+    if not plan.sources:
+        plan = DraftPlan((), TreePolicy("fixed", packed=True), AFTER_READ, structured=True)
+    sampling = sampling or SamplingConfig()
+    return token_steps(model, prompt, cache, plan=plan, sampling=sampling, history=history, grammar=grammar)
 
 
 def speculative(model, prompt, grammar, draft, max_tokens, sampling=SamplingConfig(), history=(), taken=None):
@@ -278,7 +290,7 @@ def test_unrenormalized_acceptance_fails_the_same_test(model, choice_setup, monk
         n, beam, last, token = walk_tree(beams, tree.node_index, tree.parent, p, u, gumbel)
         return Accepted(n, beam, accept_path(tree.node_index, beam, n), last, token)
 
-    monkeypatch.setattr("mlx_redrafter.step.constrained.accept_constrained", wrong)
+    monkeypatch.setattr("mlx_redrafter.step.grammar.accept_constrained", wrong)
     draft = DraftConfig(random_drafter(), 2, 2, lookup=1)
     observed = sample_choices(model, prompt, grammar, draft, cfg, N_RUNS, seed=7)
     assert not chi2_passes(observed, expected, N_RUNS)

@@ -25,7 +25,7 @@ from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.llm.parts import model_parts
 from mlx_redrafter.llm.recurrent import kv_leaves, leaves
 from mlx_redrafter.step.accept import target_probs
-from mlx_redrafter.step.synchronous import synchronous_steps
+from mlx_redrafter.step.dispatch import redrafter_steps
 
 PROMPT = [5, 9, 13, 2, 7, 11, 3]
 N = 24
@@ -97,14 +97,14 @@ def assert_caches_equal(cache, reference, where: str):
 
 
 def test_the_recurrent_cache_equals_plain_decoding_after_every_step(family):
-    """Synchronous loop: after each step the cache holds the prompt and every
+    """Read, then build: after each step the cache holds the prompt and every
     emitted token but the last (the next input), exactly as plain decoding
-    of those tokens leaves it; the pipelined loop, when it is closed."""
+    of those tokens leaves it; built ahead, when the loop is closed."""
     name, model = family
     oracle = OracleDrafter(model, PROMPT, N, 3)
     cache = make_prompt_cache(model)
-    steps = synchronous_steps(
-        model, mx.array(PROMPT), cache, draft=DraftConfig(oracle, 2, 3), sampling=SamplingConfig()
+    steps = redrafter_steps(
+        model, mx.array(PROMPT), cache, draft=DraftConfig(oracle, 2, 3, pipelined=False), sampling=SamplingConfig()
     )
     emitted, partial = [], 0
     for s in steps:

@@ -1,6 +1,6 @@
-"""The pipelined step loop: same tokens as the synchronous loop and plain
-decoding, an ordinary cache afterwards, unpacked trees, late lookup, and
-one place where the loops read the device."""
+"""The build-ahead schedule (the default): same tokens as the read-then-build
+schedule and plain decoding, an ordinary cache afterwards, laid-out trees,
+late lookup, and one place where the step loop reads the device."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_c
 
 from mlx_redrafter.config import DraftConfig
 from mlx_redrafter.llm import cache as kv
-from mlx_redrafter.step.dispatch import can_pipeline, redrafter_steps
-from mlx_redrafter.step.pipelined import line_up
+from mlx_redrafter.step.dispatch import redrafter_steps
+from mlx_redrafter.step.plan import AHEAD, make_plan
+from mlx_redrafter.step.source import line_up
 from mlx_redrafter.step.tree import PAD, layout, merged_parent
 
 N = 24
@@ -125,6 +126,10 @@ def test_the_synchronous_loop_serves_what_cannot_pipeline():
     model = tiny_model("llama")
     d = random_drafter()
     plain = make_prompt_cache(model)
+
+    def can_pipeline(cache, draft, timings=False, on=model):
+        return make_plan(on, draft, timings=timings, cache=cache).schedule == AHEAD
+
     assert can_pipeline(plain, DraftConfig(d))
     assert not can_pipeline(plain, DraftConfig(d), timings=True)
     assert not can_pipeline(plain, DraftConfig(d, controller=object()))
@@ -139,7 +144,7 @@ def test_the_synchronous_loop_serves_what_cannot_pipeline():
     gemma = tiny_model("gemma3_text")
     p = prompts(1)[0]
     ref, _ = generate_tokens(gemma, p, max_tokens=N)
-    assert not can_pipeline(gemma.make_cache(), DraftConfig(d))
+    assert not can_pipeline(gemma.make_cache(), DraftConfig(d), on=gemma)
     got, stats, _ = run_steps(gemma, p, DraftConfig(OracleDrafter(gemma, p, N, 3), 2, 3), N)
     assert got == ref and accepted_in_steps(stats, N) >= 4
 
@@ -172,10 +177,18 @@ def test_line_up_late_lookup():
 # --------------------------------------------------------------------------- the one sync
 
 LOOP_FUNCTIONS = [
+    ("mlx_redrafter.step.dispatch", "token_steps"),
     ("mlx_redrafter.step.dispatch", "redrafter_steps"),
-    ("mlx_redrafter.step.synchronous", None),  # the whole module
-    ("mlx_redrafter.step.pipelined", None),
-    ("mlx_redrafter.step.sourced", None),
+    ("mlx_redrafter.step.loop", None),
+    ("mlx_redrafter.step.build", None),
+    ("mlx_redrafter.step.source", None),
+    ("mlx_redrafter.step.plan", None),
+    ("mlx_redrafter.step.sources.redrafter", None),
+    ("mlx_redrafter.step.sources.chain", None),
+    ("mlx_redrafter.step.sources.lookup", None),
+    ("mlx_redrafter.step.sources.datastore", None),
+    ("mlx_redrafter.step.sources.host", None),
+    ("mlx_redrafter.step.sources.forced", None),
     ("mlx_redrafter.draft.head", None),
     ("mlx_redrafter.draft.chain", None),
     ("mlx_redrafter.step.auto", None),

@@ -14,8 +14,23 @@ from hypothesis import strategies as st
 from mlx_redrafter.step import curve as vc
 from mlx_redrafter.step import select as ts
 from mlx_redrafter.step.accept import accept_greedy
+from mlx_redrafter.step.sources.datastore import PRIOR as DATASTORE
+from mlx_redrafter.step.sources.lookup import PRIOR as LOOKUP
+from mlx_redrafter.step.sources.redrafter import PRIOR as DRAFTER
 from mlx_redrafter.step.tree import layout
 from mlx_redrafter.tuning import calibrate
+
+# The channels of these tests: each source's prior, in this order (channel 0 the drafter's, 1 lookup's).
+PRIORS = [DRAFTER, LOOKUP, DATASTORE]
+EDGES = ts.Calibration(PRIORS).edges
+
+
+def calibration(**kw):
+    return ts.Calibration(PRIORS, **kw)
+
+
+def rows(lengths, names):
+    return ts.row_structure(lengths, [[p.name for p in PRIORS].index(n) for n in names])
 
 
 def curve(costs):
@@ -30,7 +45,7 @@ LENGTHS, SOURCES = (2, 2, 4), ("drafter", "drafter", "lookup")
 
 
 def structure():
-    return ts.row_structure(LENGTHS, SOURCES)
+    return rows(LENGTHS, SOURCES)
 
 
 def brute_force(p, s, c):
@@ -68,7 +83,7 @@ def test_dominant_lookup_match_verifies_its_row():
     """A lookup row the text keeps accepting, beside weak drafter beams, on
     the steep measured CPU curve: the whole row and nothing else."""
     s = structure()
-    cal = ts.Calibration()
+    cal = calibration()
     row = [4, 5, 6, 7]  # the lookup row's packed indices in a tree of all 8 candidates
     obs = ts.Observed(
         [0, 0, 0, 0, 1, 1, 1, 1], [1, 2, 1, 2, 1, 2, 3, 4], [0, 0, 0, 0, 4, 4, 4, 4], [0, 1, 0, 3, 0, 5, 6, 7]
@@ -76,12 +91,12 @@ def test_dominant_lookup_match_verifies_its_row():
     for _ in range(200):
         cal.observe(obs, [0, 5, 6, 7, 8])
     score = np.array([np.log(0.05)] * 4 + [5.0] * 4, np.float32)
-    p, _ = ts.node_p(np, s, score, np.ones(s.size, bool), cal.table())
+    p, _ = ts.node_p(np, s, score, np.ones(s.size, bool), cal.table(), EDGES)
     chosen, _ = ts.best_subset(p, s, vc.builtin_curve())
     assert sorted(chosen) == row
     # The same with a weak match (2 tokens, the prior): no full row.
     p_weak, _ = ts.node_p(
-        np, s, np.array([np.log(0.05)] * 4 + [2.0] * 4, np.float32), np.ones(s.size, bool), ts.Calibration().table()
+        np, s, np.array([np.log(0.05)] * 4 + [2.0] * 4, np.float32), np.ones(s.size, bool), calibration().table(), EDGES
     )
     assert len(ts.best_subset(p_weak, s, vc.builtin_curve())[0]) < 4
 
@@ -107,7 +122,7 @@ def test_greedy_is_exact_on_random_trees_and_curves(data):
 
 def test_non_convex_curve_is_evaluated_at_every_size():
     """c(8) < c(7) (as measured here): a first-stop greedy would stop early."""
-    s = ts.row_structure([7], ["lookup"])
+    s = rows([7], ["lookup"])
     p = np.array([0.5, 0.3, 0.2, 0.15, 0.1, 0.1, 0.1])
     bumpy = curve([1.0, 1.4, 1.9, 2.4, 2.6, 2.7, 2.8, 1.5] + [3.0] * 8)
     chosen, value = ts.best_subset(p, s, bumpy)
@@ -118,24 +133,24 @@ def test_non_convex_curve_is_evaluated_at_every_size():
 
 
 def test_calibration_moves_toward_what_it_observes():
-    s = ts.row_structure([1, 1], ["drafter", "drafter"])
+    s = rows([1, 1], ["drafter", "drafter"])
     score = np.array([np.log(0.6), np.log(0.2)], np.float32)  # buckets 3 and 1
-    cal = ts.Calibration()
-    before = ts.node_p(np, s, score, np.ones(2, bool), cal.table())[0]
+    cal = calibration()
+    before = ts.node_p(np, s, score, np.ones(2, bool), cal.table(), EDGES)[0]
     obs = ts.Observed([0, 0], [1, 1], [3, 1], [0, 0], [0, 1])
     for _ in range(50):
         cal.observe(obs, [0, 1])  # the first node is accepted, its sibling is not
-    after = ts.node_p(np, s, score, np.ones(2, bool), cal.table())[0]
+    after = ts.node_p(np, s, score, np.ones(2, bool), cal.table(), EDGES)[0]
     assert after[0] > before[0] and after[1] < before[1]
-    assert cal.marginal(0, 1, rank=0) > ts.PRIOR_SLOTS[0, 0, 0]
-    assert cal.marginal(0, 1, rank=1) < ts.PRIOR_SLOTS[0, 0, 1]
+    assert cal.marginal(0, 1, rank=0) > DRAFTER.slots[0, 0]
+    assert cal.marginal(0, 1, rank=1) < DRAFTER.slots[0, 1]
     for _ in range(500):
         cal.observe(obs, [0])  # now nothing is accepted
     assert cal.table()[0, 0, 3] < before[0]
 
 
 def test_calibration_counts_only_nodes_whose_parent_was_accepted():
-    cal = ts.Calibration()
+    cal = calibration()
     obs = ts.Observed([1, 1], [1, 2], [2, 2], [0, 1])
     cal.observe(obs, [0])  # node 1 rejected: node 2 (its child) tells nothing
     assert cal.trials[1, 0, 2] == 1 and cal.trials[1, 1, 2] == 0
@@ -146,7 +161,7 @@ def test_calibration_counts_only_nodes_whose_parent_was_accepted():
 
 
 def test_calibration_forgets_past_its_weight():
-    cal = ts.Calibration(max_weight=100)
+    cal = calibration(max_weight=100)
     obs = ts.Observed([0], [1], [2], [0])
     for _ in range(300):
         cal.observe(obs, [0, 1])
@@ -157,9 +172,9 @@ def test_calibration_forgets_past_its_weight():
 
 
 def test_lookup_acceptance_rises_with_match_length():
-    q = ts.PRIOR_Q[ts.SOURCES.index("lookup")]
+    q = LOOKUP.q
     assert (np.diff(q, axis=1) > 0).all()
-    lengths = ts.bucket_of(np, np.ones(5, np.int32), np.array([1, 2, 3, 4, 9], np.float32))
+    lengths = ts.bucket_of(np, EDGES, np.ones(5, np.int32), np.array([1, 2, 3, 4, 9], np.float32))
     assert lengths.tolist() == [0, 1, 2, 3, 4]
 
 
@@ -173,7 +188,7 @@ def test_pick_bucket_returns_a_bucket_the_candidates_fill():
             b = ts.pick_bucket(ts.path_p(np, s.parent, np.full(s.size, q), 4), s, c)
             assert b in ts.BUCKETS and b - 1 <= s.size
     assert ts.pick_bucket(np.full(s.size, 0.5), s, FLAT) == 8  # the largest that fits 8 candidates
-    assert ts.pick_bucket(ts.Calibration().estimate(s), s, STEEP) == 1
+    assert ts.pick_bucket(calibration().estimate(s), s, STEEP) == 1
 
 
 @pytest.mark.parametrize("bucket", ts.BUCKETS[:6])
@@ -181,7 +196,7 @@ def test_device_selection_shapes(bucket):
     s = structure()
     k = bucket - 1
     score = mx.array([-0.5, -1.0, -2.0, -0.1, 3, 3, 3, 3], mx.float32)
-    sel = ts.select_device(s, score, mx.ones((s.size,), mx.bool_), ts.Calibration().device_table(), k)
+    sel = ts.select_device(s, score, mx.ones((s.size,), mx.bool_), calibration().device_table(), EDGES, k)
     assert sel.nodes.shape == (k,) and sel.codes.shape == (k,) and sel.position.shape == (s.size,)
     assert sel.depth.shape == (bucket,) and sel.parent.shape == (bucket,) and sel.mask.shape == (bucket, bucket)
     tree = sel.tree(mx.arange(s.size, dtype=mx.int32) + 10, mx.array(1))
@@ -207,8 +222,8 @@ def test_device_selection_is_parent_closed_and_matches_the_host(data):
     )
     valid = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     k = data.draw(st.integers(0, n))
-    table = ts.Calibration().table()
-    sel = ts.select_device(s, mx.array(score), mx.array(valid), mx.array(table), k)
+    table = calibration().table()
+    sel = ts.select_device(s, mx.array(score), mx.array(valid), mx.array(table), EDGES, k)
     nodes = np.array(sel.nodes).tolist()
     assert len(set(nodes)) == k
     for j, i in enumerate(nodes):
@@ -218,7 +233,7 @@ def test_device_selection_is_parent_closed_and_matches_the_host(data):
     np.testing.assert_array_equal(np.array(sel.mask), anc[np.ix_(ext, ext)])
     packed_parent = [0] + [nodes.index(parent[i]) + 1 if parent[i] >= 0 else 0 for i in nodes]
     assert np.array(sel.parent).tolist() == packed_parent
-    p, _ = ts.node_p(np, s, score, valid, table)
+    p, _ = ts.node_p(np, s, score, valid, table, EDGES)
     order = ts.greedy_order(p, parent, depth)
     assert np.float32(p[nodes].sum()) == pytest.approx(p[order[:k]].sum(), rel=1e-5)
 
@@ -227,12 +242,12 @@ def test_selection_feeds_acceptance_and_the_calibration():
     """Select 3 of W=1 L=1 + a 4-token lookup row, verify with logits that
     accept the lookup row's first two tokens, and read it back as the loop would."""
     lengths = (1, 4)
-    s = ts.row_structure(lengths, ("drafter", "lookup"))
+    s = rows(lengths, ("drafter", "lookup"))
     lay = layout(lengths)
     beams = mx.array([[20, -1, -1, -1], [30, 31, 32, 33]], mx.int32)
     tokens = mx.array([20, 30, 31, 32, 33], mx.int32)
     score = mx.array([np.log(0.05), 3, 3, 3, 3], mx.float32)
-    sel = ts.select_device(s, score, mx.ones((5,), mx.bool_), ts.Calibration().device_table(), 3)
+    sel = ts.select_device(s, score, mx.ones((5,), mx.bool_), calibration().device_table(), EDGES, 3)
     assert np.array(sel.nodes).tolist() == [1, 2, 3]  # the lookup row's first three tokens
     sel_beams, node_index = sel.rows(beams, lay.node_index)
     tree = sel.tree(tokens, mx.array(7))
@@ -244,7 +259,7 @@ def test_selection_feeds_acceptance_and_the_calibration():
     assert int(acc.n) == 2 and int(acc.next_token) == 5
     obs = ts.decode_codes(np.array(sel.codes).tolist(), s)
     assert obs.source == [1, 1, 1] and obs.depth == [1, 2, 3] and obs.parent == [0, 1, 2]
-    cal = ts.Calibration()
+    cal = calibration()
     cal.observe(obs, np.array(acc.path).tolist()[: int(acc.n) + 1])
     assert cal.hits[1, 0, 2] == 1 and cal.hits[1, 1, 2] == 1 and cal.trials[1, 2, 2] == 1 and cal.hits[1, 2, 2] == 0
 
@@ -253,9 +268,9 @@ def test_device_p_matches_the_host():
     s = structure()
     score = np.array([-0.2, -1.5, -0.4, -3.0, 3, 3, 3, 3], np.float32)
     valid = np.array([True] * 7 + [False])
-    table = ts.Calibration().table()
-    p_host, b_host = ts.node_p(np, s, score, valid, table)
-    p_dev, b_dev = ts.node_p(mx, s, mx.array(score), mx.array(valid), mx.array(table))
+    table = calibration().table()
+    p_host, b_host = ts.node_p(np, s, score, valid, table, EDGES)
+    p_dev, b_dev = ts.node_p(mx, s, mx.array(score), mx.array(valid), mx.array(table), EDGES)
     np.testing.assert_allclose(np.array(p_dev), p_host, rtol=1e-6)
     assert np.array(b_dev).tolist() == b_host.tolist() and b_host[-1] == -1 and p_host[-1] == 0
 

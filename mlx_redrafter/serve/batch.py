@@ -29,11 +29,9 @@ from typing import List, Tuple
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..keywords import with_curve
 from ..llm.cache import target_size, trim_to_known
 from ..llm.text import wrap_tokenizer
 from ..step.curve import curve_for
-from ..step.dispatch import drafting_pays
 from ..step.protocol import PREFILL_STEP
 from .rows import Row, row_processors, row_sampler
 from .scheduler import Finished, tell
@@ -88,9 +86,9 @@ class BatchDecoder:
         rt = engine.rt
         self.engine, self.model = engine, rt.model
         self.tokenizer = wrap_tokenizer(rt.tokenizer)
-        self.draft = with_curve(rt.model, rt.draft)  # what stream_generate resolves
-        self.curve = self.draft.curve or curve_for(rt.model)
-        self.drafts = drafting_pays(self.draft)
+        self.rt = rt
+        self.curve = rt.draft.curve or curve_for(rt.model)
+        self.drafts = rt.plan().drafting
         self.max_batch = max_batch if max_batch > 1 and can_batch(rt.model) else 1
         self.gain = DraftGain(self.curve)
         self.rows: List[Row] = []
@@ -119,7 +117,8 @@ class BatchDecoder:
                 cache, reused, held = self.engine.cache_for(job)
                 row.begin(reused)
                 if alone:
-                    row.start_alone(self.model, self.draft, cache, job.ids[held:], job.ids[:held], self.gain.add)
+                    plan = self.rt.plan(job.params.grammar is not None)
+                    row.start_alone(self.model, plan, cache, job.ids[held:], job.ids[:held], self.gain.add)
                 else:
                     self._insert(row, cache, held)
             except Exception as e:
@@ -206,7 +205,8 @@ class BatchDecoder:
         cache, held = trim_to_known(self._leave_batch(row), known)
         if cache is None:
             cache = make_prompt_cache(self.model)
-        row.start_alone(self.model, self.draft, cache, known[held:], known[:held], self.gain.add)
+        plan = self.rt.plan(row.job.params.grammar is not None)
+        row.start_alone(self.model, plan, cache, known[held:], known[:held], self.gain.add)
 
     def _take(self, row: Row):
         """End ``row``'s decoding; its KV cache (None: none to keep)."""

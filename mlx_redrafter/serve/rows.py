@@ -4,8 +4,8 @@ Its text path is the front door's (:func:`~mlx_redrafter.generate.stream_text`):
 EOS, stop strings and ``max_tokens`` end a reply exactly as they end a lone
 generation. What feeds that path may change between two steps: the
 runtime's step loop while the request is alone (:meth:`Row.start_alone`:
-``token_steps`` with the runtime's drafter, lookup and tree, as
-``stream_generate`` runs it), or one token per step of the batch
+``token_steps`` with the runtime's draft plan, as ``stream_generate`` runs
+it), or one token per step of the batch
 (:meth:`Row.push`). At a switch the tokens known are the prompt and the reply
 so far, and the KV cache goes with the request, trimmed to all of them but
 the last (the next step's input); the text path, its detokenizer and its
@@ -151,9 +151,10 @@ class Row:
 
     # ------------------------------------------------------------------ alone
 
-    def start_alone(self, model, draft, cache, prompt: List[int], history: List[int], on_step=None) -> None:
+    def start_alone(self, model, plan, cache, prompt: List[int], history: List[int], on_step=None) -> None:
         """Decode ``prompt`` (the known tokens not in ``cache``) on with the
-        runtime's step loop; ``history``: the tokens in ``cache``, for lookup."""
+        step loop of ``plan`` (the runtime's, for this row's grammar);
+        ``history``: the tokens in ``cache``, for the sources that copy."""
         p = self.job.params
         if p.seed is not None:  # as stream_generate seeds a generation
             mx.random.seed(p.seed)
@@ -162,7 +163,7 @@ class Row:
             model,
             mx.array(prompt, mx.int32),
             cache,
-            draft=draft,
+            plan=plan,
             sampling=p.sampling,
             history=history,
             grammar=p.grammar,

@@ -332,3 +332,71 @@ def accept_constrained(beams: mx.array, tree, logits: mx.array, masks: mx.array,
     if sampling.greedy:
         return accept_greedy(beams, tree.node_index, masked)
     return accept_sampling(beams, tree, masked, sampling)
+
+
+class GrammarMask:
+    """A grammar as a mask on the read-then-build step (step/loop.py).
+
+    The matcher stands after every token emitted: the first token is drawn
+    from the root's masked logits (:meth:`root`); each step the host prunes
+    the rows by the grammar and computes every node's mask (:meth:`prune`,
+    :meth:`masks`), the tree is packed and accepted over masked logits, and
+    the matcher takes the step's tokens, which end after the grammar's EOS
+    (:meth:`consume`, :meth:`ended`). Its forced tokens join the tree as a
+    row (:meth:`source`, step/sources/forced.py)."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar, self.matcher, self.eos = grammar, grammar.matcher(), set(grammar.eos_ids)
+
+    def root(self, logits: mx.array) -> mx.array:
+        return apply_mask(logits, self.matcher.mask())
+
+    def source(self):
+        from .sources.forced import ForcedSource
+
+        return ForcedSource(self.matcher)
+
+    def prune(self, cands):
+        """``(candidates, words)``: the rows cut before their first token the
+        grammar rejects (every row on the host), and :func:`tree_masks`' words."""
+        from .build import Candidates
+        from .source import Rows
+
+        rows, labels, priors = cands.host_rows(), cands.labels, []
+        for b in cands.blocks:
+            priors += [b.prior] * len(b.lengths)
+        kept, words = tree_masks(self.matcher, rows)
+        lengths = [sum(1 for t in r if t >= 0) for r in kept]
+        blocks = [
+            Rows(mx.array([r], mx.int32), (n,), label, prior, host=[r[:n]])
+            for r, n, label, prior in zip(kept, lengths, labels, priors)
+        ]
+        return Candidates(blocks), words
+
+    def accept(self, built, logits: mx.array, masks: mx.array, sampling) -> Accepted:
+        """Acceptance over ``built`` with every node's logits masked (:func:`accept_constrained`)."""
+        from .build import alone
+
+        if built.size == 1:
+            return alone(apply_mask(logits, masks), sampling)
+        return accept_constrained(built.beams, built.walk_tree(), logits, masks, sampling)
+
+    def masks(self, words: np.ndarray, built) -> mx.array:
+        """``[size, V]`` the mask of every node of the packed tree ``built``."""
+        vocab = self.grammar.vocab_size
+        if built.size == 1:
+            return unpack_masks(words[:1], vocab)
+        return packed_masks(words, built.beams, built.node_index, built.size, vocab)
+
+    def consume(self, out):
+        """Advance the matcher over a step's tokens; cut them after an EOS (drafts past it are not output)."""
+        for i, t in enumerate(out.tokens):
+            self.matcher.consume(t)  # raises if acceptance ever let a masked token through
+            if t in self.eos:
+                out.tokens, out.from_draft = out.tokens[: i + 1], out.from_draft[: i + 1]
+                out.stats.accepted = sum(out.from_draft)
+                break
+        return out
+
+    def ended(self, out) -> bool:
+        return out.tokens[-1] in self.eos

@@ -1,23 +1,25 @@
-"""The host protocol both step loops speak: the prefill, the drafter call,
-the one read per step and what the host rebuilds from it.
+"""The host protocol of the step loop's two schedules (loop.py): the
+prefill, the one read per step and what the host rebuilds from it.
 
-The synchronous loop (synchronous.py) and the pipelined one (pipelined.py)
-yield the same :class:`StepTokens`. Each reads the device once per step,
-through :func:`host_read`, so that a test can check where the loops touch
-the host. What a step reads has one layout, written by :func:`step_read`
-and read back by :meth:`StepRead.parse`::
+Both schedules yield the same :class:`StepTokens`. Each reads the device
+once per step, through :func:`host_read`, so that a test can check where
+the loop touches the host. What a step reads has one layout, written by
+:func:`step_read` and read back by :meth:`StepRead.parse`::
 
-    [n, beam, g0, path (depth + 1), row (depth), ...what the loop adds]
+    [n, beam, g0, path (depth + 1), row (depth), codes (tree auto), what sources need read]
 
 ``n`` drafts were accepted from row ``beam``; ``g0`` is the LLM's own next
 token; ``path`` holds the accepted nodes' indices in the verified tree (0 is
-the root), ``row`` the drafted tokens of the accepted row.
+the root), ``row`` the drafted tokens of the accepted row; ``codes`` the
+nodes tree auto chose (step/select.py), then what the next step's early
+sources need on the host (a controller's depth; their rows, when the tree
+is packed: loop.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import mlx.core as mx
 
@@ -35,7 +37,7 @@ class StepStats:
     host_syncs: int = 0  # cumulative device->host syncs of the loop
     beam: int = 0  # index of the beam the accepted drafts came from (best first)
     depth: int = 0  # drafted depth verified (beam_length, or the controller's choice)
-    source: str = ""  # where the accepted drafts came from: "drafter", "lookup" or "datastore" ("" if none)
+    source: str = ""  # the label of the source the accepted drafts came from ("" if none): "drafter", "lookup"...
     # Phase times in seconds, measured only with timings=True (which adds syncs):
     draft_time: float = 0.0  # beam search for the next step
     pack_time: float = 0.0  # dedup + packing of this step's beams
@@ -55,13 +57,6 @@ class StepTokens:
 def first_step(g0: int, elapsed: float, syncs: int) -> StepTokens:
     """Step 0: the token the prompt's logits give (nothing drafted yet)."""
     return StepTokens([g0], [False], StepStats(0, 0, 1, elapsed, syncs))
-
-
-def draft_beams(draft, embed, context: mx.array, g0: mx.array, confidences: int = 0):
-    """The drafter's beams from ``(g0, context)``, lazily (:class:`~mlx_redrafter.draft.beam.Beams`)."""
-    return draft.drafter.draft(
-        embed, context, g0, draft.beam_width, draft.beam_length, warp=draft.warp, confidences=confidences
-    )
 
 
 def step_read(acc, row: mx.array) -> mx.array:
@@ -97,36 +92,11 @@ class StepRead:
         return self.path[: self.n + 1] == list(range(self.n + 1))
 
     def tokens(
-        self,
-        step: int,
-        tree_size: int,
-        elapsed: float,
-        syncs: int,
-        depth: int,
-        drafter_rows: int,
-        times: Optional[dict] = None,
-        sources: Optional[Sequence[str]] = None,
+        self, step: int, tree_size: int, elapsed: float, syncs: int, depth: int, labels: Sequence[str]
     ) -> StepTokens:
-        """The :class:`StepTokens` of this step; ``sources`` names each row's
-        source (without it, beams from ``drafter_rows`` on are lookup rows)."""
-        source = ""
-        if self.n:
-            source = sources[self.beam] if sources else ("drafter" if self.beam < drafter_rows else "lookup")
-        times = times or {}
-        stats = StepStats(
-            step,
-            self.n,
-            tree_size,
-            elapsed,
-            syncs,
-            self.beam,
-            depth,
-            source=source,
-            draft_time=times.get("draft", 0.0),
-            pack_time=times.get("pack", 0.0),
-            verify_time=times.get("verify", 0.0),
-            accept_time=times.get("accept", 0.0),
-        )
+        """The :class:`StepTokens` of this step; ``labels`` names each row's source."""
+        source = labels[self.beam] if self.n else ""
+        stats = StepStats(step, self.n, tree_size, elapsed, syncs, self.beam, depth, source=source)
         return StepTokens(self.emitted, [True] * self.n + [False], stats)
 
 
@@ -147,8 +117,8 @@ def prefill(backbone, head, cache, prompt: mx.array, sink=None):
     """Feed the prompt; return ``(logits, hidden)`` at its last position (lazy).
 
     ``sink(start, hidden)``: called with the hidden states ``[T, F]`` of each
-    chunk from prompt position ``start`` (a stateful draft source reads them,
-    step/sourced.py); they are evaluated with the chunk's cache."""
+    chunk from prompt position ``start`` (a source that catches up on the
+    target's hidden states reads them, loop.py); they are evaluated with the chunk's cache."""
     feed(backbone, cache, prompt[:-1], sink=sink)
     hidden = backbone(prompt[-1:][None], cache=cache)[0]
     if sink is not None:

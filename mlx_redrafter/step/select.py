@@ -37,77 +37,13 @@ import mlx.core as mx
 import numpy as np
 
 from .curve import BUCKET_SIZES
+from .source import DEPTHS, N_BUCKETS, RANKS, Prior
 from .tree import PAD, Tree
 
-# The stateful sources (an MTP head, a draft model, an EAGLE-3 head) score nodes by probability, as the
-# drafter does, and start from its priors (unmeasured on real weights): the calibration learns their rates.
-SOURCES = ("drafter", "lookup", "datastore", "mtp", "draft-model", "eagle3")
 BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
-DEPTHS = 8  # calibration depths; deeper nodes share the last
 Q_MIN = 0.01  # floor of q, so that p stays a normal float32 up to depth 16
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind each prior rate
 MAX_WEIGHT = 2000.0  # observations kept per cell: older ones fade, so the rates follow the text
-
-# Score bucket edges per source (a score >= edge moves one bucket up):
-# drafter: the node's draft log-probability given its parent (probability
-# 0.1, 0.25, 0.5, 0.75); lookup: the matched suffix length (1, 2, 3, 4, 5+);
-# datastore: the continuation's count (1, 2-3, 4-7, 8-15, 16+).
-EDGES = np.array(
-    [np.log([0.1, 0.25, 0.5, 0.75]), [1.5, 2.5, 3.5, 4.5], [1.5, 3.5, 7.5, 15.5]]
-    + [np.log([0.1, 0.25, 0.5, 0.75])] * 3,
-    dtype=np.float32,
-)
-N_BUCKETS = EDGES.shape[1] + 1
-
-
-def _prior_table() -> np.ndarray:
-    """Priors of q [source, depth, bucket].
-
-    Drafter: measured offline with ``bench/acceptance.py --calibration`` on
-    72 held-out ShareGPT replies of the default model (8,195 positions, the
-    shipped drafter's greedy beam, bench/results/acceptance-heldout/): the
-    share of drafts accepted given their parent was, by the draft's own
-    probability bucket. Depth 1, then depths 2-5 pooled (they did not fall
-    with depth; deeper nodes share the last row). Lookup: a longer matched
-    suffix is more often right, and once a copy has started it tends to go
-    on (conditional acceptance past depth 1 is higher). Datastore: around 30%
-    for a first token, a guess that no measurement in this repository backs
-    yet. Lookup's and the datastore's rows are priors only: the online
-    calibration replaces them with what this run accepts.
-    """
-    q = np.zeros((len(SOURCES), DEPTHS, N_BUCKETS), np.float32)
-    q[0, 0] = [0.045, 0.174, 0.389, 0.694, 0.905]
-    q[0, 1:] = [0.065, 0.161, 0.391, 0.709, 0.890]
-    q[1, 0] = [0.12, 0.3, 0.45, 0.55, 0.6]
-    q[1, 1:] = [0.4, 0.55, 0.65, 0.7, 0.75]
-    q[2, 0] = [0.2, 0.25, 0.3, 0.35, 0.4]
-    q[2, 1:] = [0.4, 0.45, 0.5, 0.55, 0.6]
-    q[3:] = q[0]  # the stateful sources: the drafter's rates by probability (see SOURCES)
-    return q
-
-
-PRIOR_Q = _prior_table()
-RANKS = 4  # sibling ranks the host estimates tell apart (beam 0, 1, 2, the rest)
-
-
-def _prior_slots() -> np.ndarray:
-    """Priors of q [source, depth, rank] over all scores, for host estimates:
-    rank is a node's place among the candidates of its source and depth
-    (beam order: best first). Drafter, best beam: 0.435 at depth 1 and about
-    0.5 deeper given the parent (the held-out ShareGPT measurement of
-    :func:`_prior_table`'s drafter rows); the next beams add 0.07 and 0.06
-    at depth 1 (bench/RESULTS.md section 3's sweep). Lookup and datastore:
-    the bucket priors' means."""
-    q = np.zeros((len(SOURCES), DEPTHS, RANKS), np.float32)
-    q[0, 0] = [0.435, 0.07, 0.06, 0.04]
-    q[0, 1:] = [0.5, 0.2, 0.15, 0.1]
-    for s in (1, 2):
-        q[s] = PRIOR_Q[s].mean(axis=1, keepdims=True) * np.array([1.0, 0.5, 0.4, 0.3])
-    q[3:] = q[0]
-    return q
-
-
-PRIOR_SLOTS = _prior_slots()
 
 
 # --------------------------------------------------------------------------- candidates
@@ -118,8 +54,9 @@ class Structure:
     """The static shape of a step's candidates (host numpy arrays, ``[M]``).
 
     ``parent[i]`` is the index of node ``i``'s parent, ``-1`` for a child of
-    ``g0``; parents come before children. ``source`` holds codes into
-    :data:`SOURCES`; ``depth`` is 1 for a child of ``g0``.
+    ``g0``; parents come before children. ``source`` holds each node's
+    calibration channel (an index into :class:`Calibration`'s priors);
+    ``depth`` is 1 for a child of ``g0``.
     """
 
     parent: np.ndarray
@@ -149,16 +86,17 @@ class Structure:
         return anc
 
 
-def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
+def row_structure(lengths: Sequence[int], channels: Sequence[int]) -> Structure:
     """The candidates of rows (a drafter beam, a lookup row, ...) that own
     their nodes, in :func:`~mlx_redrafter.step.tree.layout` order: row ``r``'s
-    token ``j`` is candidate ``sum(lengths[:r]) + j`` (its layout node + 1)."""
+    token ``j`` is candidate ``sum(lengths[:r]) + j`` (its layout node + 1).
+    ``channels``: each row's calibration channel."""
     parent, source, depth = [], [], []
-    for n, src in zip(lengths, sources):
+    for n, channel in zip(lengths, channels):
         start = len(parent)
         for j in range(n):
             parent.append(start + j - 1 if j else -1)
-            source.append(SOURCES.index(src))
+            source.append(int(channel))
             depth.append(j + 1)
     return Structure(np.array(parent, np.int32), np.array(source, np.int32), np.array(depth, np.int32))
 
@@ -166,9 +104,10 @@ def row_structure(lengths: Sequence[int], sources: Sequence[str]) -> Structure:
 # --------------------------------------------------------------------------- probabilities (numpy or MLX)
 
 
-def bucket_of(xp, source, score):
-    """Score bucket of each node (``xp`` is ``numpy`` or ``mlx.core``)."""
-    edges = xp.array(EDGES)[source]  # [M, B-1]
+def bucket_of(xp, edges, source, score):
+    """Score bucket of each node (``xp`` is ``numpy`` or ``mlx.core``;
+    ``edges [C, B-1]``: each channel's, :attr:`Calibration.edges`)."""
+    edges = xp.array(edges)[source]  # [M, B-1]
     return (score[:, None] >= edges).sum(axis=1).astype(xp.int32)
 
 
@@ -180,12 +119,13 @@ def path_p(xp, parent, q, max_depth: int):
     return p
 
 
-def node_p(xp, structure: Structure, score, valid, table):
+def node_p(xp, structure: Structure, score, valid, table, edges):
     """``(p, bucket)`` of every candidate: invalid ones (padding) get ``p = 0``
-    and bucket -1. ``table [S, D, B]`` is :meth:`Calibration.table`."""
+    and bucket -1. ``table [C, D, B]`` is :meth:`Calibration.table`, ``edges``
+    :attr:`Calibration.edges`."""
     source, depth = xp.array(structure.source), xp.array(structure.depth)
     parent = xp.array(structure.parent)
-    bucket = bucket_of(xp, source, score)
+    bucket = bucket_of(xp, edges, source, score)
     q = xp.array(table)[source, xp.minimum(depth, DEPTHS) - 1, bucket]
     q = xp.where(valid, xp.clip(q, Q_MIN, 1.0), 0.0).astype(xp.float32)
     p = path_p(xp, parent, q, int(structure.depth.max(initial=1)))
@@ -298,6 +238,7 @@ def select_device(
     score: mx.array,
     valid: mx.array,
     table: mx.array,
+    edges,
     k: int,
     ancestors: Optional[mx.array] = None,
 ) -> Selection:
@@ -310,7 +251,7 @@ def select_device(
     """
     if not 0 <= k <= structure.size:
         raise ValueError(f"cannot verify {k} of {structure.size} candidates")
-    p, bucket = node_p(mx, structure, score, valid, table)
+    p, bucket = node_p(mx, structure, score, valid, table, edges)
     depth, parent = mx.array(structure.depth), mx.array(structure.parent)
     rank = rank_by_p(mx, p, depth)
     nodes = mx.argsort(rank)[:k].astype(mx.int32)
@@ -363,20 +304,24 @@ def decode_codes(codes: Sequence[int], structure: Structure) -> Observed:
 
 
 class Calibration:
-    """Conditional acceptance rates q[source, depth, bucket], learned online.
+    """Conditional acceptance rates q[channel, depth, bucket], learned online.
 
-    Each cell is ``(hits + w q0) / (trials + w)`` with prior ``q0`` and
-    weight ``w``; a cell's counts are scaled down past ``max_weight``
-    observations so that it follows a change of text.
+    One channel per prior (:class:`~mlx_redrafter.step.source.Prior`, a
+    source's: its score edges and prior rates); :meth:`channel` gives a
+    prior's index by name. Each cell is ``(hits + w q0) / (trials + w)``
+    with prior ``q0`` and weight ``w``; a cell's counts are scaled down past
+    ``max_weight`` observations so that it follows a change of text.
     """
 
-    def __init__(
-        self,
-        prior: np.ndarray = PRIOR_Q,
-        weight: float = PRIOR_WEIGHT,
-        max_weight: float = MAX_WEIGHT,
-        slot_prior: np.ndarray = PRIOR_SLOTS,
-    ):
+    def __init__(self, priors: Sequence[Prior], weight: float = PRIOR_WEIGHT, max_weight: float = MAX_WEIGHT):
+        unique = {}
+        for p in priors:
+            unique.setdefault(p.name, p)
+        self.priors = list(unique.values())
+        self.names = {p.name: i for i, p in enumerate(self.priors)}
+        self.edges = np.array([p.edges for p in self.priors], np.float32).reshape(len(self.priors), N_BUCKETS - 1)
+        prior = np.stack([p.q for p in self.priors]) if self.priors else np.zeros((0, DEPTHS, N_BUCKETS))
+        slot_prior = np.stack([p.slots for p in self.priors]) if self.priors else np.zeros((0, DEPTHS, RANKS))
         self.prior, self.weight, self.max_weight = np.asarray(prior, np.float64), weight, max_weight
         self.hits = np.zeros_like(self.prior)
         self.trials = np.zeros_like(self.prior)
@@ -386,8 +331,12 @@ class Calibration:
         self.slot_trials = np.zeros_like(self.slot_prior)
         self._device = None
 
+    def channel(self, name: str) -> int:
+        """The index of the prior called ``name``."""
+        return self.names[name]
+
     def table(self) -> np.ndarray:
-        """q [S, D, B] as float32."""
+        """q [C, D, B] as float32."""
         return ((self.hits + self.weight * self.prior) / (self.trials + self.weight)).astype(np.float32)
 
     def device_table(self) -> mx.array:
@@ -439,7 +388,7 @@ class Calibration:
             ]
         )
         if known.any():
-            b = bucket_of(np, structure.source, np.where(known, score, 0.0))
+            b = bucket_of(np, self.edges, structure.source, np.where(known, score, 0.0))
             table = self.table()[structure.source, np.minimum(structure.depth, DEPTHS) - 1, b]
             q = np.where(known, table, q)
         q = np.clip(q, Q_MIN, 1.0)

@@ -1,0 +1,437 @@
+"""The step loop: one skeleton, two schedules.
+
+Each step: the plan's sources propose rows (step/source.py), one tree
+builder makes the tree to verify (step/build.py: packed, laid out or
+chosen), one forward of the unmodified model verifies it (step/verify.py),
+one acceptance keeps the longest path the model agrees with, and one read
+per step brings the result to the host (step/protocol.py). The two
+schedules differ only in when a step is read:
+
+* **build ahead** (:func:`ahead_steps`, the default): step ``t + 1`` is
+  built and queued before step ``t`` is read, like mlx-lm's
+  ``generate_step``, so the device never waits for Python. Every shape must
+  be known a step early: rows are laid out (or chosen at a bucket's size),
+  the cache keeps every verified row and masks the rejected ones as holes
+  (:class:`~mlx_redrafter.llm.cache.HoleyCache`), and sources that propose
+  from the host's tokens line their rows up with the step in flight.
+* **read, then build** (:func:`after_read_steps`): each step is read before
+  the next is built. Sources that need what the host read run here: a
+  source that catches up on the accepted tokens' hidden states (an MTP head,
+  an EAGLE-3 head, a draft model), a controller whose depth is read, a
+  grammar whose masks follow the accepted tokens; and so do sliding-window
+  caches (no holes), timings (a sync per phase), and wide trees whose rows
+  share prefixes (packed when every row is on the host). The cache moves the
+  accepted rows into place after each read.
+
+A grammar is a mask on the read-then-build schedule (step/grammar.py
+:class:`~mlx_redrafter.step.grammar.GrammarMask`): it prunes the rows, masks
+each node's logits and adds its forced tokens as a row. Timings wrap the
+phases (:class:`Laps`). The loops are endless; the caller stops them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..llm.cache import (
+    HoleyCache,
+    attach_sources,
+    compact_cache,
+    drop_sources,
+    kv_offsets,
+    set_cache_length,
+    target_size,
+    verify_starts,
+)
+from ..llm.parts import hidden_size, model_parts
+from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
+from .accept import Accepted, sample_first
+from .build import Built, Candidates, accept, build
+from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
+from .source import DEVICE, N_BUCKETS, STATES, At, Flight, Rows, Setting
+from .verify import install_tree_hooks, needs_hooks, tree_hooks
+
+
+def columns(layers: Sequence[int], wanted: Sequence[int], width: int, last: bool):
+    """Indices into the fused backbone output ``[taps of layers..., final]``
+    of the ``wanted`` taps (then the final state, with ``last``), or None when
+    that is the whole vector."""
+    if list(wanted) == list(layers) and last:
+        return None
+    idx = [layers.index(t) for t in wanted] + ([len(layers)] if last else [])
+    return mx.array([i * width + j for i in idx for j in range(width)], mx.int32)
+
+
+def _picker(cols):
+    return (lambda h: h) if cols is None else (lambda h: mx.take(h, cols, axis=-1))
+
+
+class Laps:
+    """Timings: each phase's time, with a sync at its end (``on=False``: nothing)."""
+
+    def __init__(self, on: bool):
+        self.on, self.times, self.start = on, {}, 0.0
+
+    def begin(self, start: float) -> None:
+        self.times, self.start = {}, start
+
+    def lap(self, name: str, *arrays) -> None:
+        if not self.on:
+            return
+        mx.eval(*arrays)
+        spent = time.perf_counter() - self.start - sum(self.times.values())
+        self.times[name] = self.times.get(name, 0.0) + spent
+
+
+class Generation:
+    """One generation's sources, tree policy and model parts around the target's cache."""
+
+    def __init__(self, model, cache, plan, sampling, history: List[int], grammar=None, ahead: bool = False):
+        self.model, self.plan, self.sampling, self.ahead = model, plan, sampling, ahead
+        self.grammar = grammar
+        sources = list(plan.sources) + ([grammar.source()] if grammar is not None else [])
+        self.sources = sources
+        layers: List[int] = []
+        for s in sources:
+            layers += [t for t in (s.taps or ()) if t not in layers]
+        self.embed, self.backbone, self.head = model_parts(model, layers or None)
+        width = hidden_size(model)
+        self.history = list(history)
+        self.auto = plan.tree.open(sources)
+        self.proposers, self.pickers = [], []
+        for s in sources:
+            pick = _picker(columns(layers, list(s.taps or ()), width, s.last))
+            setting = Setting(model, self.embed, pick, self.history, self.auto is not None, sampling.greedy, ahead)
+            self.proposers.append(s.open(setting))
+            self.pickers.append(pick)
+        size = target_size(model)
+        keepers = [p for p in self.proposers if p.make_cache is not None]
+        if keepers:
+            for p, caches in zip(keepers, attach_sources(cache, size, [p.make_cache for p in keepers])):
+                p.attach(caches)
+        else:  # a generation without them would leave their caches behind the model's
+            drop_sources(cache, size)
+        self.cache = cache[:size]
+        self.early = [s.needs == DEVICE for s in sources]  # read, then build: proposed before the read
+        self.stateful = any(s.needs == STATES for s in sources)
+        self.laps = Laps(False)
+
+    # ------------------------------------------------------------------ rows
+
+    def propose(self, at: At, which=None) -> List[Optional[Rows]]:
+        """Each proposer's rows (None where it proposes none), in plan order;
+        ``which[i]`` False skips proposer ``i`` (its entry stays None)."""
+        out = []
+        for i, p in enumerate(self.proposers):
+            rows = p.propose(at) if which is None or which[i] else None
+            if rows is not None:
+                at.proposed.append(rows)
+            out.append(rows)
+        return out
+
+    def reads(self) -> int:
+        """Host reads the proposers made beyond the step's one read."""
+        return sum(p.reads for p in self.proposers)
+
+    def emitted(self, tokens: List[int]) -> None:
+        """The host read these tokens: the history, tree auto's context and the proposers grow by them."""
+        self.history += tokens
+        if self.auto is not None:
+            self.auto.advance(len(tokens))
+        for p in self.proposers:
+            p.emitted(tokens)
+
+    def entered(self, tokens: List[int], hidden: mx.array) -> None:
+        """``tokens`` entered the target's cache, ``hidden [len, F]`` its fused states there."""
+        for s, p, pick in zip(self.sources, self.proposers, self.pickers):
+            if s.needs == STATES:
+                p.entered(tokens, pick(hidden))
+
+    def close(self) -> None:
+        for p in self.proposers:
+            p.close()
+
+    # ------------------------------------------------------------------ one step
+
+    def forward(self, tree, chain: bool, holes: Optional[HoleyCache] = None, base=None) -> mx.array:
+        """``hidden [N, F]`` of ``tree``'s tokens. A cache with holes needs
+        the device's positions and validity; a chain without holes is the
+        model's own causal call; ``g0`` alone needs no hook."""
+        tokens = tree.tokens[None]
+        if holes is not None and holes.dirty:
+            with tree_hooks(self.model, self.cache, tree, base=base, valid=holes.valid(), chain=chain):
+                return self.backbone(tokens, cache=self.cache)[0]
+        if tree.size == 1 or not needs_hooks(self.model, chain):
+            return self.backbone(tokens, cache=self.cache)[0]
+        with tree_hooks(self.model, self.cache, tree, chain=chain):
+            return self.backbone(tokens, cache=self.cache)[0]
+
+    def verify(self, built: Built, holes=None, base=None, masks=None):
+        """``(hidden, Accepted)`` of a built tree (lazy); the recurrent layers take the accepted node's state."""
+        hidden = self.forward(built.tree, built.chain, holes, base)
+        self.laps.lap("verify", hidden)
+        logits = self.head(hidden)
+        if masks is None:
+            acc = accept(built, logits, self.sampling)
+        else:  # a grammar: every node's logits masked by its own state
+            acc = self.grammar.accept(built, logits, masks, self.sampling)
+        self.laps.lap("accept", acc.n, acc.next_token, acc.path)
+        take_tree_states(self.cache, acc.last)  # a hooked call keeps every node's state pending
+        return hidden, acc
+
+    def learn(self, built: Built, read: StepRead, codes: List[int], before: List[int]) -> None:
+        """tree auto: learn from the verified nodes' codes and the accepted path,
+        and (greedy) from host rows the step left out (``before``: what they repeat first)."""
+        if self.auto is None or built.structure is None:
+            return
+        self.auto.observe(built.structure, codes, read.path[: read.n + 1])
+        self.auto.timed(built.size, 0.0)
+        if built.host:
+            cal = self.auto.cal
+            verified = {built.structure.source[c // N_BUCKETS] for c in codes if c >= 0}
+            for rows, scores, prior in built.host:
+                if cal.channel(prior) not in verified:
+                    self.auto.observe_unverified(rows, scores, prior, before, read.emitted)
+
+
+def _joined(blocks: Sequence[Optional[Rows]]) -> Candidates:
+    return Candidates([b for b in blocks if b is not None])
+
+
+# --------------------------------------------------------------------------- build ahead
+
+
+@dataclass
+class _Queued:
+    """A step built and queued, not read yet (all lazy but the shapes)."""
+
+    read: Optional[mx.array]  # what the host will read: [n, beam, g0, path, row, codes...]
+    g0: mx.array  # the LLM's own token after the accepted drafts: the next root
+    context: mx.array  # hidden state where g0 was predicted
+    real: mx.array  # tokens in the cache once this step is kept (device scalar)
+    row: mx.array  # [depth] the row the accepted drafts come from
+    n: mx.array  # accepted drafts
+    built: Optional[Built] = None
+    before: list = field(default_factory=list)  # the recurrent layers' states before it (put back if never read)
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.built is None else self.built.depth
+
+    @property
+    def size(self) -> int:
+        return 1 if self.built is None else self.built.size
+
+
+def _kept(size: int, acc: Accepted, depth: int) -> mx.array:
+    """``[size]`` bool: the verified rows on the accepted path (the cache's real tokens)."""
+    on_path = mx.arange(depth + 1) <= acc.n
+    return ((mx.arange(size)[:, None] == acc.path[None, :]) & on_path[None, :]).any(axis=1)
+
+
+def _queue(gen: Generation, holes: HoleyCache, prev: _Queued) -> _Queued:
+    """Build the step after ``prev`` (lazily)."""
+    before = recurrent_states(gen.cache)
+    flight = Flight(prev.row, prev.n, prev.g0, prev.depth)
+    cands = _joined(gen.propose(At(prev.g0, prev.context, gen.history, flight=flight)))
+    built = build(cands, prev.g0, gen.auto, packed=False, greedy=gen.sampling.greedy)
+    hidden, acc = gen.verify(built, holes, base=prev.real)
+    holes.append(built.size, _kept(built.size, acc, built.depth))
+    row = built.beams[acc.beam]
+    read = step_read(acc, row)
+    read = read if built.codes is None else mx.concatenate([read, built.codes])
+    return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, built, before)
+
+
+def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequence[int] = ()) -> Iterator[StepTokens]:
+    """The build-ahead schedule (see the module doc)."""
+    install_tree_hooks(model)  # refuses unsupported positions before any work
+    gen = Generation(model, cache, plan, sampling, list(history) + host_read(prompt), ahead=True)
+    tic = time.perf_counter()
+    logits, context = prefill(gen.backbone, gen.head, gen.cache, prompt)
+    holes = HoleyCache(gen.cache)
+    length = cache_length(gen.cache) or 0
+    if gen.auto is not None:
+        gen.auto.advance(length)  # the prompt (and any cached turns): trees are priced at their context
+    g0 = sample_first(logits, sampling)
+    zero = mx.array(0, mx.int32)
+    queued = _Queued(None, g0, context, mx.array(length, mx.int32), zero.reshape(1)[:0], zero)
+    unread = None  # the step queued and not read: undone if the loop ends here
+    try:
+        # Read g0 before queueing step 1: a read queued behind a step waits for it.
+        g0_val, syncs = host_read(g0)[0], 1
+        queued = unread = _queue(gen, holes, queued)
+        mx.async_eval(queued.read)
+        before = [g0_val]
+        gen.emitted(before)
+        yield first_step(g0_val, time.perf_counter() - tic, syncs)
+        step = 0
+        while True:
+            step, tic = step + 1, time.perf_counter()
+            following = unread = _queue(gen, holes, queued)
+            mx.async_eval(following.read)
+            built = queued.built
+            read = StepRead.parse(host_read(queued.read), built.depth)
+            syncs += 1
+            kept = set(read.path[: read.n + 1])
+            holes.settle([i in kept for i in range(built.size)])
+            gen.learn(built, read, read.rest, before)
+            before = read.emitted
+            gen.emitted(before)
+            yield read.tokens(step, built.size, time.perf_counter() - tic, syncs, built.depth, built.labels)
+            queued = following
+    finally:
+        holes.compact(drop_unread=True)
+        if unread is not None:
+            restore_states(gen.cache, unread.before)
+        gen.close()
+
+
+# --------------------------------------------------------------------------- read, then build
+
+
+def _early_reads(blocks, host: bool) -> List[mx.array]:
+    """What the step's read must bring of the early blocks: what a block
+    needs to be settled, and (``host``: the tree is packed, or a grammar
+    prunes it) its tokens."""
+    out = []
+    for b in blocks:
+        if b is None:
+            continue
+        if b.pending is not None:
+            out.append(b.pending.reshape(-1).astype(mx.int32))
+        if host:
+            out.append(b.tokens.reshape(-1).astype(mx.int32))
+    return out
+
+
+def _settle(blocks, vals: List[int], host: bool) -> List[Optional[Rows]]:
+    """The early blocks once read (``vals``: :func:`_early_reads`'s, in order)."""
+    out, i = [], 0
+    for b in blocks:
+        if b is None:
+            out.append(None)
+            continue
+        if b.pending is not None:
+            k = b.pending.size
+            settled = b.settle(vals[i : i + k])
+            i += k
+        else:
+            settled = b
+        if host:
+            w, length = b.tokens.shape
+            flat = vals[i : i + w * length]
+            i += w * length
+            settled.host = [flat[r * length : r * length + n] for r, n in enumerate(settled.lengths)]
+        out.append(settled)
+    return out
+
+
+def after_read_steps(
+    model,
+    prompt: mx.array,
+    cache,
+    plan,
+    sampling,
+    history: Sequence[int] = (),
+    grammar=None,
+    timings: bool = False,
+) -> Iterator[StepTokens]:
+    """The read-then-build schedule (see the module doc). ``grammar``: a
+    :class:`~mlx_redrafter.step.grammar.GrammarMask`; the loop ends after
+    its EOS."""
+    install_tree_hooks(model)  # refuses unsupported positions before any work
+    prompt_ids = host_read(prompt)
+    gen = Generation(model, cache, plan, sampling, list(history) + prompt_ids, grammar=grammar)
+    gen.laps = Laps(timings)
+    run = _AfterRead(gen, plan.tree.packed or grammar is not None)
+    try:
+        out = run.first(prompt, prompt_ids)
+        yield out
+        while grammar is None or not grammar.ended(out):
+            out = run.step()
+            yield out
+    finally:
+        gen.close()
+
+
+class _AfterRead:
+    """The read-then-build schedule's state between two steps: the next
+    root ``g0`` (on the device and the host), the hidden state where it was
+    predicted, and the next step's early rows (proposed before the read).
+    ``host``: every row reaches the host before the tree is built."""
+
+    def __init__(self, gen: Generation, host: bool):
+        self.gen, self.host, self.step_no, self.syncs = gen, host, 0, 0
+
+    def first(self, prompt: mx.array, prompt_ids: List[int]) -> StepTokens:
+        gen, grammar = self.gen, self.gen.grammar
+        sink = None
+        if gen.stateful:
+
+            def sink(start, hidden):
+                gen.entered(prompt_ids[start : start + hidden.shape[0]], hidden)
+
+        tic = time.perf_counter()
+        logits, self.context = prefill(gen.backbone, gen.head, gen.cache, prompt, sink=sink)
+        if gen.auto is not None:
+            gen.auto.advance(cache_length(gen.cache) or 0)  # trees are priced at their context
+        self.g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
+        early = gen.propose(At(self.g0, self.context, gen.history), gen.early)
+        vals = host_read(self.g0, *_early_reads(early, self.host))
+        self.g0_val, self.syncs = vals[0], 1 + gen.reads()
+        self.early = _settle(early, vals[1:], self.host)
+        gen.emitted([self.g0_val])
+        out = first_step(self.g0_val, time.perf_counter() - tic, self.syncs)
+        return out if grammar is None else grammar.consume(out)
+
+    def step(self) -> StepTokens:
+        gen, grammar, laps = self.gen, self.gen.grammar, self.gen.laps
+        self.step_no, tic = self.step_no + 1, time.perf_counter()
+        laps.begin(tic)
+        late = gen.propose(At(self.g0, self.context, gen.history, g0_value=self.g0_val), [not e for e in gen.early])
+        laps.lap("draft", *[b.tokens for b in late if b is not None])
+        cands, masks = _joined([e if e is not None else lt for e, lt in zip(self.early, late)]), None
+        offsets, starts = kv_offsets(gen.cache), verify_starts(gen.cache)
+        if grammar is not None:
+            cands, words = grammar.prune(cands)
+        built = build(cands, self.g0, gen.auto, packed=self.host, greedy=gen.sampling.greedy)
+        if grammar is not None:
+            masks = grammar.masks(words, built)
+        laps.lap("pack", built.tree.tokens, built.tree.mask)
+        hidden, acc = gen.verify(built, masks=masks)
+        self.g0, self.context = acc.next_token, hidden[acc.last]
+        early = gen.propose(At(self.g0, self.context, gen.history), gen.early)  # the next step's device rows
+        laps.lap("draft", *[b.tokens for b in early if b is not None])
+        codes = () if built.codes is None else (built.codes,)
+        vals = host_read(step_read(acc, built.beams[acc.beam]), *codes, *_early_reads(early, self.host))
+        read = StepRead.parse(vals, built.depth)
+        self.syncs += 1 + gen.reads()
+        k = 0 if built.codes is None else built.codes.size
+        self.early = _settle(early, read.rest[k:], self.host)
+        # Most steps accept nothing, or a prefix packed in place (always so for
+        # a single path): the cache rows need moving only otherwise. The move
+        # stays lazy and runs with the next verify.
+        if not read.in_place:  # the path's padding past a chosen tree's size would write past a window's end
+            compact_cache(gen.cache, starts, acc.path[: min(built.size, built.depth + 1)])
+        set_cache_length(gen.cache, starts, offsets, 1 + read.n)
+        gen.learn(built, read, read.rest[:k], [])
+        if gen.stateful:
+            gen.entered([self.g0_val] + read.row[: read.n], hidden[mx.array(read.path[: read.n + 1], mx.int32)])
+        gen.emitted(read.emitted)
+        self.g0_val = read.g0
+        out = read.tokens(self.step_no, built.size, time.perf_counter() - tic, self.syncs, built.depth, built.labels)
+        out.stats = _timed(out.stats, laps)
+        return out if grammar is None else grammar.consume(out)
+
+
+def _timed(stats, laps: Laps):
+    if laps.on:
+        t = laps.times
+        stats.draft_time, stats.pack_time = t.get("draft", 0.0), t.get("pack", 0.0)
+        stats.verify_time, stats.accept_time = t.get("verify", 0.0), t.get("accept", 0.0)
+    return stats
