@@ -39,6 +39,8 @@ PAD = -1
 # a quantized one defaults to "auto" (step/curve.py: default_tree; bench/RESULTS.md section 18).
 DEFAULT_TREE = "fixed"
 TREES = ("auto", "fixed")
+# Layer-head sources that are a drafter of their own (``--drafter``): an EAGLE-3 head, a DFlash block drafter.
+DRAFTER_HEADS = ("eagle3", "dflash")
 
 
 @dataclass
@@ -142,8 +144,9 @@ class DraftConfig:
 
     @property
     def head_is_drafter(self) -> bool:
-        """Whether the layer head is the drafter (an EAGLE-3 drafter), not a source beside it (an MTP head)."""
-        return self.drafter is None and getattr(self.head, "source", None) == "eagle3"
+        """Whether the layer head is the drafter (an EAGLE-3 head, a DFlash drafter), not a source beside it
+        (an MTP head)."""
+        return self.drafter is None and getattr(self.head, "source", None) in DRAFTER_HEADS
 
     @property
     def drafter_shape(self) -> Tuple[int, int]:
@@ -186,8 +189,10 @@ class DraftConfig:
 
     def _head_words(self) -> Tuple[str, str]:
         """The head's kind and the flags that shape its beams, for messages."""
-        if getattr(self.head, "source", None) == "eagle3":
-            return "An EAGLE-3 head", "--beam-width/--beam-length"
+        if getattr(self.head, "source", None) in DRAFTER_HEADS:
+            return (
+                "A DFlash drafter" if self.head.source == "dflash" else "An EAGLE-3 head"
+            ), "--beam-width/--beam-length"
         return "An MTP head", "--mtp-width/--mtp-depth"
 
     def check(self) -> None:
@@ -305,6 +310,7 @@ def resolve(
     head = is_layer_head(drafter)
     if drafter is not None:
         defaults = (1, DEFAULT_HEAD_LENGTH) if head else (DEFAULT_WIDTH, DEFAULT_LENGTH)
+        defaults = getattr(drafter, "default_shape", None) or defaults  # DFlash (issue 56): its trained block
         width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length

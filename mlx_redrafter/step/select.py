@@ -39,9 +39,9 @@ import numpy as np
 from .curve import BUCKET_SIZES
 from .tree import PAD, Tree
 
-# The stateful sources (an MTP head, a draft model, an EAGLE-3 head) score nodes by probability, as the
-# drafter does, and start from its priors (unmeasured on real weights): the calibration learns their rates.
-SOURCES = ("drafter", "lookup", "datastore", "mtp", "draft-model", "eagle3")
+# The stateful sources (an MTP head, a draft model, an EAGLE-3 head, a DFlash drafter) score nodes by probability,
+# as the drafter does, and start from its priors (unmeasured on real weights): the calibration learns their rates.
+SOURCES = ("drafter", "lookup", "datastore", "mtp", "draft-model", "eagle3", "dflash")
 BUCKETS = BUCKET_SIZES  # verified tree sizes, g0 included
 DEPTHS = 8  # calibration depths; deeper nodes share the last
 Q_MIN = 0.01  # floor of q, so that p stays a normal float32 up to depth 16
@@ -54,7 +54,7 @@ MAX_WEIGHT = 2000.0  # observations kept per cell: older ones fade, so the rates
 # datastore: the continuation's count (1, 2-3, 4-7, 8-15, 16+).
 EDGES = np.array(
     [np.log([0.1, 0.25, 0.5, 0.75]), [1.5, 2.5, 3.5, 4.5], [1.5, 3.5, 7.5, 15.5]]
-    + [np.log([0.1, 0.25, 0.5, 0.75])] * 3,
+    + [np.log([0.1, 0.25, 0.5, 0.75])] * 4,
     dtype=np.float32,
 )
 N_BUCKETS = EDGES.shape[1] + 1

@@ -27,7 +27,7 @@ from typing import Iterator, List, Sequence
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
-from ..draft.chain import Chain
+from ..draft.chain import Chain, chain_for
 from ..draft.datastore.index import StoreLookup
 from ..draft.datastore.use import DATASTORE, context_or_store
 from ..draft.draft_model import ModelHead
@@ -81,8 +81,9 @@ class _Sourced:
         self.model, self.cfg, self.sampling = model, draft, sampling
         self.cache = cache[: target_size(model)]
         # The controller (adaptive depth) decides the layer head's calls (never a draft model's).
+        # DFlash hook (issue 56): a source with its own chain (chain_for: make_chain) drafts its own way.
         self.chains = [
-            Chain(source_head(model, s), w, n, draft.controller if s is draft.head else None)
+            chain_for(source_head(model, s), w, n, draft.controller if s is draft.head else None)
             for s, w, n in draft.source_shapes
         ]
         for chain, caches in zip(
