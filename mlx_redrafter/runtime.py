@@ -25,6 +25,7 @@ from .draft.stateful import SourceFlags
 from .errors import RedrafterError
 from .keywords import plain_tree, tree_kw, with_curve, with_sources
 
+_HEAD_WORDS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}  # a layer head's name in the announcement (else MTP)
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
 
 
@@ -123,7 +124,7 @@ class Runtime:
         d, out = self.draft, []
         for who, source, width, length in (
             ("drafter", d.drafter, d.beam_width, d.beam_length),
-            ("EAGLE-3" if getattr(d.head, "source", None) == "eagle3" else "MTP", d.head, d.head_width, d.head_length),
+            (_HEAD_WORDS.get(getattr(d.head, "source", None), "MTP"), d.head, d.head_width, d.head_length),
             ("draft-model", d.draft_model, d.draft_model_width, d.draft_model_length),
         ):
             if source is not None:
@@ -230,7 +231,7 @@ def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
 
     flags.check_beside_head(rt.draft.head)  # the drafter may be an EAGLE-3 head
     own_out = "--adaptive drafts with the drafter alone" if rt.draft.controller is not None else None  # own MTP out
-    own_out = "the EAGLE-3 drafter is the draft's layer head" if rt.draft.head is not None else own_out
+    own_out = "the drafter (EAGLE-3 or DFlash) is the draft's layer head" if rt.draft.head is not None else own_out
     if own_out and flags.mtp is None:  # the model's own head stays out, said so
         from .draft.mtp_load import locate_mtp
 

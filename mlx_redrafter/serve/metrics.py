@@ -10,7 +10,7 @@ Names (counters end in ``_total`` on the wire):
 * ``redrafter_tokens_per_step``: a histogram of the tokens each step emitted;
 * ``redrafter_draft_tokens_accepted_total{source}``: emitted tokens that were
   accepted drafts, by source (``drafter``, ``mtp``, ``draft-model``,
-  ``eagle3``, ``lookup``, ``datastore``);
+  ``eagle3``, ``dflash``, ``lookup``, ``datastore``);
 * ``redrafter_prompt_cache_hits_total``, ``redrafter_prompt_cache_reused_tokens_total``,
   ``redrafter_prompt_cache_entries``, ``redrafter_prompt_cache_bytes``;
 * ``redrafter_queue_waiting``, ``redrafter_queue_running`` (requests
@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from .engine import Engine, Result
 
 # Labels shown from the start, at 0 (step/select.py's SOURCES: an MTP head, a
-# draft model and an EAGLE-3 head beside the drafter and the copies).
-DRAFT_SOURCES = ("drafter", "mtp", "draft-model", "eagle3", "lookup", "datastore")
+# draft model, an EAGLE-3 head and a DFlash drafter beside the drafter and the copies).
+DRAFT_SOURCES = ("drafter", "mtp", "draft-model", "eagle3", "dflash", "lookup", "datastore")
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
