@@ -96,7 +96,8 @@ def controller_stage(run) -> None:
         return
     run.state["controllers"] = {}
     for kind, folder in run.head_dirs.items():
-        _controller(run, kind, folder)
+        if kind != "dflash":  # a DFlash drafter drafts its block in one call: no depth to decide
+            _controller(run, kind, folder)
     run.state.finish("controller", stamp)
 
 
@@ -290,14 +291,15 @@ def learning_need(run, summary):
     """What the drafter's learning curve says it lacks (:mod:`.learning`)."""
     from ..tuning.verdict import chosen, target_speedup
     from .budget import train_seconds_per_position
-    from .heads import EAGLE3, kind_of_key
+    from .heads import DFLASH, EAGLE3, kind_of_key
     from .learning import data_needed, learning_points
     from .shards import Manifest
     from .trainer import LOG
 
     key = chosen(summary)
     kind = kind_of_key(key)
-    batch = run.eagle3_cfg.positions_per_step if kind == EAGLE3 else run.train_cfg.batch_size
+    cfg = {EAGLE3: run.eagle3_cfg, DFLASH: run.dflash_cfg}.get(kind, run.train_cfg)
+    batch = cfg.positions_per_step if kind in (EAGLE3, DFLASH) else run.train_cfg.batch_size
     points = learning_points(run.drafter_dir / LOG, batch)
     record = training_record(run.drafter_dir)
     accuracy = (record.get("eval_acc") or [points[-1][1] if points else 0.0])[0]
@@ -305,7 +307,7 @@ def learning_need(run, summary):
         run.rates, run.train_cfg.batch_size, run.source.held_out, (kind,)
     )
     d = summary[key]
-    warmup = (run.eagle3_cfg if kind == EAGLE3 else run.train_cfg).warmup_steps * batch
+    warmup = cfg.warmup_steps * batch
     return data_needed(
         points,
         accuracy,
@@ -382,7 +384,7 @@ def build_meta(run) -> dict:
     """What the drafter's model card says: the base model, the data, the
     recipe (the command and each stage's minutes), held-out acceptance and
     the verdict with the device it was measured on."""
-    from .heads import EAGLE3, FOLDERS
+    from .heads import DFLASH, EAGLE3, FOLDERS
     from .shards import Manifest
     from .trainer import checkpoint_state
 
@@ -415,7 +417,7 @@ def build_meta(run) -> dict:
                 k: getattr(distill, k)
                 for k in ("batch_size", "max_new_tokens", "max_prompt_tokens", "top_k", "prompt_positions", "raw")
             },
-            "train": eagle3_recipe(run) if kind == EAGLE3 else redrafter_recipe(run),
+            "train": {EAGLE3: eagle3_recipe, DFLASH: dflash_recipe}.get(kind, redrafter_recipe)(run),
             "controller": (run.state["controllers"] or {}).get(kind),
         },
         "acceptance": {
@@ -446,5 +448,18 @@ def eagle3_recipe(run) -> dict:
         intermediate_size=layer.get("intermediate_size"),
         draft_vocab_size=config.get("draft_vocab_size"),
         layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
+    )
+    return out
+
+
+def dflash_recipe(run) -> dict:
+    """The DFlash drafter's training settings and its shape (layers, block, taps, mask token)."""
+    keys = ("block_size", "window", "anchors", "batch_size", "lr", "gamma")
+    out = {k: getattr(run.dflash_cfg, k) for k in keys}
+    config = json.loads((run.head_dirs["dflash"] / "config.json").read_text())
+    out.update(
+        num_hidden_layers=config.get("num_hidden_layers"),
+        intermediate_size=config.get("intermediate_size"),
+        **(config.get("dflash_config") or {}),
     )
     return out
