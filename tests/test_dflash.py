@@ -44,6 +44,9 @@ LAYOUTS = ["z-lab", "z-lab-newer", "speculators"]
 
 
 def _save(layout: str, folder, model, ids, seed: int = 2, **kw):
+    if layout == "z-lab-sliding":  # layer_types with a sliding layer (causal within its window of 3)
+        return save_zlab(folder, model, ids, seed=seed, layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=3, **kw)  # fmt: skip
     if layout == "speculators":
         return save_speculators(
             folder, model, ids, draft_vocab=model.model.embed_tokens.weight.shape[0] - 2, seed=seed, **kw
@@ -52,8 +55,7 @@ def _save(layout: str, folder, model, ids, seed: int = 2, **kw):
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("layout, width", [("z-lab", 1), ("z-lab-newer", 3), ("speculators", 3), ("z-lab-sliding", 2)])
 def test_a_random_drafter_in_each_layout_loads_and_drafts_exactly(targets, tmp_path, kind, layout, width):
     model = targets[kind]
     drafter = load_drafter(_save(layout, tmp_path / "d", model, [0, 2], block=5, mask=0), dtype="float32")
@@ -173,3 +175,42 @@ def test_sampling_with_a_dflash_drafter_follows_the_model(tmp_path, layout, widt
         drafted += accepted_in_steps(stats, 3, "dflash")
     assert drafted > N_RUNS // 10  # drafts were accepted in many runs
     assert chi2_passes(observed, expected, N_RUNS)
+
+
+def test_a_sliding_layer_is_causal_within_its_window(targets, tmp_path):
+    """``layer_types`` and ``sliding_window`` as configured: a sliding layer's
+    block attends causally, to the context within its window alone; a full
+    layer's block attends to all of the context and, non-causally, to itself."""
+    model = targets["qwen3"]
+    window = 4
+
+    def drafter(layer_type):
+        folder = save_zlab(tmp_path / layer_type, model, [0, 2], layers=1, mask=0,
+                           layer_types=[layer_type], sliding_window=window)  # fmt: skip
+        return load_drafter(folder, dtype="float32").bind(model)
+
+    mx.random.seed(1)
+    taps = mx.random.normal((1, 9, 2 * 64))
+    tokens = mx.array([[3, 0, 0, 5]], mx.int32)
+    later = mx.array([[3, 0, 0, 6]], mx.int32)  # the block's last token changed
+    old = mx.concatenate([taps[:, :1] + 5.0, taps[:, 1:]], axis=1)  # the oldest context position changed
+    recent = mx.concatenate([taps[:, :-1], taps[:, -1:] + 5.0], axis=1)
+
+    def hidden(d, t, ctx):
+        cache = d.make_cache()
+        d.context(ctx, cache)
+        return d.hidden(t, cache)[0]
+
+    sliding, full = drafter("sliding_attention"), drafter("full_attention")
+    base = hidden(sliding, tokens, taps)
+    assert mx.allclose(hidden(sliding, later, taps)[:-1], base[:-1]) and not mx.allclose(
+        hidden(sliding, later, taps)[-1], base[-1]
+    )
+    assert mx.allclose(hidden(sliding, tokens, old), base)  # position 0 is out of every query's window
+    assert not mx.allclose(hidden(sliding, tokens, recent)[0], base[0])
+    edge = mx.concatenate([taps[:, :6], taps[:, 6:7] + 5.0, taps[:, 7:]], axis=1)  # position 6: 3 before the block
+    moved = hidden(sliding, tokens, edge)
+    assert not mx.allclose(moved[0], base[0]) and mx.allclose(moved[1:], base[1:])  # in query 0's window alone
+    base = hidden(full, tokens, taps)
+    assert not mx.allclose(hidden(full, later, taps)[0], base[0])  # the block sees itself both ways
+    assert not mx.allclose(hidden(full, tokens, old)[0], base[0])
