@@ -16,7 +16,8 @@ from test_dflash_parity import FIXTURE, _target
 from test_eagle3_train import distilled  # noqa: F401 (a fixture: a tiny model and its data with the taps)
 
 from mlx_redrafter.hub.load import load_drafter
-from mlx_redrafter.train.dflash_trainer import DFlashTrainConfig, train_dflash, train_hidden
+from mlx_redrafter.train.dflash_blocks import train_hidden
+from mlx_redrafter.train.dflash_trainer import DFlashTrainConfig, train_dflash
 
 
 def test_the_training_forward_is_the_drafters_own_inference():

@@ -384,7 +384,7 @@ def build_meta(run) -> dict:
     """What the drafter's model card says: the base model, the data, the
     recipe (the command and each stage's minutes), held-out acceptance and
     the verdict with the device it was measured on."""
-    from .heads import DFLASH, EAGLE3, FOLDERS
+    from .heads import FOLDERS, train_recipe
     from .shards import Manifest
     from .trainer import checkpoint_state
 
@@ -417,7 +417,7 @@ def build_meta(run) -> dict:
                 k: getattr(distill, k)
                 for k in ("batch_size", "max_new_tokens", "max_prompt_tokens", "top_k", "prompt_positions", "raw")
             },
-            "train": {EAGLE3: eagle3_recipe, DFLASH: dflash_recipe}.get(kind, redrafter_recipe)(run),
+            "train": train_recipe(run, kind),
             "controller": (run.state["controllers"] or {}).get(kind),
         },
         "acceptance": {
@@ -431,35 +431,3 @@ def build_meta(run) -> dict:
         },
         "verdict": run.state["verdict"],
     }
-
-
-def redrafter_recipe(run) -> dict:
-    keys = ("exit_dim", "num_draft_layers", "rnn", "draft_vocab_size", "depth", "batch_size", "lr")
-    return {k: getattr(run.train_cfg, k) for k in keys + ("skip_repeats", "soft_weight", "depth_decay")}
-
-
-def eagle3_recipe(run) -> dict:
-    """The EAGLE-3 head's training settings and its shape (intermediate size, draft vocabulary)."""
-    keys = ("depth", "window", "batch_size", "lr", "soft_weight", "depth_decay")
-    out = {k: getattr(run.eagle3_cfg, k) for k in keys}
-    config = json.loads((run.head_dirs["eagle3"] / "config.json").read_text())
-    layer = config.get("transformer_layer_config") or {}
-    out.update(
-        intermediate_size=layer.get("intermediate_size"),
-        draft_vocab_size=config.get("draft_vocab_size"),
-        layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
-    )
-    return out
-
-
-def dflash_recipe(run) -> dict:
-    """The DFlash drafter's training settings and its shape (layers, block, taps, mask token)."""
-    keys = ("block_size", "window", "anchors", "batch_size", "lr", "gamma")
-    out = {k: getattr(run.dflash_cfg, k) for k in keys}
-    config = json.loads((run.head_dirs["dflash"] / "config.json").read_text())
-    out.update(
-        num_hidden_layers=config.get("num_hidden_layers"),
-        intermediate_size=config.get("intermediate_size"),
-        **(config.get("dflash_config") or {}),
-    )
-    return out

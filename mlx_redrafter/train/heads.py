@@ -148,3 +148,40 @@ def train_head(run, kind: str, left: float) -> None:
         setattr(run.rates, rate_name, added * per_step / secs)
     line = f"trained {whose}{added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"
     run.tell(Status("train", 1.0, line=line))
+
+
+def redrafter_recipe(run) -> dict:
+    keys = ("exit_dim", "num_draft_layers", "rnn", "draft_vocab_size", "depth", "batch_size", "lr")
+    return {k: getattr(run.train_cfg, k) for k in keys + ("skip_repeats", "soft_weight", "depth_decay")}
+
+
+def eagle3_recipe(run) -> dict:
+    """The EAGLE-3 head's training settings and its shape (intermediate size, draft vocabulary)."""
+    keys = ("depth", "window", "batch_size", "lr", "soft_weight", "depth_decay")
+    out = {k: getattr(run.eagle3_cfg, k) for k in keys}
+    config = json.loads((run.head_dirs["eagle3"] / "config.json").read_text())
+    layer = config.get("transformer_layer_config") or {}
+    out.update(
+        intermediate_size=layer.get("intermediate_size"),
+        draft_vocab_size=config.get("draft_vocab_size"),
+        layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
+    )
+    return out
+
+
+def dflash_recipe(run) -> dict:
+    """The DFlash drafter's training settings and its shape (layers, block, taps, mask token)."""
+    keys = ("block_size", "window", "anchors", "batch_size", "lr", "gamma")
+    out = {k: getattr(run.dflash_cfg, k) for k in keys}
+    config = json.loads((run.head_dirs["dflash"] / "config.json").read_text())
+    out.update(
+        num_hidden_layers=config.get("num_hidden_layers"),
+        intermediate_size=config.get("intermediate_size"),
+        **(config.get("dflash_config") or {}),
+    )
+    return out
+
+
+def train_recipe(run, kind: str) -> dict:
+    """What a head's model card says of its training (``make-drafter``'s metadata)."""
+    return {EAGLE3: eagle3_recipe, DFLASH: dflash_recipe}.get(kind, redrafter_recipe)(run)
