@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from dflash_drafters import save_zlab
 from helpers import cli, save_tiny_folder
 from test_dflash import PROMPT, _oracle, _target
@@ -85,3 +86,34 @@ def test_sweep_covers_the_block_size(tmp_path):
     cells = {c["length"]: c for c in results["cells"] if c["tree"] == "fixed"}
     assert sorted(cells) == [2, 7] and all(c["identical_outputs"] == 1 for c in cells.values())
     assert cells[7]["tokens_per_step"] > cells[2]["tokens_per_step"] > 1
+
+
+@pytest.mark.parametrize("layout", ["z-lab", "speculators"])
+def test_a_hub_id_fetches_a_drafter_into_the_store_as_it_is(tmp_path, monkeypatch, layout):
+    """``load_drafter("org/name")`` and ``--drafter org/name``: a DFlash repo
+    (from an offline Hugging Face cache, as `hf download` leaves it) is kept
+    in the store as it is, found there afterwards, and drafts exactly."""
+    import shutil
+
+    from helpers import assert_tokens_exact
+    from huggingface_hub import constants
+    from test_dflash import _save
+
+    from mlx_redrafter.config import library_draft
+    from mlx_redrafter.hub.load import load_drafter
+    from mlx_redrafter.hub.locate import locate
+
+    model = _target("qwen3")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / "cache"))
+    repo, commit = "someone/Tiny-DFlash-b5", "0123456789abcdef0123456789abcdef01234567"
+    root = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(_save(layout, tmp_path / "d", model, [0, 2], block=5, mask=0), root / "snapshots" / commit)
+    found = locate(repo, say=lambda m: None)
+    assert found.source == f"hub:{repo}" and (found.path / "model.safetensors").is_file()
+    drafter = load_drafter(repo, dtype="float32")
+    assert drafter.source_path == found.path and drafter.taps == (0, 2)
+    assert_tokens_exact(model, PROMPT, library_draft(model, drafter, 1, None, 0), min_accepted=3, max_tokens=40)
