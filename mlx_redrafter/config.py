@@ -314,7 +314,8 @@ def resolve(
         width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length
-    tree = tree or (profile or {}).get("tree") or tree_default
+    # DFlash (issue 56): a drafter may name its own default tree (a long block: "auto").
+    tree = tree or (profile or {}).get("tree") or getattr(drafter, "default_tree", None) or tree_default
     lookup = lookup_beams(lookup, drafter, profile)
     if head:  # its beams come from the sourced loop's chain, beside lookup's rows
         draft = DraftConfig(lookup=lookup, tree=tree, head=drafter, head_width=width, head_length=length, **kw)

@@ -109,12 +109,13 @@ def test_make_drafter_head_dflash_trains_a_drafter_that_drafts(tmp_path, monkeyp
     measured = report.verdict["dflash"]
     assert measured["identical_outputs"] == 3 and measured["tokens_per_step"] > 1.2, measured
     assert (measured["beam_width"], measured["beam_length"]) == (1, 3)  # its trained block as one chain
+    assert measured["tree"] == "auto"  # a block is long: the cost curve decides how much of it to verify
     head = tmp_path / "work" / "dflash"
     assert json.loads((head / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     base = ["generate", "--temp", "0", "--raw", "-n", "30", "--model", str(folder), "-p", "w5 w9 w11 w3 w20"]
     assert cli(base + ["--no-draft"]) == 0
     plain = capsys.readouterr().out
-    assert cli(base + ["--drafter", str(head), "--no-lookup"]) == 0
+    assert cli(base + ["--drafter", str(head), "--no-lookup", "--tree", "fixed"]) == 0  # every drafted node
     out = capsys.readouterr()
     assert out.out == plain
     assert drafted_share(out.err) > 0.05

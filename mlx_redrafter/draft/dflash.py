@@ -234,6 +234,8 @@ class DFlashDrafter(nn.Module):
         """``(rows, tokens)`` a step drafts by default: the trained block as one chain."""
         return 1, self.config.block_size - 1
 
+    default_tree = "auto"  # a block is long: the device's cost curve decides how much of it to verify
+
     def bind(self, model) -> "DFlashDrafter":
         """Take the target ``model``'s embedding (with its scale) and LM head."""
         from ..llm.parts import backbone_of, model_parts
