@@ -204,6 +204,7 @@ def verdict_settings(run) -> dict:
     tools give a drafter by default."""
     from ..config import DEFAULT_LOOKUP, DraftConfig, resolve
     from ..hub.store import find
+    from ..keywords import with_curve
     from ..step.curve import curve_for, default_tree
     from ..tuning.verdict import EXISTING, LOOKUP
     from .heads import VERDICT_KEYS
@@ -211,8 +212,9 @@ def verdict_settings(run) -> dict:
     tree = default_tree(run.model)
     curve = curve_for(run.model, run.cfg.model) if tree == "auto" else None
 
-    def shape(drafter):  # the built-in shape of its kind (an EAGLE-3 head drafts as the draft's layer head)
-        return resolve(drafter, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve).draft
+    def shape(drafter):  # the built-in shape and tree of its kind (a layer head drafts as the draft's head)
+        draft = resolve(drafter, lookup=DEFAULT_LOOKUP, tree_default=tree, curve=curve).draft
+        return with_curve(run.model, draft, run.cfg.model)  # a DFlash drafter's own default: tree auto
 
     settings = {LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)}
     for kind, folder in run.head_dirs.items():
