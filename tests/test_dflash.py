@@ -214,3 +214,18 @@ def test_a_sliding_layer_is_causal_within_its_window(targets, tmp_path):
     base = hidden(full, tokens, taps)
     assert not mx.allclose(hidden(full, later, taps)[0], base[0])  # the block sees itself both ways
     assert not mx.allclose(hidden(full, tokens, old)[0], base[0])
+
+
+def test_an_mtp_head_beside_a_dflash_drafter_is_refused(targets, tmp_path):
+    from test_sources import pass_through_head, repeating_target
+
+    from mlx_redrafter.generate import generate
+    from mlx_redrafter.keywords import with_sources
+
+    model = targets["qwen3"]
+    drafter = load_drafter(save_zlab(tmp_path / "d", model, [0, 2], mask=0), dtype="float32")
+    draft = library_draft(model, drafter, 1, None, 0)
+    with pytest.raises(RedrafterError, match="a DFlash drafter and an MTP head"):
+        with_sources(model, draft, pass_through_head(repeating_target()))
+    with pytest.raises(RedrafterError, match="the drafter is a DFlash drafter"):
+        generate(model, None, PROMPT, drafter=drafter, mtp_depth=3, max_tokens=4)
