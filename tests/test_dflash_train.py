@@ -96,7 +96,7 @@ def test_make_drafter_head_dflash_trains_a_drafter_that_drafts(tmp_path, monkeyp
     dflash = dict(batch_size=4, window=32, anchors=8, block_size=4, max_steps=150, lr=3e-3, warmup_steps=5)
     cfg = RecipeConfig(
         model=str(folder),
-        minutes=1.0,
+        minutes=30.0,  # the budget never ends training first: max_steps does (deterministic on a busy machine)
         out=tmp_path / "work",
         prompts=str(tmp_path / "prompts.jsonl"),
         max_conversations=60,
@@ -111,6 +111,9 @@ def test_make_drafter_head_dflash_trains_a_drafter_that_drafts(tmp_path, monkeyp
     assert (measured["beam_width"], measured["beam_length"]) == (1, 3)  # its trained block as one chain
     assert measured["tree"] == "auto"  # a block is long: the cost curve decides how much of it to verify
     head = tmp_path / "work" / "dflash"
+    from mlx_redrafter.train.trainer import checkpoint_state
+
+    assert checkpoint_state(head)["step"] == 150  # every step it was given, whatever the machine's speed
     assert json.loads((head / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     base = ["generate", "--temp", "0", "--raw", "-n", "30", "--model", str(folder), "-p", "w5 w9 w11 w3 w20"]
     assert cli(base + ["--no-draft"]) == 0
