@@ -24,6 +24,7 @@ caches would need batching too.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence
 
@@ -35,7 +36,7 @@ from ..llm.cache import trim_cache
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length
 from .accept import Accepted
-from .batch_budget import SourceRates, choose_width, cut_rows, ranked_nodes
+from .batch_budget import SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .constrained import FORCED_LENGTH
 from .curve import builtin_curve
@@ -99,7 +100,10 @@ class BatchSteps:
     ``draft`` says what drafts (the runtime's; its stateful sources are left
     out), ``curve`` prices the batch's forward (its batch's cost:
     step/batch_budget.py). :attr:`rows` are in the batch's order;
-    :meth:`step` returns one :class:`StepTokens` per row, in that order.
+    :meth:`step` returns one :class:`StepTokens` per row, in that order;
+    after it, :attr:`last_width` is the width its trees were padded to, :attr:`tokens`
+    what it emitted, and :attr:`verified` and :attr:`accepted` count its
+    draft nodes by source.
     """
 
     def __init__(self, model, draft: DraftConfig, curve=None):
@@ -114,6 +118,9 @@ class BatchSteps:
         self.rates = SourceRates()
         self.syncs = 0
         self.last_width = 1  # the width of the last step's trees
+        self.tokens = 0  # the last step's tokens, all rows together
+        self.verified: Counter = Counter()  # the last step's draft nodes verified, by source
+        self.accepted: Counter = Counter()  # ... and accepted
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -226,6 +233,7 @@ class BatchSteps:
         """One step of every row: each row's accepted drafts and its own next token."""
         tic = time.perf_counter()
         self.last_width = self._plan_width()
+        self.verified, self.accepted = Counter(), Counter()
         built = [self._row_tree(row) for row in self.rows]
         trees = [rt for rt, _ in built]
         bt = stack_trees(trees)
@@ -248,7 +256,9 @@ class BatchSteps:
             at += size
         paths = padded_paths(accs, 1 + max(rt.depth for rt in trees))
         compact_rows(self.cache, self.ragged, start, paths, [1 + r.n for r in parsed])
-        return [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, trees, parsed)]
+        out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, trees, parsed)]
+        self.tokens = sum(len(st.tokens) for st in out)
+        return out
 
     def _emit(self, row: BatchRow, rt: RowTree, read: StepRead, tic: float) -> StepTokens:
         """Row ``row``'s tokens of the step just read; its next tree's rows."""
@@ -257,6 +267,7 @@ class BatchSteps:
         source = row.sources[read.beam] if read.n else ""
         if rt.tree is not None:
             self.rates.observe(row.rows, row.sources, read.row[: read.n])
+            self.verified.update(source for _, source in unique_prefixes(row.rows, row.sources))
         if row.matcher is not None:
             eos = set(row.plan.grammar.eos_ids)
             for i, t in enumerate(tokens):
@@ -264,6 +275,8 @@ class BatchSteps:
                 if t in eos:
                     tokens, drafted = tokens[: i + 1], drafted[: i + 1]
                     break
+        if read.n:
+            self.accepted[source] += sum(drafted)
         stats = StepStats(
             row.steps, sum(drafted), rt.size, time.perf_counter() - tic, self.syncs, read.beam, rt.depth, source
         )
