@@ -22,6 +22,14 @@ from mlx_redrafter.serve.metrics import Metrics
 N = 14
 
 
+@pytest.fixture(autouse=True)
+def priced_by_the_curve(monkeypatch):
+    """The batch's widths from the curve alone: no timing, the same steps every run."""
+    from mlx_redrafter.serve.batch import BatchDecoder
+
+    monkeypatch.setattr(BatchDecoder, "live_cost", False)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return byte_tokenizer(tmp_path_factory.mktemp("bytes"))

@@ -29,7 +29,7 @@ from test_sampling import V_SMALL, chi2_passes, exact_first_tokens
 from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.step import accept as accept_mod
-from mlx_redrafter.step.batch_budget import SourceRates, choose_width, ranked_nodes
+from mlx_redrafter.step.batch_budget import LiveCost, SourceRates, choose_width, ranked_nodes
 from mlx_redrafter.step.batched import BatchSteps, RowPlan
 from mlx_redrafter.step.curve import CostCurve
 from mlx_redrafter.step.grammar import compile_grammar
@@ -108,7 +108,7 @@ def test_rows_verified_together_equal_each_alone(kind):
     leaves at its own length."""
     model = MODELS[kind]()
     oracle = staggered_oracle(model, PROMPTS, inner=random_drafter())
-    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1, lookup_length=3), curve=FLAT)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1, lookup_length=3), curve=FLAT, live=False)
     got, accepted = run_batch(bs, PROMPTS, N, join_at=2)
     assert got == plain(model, PROMPTS, N)
     check_drafts(accepted, len(PROMPTS))
@@ -121,7 +121,7 @@ def test_lookup_rows_alone_and_a_row_that_moves_in_mid_reply():
     model = tiny_model("qwen3")  # its replies to these prompts repeat themselves: lookup copies are right
     prompts = [[32, 68, 90, 77, 18, 39, 12], [93, 41, 90, 8], [66, 33, 7, 70, 1, 11]]
     ref = plain(model, prompts, N)
-    bs = BatchSteps(model, DraftConfig(None, lookup=2, lookup_length=4), curve=FLAT)
+    bs = BatchSteps(model, DraftConfig(None, lookup=2, lookup_length=4), curve=FLAT, live=False)
     got, accepted = run_batch(bs, prompts[:2], N)
     assert got == ref[:2]
     assert sum(sum(a.values()) for a in accepted) > 0  # lookup copies were accepted
@@ -143,7 +143,7 @@ def test_lookup_rows_alone_and_a_row_that_moves_in_mid_reply():
 def test_nothing_pays_the_batch_decodes_plainly_and_exactly():
     model = tiny_model("llama")
     oracle = OracleDrafter(model, PROMPTS, N, 3)
-    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=STEEP)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=STEEP, live=False)
     got, accepted = run_batch(bs, PROMPTS, N)
     assert got == plain(model, PROMPTS, N)
     assert bs.last_width == 1 and all(n == 0 for a in accepted for n in a.values())
@@ -165,6 +165,27 @@ def test_the_width_is_priced_on_the_whole_batch():
     assert choose_width([sure] * 4, curve) > 1
 
 
+def test_the_live_cost_follows_the_measured_steps():
+    """Measured widths are priced by their own seconds; the others by the
+    curve's shape scaled to the nearest measured width."""
+    curve = CostCurve(tuple(1.0 + 0.25 * n for n in range(16)))  # c(4) = 1.75, c(8) = 2.75, c(12) = 3.75
+    cost = LiveCost(curve)
+    assert cost(4, 2) == curve(8)  # nothing measured: the curve
+    cost.observe(4, 1, 0.10)
+    cost.observe(4, 1, 0.20)  # an exponential average: 0.8 x 0.10 + 0.2 x 0.20
+    assert cost(4, 1) == pytest.approx(0.12)
+    assert cost(4, 3) == pytest.approx(0.12 * curve(12) / curve(4))
+    cost.observe(4, 2, 0.5)  # wider than the curve said: measured, and what lies past it scales from it
+    assert cost(4, 2) == 0.5 and cost(4, 3) == pytest.approx(0.5 * curve(12) / curve(8))
+    assert cost(2, 2) == curve(4)  # another row count: its own measurements (none yet)
+    # The width follows: with sure drafts in all 4 rows, the measured 0.5 s makes width 2 lose to plain steps.
+    rates = SourceRates()
+    for _ in range(50):
+        rates.observe([[5]], ["lookup"], [5])
+    sure = ranked_nodes([[5]], ["lookup"], rates)
+    assert choose_width([sure] * 4, curve) == 2 and choose_width([sure] * 4, cost) == 1
+
+
 @pytest.mark.parametrize("schema", SCHEMAS[:1], ids=["object"])
 def test_a_row_under_a_grammar_beside_free_rows(schema):
     model = tiny_model("llama")
@@ -174,7 +195,7 @@ def test_a_row_under_a_grammar_beside_free_rows(schema):
     oracle = OracleDrafter(
         model, prompts, 60, 3, inner=random_drafter(), replies=[constrained, *plain(model, prompts[1:], 62)]
     )
-    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT, live=False)
     plans = [RowPlan(SamplingConfig(), grammar=grammar), RowPlan(SamplingConfig()), RowPlan(SamplingConfig())]
     sources = Counter()
     handles, outs = [], []
@@ -200,7 +221,7 @@ def sampled_rows(model, prompt, draft, cfg, runs: int, per_batch: int, seed: int
     """The first 3 tokens of ``runs`` sampled rows, ``per_batch`` rows in each batch, each on its own key."""
     out, taken, key = Counter(), 0, mx.random.key(seed)
     for _ in range(runs // per_batch):
-        bs = BatchSteps(model, draft, curve=FREE)
+        bs = BatchSteps(model, draft, curve=FREE, live=False)
         firsts = {}
         for _ in range(per_batch):
             key, sub = mx.random.split(key)

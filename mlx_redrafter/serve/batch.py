@@ -126,6 +126,8 @@ class BatchDecoder:
     ``batch_listeners`` are called after each step of a drafting batch with
     its :class:`~mlx_redrafter.step.batched.BatchSteps` (``/metrics``)."""
 
+    live_cost = True  # the drafting batch prices its steps by their measured time (False: by the curve alone)
+
     def __init__(self, engine, max_batch: int, batch_drafts: bool = True):
         rt = engine.rt
         self.engine, self.model = engine, rt.model
@@ -274,7 +276,7 @@ class BatchDecoder:
         and its first token sampled; a reply under way goes on from its next
         token (the last one known)."""
         if self.gen is None:
-            self.gen = BatchSteps(self.model, self.draft, self.curve)
+            self.gen = BatchSteps(self.model, self.draft, self.curve, live=self.live_cost)
         known, plan = row.known, row_plan(row.job.params)
         if row.generated:
             row.uid, first = self.gen.add(

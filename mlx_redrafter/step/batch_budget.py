@@ -6,7 +6,9 @@ size and that width, not by each row's tree: :func:`batch_cost`. What a
 step yields is each row's ``1 + sum p`` over the nodes it verifies, ``p``
 being the probability that a node's whole path is accepted (the rule of
 step/select.py), estimated from what the batch accepted so far by source
-and depth (:class:`SourceRates`). :func:`choose_width` picks the width with
+and depth (:class:`SourceRates`); the cost is measured live, the
+verify-cost curve pricing what was not measured yet (:class:`LiveCost`).
+:func:`choose_width` picks the width with
 the most expected tokens per unit of cost, from 1 (the batch decodes
 plainly: nothing pays) up; each row then keeps its best nodes that fit
 (:func:`cut_rows`). A row whose drafts are worth less than the others'
@@ -31,6 +33,38 @@ def batch_cost(curve, rows: int, width: int) -> float:
     tokens (step/curve.py; past its sizes its last slope continues). The one
     place a batch's step is priced: a live cost model replaces this."""
     return curve(rows * width)
+
+
+COST_WEIGHT = 0.2  # each new step's seconds weigh this much in the average of its (rows, width)
+
+
+class LiveCost:
+    """What a step of the batch costs, live: the measured seconds of steps
+    of as many rows at that width (an exponential average); a width not
+    measured yet is priced by :func:`batch_cost` scaled to the measured
+    width nearest it (the curve's shape, this device's level), or by the
+    curve alone before any step of that many rows. The curve is measured on
+    one sequence; what a batch's forward costs is not, and a wrong guess is
+    corrected by the first step at that width."""
+
+    def __init__(self, curve):
+        self.curve = curve
+        self.seconds: Dict[Tuple[int, int], float] = {}
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        key = (rows, width)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * seconds
+
+    def __call__(self, rows: int, width: int) -> float:
+        known = self.seconds.get((rows, width))
+        if known is not None:
+            return known
+        measured = [(w, s) for (r, w), s in self.seconds.items() if r == rows]
+        if not measured:
+            return batch_cost(self.curve, rows, width)
+        w, s = min(measured, key=lambda m: (abs(m[0] - width), m[0]))
+        return s * batch_cost(self.curve, rows, width) / batch_cost(self.curve, rows, w)
 
 
 class SourceRates:
@@ -88,10 +122,13 @@ def ranked_nodes(rows, sources, rates: SourceRates) -> List[Tuple[tuple, float]]
     return [(prefix, -neg) for neg, _, _, prefix in sorted(ranked)]
 
 
-def choose_width(ranked: Sequence[Sequence[Tuple[tuple, float]]], curve) -> int:
+def choose_width(ranked: Sequence[Sequence[Tuple[tuple, float]]], cost) -> int:
     """The batch's tree width (tokens a row, its next token included) with
-    the most expected tokens per unit of :func:`batch_cost`: 1 is plain
-    batched decoding."""
+    the most expected tokens per unit of ``cost(rows, width)`` (a
+    :class:`LiveCost`; a verify-cost curve prices by :func:`batch_cost`):
+    1 is plain batched decoding."""
+    if not isinstance(cost, LiveCost):
+        cost = LiveCost(cost)
     rows = len(ranked)
     if not rows:
         return 1
@@ -103,9 +140,9 @@ def choose_width(ranked: Sequence[Sequence[Tuple[tuple, float]]], curve) -> int:
             acc += p
             total.append(acc)
         sums.append(total)
-    best, best_value = 1, rows / batch_cost(curve, rows, 1)
+    best, best_value = 1, rows / cost(rows, 1)
     for width in range(2, widest + 1):
-        value = sum(1.0 + s[min(width - 1, len(s) - 1)] for s in sums) / batch_cost(curve, rows, width)
+        value = sum(1.0 + s[min(width - 1, len(s) - 1)] for s in sums) / cost(rows, width)
         if value > best_value:
             best, best_value = width, value
     return best

@@ -36,7 +36,7 @@ from ..llm.cache import trim_cache
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length
 from .accept import Accepted
-from .batch_budget import SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_budget import LiveCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .constrained import FORCED_LENGTH
 from .curve import builtin_curve
@@ -98,15 +98,16 @@ class BatchSteps:
     """Sequences decoded together with a draft tree each (see the module doc).
 
     ``draft`` says what drafts (the runtime's; its stateful sources are left
-    out), ``curve`` prices the batch's forward (its batch's cost:
-    step/batch_budget.py). :attr:`rows` are in the batch's order;
+    out), ``curve`` prices the batch's forward until its steps are timed
+    (step/batch_budget.py ``LiveCost``; ``live=False``: by the curve alone).
+    :attr:`rows` are in the batch's order;
     :meth:`step` returns one :class:`StepTokens` per row, in that order;
     after it, :attr:`last_width` is the width its trees were padded to, :attr:`tokens`
     what it emitted, and :attr:`verified` and :attr:`accepted` count its
     draft nodes by source.
     """
 
-    def __init__(self, model, draft: DraftConfig, curve=None):
+    def __init__(self, model, draft: DraftConfig, curve=None, live: bool = True):
         self.model = model
         self.draft = replace(draft, head=None, draft_model=None, controller=None)
         self.curve = curve if curve is not None else (draft.curve or builtin_curve())
@@ -116,6 +117,8 @@ class BatchSteps:
         self.ragged = Ragged()
         self.rows: List[BatchRow] = []
         self.rates = SourceRates()
+        self.cost = LiveCost(self.curve)
+        self.live = live  # False: priced by the curve alone (no timing: the same widths every run)
         self.syncs = 0
         self.last_width = 1  # the width of the last step's trees
         self.tokens = 0  # the last step's tokens, all rows together
@@ -189,7 +192,7 @@ class BatchSteps:
     def _plan_width(self) -> int:
         """Cut every row's rows to the batch's width (step/batch_budget.py); the width."""
         ranked = [ranked_nodes(r.rows, r.sources, self.rates) for r in self.rows]
-        width = choose_width(ranked, self.curve)
+        width = choose_width(ranked, self.cost)
         for row, nodes in zip(self.rows, ranked):
             if len(nodes) <= width - 1:
                 continue
@@ -258,6 +261,8 @@ class BatchSteps:
         compact_rows(self.cache, self.ragged, start, paths, [1 + r.n for r in parsed])
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, trees, parsed)]
         self.tokens = sum(len(st.tokens) for st in out)
+        if self.live:
+            self.cost.observe(len(out), bt.width, time.perf_counter() - tic)
         return out
 
     def _emit(self, row: BatchRow, rt: RowTree, read: StepRead, tic: float) -> StepTokens:
