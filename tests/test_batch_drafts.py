@@ -81,6 +81,7 @@ def test_concurrent_drafting_rows_equal_each_alone_and_metrics_count_them(model,
     tokens = _metric(text, "redrafter_batch_tokens_per_step_sum")
     # The first token of each row comes from its prefill; the steps emitted the rest, more than one a row-step.
     assert tokens >= sum(len(r.tokens) for r in results) - len(results) and tokens / steps > 4
+    assert steps <= N // 2  # each row read all its tokens of a step as they came (several a step)
 
 
 def test_rows_join_and_leave_a_drafting_batch(model, tokenizer):
@@ -143,3 +144,20 @@ def test_a_hybrid_models_rows_draft_together(tokenizer):
     for p, res in zip(LONG, results):
         assert res.tokens == _plain(model, tokenizer, p, N) and res.batched_tokens == len(res.tokens)
         assert res.drafted_by_source.get("drafter", 0) >= 2
+
+
+def test_batching_pays_where_drafting_inside_the_batch_makes_up_for_batching(model, tokenizer):
+    """The rule weighs drafting alone against the batch gain times what
+    drafting gains inside the batch (each measured, set here)."""
+    from dataclasses import replace
+
+    from mlx_redrafter.step.curve import CostCurve
+
+    curve = CostCurve(BATCH_PAYS.costs, batch_sizes=(1, 2, 4, 8), batch_gains=(1.0, 1.5, 2.5, 4.0))
+    engine = _engine(model, tokenizer, replace(_oracle(model, LONG), curve=curve))
+    d = engine.queue.decoder
+    d.gain.tokens, d.gain.cost = 3.0, 1.0  # drafting alone: 3x plain decoding
+    assert d.capacity(4) == 1  # plain batching's 2.5x does not beat it
+    d.batch_gain.add(tokens=8, rows=4, width=2)  # 2 tokens a row-step, at c(8) / c(4) of a plain batched step
+    assert d.batch_gain.value == pytest.approx(8 / (4 * curve(8) / curve(4)))
+    assert d.capacity(4) == 4 and d.capacity(2) == 1  # 2.5 x 1.64 > 3 > 1.5 x 1.64
