@@ -112,7 +112,7 @@ class BatchSteps:
         self.draft = replace(draft, head=None, draft_model=None, controller=None)
         self.curve = curve if curve is not None else (draft.curve or builtin_curve())
         self.embed, self.backbone, self.head = model_parts(model, self.draft.feature_layers)
-        self.width = hidden_size(model) * (1 + len(self.draft.feature_layers or ()))
+        self.context_width = hidden_size(model) * (1 + len(self.draft.feature_layers or ()))
         self.cache: list = []
         self.ragged = Ragged()
         self.rows: List[BatchRow] = []
@@ -148,7 +148,7 @@ class BatchSteps:
             tokens, history = history[-1:], history[:-1]
             logits, context = prefill(self.backbone, self.head, cache, mx.array(tokens, mx.int32))
         else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
-            context = mx.zeros((self.width,), mx.float32)
+            context = mx.zeros((self.context_width,), mx.float32)
         if first:
             g0 = self._first_token(row, logits if matcher is None else apply_mask(logits, matcher.mask()))
         g0 = g0 if isinstance(g0, mx.array) else mx.array(g0, mx.int32)
