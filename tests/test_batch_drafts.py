@@ -161,3 +161,30 @@ def test_batching_pays_where_drafting_inside_the_batch_makes_up_for_batching(mod
     d.batch_gain.add(tokens=8, rows=4, width=2)  # 2 tokens a row-step, at c(8) / c(4) of a plain batched step
     assert d.batch_gain.value == pytest.approx(8 / (4 * curve(8) / curve(4)))
     assert d.capacity(4) == 4 and d.capacity(2) == 1  # 2.5 x 1.64 > 3 > 1.5 x 1.64
+
+
+def test_a_long_prompt_joins_a_chunk_a_step_while_the_others_decode(model, tokenizer, monkeypatch):
+    """A prompt longer than a prefill chunk is prefilled a chunk per step of
+    the batch (3 tokens a chunk here): the rows decoding emit tokens between
+    its arrival and its first token, and it decodes exactly."""
+    from mlx_redrafter.serve import batch as batch_mod
+
+    monkeypatch.setattr(batch_mod, "PREFILL_STEP", 3)
+    long = [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81]
+    engine = _engine(model, tokenizer, _oracle(model, LONG + [long]))
+    events, joined = [], []
+    late = Client(engine, long, GenParams(8), on_text=lambda c, piece: events.append("late"))
+
+    def join(client, piece):
+        events.append("first")
+        if piece.tokens >= 2 and not joined:
+            joined.append(engine.submit(late.job))
+            events.append("joined")
+
+    first = Client(engine, LONG[0], GenParams(30), on_text=join)
+    second = Client(engine, LONG[1], GenParams(30))
+    results = _served(engine, [first, second], later=[late])
+    assert results[2].tokens == _plain(model, tokenizer, long, 8) and results[2].batched_tokens > 0
+    assert [r.tokens for r in results[:2]] == [_plain(model, tokenizer, p, 30) for p in LONG[:2]]
+    between = events[events.index("joined") + 1 : events.index("late")]
+    assert between.count("first") >= 2, events  # the batch went on while the long prompt was prefilled

@@ -34,12 +34,13 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Tuple
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..keywords import with_curve
 from ..llm.batch_cache import can_batch_rows
-from ..llm.cache import target_size, trim_to_known
+from ..llm.cache import feed, prefill_forward, target_size, trim_to_known
 from ..llm.text import wrap_tokenizer
 from ..step.batch_budget import batch_cost
 from ..step.batched import BatchSteps
@@ -143,6 +144,7 @@ class BatchDecoder:
         self.by_uid = {}
         self.gen = None  # BatchGenerator, or BatchSteps where the batch drafts
         self.batch_listeners: List[Callable[[BatchSteps], None]] = []
+        self.joining: list = []  # (row, cache, held) of long prompts prefilled a chunk a step before they join
         self._failed: Finished = []  # rows that failed since the last reap (already told)
 
     @property
@@ -189,6 +191,9 @@ class BatchDecoder:
             advanced += 1
         if self.gen is not None and self.by_uid:
             advanced += self._tree_step() if self.trees else self._batch_step()
+        if self.joining:
+            row = self.joining[0][0]
+            self._guarded(row, self._prefill_chunk)
         return self._reap(), advanced
 
     def _batch_step(self) -> int:
@@ -274,7 +279,13 @@ class BatchDecoder:
     def _insert_tree(self, row: Row, cache, held: int) -> None:
         """Into the drafting batch: a new request's prompt is prefilled there
         and its first token sampled; a reply under way goes on from its next
-        token (the last one known)."""
+        token (the last one known). A prompt longer than ``PREFILL_STEP``
+        waits in :attr:`joining` and is prefilled a chunk a step
+        (:meth:`_prefill_chunk`), so that the rows decoding go on meanwhile,
+        as ``BatchGenerator`` interleaves prefill chunks with its steps."""
+        if len(row.known) - 1 - held > PREFILL_STEP:
+            self.joining.append((row, cache, held))
+            return
         if self.gen is None:
             self.gen = BatchSteps(self.model, self.draft, self.curve, live=self.live_cost)
         known, plan = row.known, row_plan(row.job.params)
@@ -287,6 +298,15 @@ class BatchDecoder:
         self.by_uid[row.uid] = row
         if first is not None:
             row.push_step(first)
+
+    def _prefill_chunk(self) -> None:
+        """``PREFILL_STEP`` more tokens of the oldest joining row's prompt into
+        its cache; it joins once one chunk or less is left."""
+        row, cache, held = self.joining.pop(0)
+        if row.done or row.job.cancelled.is_set():
+            return
+        feed(prefill_forward(self.model), cache, mx.array(row.known[held : held + PREFILL_STEP], mx.int32))
+        self._guarded(row, lambda: self._insert_tree(row, cache, held + PREFILL_STEP))
 
     def _leave_batch(self, row: Row):
         """Take ``row`` out of the batch; its KV cache (None: none came back)."""
@@ -308,6 +328,7 @@ class BatchDecoder:
 
     def _take(self, row: Row):
         """End ``row``'s decoding; its KV cache (None: none to keep)."""
+        self.joining = [j for j in self.joining if j[0] is not row]  # its prompt's part prefilled: not kept
         cache = self._leave_batch(row) if row.uid is not None else row.cache
         row.close()
         return cache
@@ -348,6 +369,6 @@ class BatchDecoder:
         """Every row failed (a step raised where it should not): all are told."""
         for row in list(self.rows):
             self._fail(row, error)
-        self.gen, self.by_uid = None, {}
+        self.gen, self.by_uid, self.joining = None, {}, []
         finished, self._failed = self._failed, []
         return finished
