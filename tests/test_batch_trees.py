@@ -40,7 +40,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [20, 21, 22, 23
 N = 16
 
 
-def run_batch(bs, prompts, n, join_at=None, plans=None, cache=None):
+def run_batch(bs, prompts, n, join_at=None, plans=None, on_step=None):
     """Decode ``prompts`` together with ``bs``: the first two from the start,
     the others joining at step ``join_at`` (None: all from the start); a row
     leaves once it has ``n`` tokens. Returns each row's tokens and the
@@ -67,6 +67,8 @@ def run_batch(bs, prompts, n, join_at=None, plans=None, cache=None):
         for row, st in zip(list(bs.rows), results):
             i = handles.index(row)
             outs[i] += st.tokens
+            if on_step is not None:
+                on_step(st)
             if len(outs[i]) >= n:
                 bs.remove(row)
     return [o[:n] for o in outs], accepted
@@ -138,6 +140,24 @@ def test_lookup_rows_alone_and_a_row_that_moves_in_mid_reply():
             outs[r] += st.tokens
     assert ref[2][:5] + outs[row][: N - 5] == ref[2]
     assert [outs[o][: N - 6] for o in others] == [r[1 : N - 5] for r in ref[:2]]
+
+
+def test_datastore_rows_in_every_row():
+    """A datastore of earlier replies (row i's with one token in 4 + i
+    changed: partly right, wrong on other steps in each row) drafts for every row."""
+    from mlx_redrafter.draft.datastore.index import Datastore
+
+    model = tiny_model("llama")
+    ref = plain(model, PROMPTS, N)
+    store = Datastore(model_id="test")
+    for i, r in enumerate(ref):
+        store.add([(t + 1) % 97 if j % (4 + i) == 3 + i else t for j, t in enumerate(r)])
+    bs = BatchSteps(model, DraftConfig(None, datastore=store), curve=FLAT, live=False)
+    sources = Counter()
+    got, accepted = run_batch(bs, PROMPTS, N, on_step=lambda st: sources.update({st.stats.source: st.stats.accepted}))
+    assert got == ref
+    check_drafts(accepted, len(PROMPTS))
+    assert set(sources) <= {"", "datastore"} and sources["datastore"] > 0
 
 
 def test_nothing_pays_the_batch_decodes_plainly_and_exactly():
