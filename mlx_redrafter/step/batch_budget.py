@@ -36,6 +36,11 @@ def batch_cost(curve, rows: int, width: int) -> float:
 
 
 COST_WEIGHT = 0.2  # each new step's seconds weigh this much in the average of its (rows, width)
+# Each step also moves the other widths' measured seconds this much toward
+# what its own seconds and the curve's shape say they cost, so that a width
+# once timed slow (another process loading the CPU) is tried again later
+# instead of never.
+RELAX = 0.02
 
 
 class LiveCost:
@@ -55,6 +60,11 @@ class LiveCost:
         key = (rows, width)
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * seconds
+        here = batch_cost(self.curve, rows, width)
+        for (r, w), s in self.seconds.items():
+            if r == rows and w != width:
+                shaped = seconds * batch_cost(self.curve, rows, w) / here
+                self.seconds[(r, w)] = (1 - RELAX) * s + RELAX * shaped
 
     def __call__(self, rows: int, width: int) -> float:
         known = self.seconds.get((rows, width))
