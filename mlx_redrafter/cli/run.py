@@ -243,6 +243,12 @@ MaxBatchOpt = typer.Option(
     "--max-batch",
     help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted).",
 )
+BatchDraftsOpt = typer.Option(
+    True,
+    "--batch-drafts/--no-batch-drafts",
+    help="Requests decoded together draft, each its own tree, all verified in one forward "
+    "(--no-batch-drafts: they decode plainly, as before).",
+)
 PromptCacheSizeOpt = typer.Option(
     10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."
 )
@@ -295,6 +301,7 @@ def serve(
     min_p: float = MinPOpt,
     queue_size: int = QueueSizeOpt,
     max_batch: int = MaxBatchOpt,
+    batch_drafts: bool = BatchDraftsOpt,
     prompt_cache_size: int = PromptCacheSizeOpt,
     prompt_cache_bytes: Optional[str] = PromptCacheBytesOpt,
     max_body_bytes: Optional[str] = MaxBodyBytesOpt,
@@ -337,6 +344,7 @@ def serve(
         max_tokens_cap=max_tokens_cap,
         served_names=served_model_name,
         cap_ends_turn=cap_ends_turn,
+        batch_drafts=batch_drafts,
     )
     app_ = create_app(engine, ui=not no_ui, security=security, max_body_bytes=body_bytes)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"

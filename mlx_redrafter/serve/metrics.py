@@ -16,7 +16,13 @@ Names (counters end in ``_total`` on the wire):
 * ``redrafter_queue_waiting``, ``redrafter_queue_running`` (requests
   decoding, also as ``redrafter_requests_active``);
 * ``redrafter_requests_shed_total``: requests answered 503 (queue full);
-* ``redrafter_batch_size``: a histogram of the requests each step decoded.
+* ``redrafter_batch_size``: a histogram of the requests each step decoded;
+* ``redrafter_batch_tokens_per_step``: a histogram of the tokens a step of
+  the drafting batch emitted, all its rows together (serve/batch.py);
+* ``redrafter_batch_draft_tokens_verified_total{source}`` and
+  ``redrafter_batch_draft_tokens_accepted_total{source}``: draft tokens the
+  drafting batch verified and accepted, by source (their ratio is each
+  source's acceptance under batching).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from .engine import Engine, Result
 DRAFT_SOURCES = ("drafter", "mtp", "draft-model", "eagle3", "dflash", "lookup", "datastore")
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+BATCH_STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class Metrics:
@@ -80,8 +87,24 @@ class Metrics:
         self.batch = Histogram(
             "redrafter_batch_size", "Requests decoded by one step.", buckets=BATCH_BUCKETS, registry=r
         )
+        self.batch_step = Histogram(
+            "redrafter_batch_tokens_per_step",
+            "Tokens a step of the drafting batch emitted, all its rows together.",
+            buckets=BATCH_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_verified = Counter(
+            "redrafter_batch_draft_tokens_verified", "Draft tokens the batch verified.", ["source"], registry=r
+        )
+        self.batch_accepted = Counter(
+            "redrafter_batch_draft_tokens_accepted", "Draft tokens the batch accepted.", ["source"], registry=r
+        )
+        for source in DRAFT_SOURCES[:1] + DRAFT_SOURCES[4:]:  # the sources a batch drafts with
+            self.batch_verified.labels(source)
+            self.batch_accepted.labels(source)
         engine.listeners.append(self.observe)
         queue.step_listeners.append(self.batch.observe)
+        getattr(queue.decoder, "batch_listeners", []).append(self.observe_batch)
         queue.shed_listeners.append(self.shed.inc)
 
     def observe(self, res: Result) -> None:
@@ -95,6 +118,14 @@ class Metrics:
         if res.reused_tokens:
             self.hits.inc()
             self.reused.inc(res.reused_tokens)
+
+    def observe_batch(self, batch) -> None:
+        """Count one step of the drafting batch (a step/batched.py ``BatchSteps``, on the worker thread)."""
+        self.batch_step.observe(batch.tokens)
+        for source, n in batch.verified.items():
+            self.batch_verified.labels(source).inc(n)
+        for source, n in batch.accepted.items():
+            self.batch_accepted.labels(source).inc(n)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
