@@ -40,7 +40,10 @@ def test_metrics_count_dflash_tokens():
     from mlx_redrafter.serve.metrics import Metrics
 
     queue = SimpleNamespace(
-        status=lambda: {"waiting": 0, "running": 0, "active": 0}, step_listeners=[], shed_listeners=[]
+        status=lambda: {"waiting": 0, "running": 0, "active": 0},
+        step_listeners=[],
+        shed_listeners=[],
+        decoder=SimpleNamespace(batch_listeners=[]),
     )
     engine = SimpleNamespace(cache=SimpleNamespace(entries=0, nbytes=0), queue=queue, listeners=[])
     m = Metrics(engine)

@@ -34,6 +34,7 @@ from .engine import Engine, Result
 # Labels shown from the start, at 0 (step/select.py's SOURCES: an MTP head, a
 # draft model, an EAGLE-3 head and a DFlash drafter beside the drafter and the copies).
 DRAFT_SOURCES = ("drafter", "mtp", "draft-model", "eagle3", "dflash", "lookup", "datastore")
+BATCH_SOURCES = ("drafter", "lookup", "datastore")  # the sources a drafting batch drafts with (step/batched.py)
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 BATCH_STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -99,7 +100,7 @@ class Metrics:
         self.batch_accepted = Counter(
             "redrafter_batch_draft_tokens_accepted", "Draft tokens the batch accepted.", ["source"], registry=r
         )
-        for source in DRAFT_SOURCES[:1] + DRAFT_SOURCES[4:]:  # the sources a batch drafts with
+        for source in BATCH_SOURCES:
             self.batch_verified.labels(source)
             self.batch_accepted.labels(source)
         engine.listeners.append(self.observe)
