@@ -3,6 +3,7 @@
     python bench/mutations.py                 # every mutation, each with the test files that guard it
     python bench/mutations.py --only H1 H4    # some of them
     python bench/mutations.py --list          # what each one breaks
+    python bench/mutations.py --only H1 --tests tests/test_sources.py -- -k anywhere   # one guard alone
 
 Each mutation is a small edit of the product code (one or a few exact text
 replacements) that changes what users get without crashing: a recurrent
@@ -111,6 +112,25 @@ MUTATIONS = [
         ["tests/test_hybrid.py"],
     ),
     Mutation(
+        "C7",
+        "a draft model's beams drafting into its committed cache (a CacheList's members shared: Falcon-H1)",
+        "mlx_redrafter/draft/head.py",
+        [("    if isinstance(members, (list, tuple)):\n", "    if False:\n")],
+        ["tests/test_hybrid.py"],
+    ),
+    Mutation(
+        "C8",
+        "the accepted path read from the first beam, whatever beam was accepted (greedy)",
+        "mlx_redrafter/step/accept.py",
+        [
+            (
+                "    path = _path(node_index, beam, n)\n    last = path[-1]\n    return Accepted(",
+                "    path = _path(node_index, beam * 0, n)\n    last = path[-1]\n    return Accepted(",
+            )
+        ],  # fmt: skip
+        ["tests/test_hybrid.py", "tests/test_pipeline.py", "tests/test_exactness.py"],
+    ),
+    Mutation(
         "C2",
         "a stateful source's cache not trimmed after a chain drafted in it",
         "mlx_redrafter/draft/chain.py",
@@ -186,7 +206,7 @@ def apply(mutation: Mutation, repo: Path) -> str:
     return ""
 
 
-def run(mutation: Mutation, python: str, extra: List[str]) -> Tuple[str, List[str], float]:
+def run(mutation: Mutation, python: str, extra: List[str], tests=None) -> Tuple[str, List[str], float]:
     """``(verdict, failing tests, seconds)`` of one mutation."""
     with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as tmp:
         repo = scratch_copy(Path(tmp))
@@ -194,7 +214,18 @@ def run(mutation: Mutation, python: str, extra: List[str]) -> Tuple[str, List[st
         if problem:
             return f"NOT APPLIED ({problem})", [], 0.0
         env = dict(os.environ, PYTHONPATH=str(repo))
-        cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=3", "-rf", *mutation.tests, *extra]
+        cmd = [
+            python,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--maxfail=3",
+            "-rf",
+            *(tests or mutation.tests),
+            *extra,
+        ]
         tic = time.monotonic()
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
         seconds = time.monotonic() - tic
@@ -212,6 +243,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="Run these mutations only (e.g. H1 C4).")
     parser.add_argument("--list", action="store_true", help="List the mutations and exit.")
     parser.add_argument("--python", default=sys.executable, help="The Python that runs pytest.")
+    parser.add_argument("--tests", nargs="+", metavar="FILE", help="Run these test files instead of each one's own.")
     parser.add_argument("pytest_args", nargs="*", help="Extra pytest arguments (after --), e.g. -k anywhere.")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
@@ -221,7 +253,7 @@ def main(argv=None) -> int:
         return 0
     missed = 0
     for m in chosen:
-        verdict, failed, seconds = run(m, args.python, args.pytest_args)
+        verdict, failed, seconds = run(m, args.python, args.pytest_args, args.tests)
         missed += verdict != "caught"
         print(f"{m.name}  {verdict}  ({seconds:.0f} s)  {m.what}", flush=True)
         for test in failed:

@@ -220,6 +220,26 @@ class AnywhereOracle(OracleDrafter):
         return rows
 
 
+class DecoyHead:
+    """A layer head (or a draft model's head) whose depth-1 distribution ranks
+    ``decoy`` first, one nat above its own best: its own best draft is then
+    its second beam, not its first. Everything else is the head's own."""
+
+    def __init__(self, head, decoy: int):
+        object.__setattr__(self, "inner", head)
+        object.__setattr__(self, "decoy", decoy)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, tokens, features, cache, first: bool = True, last: bool = False):
+        logits, hidden = self.inner(tokens, features, cache, first, last=last)
+        if first:  # a catch-up call: its last position is depth 1's distribution
+            top = logits.max(axis=-1, keepdims=True)
+            logits = mx.where(mx.arange(logits.shape[-1]) == self.decoy, top + 1, logits)
+        return logits, hidden
+
+
 def misleading_history(sequence, start: int, vocab: int = VOCAB, seed: int = 0):
     """A lookup context (tokens before the prompt) under which, where
     ``sequence`` (prompt and reply) continues at an even position ``q`` from

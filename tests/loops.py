@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_redrafter.config import SamplingConfig
 from mlx_redrafter.llm.recurrent import kv_leaves, leaves
-from mlx_redrafter.step.dispatch import redrafter_steps
+from mlx_redrafter.step.dispatch import token_steps
 
 # Each loop, by the name under which step/dispatch.py calls it.
 LOOPS = {
@@ -52,16 +52,20 @@ def loops_called():
 
 
 def steps_then_close(
-    model, prompt: Sequence[int], draft, steps: int, *, loop: str, sampling=None, cache=None, history=()
+    model, prompt: Sequence[int], draft, steps: int, *, loop: str, sampling=None, cache=None, history=(), grammar=None
 ):
-    """Run ``redrafter_steps`` for ``steps`` steps after the first token, then
-    close it (a loop restores and compacts its caches when closed); checks
-    that ``loop`` ran. ``history``: the lookup context before the prompt.
-    Returns ``(tokens emitted, step stats, cache)``."""
+    """Run a generation's steps (``token_steps``, as ``stream_generate`` does)
+    for ``steps`` steps after the first token, then close it (a loop restores
+    and compacts its caches when closed); checks that ``loop`` ran.
+    ``history``: the lookup context before the prompt; ``grammar``: a
+    compiled grammar (the constrained loop). Returns ``(tokens emitted, step
+    stats, cache)``."""
     cache = make_prompt_cache(model) if cache is None else cache
     sampling = sampling or SamplingConfig()
     with loops_called() as calls:
-        it = redrafter_steps(model, mx.array(prompt, mx.int32), cache, draft=draft, sampling=sampling, history=history)
+        it = token_steps(
+            model, mx.array(prompt, mx.int32), cache, draft=draft, sampling=sampling, history=history, grammar=grammar
+        )
         tokens, stats = [], []
         for s in it:
             tokens += s.tokens
@@ -120,3 +124,17 @@ def held_tokens(cache, prompt: Sequence[int]) -> Optional[int]:
     for c in kv_leaves(cache):
         return c.offset - len(prompt)
     return None
+
+
+def check_caches(model, prompt, cache, tokens, where: str, states=None, copies: int = 0) -> None:
+    """After a closed generation that emitted ``tokens``: the model's caches
+    hold the prompt and every emitted token but the last, as plain decoding
+    leaves them (keys, values and recurrent states); so do ``copies`` more
+    after them (the model itself as its own draft model). ``states``: plain
+    decoding's (:class:`PlainStates`) over tokens that these extend."""
+    held = held_tokens(cache, prompt)
+    assert held == len(tokens) - 1, f"{where}: {held} tokens held after {len(tokens)} emitted"
+    states, size = states or PlainStates(model, prompt, tokens[:held]), len(make_prompt_cache(model))
+    assert len(cache) >= (1 + copies) * size, where
+    for i in range(1 + copies):
+        states.check(cache[i * size : (i + 1) * size], held, where + (" (the draft model's caches)" if i else ""))

@@ -1,11 +1,16 @@
 """Hybrid models (recurrent layers between attention layers) verify draft trees exactly.
 
 On a tiny random model of every covered family, built with mlx-lm's own
-classes: greedy output with drafting equals plain decoding token for token,
-with drafts accepted, fully and in part, in both step loops; after every
-step the recurrent cache equals what plain decoding of the same tokens
-leaves; sampling keeps the model's distribution; a model whose recurrent
-layers no hook covers decodes plainly after one line that names the layer.
+classes: with the right row anywhere among wrong ones (the drafter's,
+lookup's, a draft model's) and drafts accepted whole, in part and not at
+all, greedy output equals plain decoding token for token in every step loop
+(pipelined, synchronous, sourced, constrained: tests/loops.py checks which
+ran), and after every step the caches (keys, values, every recurrent state)
+equal what plain decoding of the same tokens leaves, sampling too; sampling
+keeps the model's distribution; a model whose recurrent layers no hook
+covers decodes plainly after one line that names the layer.
+
+Mutations seen caught here (bench/mutations.py): H1, C1, C7, C8.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import numpy as np
 import pytest
 from helpers import OracleDrafter, accepted_in_steps, random_drafter, run_steps
 from hybrids import FAMILIES, tiny_hybrid
-from mlx_lm.models.cache import make_prompt_cache
 from test_sampling import chi2_passes
 
 from mlx_redrafter.config import DraftConfig, SamplingConfig
@@ -70,22 +74,6 @@ def anywhere_draft(model, loop: str, seed=None):
     return draft, misleading_history(PROMPT + plain, len(PROMPT), seed=seed), plain
 
 
-def check_caches(model, cache, tokens, loop: str, where: str, states=None) -> None:
-    """The model's caches (and in the sourced loop its own draft model's, the
-    same model) hold the prompt and every emitted token but the last, as
-    plain decoding leaves them: keys, values and recurrent states.
-    ``states``: plain decoding's (:class:`loops.PlainStates`) over tokens these extend."""
-    from loops import PlainStates, held_tokens
-
-    held = held_tokens(cache, PROMPT)
-    assert held == len(tokens) - 1, f"{where}: {held} tokens held after {len(tokens)} emitted"
-    states, size = states or PlainStates(model, PROMPT, tokens[:held]), len(make_prompt_cache(model))
-    states.check(cache[:size], held, where)
-    if loop == "sourced":
-        assert len(cache) == 2 * size
-        states.check(cache[size:], held, where + " (the draft model's caches)")
-
-
 def covering_steps(stats, loop: str, length: int = 3):
     """The number of steps after which a run has shown every case: drafts
     accepted from a drafter row but the first and from lookup's second row,
@@ -119,7 +107,7 @@ def test_the_accepted_row_anywhere_keeps_output_and_caches_plain(family, loop):
     Seen to catch: a recurrent state taken from the first node of the
     accepted depth (step/mixers.py LevelStates.take, ``place * 0``: the
     pipelined and sourced loops)."""
-    from loops import PlainStates, steps_then_close
+    from loops import PlainStates, check_caches, steps_then_close
 
     name, model = family
     draft, history, plain = anywhere_draft(model, loop)
@@ -132,7 +120,7 @@ def test_the_accepted_row_anywhere_keeps_output_and_caches_plain(family, loop):
         tokens, stats, cache = steps_then_close(model, PROMPT, draft, steps, loop=loop, history=history)
         where = f"{name}, {loop} loop, after step {steps}"
         assert tokens == plain[: len(tokens)], f"{where}: drafting changed the greedy output"
-        check_caches(model, cache, tokens, loop, where, states)
+        check_caches(model, PROMPT, cache, tokens, where, states, copies=int(loop == "sourced"))
 
 
 SAMPLING_FAMILIES = ["qwen3_5", "nemotron_h", "lfm2"]  # a padded scan, a stepwise one, a convolution
@@ -146,7 +134,7 @@ def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(name, lo
     with the sampling walk's accepted node anywhere too. A peaked model at a
     low temperature, so that the oracle's rows (the greedy reply's) are
     accepted; the distribution itself is the chi-square tests' below."""
-    from loops import steps_then_close
+    from loops import check_caches, steps_then_close
 
     model = tiny_hybrid(name, scale=8.0)
     draft, history, _ = anywhere_draft(model, loop, seed=1)
@@ -156,7 +144,14 @@ def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(name, lo
         tokens, stats, cache = steps_then_close(
             model, PROMPT, draft, steps, loop=loop, history=history, sampling=sampling
         )
-        check_caches(model, cache, tokens, loop, f"{name}, {loop} loop, sampling, after step {steps}")
+        check_caches(
+            model,
+            PROMPT,
+            cache,
+            tokens,
+            f"{name}, {loop} loop, sampling, after step {steps}",
+            copies=int(loop == "sourced"),
+        )
         taken |= {s.beam for s in stats if s.accepted}
     assert max(taken, default=0) > 0, f"{name}: no draft accepted from a row but the first: the check says little"
 
@@ -383,6 +378,35 @@ def test_make_drafter_doctor_and_sweep_run_on_a_hybrid_folder(tmp_path, monkeypa
     assert (tmp_path / "work" / "drafter" / "model.safetensors").is_file()
     assert cli(["doctor", "--model", str(folder), "--calibrate"]) == 0
     assert cli(["generate", "--model", str(folder), "--prompt", "w5 w6 w7 w5 w6 w7 w5 w6", "-n", "12"]) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
+def test_the_constrained_loop_with_the_accepted_row_anywhere_keeps_output_and_caches_plain(name):
+    """Structured output (the constrained loop) with the right row anywhere
+    among wrong ones: plain constrained decoding's tokens, and after every
+    step the caches plain decoding of them leaves.
+
+    Seen to catch: the last tree node's recurrent state kept (step/mixers.py
+    NodeStates.take, bench/mutations.py C1)."""
+    from helpers import AnywhereOracle
+    from loops import PlainStates, check_caches, steps_then_close
+    from test_grammar import CHARS, SCHEMAS, reference
+
+    from mlx_redrafter.step.grammar import compile_grammar
+
+    model = tiny_hybrid(name)
+    grammar = compile_grammar(CHARS, SCHEMAS[1], vocab_size=97)
+    prompt = [5, 9, 17, 3]
+    ref = reference(model, prompt, grammar, 120)
+    draft = DraftConfig(AnywhereOracle(model, prompt, 120, 2, replies=[ref]), 2, 2, lookup=1)
+    states, taken = PlainStates(model, prompt, ref), set()
+    for steps in range(1, 9):
+        tokens, stats, cache = steps_then_close(model, prompt, draft, steps, loop="constrained", grammar=grammar)
+        where = f"{name}, constrained loop, after step {steps}"
+        assert tokens == ref[: len(tokens)], f"{where}: drafting changed the constrained output"
+        check_caches(model, prompt, cache, tokens, where, states)
+        taken |= {(s.source, s.beam) for s in stats if s.accepted}
+    assert ("drafter", 1) in taken, taken
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])

@@ -161,7 +161,9 @@ def _command(entry: str, folder, flags, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-@pytest.mark.parametrize("name, kind, flags, keywords, words", COMBINATIONS, ids=[c[0].replace(" ", "-") for c in COMBINATIONS])
+@pytest.mark.parametrize(
+    "name, kind, flags, keywords, words", COMBINATIONS, ids=[c[0].replace(" ", "-") for c in COMBINATIONS]
+)
 def test_a_refused_draft_is_refused_on_every_path_with_the_same_words(
     world, mimo, monkeypatch, capsys, entry, name, kind, flags, keywords, words
 ):
