@@ -112,25 +112,6 @@ MUTATIONS = [
         ["tests/test_hybrid.py"],
     ),
     Mutation(
-        "C7",
-        "a draft model's beams drafting into its committed cache (a CacheList's members shared: Falcon-H1)",
-        "mlx_redrafter/draft/head.py",
-        [("    if isinstance(members, (list, tuple)):\n", "    if False:\n")],
-        ["tests/test_hybrid.py"],
-    ),
-    Mutation(
-        "C8",
-        "the accepted path read from the first beam, whatever beam was accepted (greedy)",
-        "mlx_redrafter/step/accept.py",
-        [
-            (
-                "    path = _path(node_index, beam, n)\n    last = path[-1]\n    return Accepted(",
-                "    path = _path(node_index, beam * 0, n)\n    last = path[-1]\n    return Accepted(",
-            )
-        ],  # fmt: skip
-        ["tests/test_hybrid.py", "tests/test_pipeline.py", "tests/test_exactness.py"],
-    ),
-    Mutation(
         "C2",
         "a stateful source's cache not trimmed after a chain drafted in it",
         "mlx_redrafter/draft/chain.py",
@@ -182,6 +163,25 @@ MUTATIONS = [
             )
         ],
         ["tests/test_server_limits.py"],
+    ),
+    Mutation(
+        "C7",
+        "a draft model's beams drafting into its committed cache (a CacheList's members shared: Falcon-H1)",
+        "mlx_redrafter/draft/head.py",
+        [("    if isinstance(members, (list, tuple)):\n", "    if False:\n")],
+        ["tests/test_hybrid.py"],
+    ),
+    Mutation(
+        "C8",
+        "the accepted path read from the first beam, whatever beam was accepted (greedy)",
+        "mlx_redrafter/step/accept.py",
+        [
+            (
+                "    path = _path(node_index, beam, n)\n    last = path[-1]\n    return Accepted(",
+                "    path = _path(node_index, beam * 0, n)\n    last = path[-1]\n    return Accepted(",
+            )
+        ],  # fmt: skip
+        ["tests/test_hybrid.py", "tests/test_pipeline.py", "tests/test_exactness.py"],
     ),
 ]
 

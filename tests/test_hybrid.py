@@ -160,16 +160,27 @@ def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(name, lo
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
 def test_tree_auto_on_a_hybrid_equals_plain(name, pipelined):
     """tree="auto" verifies a selected subset, a tree whose shape the host does
-    not know: the recurrent layers then run it from the nodes' paths."""
+    not know: the recurrent layers then run it from the nodes' paths. The
+    right row anywhere among the drafter's; after every step the caches are
+    plain decoding's."""
+    from helpers import AnywhereOracle
+    from loops import PlainStates, check_caches, steps_then_close
+
     from mlx_redrafter.step.curve import CostCurve
 
     model = tiny_hybrid(name)
-    plain, _ = generate_tokens(model, PROMPT, max_tokens=N)
-    oracle = OracleDrafter(model, PROMPT, N, 3)
+    plain, _ = generate_tokens(model, PROMPT, max_tokens=N + 20)
+    oracle = AnywhereOracle(model, PROMPT, N, 3, seed=1)
     curve = CostCurve(tuple(1.0 + 0.05 * n for n in range(16)))  # drafts pay: the selection verifies several nodes
     draft = DraftConfig(oracle, 3, 3, lookup=1, pipelined=pipelined, tree="auto", curve=curve)
+    loop, states = "pipelined" if pipelined else "synchronous", PlainStates(model, PROMPT, plain)
+    for steps in range(1, 7):
+        out, stats, cache = steps_then_close(model, PROMPT, draft, steps, loop=loop)
+        assert out == plain[: len(out)], f"after step {steps}: drafting changed the greedy output"
+        check_caches(model, PROMPT, cache, out, f"{name}, tree auto, {loop} loop, after step {steps}", states)
     out, stats, _ = run_steps(model, PROMPT, draft, N)
     assert out == plain[:N] and accepted_in_steps(stats, N, "drafter") >= N // 3
+    assert any(s.accepted and s.beam > 0 for s in stats), "no row but the first accepted"
     assert any(s.tree_size > 2 for s in stats), "the selection verified no tree"
 
 
