@@ -52,29 +52,39 @@ def loops_called():
 
 
 def steps_then_close(
-    model, prompt: Sequence[int], draft, steps: int, *, loop: str, sampling=None, cache=None, history=(), grammar=None
+    model,
+    prompt: Sequence[int],
+    draft,
+    steps: int,
+    *,
+    loop: str,
+    sampling=None,
+    cache=None,
+    history=(),
+    grammar=None,
+    tokens: Optional[int] = None,
 ):
     """Run a generation's steps (``token_steps``, as ``stream_generate`` does)
-    for ``steps`` steps after the first token, then close it (a loop restores
-    and compacts its caches when closed); checks that ``loop`` ran.
-    ``history``: the lookup context before the prompt; ``grammar``: a
-    compiled grammar (the constrained loop). Returns ``(tokens emitted, step
-    stats, cache)``."""
+    for ``steps`` steps after the first token (or until ``tokens`` are
+    emitted), then close it (a loop restores and compacts its caches when
+    closed); checks that ``loop`` ran. ``history``: the lookup context before
+    the prompt; ``grammar``: a compiled grammar (the constrained loop).
+    Returns ``(tokens emitted, step stats, cache)``."""
     cache = make_prompt_cache(model) if cache is None else cache
     sampling = sampling or SamplingConfig()
     with loops_called() as calls:
         it = token_steps(
             model, mx.array(prompt, mx.int32), cache, draft=draft, sampling=sampling, history=history, grammar=grammar
         )
-        tokens, stats = [], []
+        emitted, stats = [], []
         for s in it:
-            tokens += s.tokens
+            emitted += s.tokens
             stats.append(s.stats)
-            if len(stats) > steps:
+            if len(stats) > steps or (tokens is not None and len(emitted) >= tokens):
                 break
         it.close()
     assert dict(calls) == {loop: 1}, f"the {loop} loop was asked for, {dict(calls)} ran"
-    return tokens, stats, cache
+    return emitted, stats, cache
 
 
 class PlainStates:

@@ -56,22 +56,35 @@ LOOP_DRAFTS = {
 N_ANYWHERE = 40  # the most tokens a run may take to show every case
 
 
-def anywhere_draft(model, loop: str, seed=None):
-    """The draft of :data:`LOOP_DRAFTS` for ``loop``, the lookup context that
-    misleads lookup's first row, and plain greedy decoding's tokens
-    (``(draft, history, plain)``): the drafter's right row at a random place
-    among wrong ones (:class:`helpers.AnywhereOracle`)."""
+_PLAIN = {}
+
+
+def plain_run(name: str, model):
+    """Plain greedy decoding's tokens after PROMPT and the caches it leaves
+    (:class:`loops.PlainStates`), once per family."""
+    from loops import PlainStates
+
+    if name not in _PLAIN:
+        plain, _ = generate_tokens(model, PROMPT, max_tokens=N_ANYWHERE + 8)
+        _PLAIN[name] = plain, PlainStates(model, PROMPT, plain)
+    return _PLAIN[name]
+
+
+def anywhere_draft(model, loop: str, plain, seed=None):
+    """The draft of :data:`LOOP_DRAFTS` for ``loop`` and the lookup context
+    that misleads lookup's first row (``(draft, history)``), for a model whose
+    plain greedy reply is ``plain``: the drafter's right row at a random
+    place among wrong ones (:class:`helpers.AnywhereOracle`)."""
     from helpers import AnywhereOracle, misleading_history
 
     extra = dict(LOOP_DRAFTS[loop])
     seed = extra.pop("seed") if seed is None else seed
     extra.pop("seed", None)
-    plain, _ = generate_tokens(model, PROMPT, max_tokens=N_ANYWHERE + 8)
-    oracle = AnywhereOracle(model, PROMPT, N_ANYWHERE + 8, 3, seed=seed)
+    oracle = AnywhereOracle(model, PROMPT, N_ANYWHERE + 8, 3, seed=seed, replies=[plain])
     if loop == "sourced":
         extra["draft_model"] = model
     draft = DraftConfig(oracle, 2, 3, lookup=2, **extra)
-    return draft, misleading_history(PROMPT + plain, len(PROMPT), seed=seed), plain
+    return draft, misleading_history(PROMPT + plain, len(PROMPT), seed=seed)
 
 
 def covering_steps(stats, loop: str, length: int = 3):
@@ -107,15 +120,15 @@ def test_the_accepted_row_anywhere_keeps_output_and_caches_plain(family, loop):
     Seen to catch: a recurrent state taken from the first node of the
     accepted depth (step/mixers.py LevelStates.take, ``place * 0``: the
     pipelined and sourced loops)."""
-    from loops import PlainStates, check_caches, steps_then_close
+    from loops import check_caches, steps_then_close
 
     name, model = family
-    draft, history, plain = anywhere_draft(model, loop)
-    _, stats, _ = steps_then_close(model, PROMPT, draft, N_ANYWHERE, loop=loop, history=history)
+    plain, states = plain_run(name, model)
+    draft, history = anywhere_draft(model, loop, plain)
+    _, stats, _ = steps_then_close(model, PROMPT, draft, N_ANYWHERE, loop=loop, history=history, tokens=N_ANYWHERE)
     emitted = accumulate(1 + s.accepted for s in stats)
     covered = covering_steps([s for s, n in zip(stats, emitted) if n <= N_ANYWHERE], loop)
     assert covered, f"{name}, {loop} loop: not every case within {N_ANYWHERE} tokens"
-    states = PlainStates(model, PROMPT, plain)
     for steps in range(1, covered + 1):
         tokens, stats, cache = steps_then_close(model, PROMPT, draft, steps, loop=loop, history=history)
         where = f"{name}, {loop} loop, after step {steps}"
@@ -126,9 +139,15 @@ def test_the_accepted_row_anywhere_keeps_output_and_caches_plain(family, loop):
 SAMPLING_FAMILIES = ["qwen3_5", "nemotron_h", "lfm2"]  # a padded scan, a stepwise one, a convolution
 
 
+@pytest.fixture(scope="module", params=SAMPLING_FAMILIES)
+def peaked(request):
+    """A family's model with peaked logits (weights scaled by 8) and its plain greedy reply."""
+    model = tiny_hybrid(request.param, scale=8.0)
+    return request.param, model, generate_tokens(model, PROMPT, max_tokens=N_ANYWHERE + 8)[0]
+
+
 @pytest.mark.parametrize("loop", list(LOOP_DRAFTS))
-@pytest.mark.parametrize("name", SAMPLING_FAMILIES)
-def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(name, loop):
+def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(peaked, loop):
     """Sampling, in every loop: whatever was sampled, after every step the
     caches hold the emitted tokens as plain decoding of them leaves them,
     with the sampling walk's accepted node anywhere too. A peaked model at a
@@ -136,8 +155,8 @@ def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(name, lo
     accepted; the distribution itself is the chi-square tests' below."""
     from loops import check_caches, steps_then_close
 
-    model = tiny_hybrid(name, scale=8.0)
-    draft, history, _ = anywhere_draft(model, loop, seed=1)
+    name, model, plain = peaked
+    draft, history = anywhere_draft(model, loop, plain, seed=1)
     sampling, taken = SamplingConfig(temp=0.2), set()
     for steps in range(1, 6):
         mx.random.seed(steps)
