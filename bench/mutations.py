@@ -140,7 +140,7 @@ MUTATIONS = [
                 "e, hid = self.pre_fc_norm_hidden(emb), self.pre_fc_norm_embedding(",
             )
         ],  # fmt: skip
-        ["tests/test_mtp.py", "tests/test_head_features.py"],
+        ["tests/test_mtp.py"],
     ),
     Mutation(
         "C5",
@@ -150,7 +150,7 @@ MUTATIONS = [
             ("normed = self.hidden_norm(hidden)", "normed = self.input_layernorm(hidden)"),
             ("[self.input_layernorm(embeds), normed]", "[self.hidden_norm(embeds), normed]"),
         ],
-        ["tests/test_eagle3.py", "tests/test_eagle3_draft.py", "tests/test_head_features.py"],
+        ["tests/test_eagle3.py", "tests/test_eagle3_draft.py"],
     ),
     Mutation(
         "C6",

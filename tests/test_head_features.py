@@ -6,7 +6,11 @@ them the output is plain decoding's with drafts accepted; the same heads fed
 zeros, or the taps in another order, lose their acceptance; their caches end
 as a clean teacher-forced pass, keys and values (which depend on the tokens
 and the features); and the depth gate (RADAR) decides a head's calls from
-that head's real confidences."""
+that head's real confidences.
+
+Mutations seen caught here (bench/mutations.py): H2 (zeros handed to the
+heads after each step), H3 (the taps fused in reverse), H5 (the gate fed
+zeros), C2 (a source's cache not trimmed), C3 (d2t without its offsets)."""
 
 from __future__ import annotations
 

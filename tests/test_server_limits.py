@@ -9,7 +9,10 @@ Through real HTTP: ``mlx-redrafter serve`` in a subprocess on 127.0.0.1 (the
 default model, plain decoding; the official ``openai``, ``anthropic`` and
 ``ollama`` clients, raw sockets where a client cannot send the request),
 and, where a test must hold the tokenizer at a known point, the real app on
-uvicorn in this process."""
+uvicorn in this process.
+
+Mutations seen caught here (bench/mutations.py): H4 (the default bound x10),
+C6 (a configured bound x10)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Stateful draft sources (an MTP head, a draft model) in the one packed tree:
 exact output with drafts really accepted, caches rolled back, the
-distribution kept under sampling."""
+distribution kept under sampling.
+
+Mutations seen caught here (bench/mutations.py): C2 (a source's cache not
+trimmed), H1 (a recurrent state from the first node of the accepted depth:
+the MTP head's right beam anywhere)."""
 
 from __future__ import annotations
 
