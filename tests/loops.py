@@ -1,10 +1,11 @@
 """What the exactness tests read of the step loops, in one place: which loop
 ran a generation, and the caches a generation leaves when it is stopped.
 
-Everything else the tests do goes through the public entry points
-(``redrafter_steps``, ``generate_tokens``, ``stream_generate``). A refactor
-of the loops (step/) updates this module, not the tests: :data:`LOOPS`
-names each loop by the function ``step/dispatch.py`` calls for it.
+Everything else the tests do goes through the entry points a generation
+runs (``token_steps``, what ``stream_generate`` and ``generate_tokens``
+run; ``redrafter_steps``). A refactor of the loops (step/) updates this
+module, not the tests: :data:`LOOPS` names each loop by the function
+``step/dispatch.py`` calls for it.
 """
 
 from __future__ import annotations

@@ -114,12 +114,11 @@ def clean_pass(model, head, text):
     """The head's cache after one teacher-forced pass over ``text``: every pair
     ``(t[i+1], features[i])`` with the target's own features at ``i`` (its
     taps, in the head's order, or its final state)."""
-    from mlx_redrafter.step.sourced import columns
-
     ids = mx.array(text, mx.int32)[None]
     layers = list(dict.fromkeys(head.taps or ()))
-    wide = model_parts(model, layers or None)[1](ids)
-    feats = wide if not layers else mx.take(wide, columns(layers, head.taps, HIDDEN, last=False), axis=-1)
+    wide = model_parts(model, layers or None)[1](ids)  # [each layer's output..., the final state]
+    taps = [wide[..., layers.index(t) * HIDDEN : (layers.index(t) + 1) * HIDDEN] for t in head.taps or ()]
+    feats = mx.concatenate(taps, axis=-1) if taps else wide
     cache = head.make_cache()
     logits, _ = head(ids[:, 1:], feats[:, :-1], cache, first=True)
     return cache, logits
