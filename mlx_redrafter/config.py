@@ -220,6 +220,12 @@ class DraftConfig:
                 "(a ReDrafter drafter or a draft model beside a layer head).",
                 "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
             )
+        if self.controller is not None and self.drafter is None and self.head is None:
+            raise RedrafterError(
+                "The adaptive-depth controller (--adaptive, controller=) needs a drafter whose depth it decides, "
+                "and this draft has none (lookup and datastore rows have no depth to decide).",
+                "Pass a drafter (--drafter PATH, drafter=), or drop --adaptive (controller=).",
+            )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
         if self.lookup < 0 or self.lookup_length < 1:

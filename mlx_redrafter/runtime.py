@@ -212,13 +212,17 @@ def load_runtime(model_spec: str = "default", drafter_path: Optional[str] = None
 def open_runtime(options: LoadOptions) -> Runtime:
     """The :class:`Runtime` that ``options`` describe: flags checked before
     the slow load, the model loaded, its draft resolved (the drafter, the
-    stateful sources, the datastore); under ``tree="auto"`` the draft carries
-    this device's verify-cost curve (:func:`~mlx_redrafter.step.curve.curve_for`)."""
+    stateful sources, the datastore) and checked as the library checks it
+    (:meth:`~mlx_redrafter.config.DraftConfig.check`: ``generate``, ``chat``
+    and ``serve`` refuse what ``stream_generate`` refuses, with its words);
+    under ``tree="auto"`` the draft carries this device's verify-cost curve
+    (:func:`~mlx_redrafter.step.curve.curve_for`)."""
     options.check()  # contradicting flags fail before the slow load
     rt = _load_drafting(options)
     if not options.no_draft:
         _add_sources(rt, options.sources, options.lookup, options.dtype)
     _add_datastore(rt, options.datastore, options.history)
+    rt.draft.check()  # the one check of a draft, the library's: a draft stream_generate refuses, no command runs
     return rt
 
 

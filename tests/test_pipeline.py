@@ -1,6 +1,9 @@
 """The pipelined step loop: same tokens as the synchronous loop and plain
 decoding, an ordinary cache afterwards, unpacked trees, late lookup, and
-one place where the loops read the device."""
+one place where the loops read the device.
+
+Mutations seen caught here (bench/mutations.py): C8 (the accepted path read
+from the first beam: lookup rows are accepted after the drafter's)."""
 
 from __future__ import annotations
 

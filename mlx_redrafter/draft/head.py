@@ -117,7 +117,13 @@ def reorder_caches(cache: Sequence, parent: mx.array) -> None:
 def _map_arrays(c, fn):
     """``fn`` applied to every array a cache object holds (keys, values, a
     quantized cache's triples, an ArraysCache's states), each replaced by a
-    new array object: writes into ``c`` never reach the arrays it came from."""
+    new array object: writes into ``c`` never reach the arrays it came from.
+    A ``CacheList``'s members (Falcon-H1's layers) are copied and mapped too:
+    sharing them, a beam would write into the cache it was copied from."""
+    members = getattr(c, "caches", None)
+    if isinstance(members, (list, tuple)):
+        c.caches = type(members)(_map_arrays(copy.copy(m), fn) for m in members)
+        return c
     for name, value in list(vars(c).items()):
         if isinstance(value, mx.array) and value.ndim > 0:
             setattr(c, name, fn(value))
