@@ -5,17 +5,25 @@ and its throughput under concurrent clients before and after batching.
     python bench/server_load.py --requests 40 --clients 4
     python bench/server_load.py --throughput           # 1, 2, 4, 8 clients, --max-batch 1 against batching
     python bench/server_load.py --throughput --client-counts 1,2 --rounds 1 --max-tokens 8   # a smoke run
+    python bench/server_load.py --throughput --modes plain,today,trees   # issue 57: batched drafting
 
-``--throughput`` starts two servers: "before" (``--max-batch 1``: one
-request at a time, each drafted, as serve was before batching) and "after"
-(``--max-batch`` as given, default 8: concurrent requests decoded together
-where that pays). For each number of clients, each server in turn (the
-order alternating), every client sends ``--rounds`` greedy chat requests
-one after another (MT-Bench first turns, ``--max-tokens`` each). It reports
-aggregate tokens/s (completion tokens over the round's wall time) and the
-p50/p95 latency of a request (sent to answered, queueing included), checks
-that both servers gave the same text for every request, and prints a
-Markdown table for bench/RESULTS.md (JSON to ``--out``).
+``--throughput`` starts a server for each of ``--modes`` (default
+``before,after``): "before" (``--max-batch 1``: one request at a time, each
+drafted, as serve was before batching), "after" (``--max-batch`` as given,
+default 8: concurrent requests decoded together where that pays, with the
+server's defaults), "plain" (``--no-draft``: batched plain decoding, nothing
+drafts), "today" (``--no-batch-drafts``: a request alone drafts, a batch
+decodes plainly, as serve was before issue 57) and "trees" (the defaults
+again, named for issue 57: every row of a batch drafts). For each number
+of clients, each server in turn (the order alternating), every client sends
+``--rounds`` greedy chat requests one after another (MT-Bench first turns,
+``--max-tokens`` each). It reports aggregate tokens/s (completion tokens
+over the round's wall time), each mode's ratio to the first, the p50/p95
+latency of a request (sent to answered, queueing included) and, from
+``/metrics``, the tokens a drafting batch's step emitted and the draft
+tokens it accepted over those it verified; it checks that every server gave
+the same text for every request, and prints a Markdown table for
+bench/RESULTS.md (JSON to ``--out``).
 
 Without ``--throughput``:
 
@@ -399,28 +407,65 @@ def load_round(url: str, prompts: List[str], clients: int, rounds: int, max_toke
     def client(i: int) -> List[dict]:
         return [_timed_chat(url, prompts[(i + k * clients) % len(prompts)], max_tokens) for k in range(rounds)]
 
+    before = batch_counts(url)
     tic = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         per_client = list(pool.map(client, range(clients)))
     wall = time.perf_counter() - tic
+    after = batch_counts(url)
     results = [r for rs in per_client for r in rs]
     latencies = sorted(r["seconds"] for r in results)
     pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
+    batch = {k: after[k] - before[k] for k in after}
     return {
         "tokens": sum(r["tokens"] for r in results),
         "wall_s": wall,
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
         "p50_s": pick(0.5),
         "p95_s": pick(0.95),
+        "batch_steps": batch["steps"],
+        "batch_tokens_per_step": batch["tokens"] / batch["steps"] if batch["steps"] else None,
+        "batch_acceptance": batch["accepted"] / batch["verified"] if batch["verified"] else None,
         "texts": [r["text"] for r in results],
     }
 
 
+def batch_counts(url: str) -> Dict[str, float]:
+    """The drafting batch's counters on ``/metrics`` (0 where the server has none)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {"steps": 0.0, "tokens": 0.0, "accepted": 0.0, "verified": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "redrafter_batch_tokens_per_step_count":
+            out["steps"] = float(value)
+        elif name == "redrafter_batch_tokens_per_step_sum":
+            out["tokens"] = float(value)
+        elif name.startswith("redrafter_batch_draft_tokens_accepted_total{"):
+            out["accepted"] += float(value)
+        elif name.startswith("redrafter_batch_draft_tokens_verified_total{"):
+            out["verified"] += float(value)
+    return out
+
+
+# The servers --throughput compares, by name (each also gets --queue-size, --max-tokens and --no-ui).
+MODES = {
+    "before": lambda args: ["--max-batch", "1"],  # one request at a time, each drafted
+    "after": lambda args: ["--max-batch", str(args.max_batch)],  # the defaults
+    "plain": lambda args: ["--max-batch", str(args.max_batch), "--no-draft"],  # batched plain decoding
+    "today": lambda args: ["--max-batch", str(args.max_batch), "--no-batch-drafts"],  # before issue 57
+    "trees": lambda args: ["--max-batch", str(args.max_batch)],  # every row of a batch drafts (issue 57)
+}
+
+
 def throughput(args) -> dict:
     counts = [int(c) for c in args.client_counts.split(",")]
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or len(modes) < 2:
+        raise SystemExit(f"--modes: give two or more of {', '.join(MODES)} (got {args.modes!r})")
     prompts = mt_bench_prompts(max(counts) * args.rounds)
     queue = ["--queue-size", str(max(counts) + 1), "--max-tokens", str(args.max_tokens), "--no-ui"]
-    flags = {"before": queue + ["--max-batch", "1"], "after": queue + ["--max-batch", str(args.max_batch)]}
+    flags = {m: queue + MODES[m](args) for m in modes}
     rounds = []
     for clients, res in compare(
         flags,
@@ -429,14 +474,16 @@ def throughput(args) -> dict:
         lambda url: load_round(url, prompts[:1], 1, 1, 8),
         args.out.parent,
     ):
-        rounds.append({"clients": clients, **res, "identical": res["before"]["texts"] == res["after"]["texts"]})
+        texts = [res[m]["texts"] for m in modes]
+        rounds.append({"clients": clients, **res, "identical": all(t == texts[0] for t in texts)})
         print(
-            f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in flags),
+            f"{clients} clients: " + ", ".join(f"{m} {res[m]['tokens_per_s']:.1f} tok/s" for m in modes),
             file=sys.stderr,
             flush=True,
         )
     return {
         "command": "python " + " ".join(sys.argv),
+        "modes": modes,
         "max_tokens": args.max_tokens,
         "rounds_per_client": args.rounds,
         "max_batch": args.max_batch,
@@ -445,20 +492,23 @@ def throughput(args) -> dict:
 
 
 def throughput_table(out: dict) -> str:
-    rows = [
-        f"`{out['command']}`",
-        "",
-        "| clients | before: tokens/s | after: tokens/s | after / before | before: p50 / p95 latency (s) "
-        "| after: p50 / p95 latency (s) | same text |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    modes = out.get("modes", ["before", "after"])
+    first = modes[0]
+    head = ["clients"] + [f"{m}: tokens/s" for m in modes] + [f"{m} / {first}" for m in modes[1:]]
+    head += [f"{m}: p50 / p95 latency (s)" for m in modes]
+    head += ["drafting batch: tokens/step, accepted/verified", "same text"]
+    rows = [f"`{out['command']}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in out["rounds"]:
-        b, a = r["before"], r["after"]
-        rows.append(
-            f"| {r['clients']} | {b['tokens_per_s']:.1f} | {a['tokens_per_s']:.1f} | "
-            f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {b['p50_s']:.1f} / {b['p95_s']:.1f} | "
-            f"{a['p50_s']:.1f} / {a['p95_s']:.1f} | {'yes' if r['identical'] else 'NO'} |"
+        cells = [str(r["clients"])] + [f"{r[m]['tokens_per_s']:.1f}" for m in modes]
+        cells += [f"{r[m]['tokens_per_s'] / r[first]['tokens_per_s']:.2f}x" for m in modes[1:]]
+        cells += [f"{r[m]['p50_s']:.1f} / {r[m]['p95_s']:.1f}" for m in modes]
+        drafting = [m for m in modes if r[m].get("batch_tokens_per_step")]
+        cells.append(
+            "; ".join(f"{m} {r[m]['batch_tokens_per_step']:.2f}, {r[m]['batch_acceptance'] or 0:.2f}" for m in drafting)
+            or "-"
         )
+        cells.append("yes" if r["identical"] else "NO")
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -476,7 +526,8 @@ def main() -> None:
     )
     ap.add_argument("--client-counts", default="1,2,4,8", help="--throughput: the numbers of concurrent clients.")
     ap.add_argument("--rounds", type=int, default=4, help="--throughput: requests each client sends in turn.")
-    ap.add_argument("--max-batch", type=int, default=8, help="--throughput: the 'after' server's --max-batch.")
+    ap.add_argument("--max-batch", type=int, default=8, help="--throughput: the batching servers' --max-batch.")
+    ap.add_argument("--modes", default="before,after", help=f"--throughput: the servers compared ({', '.join(MODES)}).")
     ap.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "out" / "server_load" / "results.json"
     )

@@ -39,6 +39,8 @@ PAD = -1
 # a quantized one defaults to "auto" (step/curve.py: default_tree; bench/RESULTS.md section 18).
 DEFAULT_TREE = "fixed"
 TREES = ("auto", "fixed")
+# Layer-head sources that are a drafter of their own (``--drafter``): an EAGLE-3 head, a DFlash block drafter.
+DRAFTER_HEADS = ("eagle3", "dflash")
 
 
 @dataclass
@@ -147,8 +149,9 @@ class DraftConfig:
 
     @property
     def head_is_drafter(self) -> bool:
-        """Whether the layer head is the drafter (an EAGLE-3 drafter), not a source beside it (an MTP head)."""
-        return self.drafter is None and getattr(self.head, "source", None) == "eagle3"
+        """Whether the layer head is the drafter (an EAGLE-3 head, a DFlash drafter), not a source beside it
+        (an MTP head)."""
+        return self.drafter is None and getattr(self.head, "source", None) in DRAFTER_HEADS
 
     @property
     def drafter_shape(self) -> Tuple[int, int]:
@@ -191,8 +194,10 @@ class DraftConfig:
 
     def _head_words(self) -> Tuple[str, str]:
         """The head's kind and the flags that shape its beams, for messages."""
-        if getattr(self.head, "source", None) == "eagle3":
-            return "An EAGLE-3 head", "--beam-width/--beam-length"
+        if getattr(self.head, "source", None) in DRAFTER_HEADS:
+            return (
+                "A DFlash drafter" if self.head.source == "dflash" else "An EAGLE-3 head"
+            ), "--beam-width/--beam-length"
         return "An MTP head", "--mtp-width/--mtp-depth"
 
     def check(self) -> None:
@@ -219,6 +224,12 @@ class DraftConfig:
                 "The adaptive-depth controller decides the draft depth of one drafter, and this draft has two "
                 "(a ReDrafter drafter or a draft model beside a layer head).",
                 "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
+            )
+        if self.controller is not None and self.drafter is None and self.head is None:
+            raise RedrafterError(
+                "The adaptive-depth controller (--adaptive, controller=) needs a drafter whose depth it decides, "
+                "and this draft has none (lookup and datastore rows have no depth to decide).",
+                "Pass a drafter (--drafter PATH, drafter=), or drop --adaptive (controller=).",
             )
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
@@ -310,10 +321,12 @@ def resolve(
     head = is_layer_head(drafter)
     if drafter is not None:
         defaults = (1, DEFAULT_HEAD_LENGTH) if head else (DEFAULT_WIDTH, DEFAULT_LENGTH)
+        defaults = getattr(drafter, "default_shape", None) or defaults  # DFlash (issue 56): its trained block
         width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length
-    tree = tree or (profile or {}).get("tree") or tree_default
+    # DFlash (issue 56): a drafter may name its own default tree (a long block: "auto").
+    tree = tree or (profile or {}).get("tree") or getattr(drafter, "default_tree", None) or tree_default
     lookup = lookup_beams(lookup, drafter, profile)
     if head:  # its beams come from the sourced loop's chain, beside lookup's rows
         draft = DraftConfig(lookup=lookup, tree=tree, head=drafter, head_width=width, head_length=length, **kw)

@@ -139,7 +139,7 @@ def stream_generate(
     incomplete or a stop string may be starting), ``.token`` (its id),
     ``.from_draft`` (True when the token came from an accepted draft; the
     step's ``stats.source`` says which: ``"drafter"``, ``"mtp"``,
-    ``"draft-model"``, ``"eagle3"``, ``"lookup"``, ``"datastore"``),
+    ``"draft-model"``, ``"eagle3"``, ``"dflash"``, ``"lookup"``, ``"datastore"``),
     ``.finish_reason`` (``None``, then ``"stop"`` or ``"length"`` on the last one), ``.stats`` (the step's
     :class:`~mlx_redrafter.step.protocol.StepStats`: accepted drafts, tree
     size, timings) and mlx-lm's counters (``prompt_tokens``,

@@ -96,7 +96,16 @@ def _with_call_sources(model, draft, own_mtp: bool, src: dict, lookup):
     from .draft.stateful import SourceFlags
 
     SourceFlags(mtp_depth=src["mtp_depth"]).check_beside_head(draft.head, "mtp_depth=", "beam_width= and beam_length=")
+    if src["num_draft_tokens"] is not None and src["draft_model"] is None:  # as --num-draft-tokens: never ignored
+        raise RedrafterError("num_draft_tokens= needs draft_model=.", "Name the draft model with draft_model=.")
     head = None if own_mtp and draft.head is not None else resolve_mtp(model, src["mtp"])
+    if src["mtp_depth"] is not None and head is None:  # as --mtp-depth
+        if src["mtp"] is None or src["mtp"] is False or str(src["mtp"]).lower() == "none":
+            raise RedrafterError("mtp=None and mtp_depth= contradict each other.", "Drop one of them.")
+        raise RedrafterError(
+            "mtp_depth= was given but the model ships no MTP head.",
+            "Pass mtp= (the model's original checkpoint or a split MTP folder), or drop mtp_depth=.",
+        )
     return with_sources(model, draft, head, src["mtp_depth"], src["draft_model"], src["num_draft_tokens"], lookup)
 
 
@@ -148,13 +157,14 @@ def with_sources(
     check_one_head(draft.head, head)
     if head is None:  # the draft's own head (an EAGLE-3 drafter) stays as it is
         head, head_width, head_length = draft.head, draft.head_width, draft.head_length
+    # None is "not given"; 0 stays 0, for DraftConfig.check to refuse (never a default in its place).
     return dataclasses.replace(
         draft,
         head=head,
-        head_width=head_width or 1,
-        head_length=head_length or DEFAULT_HEAD_LENGTH,
+        head_width=1 if head_width is None else head_width,
+        head_length=DEFAULT_HEAD_LENGTH if head_length is None else head_length,
         draft_model=draft_model,
-        draft_model_length=draft_model_length or DEFAULT_DRAFT_MODEL_LENGTH,
+        draft_model_length=DEFAULT_DRAFT_MODEL_LENGTH if draft_model_length is None else draft_model_length,
         **extra,
     )
 

@@ -72,7 +72,7 @@ class Tally:
     tree_tokens: int = 0  # tokens verified, summed over the steps (g0 included)
     datastore_tokens: int = 0  # the part that came from datastore rows
     datastore_steps: int = 0  # steps that accepted datastore tokens
-    # Accepted draft tokens of the other sources: "drafter", "mtp", "draft-model", "eagle3".
+    # Accepted draft tokens of the other sources: "drafter", "mtp", "draft-model", "eagle3", "dflash".
     source_tokens: dict = field(default_factory=dict)
     last: Optional[RedrafterResponse] = None
     _step: int = -1
@@ -131,7 +131,7 @@ class Tally:
     @property
     def by_source(self) -> dict:
         """Accepted draft tokens per source (``drafter``, ``lookup`` and ``datastore``
-        always; ``mtp``, ``draft-model``, ``eagle3`` when they drafted)."""
+        always; ``mtp``, ``draft-model``, ``eagle3``, ``dflash`` when they drafted)."""
         others = {k: n for k, n in self.source_tokens.items() if k != "drafter"}
         drafter = self.source_tokens.get("drafter", 0)
         return {"drafter": drafter, **others, "lookup": self.lookup_tokens, "datastore": self.datastore_tokens}

@@ -25,6 +25,7 @@ from .draft.stateful import SourceFlags
 from .errors import RedrafterError
 from .keywords import plain_tree, tree_kw, with_curve, with_sources
 
+_HEAD_WORDS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}  # a layer head's name in the announcement (else MTP)
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
 
 
@@ -72,15 +73,17 @@ class Runtime:
 
     _plans: dict = field(default_factory=dict, repr=False)
 
-    def plan(self, structured: bool = False):
+    def plan(self, structured: bool = False, batched: bool = False):
         """The :class:`~mlx_redrafter.step.plan.DraftPlan` of the runtime's draft
-        (``structured``: for a generation under a grammar), made once per draft."""
+        (``structured``: for a generation under a grammar; ``batched``: for the
+        rows of a batch), made once per draft."""
         from .step.plan import make_plan
 
-        key = (id(self.draft), structured)
+        key = (id(self.draft), structured, batched)
         if key not in self._plans:
             self._plans = {k: v for k, v in self._plans.items() if k[0] == id(self.draft)}
-            self._plans[key] = (self.draft, make_plan(self.model, self.draft, grammar=structured))
+            plan = make_plan(self.model, self.draft, grammar=structured, batched=batched)
+            self._plans[key] = (self.draft, plan)
         return self._plans[key][1]
 
     # Read-only views of the resolved draft, for the announcement and reports.
@@ -136,7 +139,7 @@ class Runtime:
         d, out = self.draft, []
         for who, source, width, length in (
             ("drafter", d.drafter, d.beam_width, d.beam_length),
-            ("EAGLE-3" if getattr(d.head, "source", None) == "eagle3" else "MTP", d.head, d.head_width, d.head_length),
+            (_HEAD_WORDS.get(getattr(d.head, "source", None), "MTP"), d.head, d.head_width, d.head_length),
             ("draft-model", d.draft_model, d.draft_model_width, d.draft_model_length),
         ):
             if source is not None:
@@ -222,13 +225,17 @@ def load_runtime(model_spec: str = "default", drafter_path: Optional[str] = None
 def open_runtime(options: LoadOptions) -> Runtime:
     """The :class:`Runtime` that ``options`` describe: flags checked before
     the slow load, the model loaded, its draft resolved (the drafter, the
-    stateful sources, the datastore); under ``tree="auto"`` the draft carries
-    this device's verify-cost curve (:func:`~mlx_redrafter.step.curve.curve_for`)."""
+    stateful sources, the datastore) and planned as the library plans it
+    (:func:`~mlx_redrafter.step.plan.make_plan`: ``generate``, ``chat``
+    and ``serve`` refuse what ``stream_generate`` refuses, with its words);
+    under ``tree="auto"`` the draft carries this device's verify-cost curve
+    (:func:`~mlx_redrafter.step.curve.curve_for`)."""
     options.check()  # contradicting flags fail before the slow load
     rt = _load_drafting(options)
     if not options.no_draft:
         _add_sources(rt, options.sources, options.lookup, options.dtype)
     _add_datastore(rt, options.datastore, options.history)
+    rt.plan()  # the one check of a draft, the library's (make_plan): a draft stream_generate refuses, no command runs
     return rt
 
 
@@ -241,7 +248,7 @@ def _add_sources(rt: Runtime, flags, lookup, dtype) -> None:
 
     flags.check_beside_head(rt.draft.head)  # the drafter may be an EAGLE-3 head
     own_out = "--adaptive drafts with the drafter alone" if rt.draft.controller is not None else None  # own MTP out
-    own_out = "the EAGLE-3 drafter is the draft's layer head" if rt.draft.head is not None else own_out
+    own_out = "the drafter (EAGLE-3 or DFlash) is the draft's layer head" if rt.draft.head is not None else own_out
     if own_out and flags.mtp is None:  # the model's own head stays out, said so
         from .draft.mtp_load import locate_mtp
 

@@ -166,16 +166,9 @@ class OracleDrafter:
     def draft_truth(self, context, width, length, confidences=0):
         """The beams described above, from the context alone."""
         d = ((self.hidden - context[None]) ** 2).sum(-1)
-        pos = mx.argmin(d)  # hidden[pos] produced g0 = next[pos]
+        pos = mx.argmin(d).astype(mx.int32)  # hidden[pos] produced g0 = next[pos]
         idx = mx.minimum(pos + 1 + mx.arange(length), self.last[pos])
-        truth = self.next[idx]
-        corrupt_last = ((pos * 37 + 11) % 7) < 3  # irregular, so every run length occurs
-        truth = mx.where(corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth)
-        rows = []
-        for w in range(width):
-            keep = mx.arange(length) < (length - w)
-            rows.append(mx.where(keep, truth, (truth + 1 + w) % self.vocab))
-        beams = mx.stack(rows).astype(mx.int32)
+        beams = mx.stack(self.rows(pos, self.next[idx], width, length)).astype(mx.int32)
         conf = None
         if confidences:
             # Confident where the draft is the model's own token, unsure elsewhere.
@@ -184,6 +177,84 @@ class OracleDrafter:
             rest = mx.broadcast_to(((1 - top1) / confidences)[..., None], (*beams.shape, confidences - 1))
             conf = mx.concatenate([top1[..., None], rest], axis=-1)
         return Beams(beams, mx.zeros((width,)), confidences=conf)
+
+    def rows(self, pos, truth, width: int, length: int):
+        """The ``width`` rows of a step whose true continuation is ``truth [length]``
+        (``pos``: the step's place in the reply, a device scalar)."""
+        corrupt_last = ((pos * 37 + 11) % 7) < 3  # irregular, so every run length occurs
+        truth = mx.where(corrupt_last & (mx.arange(length) == length - 1), (truth + 1) % self.vocab, truth)
+        rows = []
+        for w in range(width):
+            keep = mx.arange(length) < (length - w)
+            rows.append(mx.where(keep, truth, (truth + 1 + w) % self.vocab))
+        return rows
+
+
+class AnywhereOracle(OracleDrafter):
+    """:class:`OracleDrafter` with the true continuation at a random row among
+    wrong ones, so that the accepted node is anywhere in its depth (not always
+    the first, as beam 0 of the plain oracle is).
+
+    Each step (seeded by ``seed`` and the step's place in the reply, so runs
+    are deterministic) the truth sits at row ``k`` and is right for its first
+    ``cut`` tokens, ``cut`` in ``0..L``: accepted whole, in part or not at all.
+    Every other row is right for fewer tokens than ``cut`` (none when
+    ``cut`` is 0), then wrong: never a prefix of the truth, never accepted as far.
+    """
+
+    def __init__(self, model, prompt, max_tokens: int, length: int, seed: int = 0, **kw):
+        import numpy as np
+
+        super().__init__(model, prompt, max_tokens, length, **kw)
+        # Per place in the reply: the truth's row, its cut and the other rows' (random, not periodic).
+        self.draws = mx.array(np.random.default_rng(seed).integers(0, 1 << 20, (self.next.shape[0], 2 + 8)), mx.int32)
+
+    def rows(self, pos, truth, width: int, length: int):
+        draw, j = self.draws[pos], mx.arange(length)
+        row, cut = draw[0] % width, draw[1] % (length + 1)
+        rows = []
+        for w in range(width):
+            shorter = draw[2 + w % 8] % mx.maximum(cut, 1)  # below cut (0 when cut is 0)
+            keep = mx.where(row == w, cut, shorter)
+            rows.append(mx.where(j < keep, truth, (truth + 1 + w) % self.vocab))
+        return rows
+
+
+class DecoyHead:
+    """A layer head (or a draft model's head) whose depth-1 distribution ranks
+    ``decoy`` first, one nat above its own best: its own best draft is then
+    its second beam, not its first. Everything else is the head's own."""
+
+    def __init__(self, head, decoy: int):
+        object.__setattr__(self, "inner", head)
+        object.__setattr__(self, "decoy", decoy)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, tokens, features, cache, first: bool = True, last: bool = False):
+        logits, hidden = self.inner(tokens, features, cache, first, last=last)
+        if first:  # a catch-up call: its last position is depth 1's distribution
+            top = logits.max(axis=-1, keepdims=True)
+            logits = mx.where(mx.arange(logits.shape[-1]) == self.decoy, top + 1, logits)
+        return logits, hidden
+
+
+def misleading_history(sequence, start: int, vocab: int = VOCAB, seed: int = 0):
+    """A lookup context (tokens before the prompt) under which, where
+    ``sequence`` (prompt and reply) continues at an even position ``q`` from
+    ``start`` on, lookup's first row is wrong and its second right for 0 to 4
+    tokens (seeded): the 3-token suffix before ``q`` was last followed by a
+    wrong token, the 2-token one by the sequence (lookup proposes the longest
+    match first, then a shorter one's continuation: draft/lookup.py). At odd
+    positions its first row is right for a token or two."""
+    import random
+
+    rng, s, out = random.Random(seed), list(sequence), []
+    for q in range(max(start, 3) + max(start, 3) % 2, len(s), 2):
+        out += [s[q - 3], s[q - 2], s[q - 1], (s[q] + 1) % vocab]  # the longest match: wrong
+        out += [(s[q - 3] + 1) % vocab, s[q - 2], s[q - 1]] + s[q : q + rng.randint(0, 4)]  # a shorter one: right
+    return out
 
 
 # --------------------------------------------------------------------------- exactness under drafting

@@ -29,6 +29,14 @@ LOOKUP = dict(lookup=1, lookup_length=3)  # drafting by lookup: no drafter to bu
 TIMEOUT = 120
 
 
+@pytest.fixture(autouse=True)
+def priced_by_the_curve(monkeypatch):
+    """A drafting batch's widths from the curve alone (serve/batch.py): no timing in these tests."""
+    from mlx_redrafter.serve.batch import BatchDecoder
+
+    monkeypatch.setattr(BatchDecoder, "live_cost", False)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """mlx-lm's tokenizer wrapper over a byte-level BPE (256 tokens + EOS)."""

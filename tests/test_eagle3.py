@@ -1,7 +1,9 @@
 """EAGLE-3 heads (issue 45): both published layouts load, their logits match
 mlx-vlm's EAGLE-3 drafter on the same checkpoints (tests/fixtures/eagle3, see
 its GENERATED_BY.md), the reduced vocabulary maps back through d2t, and what
-we save is the speculators layout."""
+we save is the speculators layout.
+
+Mutations seen caught here (bench/mutations.py): C5 (the embedding and state norms swapped)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ draft's layer head (DraftConfig.head): the sourced loop feeds it the target's
 three taps, keeps its KV cache in step with the accepted tokens, and joins
 its beams to lookup's rows in one tree. Exact with its drafts accepted, in
 both published layouts, its reduced vocabulary mapped back through d2t; the
-model's own distribution under sampling."""
+model's own distribution under sampling.
+
+Mutations seen caught here (bench/mutations.py): C3 (d2t without its offsets)."""
 
 from __future__ import annotations
 

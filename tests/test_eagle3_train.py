@@ -125,6 +125,7 @@ def _recipe(tiny_prompts, out, head, **kw):
         distill={"batch_size": 8, "max_new_tokens": 12},
         train={"batch_size": 32, "max_steps": 10},
         eagle3={"batch_size": 4, "window": 32, "max_steps": 10, "draft_vocab_size": 48},
+        dflash={"batch_size": 2, "window": 32, "anchors": 4, "block_size": 4, "max_steps": 10},
         head=head,
         **kw,
     )
@@ -151,6 +152,7 @@ def test_make_drafter_distils_the_taps_and_trains_the_heads_it_is_asked_for(tiny
     state = json.loads((out / STATE).read_text())
     assert state["head"] == {"head": head} and "train" in state["done"]
     assert state["rates"]["eagle3_positions_per_s"] > 0
+    assert (state["rates"]["dflash_positions_per_s"] > 0) == (head == "auto")  # --head auto trains DFlash too
     assert (state["rates"]["train_steps_per_s"] > 0) == (head == "auto")
     corpus = read_corpus(out / "data")
     assert corpus.feature_layers == [1, 0, 0] and corpus.extra["features"].shape[1] == 3 * 64
@@ -279,8 +281,8 @@ class FakePasses:
     "head, rates, chosen",
     [
         ("eagle3", {"eagle3": 120.0}, "eagle3"),
-        ("auto", {"drafter": 125.0, "eagle3": 115.0}, "drafter"),
-        ("auto", {"drafter": 110.0, "eagle3": 130.0}, "eagle3"),
+        ("auto", {"drafter": 125.0, "eagle3": 115.0, "dflash": 105.0}, "drafter"),
+        ("auto", {"drafter": 110.0, "eagle3": 130.0, "dflash": 120.0}, "eagle3"),
     ],
 )
 def test_make_drafter_head_runs_every_stage_and_installs_the_faster_head(

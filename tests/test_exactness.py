@@ -2,7 +2,10 @@
 token for token, in runs where drafts are accepted (helpers.assert_tokens_exact
 checks both): drafters right by construction (the oracle, alone or as one
 beam beside a real drafter's beam search), the shipped drafter, the
-official fixtures' drafters."""
+official fixtures' drafters.
+
+Mutations seen caught here (bench/mutations.py): C8 (the accepted path read
+from the first beam)."""
 
 import mlx.core as mx
 import numpy as np

@@ -1,31 +1,34 @@
 """Hybrid models (recurrent layers between attention layers) verify draft trees exactly.
 
 On a tiny random model of every covered family, built with mlx-lm's own
-classes: greedy output with drafting equals plain decoding token for token,
-with drafts accepted, fully and in part, in both step loops; after every
-step the recurrent cache equals what plain decoding of the same tokens
-leaves; sampling keeps the model's distribution; a model whose recurrent
-layers no hook covers decodes plainly after one line that names the layer.
+classes: with the right row anywhere among wrong ones (the drafter's,
+lookup's, a draft model's) and drafts accepted whole, in part and not at
+all, greedy output equals plain decoding token for token in every step loop
+(pipelined, synchronous, sourced, constrained: tests/loops.py checks which
+ran), and after every step the caches (keys, values, every recurrent state)
+equal what plain decoding of the same tokens leaves, sampling too; sampling
+keeps the model's distribution; a model whose recurrent layers no hook
+covers decodes plainly after one line that names the layer.
+
+Mutations seen caught here (bench/mutations.py): H1, C1, C7, C8.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import OracleDrafter, accepted_in_steps, random_drafter, run_steps
 from hybrids import FAMILIES, tiny_hybrid
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from test_sampling import chi2_passes
 
 from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.llm.parts import model_parts
-from mlx_redrafter.llm.recurrent import kv_leaves, leaves
 from mlx_redrafter.step.accept import target_probs
-from mlx_redrafter.step.dispatch import redrafter_steps
 
 PROMPT = [5, 9, 13, 2, 7, 11, 3]
 N = 24
@@ -40,85 +43,164 @@ def accepted(stats) -> int:
     return sum(s.accepted for s in stats)
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
-@pytest.mark.parametrize("width,length", [(1, 3), (3, 3)])
-def test_greedy_with_drafts_equals_plain(family, pipelined, width, length):
-    """Beam 0 of the oracle is the model's own continuation (its last token
-    corrupted at irregular steps), the other beams share its prefix: full
-    and partial acceptance, dedup and every path length are exercised."""
-    _, model = family
-    plain, _ = generate_tokens(model, PROMPT, max_tokens=N)
-    oracle = OracleDrafter(model, PROMPT, N, length)
-    draft = DraftConfig(oracle, width, length, lookup=1, pipelined=pipelined)
-    out, stats, _ = run_steps(model, PROMPT, draft, N)
-    assert out == plain[:N]
-    assert accepted_in_steps(stats, N, "drafter") >= N // 2, (
-        "the drafts were not accepted: the equality would prove nothing"
-    )
-    assert any(0 < s.accepted < length for s in stats), "no step accepted part of a draft"
-    assert any(s.accepted == length for s in stats), "no step accepted a whole draft"
+# Each loop and the draft that runs it: the drafter's rows (W=2 x L=3, under
+# MAX_SHARED_NODES: pipelined unless told not to), two lookup rows, and in the
+# sourced loop the model itself as a draft model beside them (its chain, its
+# caches): every row can be the one accepted. tests/loops.py checks which loop
+# ran. The seeds: where every case the test asks for comes within a few steps.
+LOOP_DRAFTS = {
+    "pipelined": dict(seed=3),
+    "synchronous": dict(seed=4, pipelined=False),
+    "sourced": dict(seed=1, draft_model_length=2),
+}
+N_ANYWHERE = 40  # the most tokens a run may take to show every case
+
+
+_PLAIN = {}
+
+
+def plain_run(name: str, model):
+    """Plain greedy decoding's tokens after PROMPT and the caches it leaves
+    (:class:`loops.PlainStates`), once per family."""
+    from loops import PlainStates
+
+    if name not in _PLAIN:
+        plain, _ = generate_tokens(model, PROMPT, max_tokens=N_ANYWHERE + 8)
+        _PLAIN[name] = plain, PlainStates(model, PROMPT, plain)
+    return _PLAIN[name]
+
+
+def anywhere_draft(model, loop: str, plain, seed=None):
+    """The draft of :data:`LOOP_DRAFTS` for ``loop`` and the lookup context
+    that misleads lookup's first row (``(draft, history)``), for a model whose
+    plain greedy reply is ``plain``: the drafter's right row at a random
+    place among wrong ones (:class:`helpers.AnywhereOracle`)."""
+    from helpers import AnywhereOracle, misleading_history
+
+    extra = dict(LOOP_DRAFTS[loop])
+    seed = extra.pop("seed") if seed is None else seed
+    extra.pop("seed", None)
+    oracle = AnywhereOracle(model, PROMPT, N_ANYWHERE + 8, 3, seed=seed, replies=[plain])
+    if loop == "sourced":
+        extra["draft_model"] = model
+    draft = DraftConfig(oracle, 2, 3, lookup=2, **extra)
+    return draft, misleading_history(PROMPT + plain, len(PROMPT), seed=seed)
+
+
+def covering_steps(stats, loop: str, length: int = 3):
+    """The number of steps after which a run has shown every case: drafts
+    accepted from a drafter row but the first and from lookup's second row,
+    in part, whole and (but in the sourced loop, whose draft model is the
+    model itself) not at all. None if it never has."""
+    lookup_second = 2 + (loop == "sourced") + 1  # after the drafter's rows (and the draft model's)
+    cases = {
+        "another drafter row": lambda s: s.accepted and s.source == "drafter" and s.beam > 0,
+        "lookup's second row": lambda s: s.accepted and s.source == "lookup" and s.beam == lookup_second,
+        "in part": lambda s: 0 < s.accepted < length,
+        "whole": lambda s: s.accepted >= length,
+        "not at all": lambda s: s.accepted == 0 or loop == "sourced",
+    }
+    seen = set()
+    for i, s in enumerate(stats[1:], 1):
+        seen |= {name for name, case in cases.items() if case(s)}
+        if len(seen) == len(cases):
+            return i
+    return None
+
+
+@pytest.mark.parametrize("loop", list(LOOP_DRAFTS))
+def test_the_accepted_row_anywhere_keeps_output_and_caches_plain(family, loop):
+    """Greedy, in every loop: the right row sits anywhere among wrong ones
+    (the drafter's at a random row, lookup's second behind a wrong first, the
+    draft model's after them), accepted whole, in part and not at all. The
+    output is plain decoding's, and after every step (the loop stopped and
+    closed there) the caches are plain decoding's: keys, values and every
+    recurrent state.
+
+    Seen to catch: a recurrent state taken from the first node of the
+    accepted depth (step/mixers.py LevelStates.take, ``place * 0``: the
+    pipelined and sourced loops)."""
+    from loops import check_caches, steps_then_close
+
+    name, model = family
+    plain, states = plain_run(name, model)
+    draft, history = anywhere_draft(model, loop, plain)
+    _, stats, _ = steps_then_close(model, PROMPT, draft, N_ANYWHERE, loop=loop, history=history, tokens=N_ANYWHERE)
+    emitted = accumulate(1 + s.accepted for s in stats)
+    covered = covering_steps([s for s, n in zip(stats, emitted) if n <= N_ANYWHERE], loop)
+    assert covered, f"{name}, {loop} loop: not every case within {N_ANYWHERE} tokens"
+    for steps in range(1, covered + 1):
+        tokens, stats, cache = steps_then_close(model, PROMPT, draft, steps, loop=loop, history=history)
+        where = f"{name}, {loop} loop, after step {steps}"
+        assert tokens == plain[: len(tokens)], f"{where}: drafting changed the greedy output"
+        check_caches(model, PROMPT, cache, tokens, where, states, copies=int(loop == "sourced"))
+
+
+SAMPLING_FAMILIES = ["qwen3_5", "nemotron_h", "lfm2"]  # a padded scan, a stepwise one, a convolution
+
+
+@pytest.fixture(scope="module", params=SAMPLING_FAMILIES)
+def peaked(request):
+    """A family's model with peaked logits (weights scaled by 8) and its plain greedy reply."""
+    model = tiny_hybrid(request.param, scale=8.0)
+    return request.param, model, generate_tokens(model, PROMPT, max_tokens=N_ANYWHERE + 8)[0]
+
+
+@pytest.mark.parametrize("loop", list(LOOP_DRAFTS))
+def test_sampling_with_the_accepted_row_anywhere_keeps_the_caches_plain(peaked, loop):
+    """Sampling, in every loop: whatever was sampled, after every step the
+    caches hold the emitted tokens as plain decoding of them leaves them,
+    with the sampling walk's accepted node anywhere too. A peaked model at a
+    low temperature, so that the oracle's rows (the greedy reply's) are
+    accepted; the distribution itself is the chi-square tests' below."""
+    from loops import check_caches, steps_then_close
+
+    name, model, plain = peaked
+    draft, history = anywhere_draft(model, loop, plain, seed=1)
+    sampling, taken = SamplingConfig(temp=0.2), set()
+    for steps in range(1, 6):
+        mx.random.seed(steps)
+        tokens, stats, cache = steps_then_close(
+            model, PROMPT, draft, steps, loop=loop, history=history, sampling=sampling
+        )
+        check_caches(
+            model,
+            PROMPT,
+            cache,
+            tokens,
+            f"{name}, {loop} loop, sampling, after step {steps}",
+            copies=int(loop == "sourced"),
+        )
+        taken |= {s.beam for s in stats if s.accepted}
+    assert max(taken, default=0) > 0, f"{name}: no draft accepted from a row but the first: the check says little"
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])  # a padded scan and a stepwise one
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
 def test_tree_auto_on_a_hybrid_equals_plain(name, pipelined):
     """tree="auto" verifies a selected subset, a tree whose shape the host does
-    not know: the recurrent layers then run it from the nodes' paths."""
+    not know: the recurrent layers then run it from the nodes' paths. The
+    right row anywhere among the drafter's; after every step the caches are
+    plain decoding's."""
+    from helpers import AnywhereOracle
+    from loops import PlainStates, check_caches, steps_then_close
+
     from mlx_redrafter.step.curve import CostCurve
 
     model = tiny_hybrid(name)
-    plain, _ = generate_tokens(model, PROMPT, max_tokens=N)
-    oracle = OracleDrafter(model, PROMPT, N, 3)
+    plain, _ = generate_tokens(model, PROMPT, max_tokens=N + 20)
+    oracle = AnywhereOracle(model, PROMPT, N, 3, seed=1)
     curve = CostCurve(tuple(1.0 + 0.05 * n for n in range(16)))  # drafts pay: the selection verifies several nodes
     draft = DraftConfig(oracle, 3, 3, lookup=1, pipelined=pipelined, tree="auto", curve=curve)
+    loop, states = "pipelined" if pipelined else "synchronous", PlainStates(model, PROMPT, plain)
+    for steps in range(1, 7):
+        out, stats, cache = steps_then_close(model, PROMPT, draft, steps, loop=loop)
+        assert out == plain[: len(out)], f"after step {steps}: drafting changed the greedy output"
+        check_caches(model, PROMPT, cache, out, f"{name}, tree auto, {loop} loop, after step {steps}", states)
     out, stats, _ = run_steps(model, PROMPT, draft, N)
     assert out == plain[:N] and accepted_in_steps(stats, N, "drafter") >= N // 3
+    assert any(s.accepted and s.beam > 0 for s in stats), "no row but the first accepted"
     assert any(s.tree_size > 2 for s in stats), "the selection verified no tree"
-
-
-def plain_cache(model, tokens):
-    """The cache plain decoding leaves after the prompt then ``tokens`` one by one."""
-    cache = make_prompt_cache(model)
-    model(mx.array(PROMPT)[None], cache=cache)
-    for t in tokens:
-        model(mx.array([[t]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def assert_caches_equal(cache, reference, where: str):
-    for c, r in zip(leaves(cache), leaves(reference)):
-        if isinstance(c, ArraysCache):
-            for a, b in zip(c.cache, r.cache):
-                assert a.shape == b.shape and np.allclose(a, b, atol=1e-4, rtol=1e-4), where
-    for c, r in zip(kv_leaves(cache), kv_leaves(reference)):
-        assert c.offset == r.offset, where
-        assert np.allclose(c.keys[..., : c.offset, :], r.keys[..., : r.offset, :], atol=1e-4, rtol=1e-4), where
-
-
-def test_the_recurrent_cache_equals_plain_decoding_after_every_step(family):
-    """Read, then build: after each step the cache holds the prompt and every
-    emitted token but the last (the next input), exactly as plain decoding
-    of those tokens leaves it; built ahead, when the loop is closed."""
-    name, model = family
-    oracle = OracleDrafter(model, PROMPT, N, 3)
-    cache = make_prompt_cache(model)
-    steps = redrafter_steps(
-        model, mx.array(PROMPT), cache, draft=DraftConfig(oracle, 2, 3, pipelined=False), sampling=SamplingConfig()
-    )
-    emitted, partial = [], 0
-    for s in steps:
-        emitted += s.tokens
-        partial += 0 < s.stats.accepted < 3
-        mx.eval([c.state for c in cache])
-        assert_caches_equal(cache, plain_cache(model, emitted[:-1]), f"{name}, after {len(emitted)} tokens")
-        if len(emitted) >= 16:
-            break
-    steps.close()
-    assert partial, "no step accepted part of a draft"
-    for stop in (5, 9):  # closed with a step queued and not read: that step is undone
-        out, _, cache = run_steps(model, PROMPT, DraftConfig(oracle, 1, 3, lookup=1), stop)
-        assert_caches_equal(cache, plain_cache(model, out[:-1]), f"{name}, pipelined, closed after {stop}")
 
 
 # --------------------------------------------------------------------------- sampling
@@ -326,6 +408,35 @@ def test_make_drafter_doctor_and_sweep_run_on_a_hybrid_folder(tmp_path, monkeypa
     assert (tmp_path / "work" / "drafter" / "model.safetensors").is_file()
     assert cli(["doctor", "--model", str(folder), "--calibrate"]) == 0
     assert cli(["generate", "--model", str(folder), "--prompt", "w5 w6 w7 w5 w6 w7 w5 w6", "-n", "12"]) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
+def test_the_constrained_loop_with_the_accepted_row_anywhere_keeps_output_and_caches_plain(name):
+    """Structured output (the constrained loop) with the right row anywhere
+    among wrong ones: plain constrained decoding's tokens, and after every
+    step the caches plain decoding of them leaves.
+
+    Seen to catch: the last tree node's recurrent state kept (step/mixers.py
+    NodeStates.take, bench/mutations.py C1)."""
+    from helpers import AnywhereOracle
+    from loops import PlainStates, check_caches, steps_then_close
+    from test_grammar import CHARS, SCHEMAS, reference
+
+    from mlx_redrafter.step.grammar import compile_grammar
+
+    model = tiny_hybrid(name)
+    grammar = compile_grammar(CHARS, SCHEMAS[1], vocab_size=97)
+    prompt = [5, 9, 17, 3]
+    ref = reference(model, prompt, grammar, 120)
+    draft = DraftConfig(AnywhereOracle(model, prompt, 120, 2, replies=[ref]), 2, 2, lookup=1)
+    states, taken = PlainStates(model, prompt, ref), set()
+    for steps in range(1, 9):
+        tokens, stats, cache = steps_then_close(model, prompt, draft, steps, loop="constrained", grammar=grammar)
+        where = f"{name}, constrained loop, after step {steps}"
+        assert tokens == ref[: len(tokens)], f"{where}: drafting changed the constrained output"
+        check_caches(model, prompt, cache, tokens, where, states)
+        taken |= {(s.source, s.beam) for s in stats if s.accepted}
+    assert ("drafter", 1) in taken, taken
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])

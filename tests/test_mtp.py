@@ -1,4 +1,6 @@
-"""Native MTP heads: loading every layout, parity with mlx-vlm, the next-n families' forward."""
+"""Native MTP heads: loading every layout, parity with mlx-vlm, the next-n families' forward.
+
+Mutations seen caught here (bench/mutations.py): C4 (the two input norms swapped)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The build-ahead schedule (the default): same tokens as the read-then-build
 schedule and plain decoding, an ordinary cache afterwards, laid-out trees,
-late lookup, and one place where the step loop reads the device."""
+late lookup, and one place where the step loop reads the device.
+
+Mutations seen caught here (bench/mutations.py): C8 (the accepted path read
+from the first beam: lookup rows are accepted after the drafter's)."""
 
 from __future__ import annotations
 

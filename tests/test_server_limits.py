@@ -9,7 +9,10 @@ Through real HTTP: ``mlx-redrafter serve`` in a subprocess on 127.0.0.1 (the
 default model, plain decoding; the official ``openai``, ``anthropic`` and
 ``ollama`` clients, raw sockets where a client cannot send the request),
 and, where a test must hold the tokenizer at a known point, the real app on
-uvicorn in this process."""
+uvicorn in this process.
+
+Mutations seen caught here (bench/mutations.py): H4 (the default bound x10),
+C6 (a configured bound x10)."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from mlx_redrafter.llm.text import byte_cover, encode_prompt, token_floor
 from mlx_redrafter.serve import Engine
 from mlx_redrafter.serve import limits as limits_module
 from mlx_redrafter.serve.app import create_app
-from mlx_redrafter.serve.limits import BYTES_PER_TOKEN, FLOOR_BYTES, BodyLimit, default_body_bytes
+from mlx_redrafter.serve.limits import BodyLimit, default_body_bytes
 
 KEY = "sk-limits-test"
 BOUND = 200_000  # --max-body-bytes of the subprocess server
@@ -331,10 +334,43 @@ def test_memory_is_given_back_after_a_large_body():
 # --------------------------------------------------------------------------- the bound and the flag
 
 
-def test_the_default_bound_follows_the_context():
-    assert default_body_bytes(8192) == FLOOR_BYTES  # 64 x 8192 is under the floor
-    assert default_body_bytes(131072) == BYTES_PER_TOKEN * 131072
-    assert default_body_bytes(None) == default_body_bytes(131072)
+def documented_bound(context: int) -> int:
+    """The default bound ``serve --help`` promises for a model of ``context``
+    tokens, read from the help text (not from limits.py: the test holds the
+    code to its documentation)."""
+    from mlx_lm.utils import _parse_size
+
+    from mlx_redrafter.cli.run import MaxBodyBytesOpt
+
+    found = re.search(r"default: (\d+) bytes per token of the model's context, at least (\w+)\)", MaxBodyBytesOpt.help)
+    assert found, MaxBodyBytesOpt.help
+    return max(int(found[1]) * context, _parse_size(found[2]))
+
+
+@pytest.mark.parametrize("context", [512, 32768], ids=["floor", "per-token"])
+def test_the_default_bound_is_the_documented_one_to_the_byte(tmp_path, context):
+    """No --max-body-bytes: a body of exactly the documented bound is read (a
+    400 for its junk, not a 413), one byte more is a 413 naming that bound;
+    through real HTTP, the context as /v1/models reports it (a small one: the
+    floor binds; a large one: the bytes per token do).
+
+    Seen to catch: the default bound ten times larger (limits.py
+    ``BYTES_PER_TOKEN`` x10, bench/mutations.py H4)."""
+    from helpers import save_tiny_folder
+
+    from mlx_redrafter.runtime import load_runtime
+
+    folder = save_tiny_folder(tmp_path / "model", max_position_embeddings=context)
+    with serve_in_thread(create_app(Engine(load_runtime(str(folder), None, no_draft=True)))) as url:
+        reported = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["context_length"]
+        assert reported == context
+        bound = documented_bound(reported)
+        for size, status in ((bound, 400), (bound + 1, 413)):
+            r = httpx.post(url + "/v1/chat/completions", content=b"x" * size, timeout=120,
+                           headers={"Content-Type": "application/json"})  # fmt: skip
+            assert (r.status_code == 413) == (status == 413), (size, r.status_code, r.text[:200])
+        assert f"at most {bound} bytes" in r.json()["error"]["message"]
+    assert default_body_bytes(None) == default_body_bytes(131072)  # an unknown context: a 128k-token one's
 
 
 def test_the_flag_is_checked_and_documented(runtime, capsys):

@@ -1,6 +1,10 @@
 """Stateful draft sources (an MTP head, a draft model) in the one packed tree:
 exact output with drafts really accepted, caches rolled back, the
-distribution kept under sampling."""
+distribution kept under sampling.
+
+Mutations seen caught here (bench/mutations.py): C2 (a source's cache not
+trimmed), H1 (a recurrent state from the first node of the accepted depth:
+the MTP head's right beam anywhere)."""
 
 from __future__ import annotations
 
@@ -336,6 +340,31 @@ def test_an_mtp_head_drafts_on_a_qwen3_5_hybrid():
     assert cache[-1].offset == held - 1
     want = head_reference_keys(leaky, head, (PROMPT + plain)[:held])
     assert mx.allclose(cache[-1].keys[..., : held - 1, :], want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_mtp_heads_right_beam_anywhere_keeps_a_hybrids_caches_plain():
+    """The head's own best draft is its second beam (a decoy ranks first,
+    helpers.DecoyHead), on a hybrid target (Qwen3.5, leaky: drafts accepted
+    whole, in part and not at all): plain decoding's tokens, and after every
+    step (the loop stopped and closed there) the target's caches are plain
+    decoding's: keys, values and recurrent states.
+
+    Seen to catch: a recurrent state taken from the first node of the
+    accepted depth (step/mixers.py LevelStates.take, bench/mutations.py H1)."""
+    from helpers import DecoyHead
+    from loops import PlainStates, check_caches, steps_then_close
+
+    target = repeating_qwen35(0.2)
+    plain, _ = run(target, None, n=40)
+    decoy = next(t for t in range(target.args.text_config["vocab_size"]) if t not in plain)
+    draft = DraftConfig(head=DecoyHead(qwen35_pass_through_head(target), decoy), head_width=2, head_length=2)
+    states, seen = PlainStates(target, PROMPT, plain), set()
+    for steps in range(1, 9):
+        tokens, stats, cache = steps_then_close(target, PROMPT, draft, steps, loop="sourced")
+        assert tokens == plain[: len(tokens)], f"after step {steps}: drafting changed the greedy output"
+        check_caches(target, PROMPT, cache, tokens, f"after step {steps}", states)
+        seen |= {(s.accepted, s.beam) for s in stats[1:]}
+    assert {(2, 1), (1, 1)} <= seen and any(a == 0 for a, _ in seen), seen  # beam 1: whole, in part; none
 
 
 def test_timings_split_the_phases_of_a_step_with_a_stateful_source(cycling):

@@ -19,13 +19,14 @@ from .conversation import ChatSession, Turn
 DRAFT_STYLE = "cyan"  # tokens from the drafter's accepted drafts
 LOOKUP_STYLE = "magenta"  # tokens from accepted lookup drafts
 DATASTORE_STYLE = "green"  # tokens from accepted datastore drafts (the model's past outputs)
-# The stateful sources: a native MTP head, a draft model, an EAGLE-3 head.
+# The stateful sources: a native MTP head, a draft model, an EAGLE-3 head, a DFlash drafter.
 STYLES = {
     "lookup": LOOKUP_STYLE,
     "datastore": DATASTORE_STYLE,
     "mtp": "yellow",
     "draft-model": "bright_green",
     "eagle3": "bright_blue",
+    "dflash": "bright_red",
 }
 
 

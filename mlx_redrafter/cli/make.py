@@ -66,8 +66,9 @@ def make_drafter_cmd(
         "redrafter",
         "--head",
         help="The draft head to train: 'redrafter' (the recurrent ReDrafter head), 'eagle3' (an EAGLE-3 head, "
-        "trained with training-time test and saved in vLLM's speculators layout), or 'auto' (both, each with half "
-        "of the training time, on the same data; the verdict installs the faster).",
+        "trained with training-time test and saved in vLLM's speculators layout), 'dflash' (a DFlash block "
+        "drafter, saved in z-lab's layout), or 'auto' (all three, each with a share of the training time, on the "
+        "same data; the verdict installs the fastest).",
     ),
 ):
     """Make a drafter for any mlx-lm model: distil, train, fit the depth controller, calibrate this
@@ -147,6 +148,7 @@ def _print_report(report, cfg) -> None:
         "lookup": "lookup alone",
         "drafter": "new drafter",
         "eagle3": "new EAGLE-3 head",
+        "dflash": "new DFlash drafter",
         "existing": "drafter in use",
     }
     for name, label in labels.items():

@@ -146,22 +146,63 @@ def _sampling(temp: float, top_p: float, top_k: int, min_p: float, as_set: bool 
     return SamplingConfig(temp, top_p, min_p, top_k)
 
 
-def load_options(flags: dict, **given):
-    """A command's :class:`~mlx_redrafter.runtime.LoadOptions` from its flags
-    by name (the command's ``locals()``: ``model``, ``drafter``, ``no_draft``,
-    ..., and the sources' ``mtp``, ``mtp_depth``, ``draft_model``,
-    ``num_draft_tokens``; a flag a command lacks keeps its default), and
-    ``given``, the fields its flags do not name as they are (``history``)."""
-    from dataclasses import fields
+# The model and drafting flags of the commands that run a model, as
+# :func:`drafting` adds them: each flag's name (its LoadOptions or SourceFlags
+# field), its type and its option.
+DRAFT_FLAGS = (
+    ("model", str, ModelOpt),
+    ("drafter", Optional[str], DrafterOpt),
+    ("no_draft", bool, NoDraftOpt),
+    ("lookup", Optional[bool], LookupOpt),
+    ("beam_width", Optional[int], BeamWidthOpt),
+    ("beam_length", Optional[int], BeamLengthOpt),
+    ("dtype", Optional[str], DtypeOpt),
+    ("adaptive", bool, AdaptiveOpt),
+    ("tree", Optional[str], TreeOpt),
+    ("datastore", Optional[str], DatastoreOpt),
+    ("mtp", Optional[str], MtpOpt),
+    ("mtp_depth", Optional[int], MtpDepthOpt),
+    ("draft_model", Optional[str], DraftModelOpt),
+    ("num_draft_tokens", Optional[int], NumDraftTokensOpt),
+)
 
+
+def draft_options(flags: dict, history: bool = False):
+    """The :class:`~mlx_redrafter.runtime.LoadOptions` of the drafting
+    flags :func:`drafting` collected (``flags``: by :data:`DRAFT_FLAGS` name)."""
     from ..draft.stateful import SourceFlags
     from ..runtime import LoadOptions
 
-    def named(cls, skip=()):
-        return {f.name: flags[f.name] for f in fields(cls) if f.name in flags and f.name not in skip}
+    sources = SourceFlags(flags["mtp"], flags["mtp_depth"], flags["draft_model"], flags["num_draft_tokens"])
+    f = flags
+    return LoadOptions(
+        f["model"], f["drafter"], f["no_draft"], f["beam_width"], f["beam_length"], f["dtype"], f["adaptive"],
+        f["lookup"], f["tree"], f["datastore"], history, sources,
+    )  # fmt: skip
 
-    sources = SourceFlags(**named(SourceFlags))
-    return LoadOptions(**named(LoadOptions, skip={"sources", *given}), sources=sources, **given)
+
+def drafting(command):
+    """A command that runs a model: it takes every flag of :data:`DRAFT_FLAGS`
+    (added to its signature, for typer) and gets them as one
+    ``options`` (:class:`~mlx_redrafter.runtime.LoadOptions`), built here by
+    each flag's own name: no command lists them, none can miss or rename one."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(command)
+    own = [p for p in sig.parameters.values() if p.name != "options"]
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=o, annotation=t) for n, t, o in DRAFT_FLAGS]
+    names = [n for n, _, _ in DRAFT_FLAGS]
+
+    @functools.wraps(command)
+    def run(*args, **kw):
+        flags = {n: kw.pop(n) for n in names}
+        return command(*args, options=draft_options(flags), **kw)
+
+    run.__signature__ = sig.replace(parameters=[*own, *added])
+    run.__annotations__ = {**{k: v for k, v in command.__annotations__.items() if k != "options"}}
+    run.__annotations__.update((n, t) for n, t, _ in DRAFT_FLAGS)
+    return run
 
 
 def _runtime(options, announce: bool = True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -9,51 +10,36 @@ import typer
 from rich.markup import escape
 
 from ..errors import RedrafterError
+from ..runtime import LoadOptions
 from .options import (
-    AdaptiveOpt,
-    BeamLengthOpt,
-    BeamWidthOpt,
     CapEndsTurnOpt,
-    DatastoreOpt,
-    DrafterOpt,
-    DraftModelOpt,
     DtypeOpt,
-    LookupOpt,
     MaxTokensCapOpt,
     MinPOpt,
     ModelOpt,
-    MtpDepthOpt,
-    MtpOpt,
-    NoDraftOpt,
     NoHistoryOpt,
-    NumDraftTokensOpt,
     SeedOpt,
     ServedModelNameOpt,
     SystemOpt,
     TempOpt,
     TopKOpt,
     TopPOpt,
-    TreeOpt,
     _runtime,
     _sampling,
     app,
+    drafting,
     err,
     format_prompt,
-    load_options,
     read_prompt,
 )
 
 
 @app.command()
+@drafting
 def generate(
+    options: LoadOptions,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from a file."),
-    model: str = ModelOpt,
-    drafter: Optional[str] = DrafterOpt,
-    no_draft: bool = NoDraftOpt,
-    lookup: Optional[bool] = LookupOpt,
-    beam_width: Optional[int] = BeamWidthOpt,
-    beam_length: Optional[int] = BeamLengthOpt,
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
@@ -63,18 +49,10 @@ def generate(
     system: Optional[str] = SystemOpt,
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    dtype: Optional[str] = DtypeOpt,
-    adaptive: bool = AdaptiveOpt,
     json_any: bool = typer.Option(False, "--json", help="Constrain the reply to a JSON object."),
     json_schema: Optional[Path] = typer.Option(
         None, "--json-schema", help="Constrain the reply to this JSON Schema (a file)."
     ),
-    tree: Optional[str] = TreeOpt,
-    datastore: Optional[str] = DatastoreOpt,
-    mtp: Optional[str] = MtpOpt,
-    mtp_depth: Optional[int] = MtpDepthOpt,
-    draft_model: Optional[str] = DraftModelOpt,
-    num_draft_tokens: Optional[int] = NumDraftTokensOpt,
 ):
     """Generate a reply and print tokens/s; it drafts by default (the model's drafter, else lookup; --no-draft: plain).
 
@@ -87,7 +65,7 @@ def generate(
     sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
-    rt = _runtime(load_options(locals()))
+    rt = _runtime(options)
     full = format_prompt(rt.tokenizer, text, system, raw)
     tally = Tally()
     for r in stream_generate(
@@ -146,13 +124,9 @@ def _grammar(json_any: bool, schema_file: Optional[Path]):
 
 
 @app.command()
+@drafting
 def chat(
-    model: str = ModelOpt,
-    drafter: Optional[str] = DrafterOpt,
-    no_draft: bool = NoDraftOpt,
-    lookup: Optional[bool] = LookupOpt,
-    beam_width: Optional[int] = BeamWidthOpt,
-    beam_length: Optional[int] = BeamLengthOpt,
+    options: LoadOptions,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply, in tokens."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
@@ -164,15 +138,7 @@ def chat(
     max_context: Optional[int] = typer.Option(
         None, "--max-context", help="Keep the conversation within this many tokens (default: the model's context)."
     ),
-    adaptive: bool = AdaptiveOpt,
-    tree: Optional[str] = TreeOpt,
-    dtype: Optional[str] = DtypeOpt,
-    datastore: Optional[str] = DatastoreOpt,
     no_history: bool = NoHistoryOpt,
-    mtp: Optional[str] = MtpOpt,
-    mtp_depth: Optional[int] = MtpDepthOpt,
-    draft_model: Optional[str] = DraftModelOpt,
-    num_draft_tokens: Optional[int] = NumDraftTokensOpt,
 ):
     """Chat in the terminal: streamed replies, KV cache reused across turns, speed after each reply.
 
@@ -186,7 +152,7 @@ def chat(
     sampling = _sampling(temp, top_p, top_k, min_p, as_set=True)
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
-    rt = _runtime(load_options(locals(), history=not no_history))
+    rt = _runtime(replace(options, history=not no_history))
     if seed is not None:
         import mlx.core as mx
 
@@ -243,6 +209,12 @@ MaxBatchOpt = typer.Option(
     "--max-batch",
     help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted).",
 )
+BatchDraftsOpt = typer.Option(
+    True,
+    "--batch-drafts/--no-batch-drafts",
+    help="Requests decoded together draft, each its own tree, all verified in one forward "
+    "(--no-batch-drafts: they decode plainly, as before).",
+)
 PromptCacheSizeOpt = typer.Option(
     10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."
 )
@@ -277,12 +249,9 @@ AllowOriginOpt = typer.Option(
 
 
 @app.command()
+@drafting
 def serve(
-    model: str = ModelOpt,
-    drafter: Optional[str] = DrafterOpt,
-    no_draft: bool = NoDraftOpt,
-    beam_width: Optional[int] = BeamWidthOpt,
-    beam_length: Optional[int] = BeamLengthOpt,
+    options: LoadOptions,
     host: str = HostOpt,
     port: int = typer.Option(8080, "--port"),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply when a request does not say."),
@@ -295,23 +264,15 @@ def serve(
     min_p: float = MinPOpt,
     queue_size: int = QueueSizeOpt,
     max_batch: int = MaxBatchOpt,
+    batch_drafts: bool = BatchDraftsOpt,
     prompt_cache_size: int = PromptCacheSizeOpt,
     prompt_cache_bytes: Optional[str] = PromptCacheBytesOpt,
     max_body_bytes: Optional[str] = MaxBodyBytesOpt,
-    adaptive: bool = AdaptiveOpt,
-    tree: Optional[str] = TreeOpt,
-    dtype: Optional[str] = DtypeOpt,
-    lookup: Optional[bool] = LookupOpt,
     no_ui: bool = typer.Option(False, "--no-ui", help="Serve only the API, without the chat page at /."),
-    datastore: Optional[str] = DatastoreOpt,
     no_history: bool = NoHistoryOpt,
     api_key: Optional[str] = ApiKeyOpt,
     allow_host: List[str] = AllowHostOpt,
     allow_origin: List[str] = AllowOriginOpt,
-    mtp: Optional[str] = MtpOpt,
-    mtp_depth: Optional[int] = MtpDepthOpt,
-    draft_model: Optional[str] = DraftModelOpt,
-    num_draft_tokens: Optional[int] = NumDraftTokensOpt,
 ):
     """Serve the model over HTTP: OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), OpenAI's Responses API (/v1/responses), Anthropic's Messages API (/v1/messages), Ollama's API (/api/chat, /api/generate, /api/tags, ...), a chat page at /, and /health and /metrics.
 
@@ -325,7 +286,7 @@ def serve(
     uvicorn, create_app, security = _server_parts(host, api_key, allow_host, allow_origin)
     from ..serve import Engine
 
-    rt = _runtime(load_options(locals(), history=not no_history))
+    rt = _runtime(replace(options, history=not no_history))
     engine = Engine(
         rt,
         max_tokens=max_tokens,
@@ -337,6 +298,7 @@ def serve(
         max_tokens_cap=max_tokens_cap,
         served_names=served_model_name,
         cap_ends_turn=cap_ends_turn,
+        batch_drafts=batch_drafts,
     )
     app_ = create_app(engine, ui=not no_ui, security=security, max_body_bytes=body_bytes)
     page = "" if no_ui else f", chat page at http://{host}:{port}/"

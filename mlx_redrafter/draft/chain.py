@@ -133,3 +133,11 @@ class Chain:
             feats, rest = every[None, :n], every[n:]
             self._feats = [rest] if rest.shape[0] else []
         return self.head(tokens, feats, self.cache, first=True, **self.last)
+
+
+def chain_for(head, width: int, length: int, controller=None):
+    """The step loop's chain of a stateful source: a :class:`Chain`, or the
+    source's own when it drafts its own way (``make_chain``: a DFlash block
+    drafter, draft/dflash_chain.py, with the same surface)."""
+    make = getattr(head, "make_chain", None)
+    return make(width, length, controller) if make is not None else Chain(head, width, length, controller)

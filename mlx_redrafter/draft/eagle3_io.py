@@ -58,6 +58,8 @@ SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 def layout_of(d: dict) -> Optional[str]:
     """``"speculators"``, ``"eagle"`` or None (not an EAGLE-3 head) for a config dict."""
     archs = d.get("architectures") or []
+    if d.get("speculators_model_type") not in (None, "eagle3"):  # another speculators kind (DFlash)
+        return None
     if d.get("speculators_model_type") == "eagle3" or SPECULATORS_ARCH in archs or "transformer_layer_config" in d:
         return "speculators"
     if any(a in EAGLE_ARCHS for a in archs):

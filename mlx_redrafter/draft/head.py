@@ -42,8 +42,8 @@ the bookkeeping that keeps a head in step with the target
 A head is built for one target: it holds references to what it shares with
 the target (embedding, LM head) without owning them as parameters. It drafts
 when it is a draft's ``head`` (``DraftConfig(head=..., head_width=...,
-head_length=...)``): the sourced step loop (step/sourced.py) asks the
-target's backbone for the ``taps`` it names, keeps the head in step with the
+head_length=...)``), as a source of the step (step/sources/chain.py): the
+step loop asks the target's backbone for the ``taps`` it names, keeps the head in step with the
 accepted tokens (:class:`~mlx_redrafter.draft.chain.Chain`) and joins its
 beams to the tree; its ``source`` names its tokens in the step stats.
 """
@@ -117,7 +117,13 @@ def reorder_caches(cache: Sequence, parent: mx.array) -> None:
 def _map_arrays(c, fn):
     """``fn`` applied to every array a cache object holds (keys, values, a
     quantized cache's triples, an ArraysCache's states), each replaced by a
-    new array object: writes into ``c`` never reach the arrays it came from."""
+    new array object: writes into ``c`` never reach the arrays it came from.
+    A ``CacheList``'s members (Falcon-H1's layers) are copied and mapped too:
+    sharing them, a beam would write into the cache it was copied from."""
+    members = getattr(c, "caches", None)
+    if isinstance(members, (list, tuple)):
+        c.caches = type(members)(_map_arrays(copy.copy(m), fn) for m in members)
+        return c
     for name, value in list(vars(c).items()):
         if isinstance(value, mx.array) and value.ndim > 0:
             setattr(c, name, fn(value))

@@ -47,8 +47,9 @@ class SourceFlags:
     def check_beside_head(self, head, flag: str = "--mtp-depth", fix: str = "--beam-width/--beam-length") -> None:
         """Refuse an MTP head's depth when the drafter is an EAGLE-3 ``head`` (the draft runs one layer head)."""
         if head is not None and self.mtp_depth is not None:
+            what = "a DFlash drafter" if getattr(head, "source", None) == "dflash" else "an EAGLE-3 head"
             raise RedrafterError(
-                f"{flag} sets an MTP head's depth, but the drafter is an EAGLE-3 head.",
+                f"{flag} sets an MTP head's depth, but the drafter is {what}.",
                 f"Set the EAGLE-3 head's beams with {fix}.",
             )
 
@@ -57,8 +58,9 @@ def check_one_head(drafter_head, head) -> None:
     """Refuse an MTP ``head`` beside a drafter that is a layer head (an EAGLE-3
     head): a draft runs one layer head (``DraftConfig.head``)."""
     if drafter_head is not None and head is not None:
+        what = "a DFlash drafter" if getattr(drafter_head, "source", None) == "dflash" else "an EAGLE-3 head"
         raise RedrafterError(
-            "The drafter is an EAGLE-3 head and an MTP head was asked for too; a draft runs one layer head.",
+            f"The drafter is {what} and an MTP head was asked for too; a draft runs one layer head.",
             "Drop the MTP head (--mtp none, mtp=None), or draft with another drafter.",
         )
 

@@ -102,10 +102,9 @@ def fetch(repo: str, say: Optional[Callable[[str], None]] = None) -> Located:
     meta = store.read_meta(snapshot)
     identity = ModelIdentity.from_dict(meta.get("base_model"))
     hub = {"repo": repo, "revision": revision}
-    eagle3 = (
-        layout_of(json.loads((snapshot / "config.json").read_text())) if (snapshot / "config.json").is_file() else None
-    )
-    if (snapshot / "model.safetensors").is_file() and eagle3 != "eagle":
+    config = json.loads((snapshot / "config.json").read_text()) if (snapshot / "config.json").is_file() else {}
+    eagle3 = layout_of(config)
+    if ((snapshot / "model.safetensors").is_file() and eagle3 != "eagle") or _is_dflash(config):
         path = store.install(snapshot, identity, {**meta, "source": f"hub:{repo}", "hub": hub}, name=store.slug(repo))
         return Located(path, f"hub:{repo}")
     convert = _convert_eagle3 if eagle3 else _convert
@@ -120,18 +119,27 @@ def _check_is_drafter(repo: str, folder: Path) -> None:
         kind = None
     if kind != MODEL_TYPE and not _is_eagle3(folder):
         raise RedrafterError(
-            f"{repo} on the Hugging Face Hub is not a ReDrafter drafter or an EAGLE-3 head "
+            f"{repo} on the Hugging Face Hub is not a ReDrafter drafter, an EAGLE-3 head or a DFlash drafter "
             f"(config.json model_type {kind!r}), "
             "and the drafter store holds no drafter for a model of that name.",
             f"Make one for it: mlx-redrafter make-drafter --model {repo}",
         )
 
 
+def _is_dflash(config: dict) -> bool:
+    """A DFlash drafter (either layout, safetensors only): kept as it is, shards and all."""
+    from ..draft.dflash_io import layout_of as dflash_layout
+
+    return dflash_layout(config) is not None
+
+
 def _is_eagle3(folder: Path) -> bool:
+    """Whether ``folder`` holds a layer-head drafter: an EAGLE-3 head or a DFlash drafter (kept as they are)."""
     try:
-        return layout_of(json.loads((folder / "config.json").read_text())) is not None
+        d = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    return layout_of(d) is not None or _is_dflash(d)
 
 
 def eagle3_tensors(folder: Path) -> dict:

@@ -75,6 +75,8 @@ class Engine:
     ``served_names``: the names the model answers to (the first is the one
     the server reports, as vLLM's ``--served-model-name``); besides, it
     always answers to the model as given and its short name (:attr:`names`).
+    ``batch_drafts``: whether requests decoded together draft (each its own
+    tree, all verified in one forward: serve/batch.py), else they decode plainly.
     ``listeners`` are called on the worker thread with every job's
     :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
     step decoded, ``queue.shed_listeners`` for each request turned away."""
@@ -96,6 +98,7 @@ class Engine:
         max_tokens_cap: Optional[int] = None,
         served_names: Sequence[str] = (),
         cap_ends_turn: bool = False,
+        batch_drafts: bool = True,
     ):
         self.rt = runtime
         self.model_id = served_names[0] if served_names else runtime.model_spec
@@ -106,7 +109,7 @@ class Engine:
         self.sampling = sampling or SamplingConfig()
         self.cache = PromptCache(runtime.model, prompt_cache_size, prompt_cache_bytes)
         self.checkpoints = self.cache.checkpoints
-        decoder = BatchDecoder(self, max_batch)  # its max_batch is 1 for a model whose caches cannot batch
+        decoder = BatchDecoder(self, max_batch, batch_drafts)  # max_batch 1 for a model whose caches cannot batch
         self.queue = Scheduler(decoder, queue_size)
         self.listeners: List[Callable[[Result], None]] = []
 

@@ -10,26 +10,35 @@ Names (counters end in ``_total`` on the wire):
 * ``redrafter_tokens_per_step``: a histogram of the tokens each step emitted;
 * ``redrafter_draft_tokens_accepted_total{source}``: emitted tokens that were
   accepted drafts, by source (``drafter``, ``mtp``, ``draft-model``,
-  ``eagle3``, ``lookup``, ``datastore``);
+  ``eagle3``, ``dflash``, ``lookup``, ``datastore``);
 * ``redrafter_prompt_cache_hits_total``, ``redrafter_prompt_cache_reused_tokens_total``,
   ``redrafter_prompt_cache_entries``, ``redrafter_prompt_cache_bytes``;
 * ``redrafter_queue_waiting``, ``redrafter_queue_running`` (requests
   decoding, also as ``redrafter_requests_active``);
 * ``redrafter_requests_shed_total``: requests answered 503 (queue full);
-* ``redrafter_batch_size``: a histogram of the requests each step decoded.
+* ``redrafter_batch_size``: a histogram of the requests each step decoded;
+* ``redrafter_batch_tokens_per_step``: a histogram of the tokens a step of
+  the drafting batch emitted, all its rows together (serve/batch.py);
+* ``redrafter_batch_draft_tokens_verified_total{source}`` and
+  ``redrafter_batch_draft_tokens_accepted_total{source}``: draft tokens the
+  drafting batch verified and accepted, by source (their ratio is each
+  source's acceptance under batching).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..step.sources import BATCH_LABELS, LABELS
 from .engine import Engine, Result
 
-# Labels shown from the start, at 0 (step/select.py's SOURCES: an MTP head, a
-# draft model and an EAGLE-3 head beside the drafter and the copies).
-DRAFT_SOURCES = ("drafter", "mtp", "draft-model", "eagle3", "lookup", "datastore")
+# Labels shown from the start, at 0: every built-in source's (step/sources/), and
+# those a drafting batch drafts with (step/batched.py).
+DRAFT_SOURCES = LABELS
+BATCH_SOURCES = BATCH_LABELS
 STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+BATCH_STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class Metrics:
@@ -80,8 +89,24 @@ class Metrics:
         self.batch = Histogram(
             "redrafter_batch_size", "Requests decoded by one step.", buckets=BATCH_BUCKETS, registry=r
         )
+        self.batch_step = Histogram(
+            "redrafter_batch_tokens_per_step",
+            "Tokens a step of the drafting batch emitted, all its rows together.",
+            buckets=BATCH_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_verified = Counter(
+            "redrafter_batch_draft_tokens_verified", "Draft tokens the batch verified.", ["source"], registry=r
+        )
+        self.batch_accepted = Counter(
+            "redrafter_batch_draft_tokens_accepted", "Draft tokens the batch accepted.", ["source"], registry=r
+        )
+        for source in BATCH_SOURCES:
+            self.batch_verified.labels(source)
+            self.batch_accepted.labels(source)
         engine.listeners.append(self.observe)
         queue.step_listeners.append(self.batch.observe)
+        getattr(queue.decoder, "batch_listeners", []).append(self.observe_batch)
         queue.shed_listeners.append(self.shed.inc)
 
     def observe(self, res: Result) -> None:
@@ -95,6 +120,14 @@ class Metrics:
         if res.reused_tokens:
             self.hits.inc()
             self.reused.inc(res.reused_tokens)
+
+    def observe_batch(self, batch) -> None:
+        """Count one step of the drafting batch (a step/batched.py ``BatchSteps``, on the worker thread)."""
+        self.batch_step.observe(batch.tokens)
+        for source, n in batch.verified.items():
+            self.batch_verified.labels(source).inc(n)
+        for source, n in batch.accepted.items():
+            self.batch_accepted.labels(source).inc(n)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,7 @@ from ..config import SamplingConfig
 from ..generate import stream_text
 from ..llm.cache import trim_to_known
 from ..step.accept import filtered_logprobs
+from ..step.batched import RowPlan
 from ..step.dispatch import token_steps
 from ..step.grammar import grammar_logits_processor
 from ..step.protocol import StepStats, StepTokens
@@ -59,6 +60,18 @@ def row_sampler(sampling: SamplingConfig, seed: Optional[int] = None):
         return mx.random.categorical(filtered_logprobs(logprobs, sampling) * (1 / sampling.temp), key=keys[1])
 
     return sample
+
+
+def row_plan(params) -> RowPlan:
+    """How a row decodes in a batch of draft trees (step/batched.py): greedy
+    rows draft; sampled rows draft too, the sampling walk on their own key;
+    a seeded sampled row does not draft and draws with :func:`row_sampler`,
+    so that its samples stay plain decoding's with that seed."""
+    sampling, grammar = params.sampling, params.grammar
+    if params.seed is not None and not sampling.greedy:
+        return RowPlan(sampling, grammar=grammar, drafts=False, sampler=row_sampler(sampling, params.seed))
+    key = None if sampling.greedy else mx.random.key(_ENTROPY.getrandbits(63))
+    return RowPlan(sampling, key=key, grammar=grammar)
 
 
 def row_processors(grammar, prompt: List[int]) -> list:
@@ -190,6 +203,12 @@ class Row:
         """A token of the batch's step (which took ``seconds``), through the text path."""
         self.inbox.append(StepTokens([token], [False], StepStats(step_time=seconds)))
         self.read()
+
+    def push_step(self, step: StepTokens) -> None:
+        """A step of a batch of draft trees (its accepted drafts and its own
+        token), through the text path as a step alone is read."""
+        self.inbox.append(step)
+        self.step_alone()
 
     def remaining(self) -> int:
         return self.job.params.max_tokens - len(self.generated)

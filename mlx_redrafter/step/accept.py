@@ -81,7 +81,7 @@ def sample_first(logits: mx.array, sampling) -> mx.array:
     return mx.random.categorical(mx.log(target_probs(logits, sampling))).astype(mx.int32)
 
 
-def accept_sampling(beams: mx.array, tree, logits: mx.array, sampling) -> Accepted:
+def accept_sampling(beams: mx.array, tree, logits: mx.array, sampling, key=None) -> Accepted:
     """Distribution-exact acceptance over a deterministic draft tree.
 
     Walk from g0. At a node with target ``p``, test its children in beam
@@ -91,12 +91,14 @@ def accept_sampling(beams: mx.array, tree, logits: mx.array, sampling) -> Accept
     token is drawn from the final ``p``. Beam drafts are point masses, so this
     is speculative sampling applied to siblings in turn, and the output has
     exactly the target distribution. Shapes are fixed (a ``W x L`` unrolled
-    walk) and nothing syncs.
+    walk) and nothing syncs. ``key``: the walk's own random key (a row of a
+    batch, step/batch_verify.py), else the global random state.
     """
     width, length = beams.shape
     target = target_probs(logits, sampling)  # [N+1, V]
-    u = mx.random.uniform(shape=(length, width))
-    gumbel = mx.random.gumbel(shape=(target.shape[-1],))
+    k_u, k_g = mx.random.split(key) if key is not None else (None, None)  # issue 57: a batch row's own key
+    u = mx.random.uniform(shape=(length, width), key=k_u)
+    gumbel = mx.random.gumbel(shape=(target.shape[-1],), key=k_g)
     n, beam, last, token = walk_tree(beams, tree.node_index, tree.parent, target, u, gumbel)
     return Accepted(n, beam, _path(tree.node_index, beam, n), last, token)
 

@@ -51,23 +51,10 @@ from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
 from .accept import Accepted, sample_first
 from .build import Built, Candidates, accept, build
+from .drafts import Drafts, columns, fused_layers  # noqa: F401  (columns: the taps' columns, re-exported)
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
-from .source import DEVICE, N_BUCKETS, STATES, At, Flight, Rows, Setting
+from .source import N_BUCKETS, At, Flight
 from .verify import install_tree_hooks, needs_hooks, tree_hooks
-
-
-def columns(layers: Sequence[int], wanted: Sequence[int], width: int, last: bool):
-    """Indices into the fused backbone output ``[taps of layers..., final]``
-    of the ``wanted`` taps (then the final state, with ``last``), or None when
-    that is the whole vector."""
-    if list(wanted) == list(layers) and last:
-        return None
-    idx = [layers.index(t) for t in wanted] + ([len(layers)] if last else [])
-    return mx.array([i * width + j for i in idx for j in range(width)], mx.int32)
-
-
-def _picker(cols):
-    return (lambda h: h) if cols is None else (lambda h: mx.take(h, cols, axis=-1))
 
 
 class Laps:
@@ -88,72 +75,44 @@ class Laps:
 
 
 class Generation:
-    """One generation's sources, tree policy and model parts around the target's cache."""
+    """One generation's model parts, drafts and tree policy around the target's cache."""
 
     def __init__(self, model, cache, plan, sampling, history: List[int], grammar=None, ahead: bool = False):
         self.model, self.plan, self.sampling, self.ahead = model, plan, sampling, ahead
         self.grammar = grammar
         sources = list(plan.sources) + ([grammar.source()] if grammar is not None else [])
-        self.sources = sources
-        layers: List[int] = []
-        for s in sources:
-            layers += [t for t in (s.taps or ()) if t not in layers]
-        self.embed, self.backbone, self.head = model_parts(model, layers or None)
-        width = hidden_size(model)
-        self.history = list(history)
+        self.embed, self.backbone, self.head = model_parts(model, fused_layers(sources) or None)
         self.auto = plan.tree.open(sources)
-        self.proposers, self.pickers = [], []
-        for s in sources:
-            pick = _picker(columns(layers, list(s.taps or ()), width, s.last))
-            setting = Setting(model, self.embed, pick, self.history, self.auto is not None, sampling.greedy, ahead)
-            self.proposers.append(s.open(setting))
-            self.pickers.append(pick)
+        self.drafts = Drafts(
+            sources, model, self.embed, hidden_size(model), list(history), self.auto is not None, sampling.greedy, ahead
+        )
         size = target_size(model)
-        keepers = [p for p in self.proposers if p.make_cache is not None]
+        keepers = [p for p in self.drafts.proposers if p.make_cache is not None]
         if keepers:
             for p, caches in zip(keepers, attach_sources(cache, size, [p.make_cache for p in keepers])):
                 p.attach(caches)
         else:  # a generation without them would leave their caches behind the model's
             drop_sources(cache, size)
         self.cache = cache[:size]
-        self.early = [s.needs == DEVICE for s in sources]  # read, then build: proposed before the read
-        self.stateful = any(s.needs == STATES for s in sources)
         self.laps = Laps(False)
 
-    # ------------------------------------------------------------------ rows
-
-    def propose(self, at: At, which=None) -> List[Optional[Rows]]:
-        """Each proposer's rows (None where it proposes none), in plan order;
-        ``which[i]`` False skips proposer ``i`` (its entry stays None)."""
-        out = []
-        for i, p in enumerate(self.proposers):
-            rows = p.propose(at) if which is None or which[i] else None
-            if rows is not None:
-                at.proposed.append(rows)
-            out.append(rows)
-        return out
-
-    def reads(self) -> int:
-        """Host reads the proposers made beyond the step's one read."""
-        return sum(p.reads for p in self.proposers)
+    @property
+    def history(self) -> List[int]:
+        return self.drafts.history
 
     def emitted(self, tokens: List[int]) -> None:
-        """The host read these tokens: the history, tree auto's context and the proposers grow by them."""
-        self.history += tokens
+        """The host read these tokens: the drafts and tree auto's context grow by them."""
         if self.auto is not None:
             self.auto.advance(len(tokens))
-        for p in self.proposers:
-            p.emitted(tokens)
+        self.drafts.emitted(tokens)
 
-    def entered(self, tokens: List[int], hidden: mx.array) -> None:
-        """``tokens`` entered the target's cache, ``hidden [len, F]`` its fused states there."""
-        for s, p, pick in zip(self.sources, self.proposers, self.pickers):
-            if s.needs == STATES:
-                p.entered(tokens, pick(hidden))
+    def timed(self, size: int, seconds: float) -> None:
+        """A step of ``size`` tokens took ``seconds``: the tree policy's cost hears it (a live one learns)."""
+        if self.auto is not None:
+            self.auto.timed(size, seconds)
 
     def close(self) -> None:
-        for p in self.proposers:
-            p.close()
+        self.drafts.close()
 
     # ------------------------------------------------------------------ one step
 
@@ -189,17 +148,12 @@ class Generation:
         if self.auto is None or built.structure is None:
             return
         self.auto.observe(built.structure, codes, read.path[: read.n + 1])
-        self.auto.timed(built.size, 0.0)
         if built.host:
             cal = self.auto.cal
             verified = {built.structure.source[c // N_BUCKETS] for c in codes if c >= 0}
             for rows, scores, prior in built.host:
                 if cal.channel(prior) not in verified:
                     self.auto.observe_unverified(rows, scores, prior, before, read.emitted)
-
-
-def _joined(blocks: Sequence[Optional[Rows]]) -> Candidates:
-    return Candidates([b for b in blocks if b is not None])
 
 
 # --------------------------------------------------------------------------- build ahead
@@ -237,7 +191,8 @@ def _queue(gen: Generation, holes: HoleyCache, prev: _Queued) -> _Queued:
     """Build the step after ``prev`` (lazily)."""
     before = recurrent_states(gen.cache)
     flight = Flight(prev.row, prev.n, prev.g0, prev.depth)
-    cands = _joined(gen.propose(At(prev.g0, prev.context, gen.history, flight=flight)))
+    blocks = gen.drafts.propose(At(prev.g0, prev.context, gen.history, flight=flight))
+    cands = Candidates([b for b in blocks if b is not None])
     built = build(cands, prev.g0, gen.auto, packed=False, greedy=gen.sampling.greedy)
     hidden, acc = gen.verify(built, holes, base=prev.real)
     holes.append(built.size, _kept(built.size, acc, built.depth))
@@ -282,7 +237,9 @@ def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequenc
             gen.learn(built, read, read.rest, before)
             before = read.emitted
             gen.emitted(before)
-            yield read.tokens(step, built.size, time.perf_counter() - tic, syncs, built.depth, built.labels)
+            elapsed = time.perf_counter() - tic
+            gen.timed(built.size, elapsed)
+            yield read.tokens(step, built.size, elapsed, syncs, built.depth, built.labels)
             queued = following
     finally:
         holes.compact(drop_unread=True)
@@ -292,43 +249,6 @@ def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequenc
 
 
 # --------------------------------------------------------------------------- read, then build
-
-
-def _early_reads(blocks, host: bool) -> List[mx.array]:
-    """What the step's read must bring of the early blocks: what a block
-    needs to be settled, and (``host``: the tree is packed, or a grammar
-    prunes it) its tokens."""
-    out = []
-    for b in blocks:
-        if b is None:
-            continue
-        if b.pending is not None:
-            out.append(b.pending.reshape(-1).astype(mx.int32))
-        if host:
-            out.append(b.tokens.reshape(-1).astype(mx.int32))
-    return out
-
-
-def _settle(blocks, vals: List[int], host: bool) -> List[Optional[Rows]]:
-    """The early blocks once read (``vals``: :func:`_early_reads`'s, in order)."""
-    out, i = [], 0
-    for b in blocks:
-        if b is None:
-            out.append(None)
-            continue
-        if b.pending is not None:
-            k = b.pending.size
-            settled = b.settle(vals[i : i + k])
-            i += k
-        else:
-            settled = b
-        if host:
-            w, length = b.tokens.shape
-            flat = vals[i : i + w * length]
-            i += w * length
-            settled.host = [flat[r * length : r * length + n] for r, n in enumerate(settled.lengths)]
-        out.append(settled)
-    return out
 
 
 def after_read_steps(
@@ -360,42 +280,43 @@ def after_read_steps(
 
 
 class _AfterRead:
-    """The read-then-build schedule's state between two steps: the next
-    root ``g0`` (on the device and the host), the hidden state where it was
-    predicted, and the next step's early rows (proposed before the read).
-    ``host``: every row reaches the host before the tree is built."""
+    """The read-then-build schedule between two steps: the next root ``g0``
+    (on the device and the host), the hidden state where it was predicted,
+    and the next step's candidates. ``host``: every row reaches the host
+    before the tree is built (a packed tree, a grammar's masks)."""
 
     def __init__(self, gen: Generation, host: bool):
         self.gen, self.host, self.step_no, self.syncs = gen, host, 0, 0
 
     def first(self, prompt: mx.array, prompt_ids: List[int]) -> StepTokens:
-        gen, grammar = self.gen, self.gen.grammar
+        gen, grammar, drafts = self.gen, self.gen.grammar, self.gen.drafts
         sink = None
-        if gen.stateful:
+        if drafts.stateful:
 
             def sink(start, hidden):
-                gen.entered(prompt_ids[start : start + hidden.shape[0]], hidden)
+                drafts.entered(prompt_ids[start : start + hidden.shape[0]], hidden)
 
         tic = time.perf_counter()
-        logits, self.context = prefill(gen.backbone, gen.head, gen.cache, prompt, sink=sink)
+        logits, context = prefill(gen.backbone, gen.head, gen.cache, prompt, sink=sink)
         if gen.auto is not None:
             gen.auto.advance(cache_length(gen.cache) or 0)  # trees are priced at their context
-        self.g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
-        early = gen.propose(At(self.g0, self.context, gen.history), gen.early)
-        vals = host_read(self.g0, *_early_reads(early, self.host))
-        self.g0_val, self.syncs = vals[0], 1 + gen.reads()
-        self.early = _settle(early, vals[1:], self.host)
+        g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
+        vals = host_read(g0, *drafts.early_reads(g0, context, self.host))
+        self.g0, self.g0_val, self.syncs = g0, vals[0], 1 + drafts.reads()
         gen.emitted([self.g0_val])
+        self.context, self.rest = context, vals[1:]
         out = first_step(self.g0_val, time.perf_counter() - tic, self.syncs)
         return out if grammar is None else grammar.consume(out)
 
     def step(self) -> StepTokens:
-        gen, grammar, laps = self.gen, self.gen.grammar, self.gen.laps
+        gen, grammar, drafts, laps = self.gen, self.gen.grammar, self.gen.drafts, self.gen.laps
         self.step_no, tic = self.step_no + 1, time.perf_counter()
         laps.begin(tic)
-        late = gen.propose(At(self.g0, self.context, gen.history, g0_value=self.g0_val), [not e for e in gen.early])
-        laps.lap("draft", *[b.tokens for b in late if b is not None])
-        cands, masks = _joined([e if e is not None else lt for e, lt in zip(self.early, late)]), None
+        # The sources that need the read propose now: a stateful one catches up
+        # first, so that its cache never runs ahead of the target's when the loop ends here.
+        cands, masks = drafts.late(self.rest, self.host, self.g0, self.context, self.g0_val), None
+        laps.lap("draft", *[b.tokens for b in cands.blocks])
+        self.syncs += drafts.reads()
         offsets, starts = kv_offsets(gen.cache), verify_starts(gen.cache)
         if grammar is not None:
             cands, words = grammar.prune(cands)
@@ -404,15 +325,13 @@ class _AfterRead:
             masks = grammar.masks(words, built)
         laps.lap("pack", built.tree.tokens, built.tree.mask)
         hidden, acc = gen.verify(built, masks=masks)
-        self.g0, self.context = acc.next_token, hidden[acc.last]
-        early = gen.propose(At(self.g0, self.context, gen.history), gen.early)  # the next step's device rows
-        laps.lap("draft", *[b.tokens for b in early if b is not None])
+        g0, context = acc.next_token, hidden[acc.last]
+        early = drafts.early_reads(g0, context, self.host)  # the next step's device rows, lazily
+        laps.lap("draft", *early)
         codes = () if built.codes is None else (built.codes,)
-        vals = host_read(step_read(acc, built.beams[acc.beam]), *codes, *_early_reads(early, self.host))
-        read = StepRead.parse(vals, built.depth)
-        self.syncs += 1 + gen.reads()
+        read = StepRead.parse(host_read(step_read(acc, built.beams[acc.beam]), *codes, *early), built.depth)
+        self.syncs += 1
         k = 0 if built.codes is None else built.codes.size
-        self.early = _settle(early, read.rest[k:], self.host)
         # Most steps accept nothing, or a prefix packed in place (always so for
         # a single path): the cache rows need moving only otherwise. The move
         # stays lazy and runs with the next verify.
@@ -420,13 +339,16 @@ class _AfterRead:
             compact_cache(gen.cache, starts, acc.path[: min(built.size, built.depth + 1)])
         set_cache_length(gen.cache, starts, offsets, 1 + read.n)
         gen.learn(built, read, read.rest[:k], [])
-        if gen.stateful:
-            gen.entered([self.g0_val] + read.row[: read.n], hidden[mx.array(read.path[: read.n + 1], mx.int32)])
+        if drafts.stateful:
+            drafts.entered([self.g0_val] + read.row[: read.n], hidden[mx.array(read.path[: read.n + 1], mx.int32)])
         gen.emitted(read.emitted)
-        self.g0_val = read.g0
-        out = read.tokens(self.step_no, built.size, time.perf_counter() - tic, self.syncs, built.depth, built.labels)
+        self.g0, self.g0_val, self.context, self.rest = g0, read.g0, context, read.rest[k:]
+        out = read.tokens(self.step_no, built.size, 0.0, 0, built.depth, built.labels)
+        out = out if grammar is None else grammar.consume(out)
+        out.stats.step_time, out.stats.host_syncs = time.perf_counter() - tic, self.syncs
+        gen.timed(built.size, out.stats.step_time)
         out.stats = _timed(out.stats, laps)
-        return out if grammar is None else grammar.consume(out)
+        return out
 
 
 def _timed(stats, laps: Laps):

@@ -97,13 +97,17 @@ def make_plan(
     grammar: bool = False,
     timings: bool = False,
     cache=None,
+    batched: bool = False,
 ) -> DraftPlan:
     """The :class:`DraftPlan` of ``draft`` on ``model`` (None: plain decoding).
 
     ``grammar``: the generation is constrained (structured output);
     ``timings``: its phases are timed (a sync each); ``cache``: the prompt
-    cache it runs on (None: the model's own kind). Raises
-    :class:`~mlx_redrafter.errors.RedrafterError` for a request no step can run.
+    cache it runs on (None: the model's own kind); ``batched``: the rows of a
+    batch (step/batched.py: every row's rows on the host, the batch's width
+    its own policy; sources with caches of their own and the controller do
+    not draft there). Raises :class:`~mlx_redrafter.errors.RedrafterError`
+    for a request no step can run.
     """
     if draft is None:
         return DraftPlan()
@@ -117,13 +121,17 @@ def make_plan(
         _say_plain_once(model, why_not)
         return DraftPlan(reason=f"{why_not.rstrip('.')}; no drafting for it yet")
     dropped = ""
-    if grammar and any(s.needs == STATES for s in sources):  # their rows come after the read: none to prune
+    if (grammar or batched) and any(s.needs == STATES for s in sources):  # their rows come after the read
         names = " and ".join(sorted({s.name for s in sources if s.needs == STATES}))
-        dropped = f"under a grammar, {names} do not draft (their rows come after the step's read)"
+        where = "in a batch" if batched else "under a grammar"
+        dropped = f"{where}, {names} do not draft (their rows come after the step's read)"
         sources = [s for s in sources if s.needs != STATES]
         if not sources:
-            return DraftPlan(reason=dropped, structured=True)
+            return DraftPlan(reason=dropped, structured=grammar)
     tree = TreePolicy(draft.tree, draft.curve)
+    if batched:  # every row's rows on the host; the batch's width is its own policy
+        sources = [replace(s, controller=None) if s.controller is not None else s for s in sources]
+        return DraftPlan(tuple(sources), TreePolicy("fixed", draft.curve, packed=True), AFTER_READ, dropped)
     if grammar:  # the masks follow every row's tokens on the host: a packed tree
         tree = TreePolicy("fixed", packed=True)
     elif tree.auto and not any(s.controller is not None for s in sources):
@@ -147,8 +155,14 @@ def _checked(model, draft: DraftConfig) -> list:
     if draft.controller is None:
         return sources
     drafters = [i for i, s in enumerate(sources) if s.beams]
+    if not drafters:
+        raise RedrafterError(
+            "The adaptive-depth controller (--adaptive, controller=) needs a drafter whose depth it decides, "
+            "and this draft has none (rows copied from the context have no depth to decide).",
+            "Pass a drafter (--drafter PATH, drafter=), or drop --adaptive (controller=).",
+        )
     if len(drafters) != 1 or not sources[drafters[0]].takes_controller:
-        what = "none" if not drafters else f"{len(drafters)}: " + ", ".join(sources[i].name for i in drafters)
+        what = f"{len(drafters)}: " + ", ".join(sources[i].name for i in drafters)
         raise RedrafterError(
             "The adaptive-depth controller decides the draft depth of one drafter (the ReDrafter drafter or a "
             f"layer head), and this draft has {what}.",

@@ -55,6 +55,10 @@ class TreeRoPE(nn.Module):
         if depth is None:
             return self.inner(x, offset=offset, **kwargs)
         B, H, L, D = x.shape
+        if depth.ndim == 2:  # issue 57, a batch of trees (step/batch_verify.py): row b's offset[b] + depth[b]
+            y = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+            y = self.inner(y, offset=(offset[:, None] + depth).reshape(-1), **kwargs)
+            return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
         y = x.transpose(2, 0, 1, 3).reshape(L, B * H, 1, D)
         y = self.inner(y, offset=offset + depth, **kwargs)
         return y.reshape(L, B, H, D).transpose(1, 2, 0, 3)

@@ -36,6 +36,7 @@ class Rates:
     positions_per_s: float = 0.0  # distillation: training positions (replies and prompts) per second
     train_steps_per_s: float = 0.0  # drafter training steps per second
     eagle3_positions_per_s: float = 0.0  # EAGLE-3 head training: positions (chain origins) per second
+    dflash_positions_per_s: float = 0.0  # DFlash drafter training: drafted slots (blocks x drafts) per second
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "Rates":
@@ -95,6 +96,8 @@ def train_seconds_per_position(rates: Rates, batch_size: int, held_out: float, h
         seconds += PASSES * (1 - held_out) / (batch_size * max(rates.train_steps_per_s, 1e-9))
     if "eagle3" in heads:
         seconds += PASSES * (1 - held_out) / max(rates.eagle3_positions_per_s, 1e-9)
+    if "dflash" in heads:  # a pass trains each position as one block's slot (anchors sampled at random)
+        seconds += PASSES * (1 - held_out) / max(rates.dflash_positions_per_s, 1e-9)
     return seconds
 
 

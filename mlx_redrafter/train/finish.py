@@ -96,7 +96,8 @@ def controller_stage(run) -> None:
         return
     run.state["controllers"] = {}
     for kind, folder in run.head_dirs.items():
-        _controller(run, kind, folder)
+        if kind != "dflash":  # a DFlash drafter drafts its block in one call: no depth to decide
+            _controller(run, kind, folder)
     run.state.finish("controller", stamp)
 
 
@@ -203,6 +204,7 @@ def verdict_settings(run) -> dict:
     tools give a drafter by default."""
     from ..config import DEFAULT_LOOKUP, DraftConfig, resolve
     from ..hub.store import find
+    from ..keywords import with_curve
     from ..step.curve import curve_for, default_tree
     from ..tuning.verdict import EXISTING, LOOKUP
     from .heads import VERDICT_KEYS
@@ -210,8 +212,9 @@ def verdict_settings(run) -> dict:
     tree = default_tree(run.model)
     curve = curve_for(run.model, run.cfg.model) if tree == "auto" else None
 
-    def shape(drafter):  # the built-in shape of its kind (an EAGLE-3 head drafts as the draft's layer head)
-        return resolve(drafter, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve).draft
+    def shape(drafter):  # the built-in shape and tree of its kind (a layer head drafts as the draft's head)
+        draft = resolve(drafter, lookup=DEFAULT_LOOKUP, tree_default=tree, curve=curve).draft
+        return with_curve(run.model, draft, run.cfg.model)  # a DFlash drafter's own default: tree auto
 
     settings = {LOOKUP: DraftConfig(None, lookup=DEFAULT_LOOKUP, tree=tree, curve=curve)}
     for kind, folder in run.head_dirs.items():
@@ -290,14 +293,15 @@ def learning_need(run, summary):
     """What the drafter's learning curve says it lacks (:mod:`.learning`)."""
     from ..tuning.verdict import chosen, target_speedup
     from .budget import train_seconds_per_position
-    from .heads import EAGLE3, kind_of_key
+    from .heads import DFLASH, EAGLE3, kind_of_key
     from .learning import data_needed, learning_points
     from .shards import Manifest
     from .trainer import LOG
 
     key = chosen(summary)
     kind = kind_of_key(key)
-    batch = run.eagle3_cfg.positions_per_step if kind == EAGLE3 else run.train_cfg.batch_size
+    cfg = {EAGLE3: run.eagle3_cfg, DFLASH: run.dflash_cfg}.get(kind, run.train_cfg)
+    batch = cfg.positions_per_step if kind in (EAGLE3, DFLASH) else run.train_cfg.batch_size
     points = learning_points(run.drafter_dir / LOG, batch)
     record = training_record(run.drafter_dir)
     accuracy = (record.get("eval_acc") or [points[-1][1] if points else 0.0])[0]
@@ -305,7 +309,7 @@ def learning_need(run, summary):
         run.rates, run.train_cfg.batch_size, run.source.held_out, (kind,)
     )
     d = summary[key]
-    warmup = (run.eagle3_cfg if kind == EAGLE3 else run.train_cfg).warmup_steps * batch
+    warmup = cfg.warmup_steps * batch
     return data_needed(
         points,
         accuracy,
@@ -382,7 +386,7 @@ def build_meta(run) -> dict:
     """What the drafter's model card says: the base model, the data, the
     recipe (the command and each stage's minutes), held-out acceptance and
     the verdict with the device it was measured on."""
-    from .heads import EAGLE3, FOLDERS
+    from .heads import FOLDERS, train_recipe
     from .shards import Manifest
     from .trainer import checkpoint_state
 
@@ -415,7 +419,7 @@ def build_meta(run) -> dict:
                 k: getattr(distill, k)
                 for k in ("batch_size", "max_new_tokens", "max_prompt_tokens", "top_k", "prompt_positions", "raw")
             },
-            "train": eagle3_recipe(run) if kind == EAGLE3 else redrafter_recipe(run),
+            "train": train_recipe(run, kind),
             "controller": (run.state["controllers"] or {}).get(kind),
         },
         "acceptance": {
@@ -429,22 +433,3 @@ def build_meta(run) -> dict:
         },
         "verdict": run.state["verdict"],
     }
-
-
-def redrafter_recipe(run) -> dict:
-    keys = ("exit_dim", "num_draft_layers", "rnn", "draft_vocab_size", "depth", "batch_size", "lr")
-    return {k: getattr(run.train_cfg, k) for k in keys + ("skip_repeats", "soft_weight", "depth_decay")}
-
-
-def eagle3_recipe(run) -> dict:
-    """The EAGLE-3 head's training settings and its shape (intermediate size, draft vocabulary)."""
-    keys = ("depth", "window", "batch_size", "lr", "soft_weight", "depth_decay")
-    out = {k: getattr(run.eagle3_cfg, k) for k in keys}
-    config = json.loads((run.head_dirs["eagle3"] / "config.json").read_text())
-    layer = config.get("transformer_layer_config") or {}
-    out.update(
-        intermediate_size=layer.get("intermediate_size"),
-        draft_vocab_size=config.get("draft_vocab_size"),
-        layer_ids=config.get("eagle_aux_hidden_state_layer_ids"),
-    )
-    return out

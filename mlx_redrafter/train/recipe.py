@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .budget import LiveRate, Rates, Sizes, fit_sizes, measure_step_s, measure_train_rate, more_distill_s
-from .heads import EAGLE3, FOLDERS, REDRAFTER, draft_vocab_size, heads_of, train_head
+from .heads import DFLASH, EAGLE3, FOLDERS, LAYER_HEADS, REDRAFTER, draft_vocab_size, heads_of, train_head
 from .recipe_state import State, Status, default_out, positions
 from .sources import HISTORY, held_out_conversations, open_source, source_label
 
@@ -47,8 +47,9 @@ class RecipeConfig:
     distill: dict = field(default_factory=dict)  # DistillConfig fields over the recipe's
     train: dict = field(default_factory=dict)  # TrainConfig fields over the recipe's
     seed: int = 0
-    head: str = REDRAFTER  # which draft head to train: redrafter, eagle3, or auto (both; the faster is installed)
+    head: str = REDRAFTER  # which draft head: redrafter, eagle3, dflash, or auto (all; the fastest is installed)
     eagle3: dict = field(default_factory=dict)  # Eagle3TrainConfig fields over the recipe's
+    dflash: dict = field(default_factory=dict)  # DFlashTrainConfig fields over the recipe's
 
 
 @dataclass
@@ -120,6 +121,7 @@ class RecipeRun:
     distill_cfg: object = None
     train_cfg: object = None
     eagle3_cfg: object = None  # None unless an EAGLE-3 head is trained
+    dflash_cfg: object = None  # None unless a DFlash drafter is trained
     rates: Optional[Rates] = None  # measured rates the budget plans with
     sizes: object = None  # the fixed stages' prompt counts and lengths (budget.fit_sizes)
     # Set by the stages.
@@ -174,7 +176,7 @@ class RecipeRun:
         fields excepted: a rerun may change them)."""
         from .distill import DistillConfig
         from .eagle3_trainer import distill_layers
-        from .heads import eagle3_settings
+        from .heads import dflash_settings, eagle3_settings
         from .trainer import BUDGET_FIELDS, TrainConfig
 
         distill = asdict(
@@ -183,8 +185,8 @@ class RecipeRun:
                 raw=self.raw,
                 seed=self.cfg.seed,
                 max_prompt_tokens=1024 if self.source.label == HISTORY else 384,
-                # An EAGLE-3 head reads three of the model's layers: the data keeps their outputs.
-                feature_layers=distill_layers(self.identity.num_layers) if EAGLE3 in self.heads else [],
+                # An EAGLE-3 head (and a DFlash drafter) reads three of the model's layers: the data keeps them.
+                feature_layers=distill_layers(self.identity.num_layers) if set(LAYER_HEADS) & set(self.heads) else [],
             )
         )
         distill = {k: v for k, v in distill.items() if k not in ("minutes", "max_conversations")}
@@ -201,6 +203,7 @@ class RecipeRun:
         budget = {"epochs": 1000.0, **{k: v for k, v in self.cfg.train.items() if k in BUDGET_FIELDS}}
         train = self.state.pin("train", {**train, **fixed}, fixed)
         self.eagle3_cfg = eagle3_settings(self) if EAGLE3 in self.heads else None
+        self.dflash_cfg = dflash_settings(self) if DFLASH in self.heads else None
         return (
             DistillConfig(**{**distill, "max_conversations": self.cfg.max_conversations}),
             TrainConfig(**{**train, **budget}),
@@ -221,6 +224,11 @@ class RecipeRun:
 
             self.tell(Status("loading", info="timing an EAGLE-3 training step"))
             self.rates.eagle3_positions_per_s = measure_rate(self.model, self.eagle3_cfg, top_k=self.distill_cfg.top_k)
+        if DFLASH in self.heads and not self.rates.dflash_positions_per_s:
+            from .dflash_trainer import measure_rate as dflash_rate
+
+            self.tell(Status("loading", info="timing a DFlash training step"))
+            self.rates.dflash_positions_per_s = dflash_rate(self.model, self.dflash_cfg)
         self.state["rates"] = asdict(self.rates)
         self.sizes = self.cfg.sizes or fit_sizes(self.budget, self.rates.step_s)
         self.state.save()

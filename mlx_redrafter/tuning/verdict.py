@@ -18,7 +18,8 @@ from ..config import DraftConfig
 
 PLAIN, PLAIN_AFTER, LOOKUP, DRAFTER, EXISTING = "plain", "plain again", "lookup", "drafter", "existing"
 EAGLE3 = "eagle3"  # a new EAGLE-3 head (make-drafter --head eagle3|auto); DRAFTER is the new ReDrafter head
-CANDIDATES = (DRAFTER, EAGLE3)
+DFLASH = "dflash"  # a new DFlash drafter (make-drafter --head dflash|auto)
+CANDIDATES = (DRAFTER, EAGLE3, DFLASH)
 Measure = Callable[[str, Optional[DraftConfig], List[List[int]], int], dict]
 
 
@@ -94,7 +95,7 @@ def summarize(passes: dict) -> dict:
 
 
 def chosen(summary: dict) -> str:
-    """The new head the verdict weighs: the faster of the new ones it measured (DRAFTER, EAGLE3)."""
+    """The new head the verdict weighs: the fastest of the new ones it measured (DRAFTER, EAGLE3, DFLASH)."""
     return max((k for k in CANDIDATES if k in summary), key=lambda k: summary[k]["speedup"])
 
 

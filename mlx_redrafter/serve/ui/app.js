@@ -81,7 +81,7 @@ function newStats() {
 }
 
 function addChunkStats(stats, x) {
-  // Draft sources: "drafter", "mtp", "draft-model", "eagle3", "lookup", "datastore".
+  // Draft sources: "drafter", "mtp", "draft-model", "eagle3", "dflash", "lookup", "datastore".
   for (const source of x.sources) if (source !== "llm") stats.drafts[source] = (stats.drafts[source] || 0) + 1;
   Object.assign(stats, { tokens: x.tokens, steps: x.steps, tps: x.tokens_per_second,
     prompt: x.prompt_tokens, reused: x.prompt_tokens_reused });

@@ -2,7 +2,7 @@
 // source of the token it came from.
 //
 // A reply is a list of segments [text, source], source one of "drafter",
-// "mtp", "draft-model", "eagle3", "lookup", "datastore", "llm" (the server's
+// "mtp", "draft-model", "eagle3", "dflash", "lookup", "datastore", "llm" (the server's
 // x_redrafter.sources). The Markdown is
 // rendered from the whole text, then sanitized, then the characters of the
 // rendered text nodes are matched in order against the reply's text to find

@@ -20,6 +20,12 @@ REGISTRY = (
 )
 
 
+# Every label the built-in sources' rows carry (a user's source names its own), and
+# those a batch drafts with (step/batched.py: no source with a cache of its own).
+LABELS = redrafter.LABELS + chain.LABELS + lookup.LABELS + datastore.LABELS
+BATCH_LABELS = redrafter.LABELS + lookup.LABELS + datastore.LABELS
+
+
 def request_sources(draft) -> list:
     """Every source a request asks for, in :data:`REGISTRY`'s order."""
     return [s for builder in REGISTRY for s in builder(draft)]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ...config import DEFAULT_DRAFT_MODEL_LENGTH, DEFAULT_HEAD_LENGTH, is_layer_head
-from ...draft.chain import Chain
+from ...config import DEFAULT_HEAD_LENGTH, is_layer_head
+from ...draft.chain import chain_for
 from ...draft.draft_model import ModelHead
 from ..source import STATES, Prior, Proposer, Rows, Setting, Source
 from .redrafter import PRIOR as DRAFTER_PRIOR
@@ -23,8 +23,13 @@ from .redrafter import node_scores
 
 # They score nodes by probability, as the drafter does, and start from its
 # priors (unmeasured on real weights): the calibration learns their rates.
-PRIORS = {name: Prior(name, DRAFTER_PRIOR.edges, DRAFTER_PRIOR.q, DRAFTER_PRIOR.slots) for name in ("mtp", "eagle3")}
-PRIORS["draft-model"] = Prior("draft-model", DRAFTER_PRIOR.edges, DRAFTER_PRIOR.q, DRAFTER_PRIOR.slots)
+# What their rows are called (a layer head's own ``source``; a draft model's).
+LABELS = ("mtp", "draft-model", "eagle3", "dflash")
+_KINDS = {"eagle3": "An EAGLE-3 head", "dflash": "A DFlash drafter"}  # layer heads that are a drafter of their own
+
+
+def prior_for(name: str) -> Prior:
+    return Prior(name, DRAFTER_PRIOR.edges, DRAFTER_PRIOR.q, DRAFTER_PRIOR.slots)
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +50,7 @@ class ChainSource(Source):
 
     @property
     def prior(self) -> Prior:
-        return PRIORS.get(self.name) or Prior(self.name, DRAFTER_PRIOR.edges, DRAFTER_PRIOR.q, DRAFTER_PRIOR.slots)
+        return prior_for(self.name)
 
     @property
     def rows(self) -> int:
@@ -85,9 +90,8 @@ def _words(head):
     """The source's kind and the flags that shape its beams, for messages."""
     if not is_layer_head(head):
         return "A draft model", "--num-draft-tokens"
-    if getattr(head, "source", None) == "eagle3":
-        return "An EAGLE-3 head", "--beam-width/--beam-length"
-    return "An MTP head", "--mtp-width/--mtp-depth"
+    kind = _KINDS.get(getattr(head, "source", None))
+    return (kind, "--beam-width/--beam-length") if kind else ("An MTP head", "--mtp-width/--mtp-depth")
 
 
 def chain_head(model, head):
@@ -106,7 +110,9 @@ def chain_head(model, head):
 class _Chained(Proposer):
     def __init__(self, source: ChainSource, setting: Setting):
         self.s, self.setting = source, setting
-        self.chain = Chain(chain_head(setting.model, source.head), source.width, source.length, source.controller)
+        # A source that drafts its own way (a DFlash block drafter: make_chain) keeps the chain's surface.
+        head = chain_head(setting.model, source.head)
+        self.chain = chain_for(head, source.width, source.length, source.controller)
         self.make_cache = self.chain.make_cache
 
     def attach(self, caches: list) -> None:
@@ -136,6 +142,5 @@ def from_request(draft) -> List[Source]:
     elif is_layer_head(draft.drafter):
         out.append(ChainSource(draft.drafter, draft.beam_width, draft.beam_length))
     if draft.draft_model is not None:
-        length = draft.draft_model_length or DEFAULT_DRAFT_MODEL_LENGTH
-        out.append(ChainSource(draft.draft_model, draft.draft_model_width, length))
+        out.append(ChainSource(draft.draft_model, draft.draft_model_width, draft.draft_model_length))
     return out

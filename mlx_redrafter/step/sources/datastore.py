@@ -20,6 +20,7 @@ from ..source import TOKENS, HostProposer, Prior, Setting, Source, rates
 # first token: a guess that no measurement in this repository backs yet; the
 # online calibration replaces it with what the run accepts.
 _Q = rates([0.2, 0.25, 0.3, 0.35, 0.4], [0.4, 0.45, 0.5, 0.55, 0.6])
+LABELS = ("datastore",)
 PRIOR = Prior("datastore", (1.5, 3.5, 7.5, 15.5), _Q, _Q.mean(axis=1, keepdims=True) * [1.0, 0.5, 0.4, 0.3])
 
 

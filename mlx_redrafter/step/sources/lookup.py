@@ -29,6 +29,7 @@ from ..source import TOKENS, HostProposer, Prior, Rows, Setting, Source, rates
 # depth 1, given the parent, is higher). Priors only: the online calibration
 # replaces them with what the run accepts.
 _Q = rates([0.12, 0.3, 0.45, 0.55, 0.6], [0.4, 0.55, 0.65, 0.7, 0.75])
+LABELS = ("lookup",)
 PRIOR = Prior("lookup", (1.5, 2.5, 3.5, 4.5), _Q, _Q.mean(axis=1, keepdims=True) * [1.0, 0.5, 0.4, 0.3])
 
 

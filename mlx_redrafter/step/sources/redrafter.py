@@ -36,6 +36,7 @@ PRIOR = Prior(
     rates([0.435, 0.07, 0.06, 0.04], [0.5, 0.2, 0.15, 0.1]),
 )
 assert PRIOR.q.shape[1] == N_BUCKETS
+LABELS = ("drafter",)  # what its rows are called in the stats, /metrics and the chat's colours
 
 
 def node_scores(beams) -> mx.array:
@@ -81,7 +82,8 @@ class RedrafterSource(Source):
                 f"Beam width and length must be at least 1 (got width {self.width}, length {self.length}).",
                 "Use e.g. --beam-width 2 --beam-length 1.",
             )
-        check_fits(self.drafter, model)
+        if hasattr(self.drafter, "config"):  # a drafter built in code may be any object with draft()
+            check_fits(self.drafter, model)
 
     def open(self, setting: Setting) -> Proposer:
         return _Beams(self, setting)

@@ -1,0 +1,170 @@
+"""The caches of a batch of rows verified together, each keeping its own accepted tokens.
+
+mlx-lm batches caches for plain decoding: ``BatchKVCache`` keeps rows
+left-padded, every one ending at the buffer's end; ``ArraysCache`` holds one
+recurrent state per row. A batched tree verification
+(step/batch_verify.py) appends every row's tree at the buffer's end and
+each row keeps its own number of those tokens, so rows end in different
+places (ragged): row ``b`` holds its tokens at ``[left[b], left[b] +
+lengths[b])``; what lies after them up to the buffer's end is hidden by
+every mask of the batch (the verify calls shadow ``make_mask``). ``offset``
+keeps mlx-lm's meaning, each row's token count (RoPE reads it). mlx-lm's
+``extend`` (rows joining) and ``filter`` (rows leaving) move a row's tokens
+together with its left padding, so they keep this layout;
+:func:`extract_row` takes one row out (mlx-lm's ``extract`` would take
+everything up to the buffer's end).
+
+:class:`Ragged` mirrors on the host where each row starts and how many
+tokens it holds, so that masks and compaction need no read of the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache
+
+from ..errors import RedrafterError
+from .recurrent import kv_leaves, leaves, recurrent_leaves
+
+# The layer caches a batch of trees runs on (a sliding window's rotating
+# cache, a quantized one, cannot: their rows are not moved per row here).
+BATCHABLE = (KVCache, ArraysCache)
+
+
+@dataclass
+class Ragged:
+    """Host mirror of a ragged batch: each row's left padding and token count."""
+
+    left: List[int] = field(default_factory=list)
+    lengths: List[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """Where the buffer's used part ends: the longest row's end."""
+        return max((a + n for a, n in zip(self.left, self.lengths)), default=0)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def can_batch_rows(cache) -> bool:
+    """Whether a row's cache can join a batch of trees: every layer a plain
+    ``KVCache`` or a recurrent ``ArraysCache`` (``CacheList`` members too)."""
+    return all(type(c) in BATCHABLE for c in leaves(cache))
+
+
+def _merged(caches: Sequence[list]) -> list:
+    """mlx-lm's batched caches of single rows (``merge`` layer by layer)."""
+    return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+
+def _sync_left(batch, ragged: Ragged) -> None:
+    kv = kv_leaves(batch)
+    if kv:
+        ragged.left = [int(x) for x in kv[0].left_padding.tolist()]
+    else:
+        ragged.left = [0] * len(ragged.lengths)
+
+
+def _fit(batch, ragged: Ragged) -> None:
+    """Every attention layer's offsets and used length from the host mirror."""
+    offsets, end = mx.array(ragged.lengths, mx.int32), ragged.end
+    for c in kv_leaves(batch):
+        c.offset = offsets
+        c._idx = end  # mlx-lm's private write index: the next tokens go right after the longest row
+
+
+def join_rows(batch: list, ragged: Ragged, caches: Sequence[list], lengths: Sequence[int]) -> list:
+    """Add rows to ``batch`` (``[]``: a new batch): ``caches`` are single
+    rows' caches (the model's only) holding ``lengths`` tokens each. Returns
+    the batch (a new list when it was empty); ``ragged`` follows."""
+    for cache in caches:
+        if not can_batch_rows(cache):
+            kinds = sorted({type(c).__name__ for c in leaves(cache)})
+            raise RedrafterError(
+                f"A cache of {', '.join(kinds)} cannot join a batch of draft trees.",
+                "Serve this model with plain batched decoding.",
+            )
+    merged = _merged(caches)
+    if not batch:
+        batch = merged
+    else:
+        for c, m in zip(batch, merged):
+            c.extend(m)
+    ragged.lengths = ragged.lengths + list(lengths)
+    _sync_left(batch, ragged)
+    _fit(batch, ragged)
+    return batch
+
+
+def drop_rows(batch: list, ragged: Ragged, keep: Sequence[int]) -> None:
+    """Keep only rows ``keep`` (in that order); mlx-lm's ``filter`` also drops
+    the left padding every kept row shares."""
+    keep = list(keep)
+    if not keep:
+        batch.clear()
+        ragged.left, ragged.lengths = [], []
+        return
+    for c in batch:
+        c.filter(keep)
+    ragged.lengths = [ragged.lengths[i] for i in keep]
+    _sync_left(batch, ragged)
+    _fit(batch, ragged)
+
+
+def extract_row(batch: list, ragged: Ragged, b: int) -> list:
+    """Row ``b``'s own caches (``KVCache`` and ``ArraysCache``), holding its tokens and nothing after them."""
+    start, n = ragged.left[b], ragged.lengths[b]
+
+    def one(c):
+        if isinstance(c, CacheList):
+            return CacheList(*(one(m) for m in c.caches))
+        if isinstance(c, BatchKVCache):
+            out = KVCache()
+            if c.keys is not None and n:
+                out.keys = mx.contiguous(c.keys[b : b + 1, :, start : start + n])
+                out.values = mx.contiguous(c.values[b : b + 1, :, start : start + n])
+                out.offset = n
+            return out
+        return c.extract(b)
+
+    return [one(c) for c in batch]
+
+
+def prefix_mask(ragged: Ragged, width: int) -> mx.array:
+    """``[B, width]`` bool: the buffer columns that hold each row's tokens."""
+    cols = np.arange(width)[None, :]
+    left = np.array(ragged.left)[:, None]
+    return mx.array((cols >= left) & (cols < left + np.array(ragged.lengths)[:, None]))
+
+
+def compact_rows(batch: list, ragged: Ragged, start: int, paths: mx.array, kept: Sequence[int]) -> None:
+    """After a verify call wrote every row's tree at buffer column ``start``:
+    row ``b``'s accepted path (``paths [B, P]``, tree indices: 0 is its
+    root, then the accepted nodes, padded with anything) moves right after
+    its tokens, and it keeps ``kept[b]`` of them. Lazy: gathers and scatters
+    of ``P`` columns a row, whatever the rows' lengths."""
+    src = (start + paths.astype(mx.int32))[:, None, :, None]
+    ends = mx.array([a + n for a, n in zip(ragged.left, ragged.lengths)], mx.int32)
+    dst = (ends[:, None] + mx.arange(paths.shape[1], dtype=mx.int32)[None, :])[:, None, :, None]
+    for c in kv_leaves(batch):
+        c.keys = mx.put_along_axis(c.keys, dst, mx.take_along_axis(c.keys, src, axis=2), axis=2)
+        c.values = mx.put_along_axis(c.values, dst, mx.take_along_axis(c.values, src, axis=2), axis=2)
+    ragged.lengths = [n + k for n, k in zip(ragged.lengths, kept)]
+    _fit(batch, ragged)
+
+
+def take_row_states(batch: list, nodes: mx.array) -> None:
+    """After a verify call through the recurrent layers: row ``b``'s state
+    becomes that of node ``nodes[b]`` (indices into the flattened ``[B * N]``
+    nodes of the call, step/batch_verify.py), lazily."""
+    index = nodes.reshape(-1).astype(mx.int32)
+    for c in recurrent_leaves(batch):
+        pending = getattr(c, "pending", None)
+        if pending is not None:
+            c.cache = pending.take(index)
+            c.pending = None

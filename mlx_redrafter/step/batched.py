@@ -1,0 +1,294 @@
+"""The step loop of a batch of rows, each drafting its own tree (issue 57).
+
+:class:`BatchSteps` decodes several sequences together (``serve``'s
+concurrent requests). Each step every row drafts as a row alone does in
+the read-then-build schedule (its plan's sources, step/drafts.py: the
+device's rows read with the step, then the host's), the batch's width is chosen against what the whole
+batch's forward costs (step/batch_budget.py), every row's tree is verified
+in one forward (step/batch_verify.py), each row accepts its own prefix with
+the single row's acceptance, and each row's cache keeps exactly its own
+accepted tokens (llm/batch_cache.py). One host read per step serves every
+row. Rows join (:meth:`BatchSteps.add`: a prompt prefilled alone, or a
+sequence that decoded elsewhere so far) and leave (:meth:`BatchSteps.remove`)
+between two steps.
+
+What stays a row's own: its sampling (greedy, or the exact sampling walk on
+its own random key), its grammar (drafts pruned and every node masked by
+its own matcher, step/grammar.py; forced tokens join as a row), and, for a
+row that does not draft, its own sampler (``serve``'s seeded rows, whose
+samples are plain decoding's with that seed). Sources with caches of their
+own (an MTP or EAGLE-3 head, a draft model) do not draft in a batch: their
+caches would need batching too (the batch's plan leaves them out,
+step/plan.py ``make_plan(batched=True)``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..config import DraftConfig, SamplingConfig
+from ..llm.batch_cache import Ragged, compact_rows, drop_rows, extract_row, join_rows, take_row_states
+from ..llm.cache import trim_cache
+from ..llm.parts import hidden_size, model_parts
+from ..llm.recurrent import cache_length
+from .accept import Accepted
+from .batch_budget import LiveCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
+from .curve import builtin_curve
+from .drafts import Drafts, fused_layers
+from .grammar import apply_mask, packed_masks, tree_masks, unpack_masks
+from .plan import make_plan
+from .protocol import StepRead, StepStats, StepTokens, host_read, prefill
+from .sources.forced import FORCED_LENGTH
+from .tree import PAD, count_rows, pack
+
+GRAMMAR = "grammar"  # the label of a grammar's forced row
+
+
+@dataclass
+class RowPlan:
+    """How one row decodes: its ``sampling``, its own random ``key``
+    (sampling rows; None: the global random state), its ``grammar``,
+    whether it ``drafts``, and for a row that does not, an optional
+    ``sampler(logprobs [1, V]) -> [1]`` (mlx-lm's sampler contract)."""
+
+    sampling: SamplingConfig
+    key: Optional[mx.array] = None
+    grammar: object = None
+    drafts: bool = True
+    sampler: Optional[Callable] = None
+
+
+class BatchRow:
+    """A row of :class:`BatchSteps`: its plan, drafts and next token."""
+
+    def __init__(self, plan: RowPlan, drafts: Optional[Drafts], matcher):
+        self.plan, self.drafts, self.matcher = plan, drafts, matcher
+        self.g0 = 0  # the next token (the root of the next tree), on the host
+        self.rows: List[List[int]] = []  # the next tree's rows (PAD-padded), host
+        self.sources: List[str] = []
+        self.steps = 0
+
+    def next_key(self):
+        """A fresh key for this step's draws (None: the row draws from the global state)."""
+        if self.plan.key is None:
+            return None
+        self.plan.key, sub = mx.random.split(self.plan.key)
+        return sub
+
+    def take(self, vals: List[int], emitted: List[int]) -> None:
+        """The next tree's rows, from the early sources' values just read and the tokens just emitted."""
+        self.rows, self.sources = [], []
+        if self.drafts is not None:
+            self.drafts.emitted(emitted)
+            cands = self.drafts.late(vals, True, g0_value=self.g0)
+            if cands.blocks:
+                rows = cands.host_rows()
+                depth = max(len(r) for r in rows)
+                self.rows, self.sources = [r + [PAD] * (depth - len(r)) for r in rows], list(cands.labels)
+        if self.matcher is not None and self.plan.drafts and not self.matcher.is_done():
+            forced = self.matcher.forced_tokens()[:FORCED_LENGTH]
+            if forced:
+                self.rows.append(forced)
+                self.sources.append(GRAMMAR)
+
+
+class BatchSteps:
+    """Sequences decoded together with a draft tree each (see the module doc).
+
+    ``draft`` says what drafts (the runtime's; the batch's plan leaves its
+    stateful sources and its controller out), ``curve`` prices the batch's forward until its steps are timed
+    (step/batch_budget.py ``LiveCost``; ``live=False``: by the curve alone).
+    :attr:`rows` are in the batch's order;
+    :meth:`step` returns one :class:`StepTokens` per row, in that order;
+    after it, :attr:`last_width` is the width its trees were padded to, :attr:`tokens`
+    what it emitted, and :attr:`verified` and :attr:`accepted` count its
+    draft nodes by source.
+    """
+
+    def __init__(self, model, draft: DraftConfig, curve=None, live: bool = True):
+        self.model = model
+        self.plan = make_plan(model, draft, batched=True)
+        self.curve = curve if curve is not None else (draft.curve or builtin_curve())
+        layers = fused_layers(self.plan.sources)
+        self.embed, self.backbone, self.head = model_parts(model, layers or None)
+        self.width = hidden_size(model)
+        self.context_width = self.width * (1 + len(layers))
+        self.cache: list = []
+        self.ragged = Ragged()
+        self.rows: List[BatchRow] = []
+        self.rates = SourceRates()
+        self.cost = LiveCost(self.curve)
+        self.live = live  # False: priced by the curve alone (no timing: the same widths every run)
+        self.syncs = 0
+        self.last_width = 1  # the width of the last step's trees
+        self.tokens = 0  # the last step's tokens, all rows together
+        self.verified: Counter = Counter()  # the last step's draft nodes verified, by source
+        self.accepted: Counter = Counter()  # ... and accepted
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------------ rows joining and leaving
+
+    def add(self, cache, tokens: Sequence[int], plan: RowPlan, history: Sequence[int] = (), g0=None, reply=()):
+        """A row joins: ``cache`` (a single row's, the model's caches only)
+        holds ``history``; ``tokens`` follow it. ``g0=None``: ``tokens`` end
+        a prompt, whose logits give the row's first token; returns ``(row,
+        its first StepTokens)``. Else ``g0`` is the row's next token (already
+        emitted), ``tokens`` the known ones before it that ``cache`` lacks,
+        ``reply`` the reply so far, ending with ``g0`` (a grammar's parse
+        takes it in); returns ``(row, None)``."""
+        tic = time.perf_counter()
+        history, tokens, first = list(history), list(tokens), g0 is None
+        matcher = plan.grammar.matcher() if plan.grammar is not None else None
+        row = BatchRow(plan, None, matcher)
+        if first or tokens:
+            logits, context = prefill(self.backbone, self.head, cache, mx.array(tokens, mx.int32))
+        elif history and trim_cache(cache, len(history) - 1):  # re-feed the last cached token: its context
+            tokens, history = history[-1:], history[:-1]
+            logits, context = prefill(self.backbone, self.head, cache, mx.array(tokens, mx.int32))
+        else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
+            context = mx.zeros((self.context_width,), mx.float32)
+        if first:
+            g0 = self._first_token(row, logits if matcher is None else apply_mask(logits, matcher.mask()))
+        g0 = g0 if isinstance(g0, mx.array) else mx.array(g0, mx.int32)
+        if plan.drafts and self.plan.drafting:
+            greedy = plan.sampling.greedy
+            row.drafts = Drafts(
+                self.plan.sources, self.model, self.embed, self.width, history + tokens, False, greedy, False
+            )
+        pending = row.drafts.early_reads(g0, context, True) if row.drafts is not None else []
+        vals = host_read(g0, *pending)
+        row.g0 = vals[0]
+        if matcher is not None:
+            for t in [row.g0] if first else list(reply):
+                if not matcher.is_done():
+                    matcher.consume(t)
+        row.take(vals[1:], [row.g0])
+        self.cache = join_rows(self.cache, self.ragged, [cache], [cache_length(cache) or 0])
+        self.rows.append(row)
+        if not first:
+            return row, None
+        return row, StepTokens([row.g0], [False], StepStats(0, 0, 1, time.perf_counter() - tic, 1))
+
+    def _first_token(self, row: BatchRow, logits: mx.array) -> mx.array:
+        """The token after a prompt (lazy): the row's sampler's, else its own draw."""
+        if row.plan.sampler is not None:
+            lp = logits[None] - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return row.plan.sampler(lp).reshape(()).astype(mx.int32)
+        return draw(logits, row.plan.sampling, row.next_key())
+
+    def remove(self, row: BatchRow) -> list:
+        """``row`` leaves: its own caches (holding every token but its next one, :attr:`BatchRow.g0`)."""
+        b = self.rows.index(row)
+        cache = extract_row(self.cache, self.ragged, b)
+        keep = [i for i in range(len(self.rows)) if i != b]
+        drop_rows(self.cache, self.ragged, keep)
+        self.rows.pop(b)
+        if not self.rows:
+            self.cache = []
+        return cache
+
+    # ------------------------------------------------------------------ a step
+
+    def _plan_width(self) -> int:
+        """Cut every row's rows to the batch's width (step/batch_budget.py); the width."""
+        ranked = [ranked_nodes(r.rows, r.sources, self.rates) for r in self.rows]
+        width = choose_width(ranked, self.cost)
+        for row, nodes in zip(self.rows, ranked):
+            if len(nodes) <= width - 1:
+                continue
+            keep = {prefix for prefix, _ in nodes[: width - 1]}
+            row.rows = cut_rows(row.rows, keep)
+        return width
+
+    def _row_tree(self, row: BatchRow):
+        """``(RowTree, grammar masks or None)`` of a row's next tree."""
+        g0 = mx.array(row.g0, mx.int32)
+        rows, masks = row.rows, None
+        if row.matcher is not None:
+            rows, words = tree_masks(row.matcher, rows or [[]])
+            row.rows = rows
+            vocab = row.plan.grammar.vocab_size
+        n_nodes = count_rows(rows) if rows else 0
+        if n_nodes == 0:
+            if row.matcher is not None:
+                masks = unpack_masks(words[:1], vocab)
+            return RowTree(g0), masks
+        beams = mx.array(rows, mx.int32)
+        tree = pack(beams, n_nodes, g0, padded=True)
+        if row.matcher is not None:
+            masks = packed_masks(words, beams, tree.node_index, tree.size, vocab)
+        return RowTree(g0, tree, beams), masks
+
+    def _accept(self, row: BatchRow, rt: RowTree, logits: mx.array, masks) -> Accepted:
+        plan = row.plan
+        if plan.sampler is not None and rt.tree is None:  # its own sampler, on mlx-lm's logprobs
+            lg = logits[:1] if masks is None else apply_mask(logits[:1], masks)
+            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            zero = mx.array(0, mx.int32)
+            return Accepted(zero, zero, mx.zeros((1,), mx.int32), zero, plan.sampler(lp).reshape(()).astype(mx.int32))
+        return accept_row(rt, logits, plan.sampling, row.next_key(), masks)
+
+    def step(self) -> List[StepTokens]:
+        """One step of every row: each row's accepted drafts and its own next token."""
+        tic = time.perf_counter()
+        self.last_width = self._plan_width()
+        self.verified, self.accepted = Counter(), Counter()
+        built = [self._row_tree(row) for row in self.rows]
+        trees = [rt for rt, _ in built]
+        bt = stack_trees(trees)
+        start = self.ragged.end  # the trees go right after the longest row
+        logits, hidden = verify_batch(self.model, self.backbone, self.head, self.cache, bt, self.ragged)
+        accs = [self._accept(row, rt, logits[b], masks) for b, (row, (rt, masks)) in enumerate(zip(self.rows, built))]
+        take_row_states(self.cache, mx.stack([b * bt.width + a.last for b, a in enumerate(accs)]))
+        reads, sizes = [], []
+        for b, (row, rt, acc) in enumerate(zip(self.rows, trees, accs)):
+            beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
+            pending = row.drafts.early_reads(acc.next_token, hidden[b, acc.last], True) if row.drafts else []
+            parts = [mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, beam]), *pending]
+            reads += parts
+            sizes.append(sum(p.size for p in parts))
+        vals = host_read(*reads)
+        self.syncs += 1
+        parsed, at = [], 0
+        for rt, size in zip(trees, sizes):
+            parsed.append(StepRead.parse(vals[at : at + size], rt.depth))
+            at += size
+        paths = padded_paths(accs, 1 + max(rt.depth for rt in trees))
+        compact_rows(self.cache, self.ragged, start, paths, [1 + r.n for r in parsed])
+        out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, trees, parsed)]
+        self.tokens = sum(len(st.tokens) for st in out)
+        if self.live:
+            self.cost.observe(len(out), bt.width, time.perf_counter() - tic)
+        return out
+
+    def _emit(self, row: BatchRow, rt: RowTree, read: StepRead, tic: float) -> StepTokens:
+        """Row ``row``'s tokens of the step just read; its next tree's rows."""
+        row.steps += 1
+        tokens, drafted = read.emitted, [True] * read.n + [False]
+        source = row.sources[read.beam] if read.n else ""
+        if rt.tree is not None:
+            self.rates.observe(row.rows, row.sources, read.row[: read.n])
+            self.verified.update(source for _, source in unique_prefixes(row.rows, row.sources))
+        if row.matcher is not None:
+            eos = set(row.plan.grammar.eos_ids)
+            for i, t in enumerate(tokens):
+                row.matcher.consume(t)
+                if t in eos:
+                    tokens, drafted = tokens[: i + 1], drafted[: i + 1]
+                    break
+        if read.n:
+            self.accepted[source] += sum(drafted)
+        stats = StepStats(
+            row.steps, sum(drafted), rt.size, time.perf_counter() - tic, self.syncs, read.beam, rt.depth, source
+        )
+        row.g0 = tokens[-1]
+        row.take(read.rest, read.emitted)
+        return StepTokens(tokens, drafted, stats)
