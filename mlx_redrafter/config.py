@@ -73,22 +73,29 @@ class SamplingConfig:
 
 @dataclass
 class DraftConfig:
-    """How the step loop drafts: ``drafter=None, lookup=0`` is plain mlx-lm decoding.
+    """What a generation asks to draft with: the request's drafting fields,
+    as the library's keywords, the commands' flags and the server's runtime
+    resolve them (flags > tuned profile > built-in, :func:`resolve`). It
+    drafts nothing by itself: step/plan.py ``make_plan`` turns it into the
+    plan a generation runs (its sources, each read from these fields by its
+    own module of step/sources/, the tree policy, the schedule), and checks
+    it there. ``drafter=None, lookup=0`` (nothing else) is plain decoding.
 
     ``beam_length`` counts drafted tokens (not ``g0``). ``controller`` (an
     adaptive-depth :class:`~mlx_redrafter.draft.controller.Controller`) picks
     the depth to verify each step, up to ``beam_length``. ``lookup`` adds
     that many lookup beams (``lookup_length`` tokens copied from the prompt
     and reply, :mod:`~mlx_redrafter.draft.lookup`) to the drafter's beams;
-    with no drafter they are the only drafts. ``pipelined=False`` runs the
-    synchronous step loop where the pipelined one could run: for
+    with no drafter they are the only drafts. ``pipelined=False`` reads each
+    step before building the next where the plan would build ahead: for
     comparisons; the tokens are the same. ``datastore`` (a
     :class:`~mlx_redrafter.draft.datastore.index.Datastore` or
     :class:`~mlx_redrafter.draft.datastore.use.Stores`, None for none) adds one row
     of ``lookup_length`` tokens from the model's past outputs on steps where
     context lookup finds nothing (draft/datastore/use.py).
 
-    Sources with state of their own (draft/chain.py) join the same tree:
+    Sources with state of their own (draft/chain.py) join the same tree (the
+    caller's own sources too: ``sources``):
     ``head`` a :class:`~mlx_redrafter.draft.head.LayerHead` (a native MTP
     head, an EAGLE-3 head) drafting ``head_width`` beams of ``head_length``
     tokens; ``draft_model`` an mlx-lm model with the target's tokenizer
@@ -102,7 +109,7 @@ class DraftConfig:
     controller: object = None
     lookup: int = 0
     lookup_length: int = LOOKUP_LENGTH
-    pipelined: bool = True  # False: the synchronous loop even where the pipelined one can run
+    pipelined: bool = True  # False: read, then build, even where the next step could be built ahead
     # "fixed": verify every drafted node. "auto": beam_width x beam_length and
     # the lookup rows are the candidates; each step verifies the subset whose
     # expected tokens per unit of verify cost (``curve``, step/curve.py) is best.
@@ -118,34 +125,6 @@ class DraftConfig:
     # The caller's own sources: objects with a ``name`` and ``propose(tokens)``
     # (step/sources/host.py); their rows join the others' in the one tree.
     sources: tuple = ()
-
-    @property
-    def drafting(self) -> bool:
-        return (
-            self.drafter is not None or self.lookup > 0 or self.datastore is not None or self.stateful or self.sources
-        )
-
-    @property
-    def stateful(self) -> bool:
-        """Whether a source with a cache of its own drafts (a layer head, a draft model)."""
-        return self.head is not None or self.draft_model is not None
-
-    @property
-    def source_rows(self):
-        """``(source name, width, length)`` of each stateful source, as step stats name them."""
-        names = [getattr(self.head, "source", "mtp")] if self.head is not None else []
-        names += ["draft-model"] if self.draft_model is not None else []
-        return [(name, w, n) for name, (_, w, n) in zip(names, self.source_shapes)]
-
-    @property
-    def source_shapes(self):
-        """``(what, width, length)`` of each stateful source, head first (the order of their caches)."""
-        out = []
-        if self.head is not None:
-            out.append((self.head, self.head_width, self.head_length))
-        if self.draft_model is not None:
-            out.append((self.draft_model, self.draft_model_width, self.draft_model_length))
-        return out
 
     @property
     def head_is_drafter(self) -> bool:
@@ -164,80 +143,10 @@ class DraftConfig:
         shape = shape or {"beam_width": width, "beam_length": length}
         return replace(self, lookup=lookup, **shape)
 
-    @property
-    def lookup_rows(self) -> int:
-        """Rows of a step's tree after the drafter's: lookup rows, or the one datastore row."""
-        return self.lookup if self.lookup else int(self.datastore is not None)
-
-    @property
-    def drafter_rows(self) -> int:
-        """Rows of a step's tree that come from the drafter; rows past them are lookup rows."""
-        return self.beam_width if self.drafter is not None else 0
-
-    @property
-    def feature_layers(self):
-        """LLM layers the drafter fuses into its context (None: the last one alone)."""
-        return getattr(getattr(self.drafter, "config", None), "feature_layers", None)
-
-    @property
-    def margin(self) -> int:
-        """Context a verification needs past the last token: ``g0`` and the
-        deepest draft (positions run to offset + depth)."""
-        if not self.drafting:
-            return 0
-        depth = max(
-            self.beam_length if self.drafter is not None else 0,
-            self.lookup_length if self.lookup_rows else 0,
-            *(length for _, _, length in self.source_shapes),
-        )
-        return depth + 1
-
-    def _head_words(self) -> Tuple[str, str]:
-        """The head's kind and the flags that shape its beams, for messages."""
-        if getattr(self.head, "source", None) in DRAFTER_HEADS:
-            return (
-                "A DFlash drafter" if self.head.source == "dflash" else "An EAGLE-3 head"
-            ), "--beam-width/--beam-length"
-        return "An MTP head", "--mtp-width/--mtp-depth"
-
     def check(self) -> None:
-        """Refuse a shape no step can verify."""
-        if self.drafter is not None and (self.beam_width < 1 or self.beam_length < 1):
-            raise RedrafterError(
-                f"Beam width and length must be at least 1 (got width {self.beam_width}, length {self.beam_length}).",
-                f"Use e.g. --beam-width {DEFAULT_WIDTH} --beam-length {DEFAULT_LENGTH}.",
-            )
-        shapes = (
-            (*self._head_words(), self.head, self.head_width, self.head_length),
-            ("A draft model", "--num-draft-tokens", self.draft_model, self.draft_model_width, self.draft_model_length),
-        )
-        for what, flag, source, width, length in shapes:
-            if source is not None and (width < 1 or length < 1):
-                raise RedrafterError(
-                    f"{what}'s beams need a width and a length of at least 1 (got width {width}, length {length}).",
-                    f"Use {flag} with values of at least 1.",
-                )
-        # The controller decides the calls of one drafter: the ReDrafter head's
-        # beam search, or a layer head's chain (an EAGLE-3 drafter), alone.
-        if self.controller is not None and self.stateful and (self.drafter is not None or self.draft_model is not None):
-            raise RedrafterError(
-                "The adaptive-depth controller decides the draft depth of one drafter, and this draft has two "
-                "(a ReDrafter drafter or a draft model beside a layer head).",
-                "Drop --adaptive (controller=), or the MTP head (--mtp none) and the draft model.",
-            )
-        if self.controller is not None and self.drafter is None and self.head is None:
-            raise RedrafterError(
-                "The adaptive-depth controller (--adaptive, controller=) needs a drafter whose depth it decides, "
-                "and this draft has none (lookup and datastore rows have no depth to decide).",
-                "Pass a drafter (--drafter PATH, drafter=), or drop --adaptive (controller=).",
-            )
+        """Refuse a tree this package does not know (the sources' own checks: step/plan.py ``make_plan``)."""
         if self.tree not in TREES:
             raise RedrafterError(f"Unknown tree {self.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
-        if self.lookup < 0 or self.lookup_length < 1:
-            raise RedrafterError(
-                f"lookup must be at least 0 beams of at least 1 token (got {self.lookup} of {self.lookup_length}).",
-                "Use lookup=True (one lookup beam) or lookup=False.",
-            )
 
 
 @dataclass

@@ -82,7 +82,9 @@ def call_configs(
         **tree_kw(d["tree"], model),
     )
     draft = _with_call_sources(model, draft, own_mtp, loose_sources, d["lookup"])
-    store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=draft.drafting)
+    from .step.plan import asks
+
+    store = open_datastore(datastore, getattr(model, "redrafter_spec", None), drafting=asks(draft))
     draft = draft if store is None else replace(draft, datastore=store)
     return sampling, with_curve(model, draft)
 

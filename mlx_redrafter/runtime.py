@@ -24,6 +24,7 @@ from .draft.redrafter import SHIPPED_DRAFTERS, shipped_drafter_path  # noqa: F40
 from .draft.stateful import SourceFlags
 from .errors import RedrafterError
 from .keywords import plain_tree, tree_kw, with_curve, with_sources
+from .step.plan import asks
 
 _HEAD_WORDS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}  # a layer head's name in the announcement (else MTP)
 NO_DRAFTER = "none"  # --drafter none: no drafter (lookup drafts only, with --lookup)
@@ -99,9 +100,10 @@ class Runtime:
         if self.draft.datastore is not None:  # its one row stands in when lookup finds nothing
             copies = f"{copies} (else 1 from the datastore)" if self.lookup else "1 copy from the datastore"
         guesses = self._guesses()
+        copied = self.draft.lookup or self.draft.datastore is not None  # a row copied from the context each step
         if self.drafter is None:
-            if self.draft.drafting:
-                what = " + ".join(guesses + ([copies] if self.draft.lookup_rows else []))
+            if asks(self.draft):
+                what = " + ".join(guesses + ([copies] if copied else []))
                 line = f"model {self.model_spec}, drafting: {what} per step{'' if guesses else ' (no drafter)'}"
                 if self.drafter_path is not None:  # an EAGLE-3 drafter: a layer head, not draft.drafter
                     adaptive = ", adaptive depth" if self.controller is not None else ""
@@ -122,7 +124,7 @@ class Runtime:
             extra += f", tree auto on the {curve}"
         line = (
             f"model {self.model_spec}, drafting: {' + '.join(guesses)}"
-            f"{' + ' + copies + ' per step' if self.draft.lookup_rows else ' per step (no copies from the context)'} "
+            f"{' + ' + copies + ' per step' if copied else ' per step (no copies from the context)'} "
             f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}"
             f"{f' ({self.drafter_source})' if self.drafter_source else ''}]"
         )
@@ -153,7 +155,7 @@ class Runtime:
             console.print(f"[dim]{escape(label)}[/dim]", soft_wrap=True)
 
     def _announce_unpaid(self, console) -> None:
-        if self.draft.tree == "auto" and self.draft.drafting and not self.plan().drafting:
+        if self.draft.tree == "auto" and asks(self.draft) and not self.plan().drafting:
             c2 = self.draft.curve(2) if self.draft.curve is not None else None
             cost = f" (2 tokens cost {c2:.2f} plain steps)" if c2 is not None else ""
             console.print(
@@ -290,7 +292,7 @@ def _add_datastore(rt: Runtime, datastore: Optional[str], history: bool) -> None
     if history:
         rt.history = History(spec, own)
     if own_stores:
-        store = default_stores(spec, own) if rt.draft.drafting else None
+        store = default_stores(spec, own) if asks(rt.draft) else None
     else:
         store = open_datastore(datastore, spec)
     if store is not None:

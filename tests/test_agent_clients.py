@@ -342,7 +342,7 @@ def test_past_the_context_the_clients_words(folders):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         words = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", r.json()["error"]["message"])
         n, maximum = map(int, words.groups())
-        assert n == tokens > maximum and maximum == limit - engine.rt.draft.margin - 1
+        assert n == tokens > maximum and maximum == limit - engine.rt.plan().margin - 1
 
         r = http.post("/v1/responses", json={"input": "hi there " * 40})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

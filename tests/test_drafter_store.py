@@ -312,7 +312,7 @@ def test_no_drafter_drafts_by_lookup_where_it_pays_and_names_make_drafter(folder
     # Where lookup does not pay on the curve: plain decoding, the same one line.
     monkeypatch.setattr(auto, "can_pay", lambda sources, curve=None: False)
     rt = load_runtime(str(tiny))
-    assert rt.lookup == 0 and not rt.draft.drafting and "do not pay" in rt.plain_reason and "make-drafter" in rt.hint
+    assert rt.lookup == 0 and not rt.plan().drafting and "do not pay" in rt.plain_reason and "make-drafter" in rt.hint
     # The flags still win, and --drafter none says nothing about make-drafter.
     assert load_runtime(str(tiny), lookup=True).lookup == 1
     assert cli(gen + ["--no-lookup"]) == 0

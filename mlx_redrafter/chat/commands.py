@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RedrafterError
+from ..step.plan import asks
 from .settings import SETTABLE, parse_settings
 
 
@@ -129,7 +130,7 @@ def stats_text(chat) -> str:
     else:
         how = f"ReDrafter W={chat.settings.beam_width} L={chat.settings.beam_length}"
         how += f" + {lookup} lookup beam{'s' if lookup > 1 else ''}" if lookup else ""
-    if chat.base_draft.drafting:
+    if asks(chat.base_draft):
         how += f", tree {chat.base_draft.tree}"
     lines = [
         f"turns: {t.turns} ({t.interrupted} interrupted, {t.dropped_turns} dropped to fit the context)",

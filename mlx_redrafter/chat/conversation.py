@@ -209,7 +209,9 @@ class ChatSession:
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        return self.draft().margin
+        from ..step.plan import make_plan
+
+        return make_plan(self.model, self.draft()).margin
 
     def _fit_context(self, user: str) -> tuple:
         """``(prompt ids, max_tokens)`` for the next turn, dropping the oldest

@@ -13,6 +13,7 @@ from typing import Optional
 
 from ..errors import RedrafterError
 from ..output import RedrafterResponse
+from ..step.plan import asks
 from .commands import CommandResult, status_line
 from .conversation import ChatSession, Turn
 
@@ -102,7 +103,7 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
         # Ctrl-C must interrupt a reply even when started with SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         out.console.print("[dim]Type a message. /help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]")
-        if chat.settings.show_drafts and chat.draft().drafting:
+        if chat.settings.show_drafts and asks(chat.draft()):
             out.console.print(
                 f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]"
                 f"{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter), "

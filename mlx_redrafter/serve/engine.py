@@ -163,7 +163,7 @@ class Engine:
 
     def _margin(self) -> int:
         # A verification briefly puts the drafted tokens behind the last one.
-        return self.rt.draft.margin
+        return self.rt.plan().margin
 
     def fit(self, ids: List[int], max_tokens: int) -> int:
         """``max_tokens`` cut to ``max_tokens_cap`` and to what the context
@@ -239,7 +239,7 @@ class Engine:
         t = res.tally
         by_source = t.by_source
         return {
-            "drafting": self.rt.draft.drafting,  # a drafter, lookup drafts, a datastore, or several
+            "drafting": self.rt.plan().drafting,  # some source drafts (and pays)
             "beam_width": self.rt.beam_width if self.rt.drafter is not None else None,
             "beam_length": self.rt.beam_length if self.rt.drafter is not None else None,
             "steps": t.steps,

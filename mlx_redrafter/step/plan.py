@@ -90,6 +90,11 @@ def request_sources(draft: DraftConfig) -> list:
     return asked(draft)
 
 
+def asks(draft: Optional[DraftConfig]) -> bool:
+    """Whether a request asks for any source (whether they pay is :func:`make_plan`'s to say)."""
+    return draft is not None and len(request_sources(draft)) > 0
+
+
 def make_plan(
     model,
     draft: Optional[DraftConfig],

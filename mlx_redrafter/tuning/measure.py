@@ -134,7 +134,9 @@ def run_pass(
     """Measure every prompt once (prompt ``i`` sampled from ``seed + i`` when
     ``temp > 0``, the same draws for every pass); ``tick()`` after each.
     ``timings`` splits the steps of a drafting pass into phases."""
-    drafting = draft is not None and draft.drafting
+    from ..step.plan import asks
+
+    drafting = asks(draft)
     runs = []
     for i, p in enumerate(prompts):
         if temp > 0:
