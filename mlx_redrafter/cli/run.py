@@ -215,7 +215,9 @@ def _check_port(host: str, port: int) -> None:
 
 def _cache_bytes(text: Optional[str]) -> int:
     """--prompt-cache-bytes as a number (no bound when not given)."""
-    return 1 << 63 if text is None else _size(text, "--prompt-cache-bytes")
+    from ..llm.prompt_cache import NO_BYTE_BOUND
+
+    return NO_BYTE_BOUND if text is None else _size(text, "--prompt-cache-bytes")
 
 
 def _size(text: str, flag: str) -> int:
