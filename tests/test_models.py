@@ -257,9 +257,28 @@ def test_cli_doctor_reports_blas():
         (["generate", "-p", "hi", "--model", "./no/such/dir"], "does not exist"),
         (["generate", "-p", "hi", "--beam-width", "0"], "--beam-width must be at least 1"),
         (["generate", "--file", "/no/such/prompt.txt"], "Prompt file does not exist"),
+        (["generate", "-p", ""], "Error: The --prompt is empty."),
+        (["generate", "-p", " \n\t"], "Error: The --prompt is empty."),
+        (["generate", "-p", "hi", "-n", "0"], "Error: --max-tokens must be an integer >= 1 (got 0)."),
+        (["chat", "-n", "0"], "Error: --max-tokens must be an integer >= 1 (got 0)."),
     ],
 )
 def test_cli_bad_input_is_one_clear_message(args, message):
+    """Each refused before the model loads (no announcement), in one line
+    that names the flag. Caught: an empty prompt generated from nothing and
+    exited 0; -n 0 said `max_tokens` after the load."""
     r = run_cli(*args)
     assert r.returncode == 1
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert "drafting" not in r.stderr and "max_tokens" not in r.stderr  # the load's announcement; the keyword
+
+
+@pytest.mark.parametrize("stdin", ["", "\n\n"], ids=["empty", "blank-lines"])
+def test_cli_generate_refuses_an_empty_prompt_on_stdin(tmp_path, stdin):
+    r = run_cli("generate", "-n", "4", input=stdin)
+    assert r.returncode == 1 and "Error: The prompt read from standard input is empty." in r.stderr, r.stderr
+    assert "--prompt TEXT, --file PATH" in r.stderr and "drafting" not in r.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run_cli("generate", "--file", str(empty))
+    assert r.returncode == 1 and f"Error: The prompt file {empty} is empty." in r.stderr, r.stderr

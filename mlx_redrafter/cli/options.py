@@ -203,18 +203,25 @@ def progress_bar(*middle: str, eta: bool = False, disable: bool = False):
 
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
-    """The prompt from --prompt, --file, or standard input."""
+    """The prompt from --prompt, --file, or standard input; an empty one
+    (or only white space) is refused, naming where it came from."""
     if prompt is not None and file is not None:
         raise RedrafterError("Give either --prompt or --file, not both.")
     if file is not None:
         if not file.is_file():
             raise RedrafterError(f"Prompt file does not exist: {file}", "Check the --file path.")
-        return file.read_text()
-    if prompt is not None:
-        return prompt
-    if sys.stdin.isatty():
+        text, where = file.read_text(), f"The prompt file {file}"
+    elif prompt is not None:
+        text, where = prompt, "The --prompt"
+    elif sys.stdin.isatty():
         raise RedrafterError("No prompt given.", "Use --prompt TEXT, --file PATH, or pipe text on stdin.")
-    return sys.stdin.read()
+    else:
+        text, where = sys.stdin.read(), "The prompt read from standard input"
+    if not text.strip():
+        raise RedrafterError(
+            f"{where} is empty.", "Give the text to answer: --prompt TEXT, --file PATH, or pipe it in."
+        )
+    return text
 
 
 def format_prompt(tokenizer, text: str, system: Optional[str], raw: bool):

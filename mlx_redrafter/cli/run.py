@@ -54,7 +54,7 @@ def generate(
     lookup: Optional[bool] = LookupOpt,
     beam_width: Optional[int] = BeamWidthOpt,
     beam_length: Optional[int] = BeamLengthOpt,
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Longest reply, in tokens."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
@@ -81,10 +81,12 @@ def generate(
     With --json or --json-schema the reply is structured output (exactly
     plain constrained decoding; drafting runs the synchronous loop); cut by
     --max-tokens before the JSON closes, it exits with status 1."""
+    from ..chat.settings import check_setting
     from ..generate import stream_generate
     from ..output import Tally
 
-    sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
+    check_setting("max_tokens", max_tokens, name="--max-tokens")  # refuse bad values before the slow load
+    sampling = _sampling(temp, top_p, top_k, min_p)
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
     rt = _runtime(load_options(locals()))
