@@ -235,6 +235,9 @@ def test_cli_generate_baseline_prints_speed():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
+    # stderr is a pipe here: each status line stays one line (rich broke them at 80 columns).
+    [summary] = [line for line in r.stderr.splitlines() if line.startswith("prompt: ")]
+    assert len(summary) > 80 and "generation: " in summary and "peak memory" in summary, r.stderr
 
 
 def test_cli_generate_reads_stdin_raw():

@@ -25,7 +25,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="ReDrafter speculative decoding for mlx-lm models: same tokens, fewer LLM calls.",
 )
-err = Console(stderr=True)
+
+
+class _ErrorConsole(Console):
+    """The error console: on a terminal rich wraps lines at its width; into a
+    file or a pipe (a log, ``2>&1 | tee``) each message stays one line, as
+    rich would otherwise break it at 80 columns, mid-phrase."""
+
+    def print(self, *objects, soft_wrap=None, **kw) -> None:
+        if soft_wrap is None and not self.is_terminal:
+            soft_wrap = True
+        super().print(*objects, soft_wrap=soft_wrap, **kw)
+
+
+err = _ErrorConsole(stderr=True)
 
 # --------------------------------------------------------------------------- shared flags
 
