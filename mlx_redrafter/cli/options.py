@@ -141,7 +141,8 @@ DatastoreOpt = typer.Option(
 NoHistoryOpt = typer.Option(
     False,
     "--no-history",
-    help="Do not append the replies to the model's history datastore (kept locally under the cache folder).",
+    help="Write nothing of this session to disk. By default each prompt and reply is appended to the model's "
+    "history under the cache folder (said at start; for datastore drafts and make-drafter --prompts history).",
 )
 
 

@@ -189,6 +189,7 @@ def chat(
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
     rt = _runtime(load_options(locals(), history=not no_history))
+    announce_history(rt)
     if seed is not None:
         import mlx.core as mx
 
@@ -198,6 +199,23 @@ def chat(
     code = run_chat(conversation)
     if code:
         raise typer.Exit(code)
+
+
+def announce_history(rt) -> None:
+    """Say, at start, what ``chat`` and ``serve`` write to disk (the
+    conversations' text, unasked for otherwise), where, and the flag that
+    turns it off."""
+    if rt.history is None:
+        return
+    from ..draft.datastore.index import default_path
+
+    folder = default_path(rt.model_spec, "history").parent
+    err.print(
+        f"History: each prompt and reply is appended to {escape(str(folder))}/ (kept on this machine only, for "
+        "datastore drafts and `make-drafter --prompts history`). --no-history turns it off; "
+        "`mlx-redrafter datastore clear` deletes it.",
+        soft_wrap=True,
+    )
 
 
 def _check_port(host: str, port: int) -> None:
@@ -337,6 +355,7 @@ def serve(
     from ..serve import Engine
 
     rt = _runtime(load_options(locals(), history=not no_history))
+    announce_history(rt)
     engine = Engine(
         rt,
         max_tokens=max_tokens,
