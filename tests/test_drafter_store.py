@@ -191,7 +191,7 @@ def test_a_folder_that_is_no_drafter_is_named_for_what_it_is(folders, store, cap
     mtp = Path(__file__).parent / "fixtures" / "mtp_qwen3_5"
     cases = [
         (other, f"Error: {other} is a model (llama), not a drafter.", f"Fix: Load it with --model {other}."),
-        (mtp / "checkpoint", "is a model (qwen3_5), not a drafter.", f"(--mtp {mtp / 'checkpoint'})"),
+        (mtp / "checkpoint", "is a model (qwen3_5), not a drafter.", f"(or --mtp {mtp / 'checkpoint'})"),
         (mtp / "split", "is a split MTP folder (qwen3_5_mtp", f"Fix: Give it as the MTP head: --mtp {mtp / 'split'}"),
     ]
     for folder, problem, fix in cases:
