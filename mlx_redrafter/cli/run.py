@@ -434,7 +434,7 @@ def doctor(
     dtype: Optional[str] = DtypeOpt,
 ):
     """Print versions, device, default dtype and BLAS (with the fix when it is slow), and the verify-cost curve."""
-    from ..doctor import BLIS_FIX, SLOW_GFLOPS, matmul_gflops, report
+    from ..doctor import SLOW_GFLOPS, blis_fix, installed_blis, matmul_gflops, report
 
     info = report()
     for k, v in info.items():
@@ -443,9 +443,11 @@ def doctor(
     gflops = matmul_gflops()
     print(f"{'matmul':>14}: {gflops:.1f} GFLOPS (float32, 768x768)")
     if info.get("blas_slow") or (info["device"].startswith("Device(cpu") and gflops < SLOW_GFLOPS):
+        installed = installed_blis() or ""
+        how = f"BLIS is installed here ({installed}): preload it" if installed else "Fix"
         err.print(
             f"[yellow]The CPU backend uses {info['blas']} ({gflops:.1f} GFLOPS); "
-            "a good BLAS is about 20x faster here. Fix:[/yellow]\n" + BLIS_FIX
+            f"a good BLAS is about 20x faster here. {escape(how)}:[/yellow]\n" + "\n".join(blis_fix(installed))
         )
     _show_curve(model, dtype, calibrate)
 
