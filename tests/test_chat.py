@@ -300,6 +300,28 @@ def test_show_drafts_colours_drafted_tokens():
     assert "\x1b[35mcopied\x1b[0m" in written  # magenta: a lookup draft
     assert "own" in written and "\x1b[36mown" not in written
     assert "\x1b[36mplain" not in written
+    out.token(response("headed", True, "eagle3"), show_drafts=True)
+    assert "\x1b[94mheaded\x1b[0m" in out.console.file.getvalue()  # bright blue: an EAGLE-3 head's
+
+
+def test_the_terminal_legend_names_the_sources_that_draft():
+    """The greeting's legend: the colour of each source this chat drafts
+    with, an EAGLE-3 or MTP head's and a DFlash drafter's included (it named
+    drafter, lookup and datastore whatever drafted)."""
+    from types import SimpleNamespace
+
+    from mlx_redrafter.chat.terminal import legend
+    from mlx_redrafter.config import DraftConfig
+
+    head = DraftConfig(head=SimpleNamespace(source="eagle3"), lookup=1)
+    assert legend(head) == "[bright_blue]bright_blue[/] (EAGLE-3 head) and [magenta]magenta[/] (lookup)"
+    mtp = DraftConfig(drafter=object(), head=SimpleNamespace(source="mtp"), draft_model=object(), lookup=1)
+    assert legend(mtp) == (
+        "[cyan]cyan[/] (drafter), [yellow]yellow[/] (MTP head), [bright_green]bright_green[/] (draft model) "
+        "and [magenta]magenta[/] (lookup)"
+    )
+    assert legend(DraftConfig(drafter=object())) == "[cyan]cyan[/] (drafter)"
+    assert legend(DraftConfig(head=SimpleNamespace(source="dflash"))) == "[bright_red]bright_red[/] (DFlash drafter)"
 
 
 # --------------------------------------------------------------------------- the command in a terminal and a pipe

@@ -30,6 +30,22 @@ STYLES = {
 }
 
 
+NAMES = {"drafter": "drafter", "mtp": "MTP head", "draft-model": "draft model", "eagle3": "EAGLE-3 head"}
+NAMES.update(dflash="DFlash drafter", lookup="lookup", datastore="datastore")
+
+
+def legend(draft) -> str:
+    """The colours of the sources ``draft`` drafts with, each in its colour:
+    ``cyan (drafter), magenta (lookup) and ...``."""
+    sources = ["drafter"] if draft.drafter is not None else []
+    sources += [draft.head.source] if draft.head is not None else []
+    sources += ["draft-model"] if draft.draft_model is not None else []
+    sources += ["lookup"] if draft.lookup else []
+    sources += ["datastore"] if draft.datastore is not None else []
+    parts = [f"[{STYLES.get(s, DRAFT_STYLE)}]{STYLES.get(s, DRAFT_STYLE)}[/] ({NAMES.get(s, s)})" for s in sources]
+    return " and ".join(filter(None, [", ".join(parts[:-1]), parts[-1] if parts else "colour"]))
+
+
 # --------------------------------------------------------------------------- the terminal loop
 
 
@@ -146,12 +162,7 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
             "/help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]"
         )
         if chat.settings.show_drafts and chat.draft().drafting:
-            out.console.print(
-                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]"
-                f"{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter), "
-                f"[{LOOKUP_STYLE}]{LOOKUP_STYLE}[/{LOOKUP_STYLE}] (lookup) "
-                f"and [{DATASTORE_STYLE}]{DATASTORE_STYLE}[/{DATASTORE_STYLE}] (datastore).[/dim]"
-            )
+            out.console.print(f"[dim]Tokens from accepted drafts are shown in {legend(chat.draft())}.[/dim]")
     while True:
         try:
             line, may_command = read_message(interactive, out.notice)
