@@ -286,7 +286,6 @@ def verdict_stage(run) -> None:
     if not install:
         verdict["needs"] = learning_need(run, summary).to_dict()
     run.state["verdict"] = verdict
-    run.verdict_measured = True
     run.state.finish("verdict", stamp)
 
 

@@ -388,7 +388,9 @@ class RecipeRun:
     def verdict(self) -> None:
         from .finish import verdict_stage
 
+        before = self.state["verdict"]
         verdict_stage(self)
+        self.verdict_measured = self.state["verdict"] is not before  # else the earlier run's stands
 
     def install(self) -> None:
         from .finish import install_stage
