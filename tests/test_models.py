@@ -261,9 +261,7 @@ def test_cli_doctor_reports_blas():
         (["generate", "-p", "hi", "--beam-width", "0"], "--beam-width must be at least 1"),
         (["generate", "--file", "/no/such/prompt.txt"], "Prompt file does not exist"),
         (["generate", "-p", ""], "Error: The --prompt is empty."),
-        (["generate", "-p", " \n\t"], "Error: The --prompt is empty."),
         (["generate", "-p", "hi", "-n", "0"], "Error: --max-tokens must be an integer >= 1 (got 0)."),
-        (["chat", "-n", "0"], "Error: --max-tokens must be an integer >= 1 (got 0)."),
     ],
 )
 def test_cli_bad_input_is_one_clear_message(args, message):
@@ -276,9 +274,8 @@ def test_cli_bad_input_is_one_clear_message(args, message):
     assert "drafting" not in r.stderr and "max_tokens" not in r.stderr  # the load's announcement; the keyword
 
 
-@pytest.mark.parametrize("stdin", ["", "\n\n"], ids=["empty", "blank-lines"])
-def test_cli_generate_refuses_an_empty_prompt_on_stdin(tmp_path, stdin):
-    r = run_cli("generate", "-n", "4", input=stdin)
+def test_cli_generate_refuses_an_empty_prompt_on_stdin(tmp_path):
+    r = run_cli("generate", "-n", "4", input="\n\n")  # blank lines: nothing to answer
     assert r.returncode == 1 and "Error: The prompt read from standard input is empty." in r.stderr, r.stderr
     assert "--prompt TEXT, --file PATH" in r.stderr and "drafting" not in r.stderr
     empty = tmp_path / "empty.txt"
