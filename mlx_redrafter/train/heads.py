@@ -152,7 +152,7 @@ def train_head(run, kind: str, left: float) -> None:
     if saved is not None and added > 0 and drafter_id(folder) == saved:
         # The folder keeps the head with the best held-out score: these steps did not beat it.
         run.kept += (kind,)
-        best, what = ck.get("best_accepted", 0.0), "EAGLE-3 head" if eagle else "drafter"
+        best, what = ck.get("best_accepted", 0.0), name or "drafter"
         line += (
             f"; no step of this run scored better on the held-out conversations than the {what} it started "
             f"from (held-out accepted length {best:.3f}), so that one is kept"
