@@ -52,6 +52,7 @@ def refuse_non_drafter(folder: Path) -> None:
     it is with where it goes: a model's split MTP head (``--mtp``, ``mtp=``),
     or a model (``--model``; its own MTP head, if its checkpoint ships one).
     A folder of neither kind (a drafter, an EAGLE-3 head) passes."""
+    from ..draft.dflash_io import layout_of as dflash_layout
     from ..draft.mtp_load import SPLIT_TYPES, find_mtp
 
     if not (folder / "config.json").is_file():
@@ -63,8 +64,8 @@ def refuse_non_drafter(folder: Path) -> None:
             f"{folder} is a split MTP folder ({kind}: a model's own multi-token-prediction head), not a drafter.",
             f"Give it as the MTP head: --mtp {folder} (mtp= from Python), beside the --model it belongs to.",
         )
-    if layout_of(config) or not ("num_hidden_layers" in config or "text_config" in config):
-        return  # an EAGLE-3 head (its layer config is a model's), or a drafter's config
+    if layout_of(config) or dflash_layout(config) or not ("num_hidden_layers" in config or "text_config" in config):
+        return  # an EAGLE-3 head or a DFlash drafter (their layer configs are a model's), or a drafter's config
     mtp = find_mtp(folder)
     also = f" Its checkpoint ships an MTP head, which drafts for it by default (or --mtp {folder})." if mtp else ""
     raise RedrafterError(
