@@ -7,12 +7,13 @@ import platform
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 
 BLIS_PATH = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3"
-BLIS_FIX = f"sudo apt-get install libblis4-pthread\nexport LD_PRELOAD={BLIS_PATH}"
+# Where Debian and Ubuntu put it, for any architecture (the Makefile looks there too).
+BLIS_GLOB = "/usr/lib/*-linux-gnu/blis-pthread/libblas.so.3"
 SLOW_GFLOPS = 10.0
 
 
@@ -47,20 +48,45 @@ def blas_info() -> BlasInfo:
     return BlasInfo("system BLAS", None, False)
 
 
-def slow_blas_warning(info: Optional[BlasInfo] = None, device=None) -> Optional[str]:
+def installed_blis() -> Optional[str]:
+    """The BLIS library installed on this machine (pthread build), or None."""
+    import glob
+
+    found = sorted(glob.glob(BLIS_GLOB))
+    return found[0] if found else None
+
+
+def blis_fix(installed: Optional[str] = None) -> List[str]:
+    """The commands that give MLX BLIS here: preloading it when it is
+    ``installed`` (default: :func:`installed_blis`; ``""``: not installed),
+    else installing it first."""
+    installed = installed_blis() if installed is None else installed
+    if installed:
+        return [f"export LD_PRELOAD={installed}"]
+    return ["sudo apt-get install libblis4-pthread", f"export LD_PRELOAD={BLIS_PATH}"]
+
+
+def slow_blas_warning(info: Optional[BlasInfo] = None, device=None, installed: Optional[str] = None) -> Optional[str]:
     """One line to print when a command starts on MLX's CPU backend with the
     bundled reference BLAS (decoding is about 3.5x slower than with BLIS), or
-    None when the BLAS is fine. ``info`` and ``device`` default to this process's."""
+    None when the BLAS is fine: the fix preloads BLIS when it is
+    ``installed`` (default: :func:`installed_blis`; ``""``: not installed),
+    installs it first when not. ``info`` and ``device`` default to this process's."""
     device = mx.default_device() if device is None else device
     if device != mx.cpu:
         return None
     info = blas_info() if info is None else info
     if not info.slow:
         return None
+    installed = installed_blis() if installed is None else installed
+    fix = (
+        f"BLIS is installed: run with LD_PRELOAD={installed}"
+        if installed
+        else f"sudo apt-get install libblis4-pthread, then run with LD_PRELOAD={BLIS_PATH}"
+    )
     return (
         f"Warning: MLX runs on the CPU with the {info.name}, about 3.5x slower than with BLIS. "
-        f"Fix: sudo apt-get install libblis4-pthread, then run with LD_PRELOAD={BLIS_PATH} "
-        "(make chat/serve/test do this for you)."
+        f"Fix: {fix} (make chat/serve/test do this for you)."
     )
 
 

@@ -1,8 +1,10 @@
 """``stream_generate`` / ``generate``: the front door, like mlx-lm's.
 
 A call resolves what it was asked (config.py: flags > tuned profile >
-built-in), checks it, and runs the step iterator that step/dispatch.py picks
-(plain decoding, or the pipelined or synchronous ReDrafter loop). This module
+built-in), turns it into a draft plan (step/plan.py ``make_plan``: the
+sources, the tree policy, the schedule; it checks the request), and runs
+the steps step/dispatch.py picks for that plan (plain decoding, or the step
+loop in the plan's schedule, step/loop.py). This module
 turns the steps' tokens into text: EOS, stop strings and ``max_tokens`` end
 the output exactly, even in the middle of an accepted run.
 
@@ -12,10 +14,10 @@ JSON object, an llguidance grammar (a Lark string, or
 :class:`~mlx_redrafter.step.grammar.Grammar`; an invalid one raises
 :class:`RedrafterError` naming the problem. The tokens equal plain decoding
 with the grammar's mask applied at every step (token for token when greedy,
-in distribution when sampling). Drafting under a grammar runs the
-synchronous constrained loop (step/constrained.py: each step's masks need
-the previous step's tokens on the host); the controller and ``timings`` do
-not apply. The output ends when the grammar is complete (``finish_reason
+in distribution when sampling). Under a grammar the step loop reads each
+step before it builds the next (each step's masks need the previous step's
+tokens on the host: step/grammar.py ``GrammarMask``), and sources with a
+cache of their own do not draft. The output ends when the grammar is complete (``finish_reason
 "stop"``); cut earlier (``max_tokens``: ``"length"``, or a stop string), the
 last response has ``incomplete=True``: the JSON will not parse, and
 :func:`generate` warns.
@@ -329,7 +331,7 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
     ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
     ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``, ``tree``,
-    ``datastore``, ``mtp``, ``mtp_depth``, ``draft_model``, ``num_draft_tokens``.
+    ``datastore``, ``mtp``, ``mtp_depth``, ``draft_model``, ``num_draft_tokens``, ``sources``.
     """
     text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):

@@ -300,6 +300,28 @@ def test_show_drafts_colours_drafted_tokens():
     assert "\x1b[35mcopied\x1b[0m" in written  # magenta: a lookup draft
     assert "own" in written and "\x1b[36mown" not in written
     assert "\x1b[36mplain" not in written
+    out.token(response("headed", True, "eagle3"), show_drafts=True)
+    assert "\x1b[94mheaded\x1b[0m" in out.console.file.getvalue()  # bright blue: an EAGLE-3 head's
+
+
+def test_the_terminal_legend_names_the_sources_that_draft():
+    """The greeting's legend: the colour of each source this chat drafts
+    with, an EAGLE-3 or MTP head's and a DFlash drafter's included (it named
+    drafter, lookup and datastore whatever drafted)."""
+    from types import SimpleNamespace
+
+    from mlx_redrafter.chat.terminal import legend
+    from mlx_redrafter.config import DraftConfig
+
+    head = DraftConfig(head=SimpleNamespace(source="eagle3"), lookup=1)
+    assert legend(head) == "[bright_blue]bright_blue[/] (EAGLE-3 head) and [magenta]magenta[/] (lookup)"
+    mtp = DraftConfig(drafter=object(), head=SimpleNamespace(source="mtp"), draft_model=object(), lookup=1)
+    assert legend(mtp) == (
+        "[cyan]cyan[/] (drafter), [yellow]yellow[/] (MTP head), [bright_green]bright_green[/] (draft model) "
+        "and [magenta]magenta[/] (lookup)"
+    )
+    assert legend(DraftConfig(drafter=object())) == "[cyan]cyan[/] (drafter)"
+    assert legend(DraftConfig(head=SimpleNamespace(source="dflash"))) == "[bright_red]bright_red[/] (DFlash drafter)"
 
 
 # --------------------------------------------------------------------------- the command in a terminal and a pipe
@@ -360,10 +382,56 @@ def test_terminal_session(default_model, drafter_dir):
     assert child.exitstatus == 0, child.before
 
 
+def test_terminal_multi_line_messages(default_model, tmp_path):
+    """A multi-line message is one turn, typed between two lines of three
+    double quotes or pasted whole (a bracketed paste, as terminals send it:
+    lines end in CR); /help names the way. Caught: each line was a turn of
+    its own, one reply each (read_message returning the first line alone;
+    no bracketed paste asked of the terminal)."""
+    import pexpect
+
+    model, tok = default_model
+    cmd = chat_command("--no-draft", "--max-tokens", "4", "--no-history")
+    child = pexpect.spawn(cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT)
+    status = r"\d+ tokens, [\d.]+ tok/s"
+    try:
+        child.expect_exact('open and close them with """')  # the greeting names the way in
+        child.expect_exact(">>> ")
+        child.sendline('"""')
+        child.expect_exact("... ")
+        child.sendline("Name a colour.")
+        child.expect_exact("... ")
+        child.sendline('Then a fruit."""')
+        child.expect(status)
+        # A terminal brackets a paste only when the program asks it to (this
+        # sequence, readline's, before each prompt); unasked, it sends the lines bare.
+        child.expect_exact("\x1b[?2004h>>> ")
+        child.send("\x1b[200~Name a city.\rThen a river.\x1b[201~")  # the paste, its lines ending in CR
+        child.send("\r")  # Enter sends it
+        child.expect(status)
+        child.expect_exact(">>> ")
+        child.sendline("/help")
+        child.expect_exact('"""                   open a message of several lines')
+        child.expect_exact(">>> ")
+        child.sendline(f"/save {tmp_path / 'c.json'}")
+        child.expect_exact("Saved 2 turns")
+        child.expect_exact(">>> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+    messages = json.loads((tmp_path / "c.json").read_text())["messages"]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    assert users == ["Name a colour.\nThen a fruit.", "Name a city.\nThen a river."]
+    first = messages[1]["content"]
+    assert first == greedy(model, tok, [], users[0], 4)
+
+
 def test_piped_session(default_model):
     model, tok = default_model
-    q1, q2 = "What is 2+2?", "And 3+3?"
-    stdin = f"{q1}\n/stats\n\n/set nope=1\n{q2}\n"
+    q1, q2 = "What is 2+2?", "And 3+3?\n/stats is not a command here."
+    stdin = f'{q1}\n/stats\n\n/set nope=1\n"""\n{q2}\n"""\n'  # the second turn: a block of two lines
     p = subprocess.run(chat_command("--max-tokens", "12"), input=stdin, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "\x1b" not in p.stdout and "\x1b" not in p.stderr  # plain text, no colours

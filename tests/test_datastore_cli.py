@@ -37,7 +37,12 @@ def _chat(monkeypatch, *flags):
 def test_chat_appends_each_reply_and_no_history_leaves_it(default_model, cleared, monkeypatch, capsys):
     model, tok = default_model
     _chat(monkeypatch)
-    replies = capsys.readouterr().out.strip().split("\n")
+    said = capsys.readouterr()
+    replies = said.out.strip().split("\n")
+    folder = default_path("default", "history").parent
+    # Said at start, with where and the flag (a transcript on disk must not be a surprise).
+    assert f"History: each prompt and reply is appended to {folder}/" in said.err
+    assert "--no-history turns it off" in said.err and "datastore clear" in said.err
     store = history()
     assert len(store) == 2
     assert [tok.decode(s).strip() for s in store.sequences()] == [r.strip() for r in replies]
@@ -46,6 +51,7 @@ def test_chat_appends_each_reply_and_no_history_leaves_it(default_model, cleared
     before = default_path("default", "history").read_bytes()
     _chat(monkeypatch, "--no-history")
     assert default_path("default", "history").read_bytes() == before
+    assert "History:" not in capsys.readouterr().err
     assert cli(["datastore", "info"]) == 0
     out = capsys.readouterr().out
     assert "history: 2 sequences" in out and "session:" in out
@@ -78,6 +84,33 @@ def test_serve_appends_each_reply(default_model, cleared, record):
     assert len(store) == 3
     assert [model_tok(default_model).decode(s).strip() for s in store.sequences()[:2]] == [t.strip() for t in texts]
     assert stats["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-history"]], ids=["history", "no_history"])
+def test_serve_says_what_it_keeps_and_no_history_keeps_nothing(default_model, cleared, monkeypatch, capsys, flags):
+    """``mlx-redrafter serve`` as started (uvicorn and the port check stood
+    in for): the history line at start, the reply appended; with
+    --no-history neither."""
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    import mlx_redrafter.doctor as doctor
+    from mlx_redrafter.cli import run
+
+    served = {}
+    monkeypatch.setattr(doctor, "slow_blas_warning", lambda: None)
+    monkeypatch.setattr(run, "_check_port", lambda host, port: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app))
+    assert cli(["serve", "-n", "4", *flags]) == 0
+    err = capsys.readouterr().err
+    with TestClient(served["app"], base_url="http://127.0.0.1:8080") as http:
+        assert http.post("/api/generate", json={"prompt": "Hi", "stream": False}).status_code == 200
+    path = default_path("default", "history")
+    if flags:
+        assert "History:" not in err and not path.exists()
+    else:
+        assert f"History: each prompt and reply is appended to {path.parent}/" in err and "--no-history" in err
+        assert len(history()) == 1
 
 
 def model_tok(default_model):

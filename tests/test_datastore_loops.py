@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY_CONFIGS, prompts, random_drafter, tiny_model
 
 from mlx_redrafter.draft.datastore.index import Datastore
-from mlx_redrafter.draft.datastore.use import Stores, context_or_store, open_datastore
+from mlx_redrafter.draft.datastore.use import Stores, open_datastore
 from mlx_redrafter.generate import DraftConfig, generate_tokens, stream_generate
 
 N_TOKENS = 40
@@ -67,15 +67,27 @@ def test_an_empty_store_is_plain_steps():
 
 
 def test_the_store_row_comes_only_when_the_context_has_no_match():
-    from mlx_redrafter.draft.datastore.index import StoreLookup
-    from mlx_redrafter.draft.lookup import Lookup
+    """The sources as a step asks them (lookup, then the datastore, read then build)."""
+    from mlx_redrafter.step.source import At, Setting
+    from mlx_redrafter.step.sources.datastore import DatastoreSource
+    from mlx_redrafter.step.sources.lookup import LookupSource
 
     store = Datastore()
     store.add([5, 6, 7, 8, 9])
-    rows, source = context_or_store(Lookup([1, 2, 3, 1, 2]), StoreLookup(store, [1, 2]), 3, 1)
-    assert (rows, source) == ([[3, 1, 2]], "lookup")  # the context's own match wins
-    rows, source = context_or_store(Lookup([1, 2, 5, 6]), StoreLookup(store, [1, 2, 5, 6]), 3, 1)
-    assert (rows, source) == ([[7, 8, 9]], "datastore") and store.proposed == 1
+
+    def step_rows(history):
+        setting = Setting(None, None, lambda h: h, list(history), False, True, False)
+        at = At(None, None, list(history))
+        out = []
+        for source in (LookupSource(1, 3), DatastoreSource(store, 3)):
+            rows = source.open(setting).propose(at)
+            if rows is not None:
+                at.proposed.append(rows)
+                out.append((rows.host, rows.label))
+        return out
+
+    assert step_rows([1, 2, 3, 1, 2]) == [([[3, 1, 2]], "lookup")]  # the context's own match wins
+    assert step_rows([1, 2, 5, 6]) == [([[7, 8, 9]], "datastore")] and store.proposed == 1
 
 
 # --------------------------------------------------------------------------- default model

@@ -171,6 +171,41 @@ def test_a_drafter_that_does_not_fit_is_refused_with_the_reason(folders, store, 
     assert "hidden_size is 32" in capsys.readouterr().err
 
 
+def test_an_empty_store_names_the_command_for_the_model_given(folders, store, capsys):
+    """`drafters list --model PATH` with nothing for it: the command to make
+    one, with that model in it (it said `--model M`, a literal M)."""
+    tiny, _, _ = folders
+    assert cli(["drafters", "list", "--model", str(tiny)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"`mlx-redrafter make-drafter --model {tiny} --hours 1` makes one." in err and "--model M`" not in err, err
+
+
+def test_a_folder_that_is_no_drafter_is_named_for_what_it_is(folders, store, capsys):
+    """`--drafter` given a model folder, or a model's split MTP folder: said
+    as what it is, with the flag it belongs to (they said `Drafter
+    config.json lacks vocab_size, hidden_size` or that the weights did not
+    match). Caught: load_drafter without refuse_non_drafter."""
+    from pathlib import Path
+
+    tiny, other, _ = folders
+    mtp = Path(__file__).parent / "fixtures" / "mtp_qwen3_5"
+    cases = [
+        (other, f"Error: {other} is a model (llama), not a drafter.", f"Fix: Load it with --model {other}."),
+        (mtp / "checkpoint", "is a model (qwen3_5), not a drafter.", f"(or --mtp {mtp / 'checkpoint'})"),
+        (mtp / "split", "is a split MTP folder (qwen3_5_mtp", f"Fix: Give it as the MTP head: --mtp {mtp / 'split'}"),
+    ]
+    for folder, problem, fix in cases:
+        assert cli(["generate", "--model", str(tiny), "-p", PROMPT, "-n", "2", "--drafter", str(folder)]) == 1
+        err = capsys.readouterr().err
+        assert problem in err and fix in err and "lacks" not in err and "do not match" not in err, err
+    from mlx_redrafter import load_drafter
+
+    with pytest.raises(RedrafterError, match="split MTP folder") as e:
+        load_drafter(str(mtp / "split"))
+    assert "mtp= from Python" in e.value.fix
+    assert load_drafter(str(Path(__file__).parent / "fixtures" / "eagle3" / "eagle")) is not None  # a head, not a model
+
+
 # --------------------------------------------------------------------------- the tools read it
 
 

@@ -11,9 +11,31 @@ from mlx_redrafter.doctor import BLIS_PATH, BlasInfo, slow_blas_warning
 
 def test_slow_blas_warning_names_the_fix_on_the_cpu():
     bundled = BlasInfo("bundled reference BLAS (netlib)", "/x/mlx_cpu.libs/libblas.so", True)
-    line = slow_blas_warning(bundled, device=mx.cpu)
+    line = slow_blas_warning(bundled, device=mx.cpu, installed="")  # BLIS not on disk
     assert line and "\n" not in line
     assert "bundled reference BLAS" in line and "libblis4-pthread" in line and BLIS_PATH in line
+
+
+def test_installed_blis_is_preloaded_not_installed_again(monkeypatch, capsys):
+    """With BLIS on disk but not preloaded, the warning and `doctor` say to
+    preload the library found, never to apt-get install it (they did).
+    Caught: blis_fix() and the warning ignoring installed_blis()."""
+    from helpers import cli
+
+    import mlx_redrafter.doctor as doctor
+
+    arm = "/usr/lib/aarch64-linux-gnu/blis-pthread/libblas.so.3"  # found, whatever the architecture
+    bundled = BlasInfo("bundled reference BLAS (netlib)", "/x/mlx_cpu.libs/libblas.so", True)
+    line = slow_blas_warning(bundled, device=mx.cpu, installed=arm)
+    assert f"BLIS is installed: run with LD_PRELOAD={arm}" in line and "apt-get" not in line
+    assert "apt-get install libblis4-pthread" in slow_blas_warning(bundled, device=mx.cpu, installed="")
+    assert doctor.blis_fix(arm) == [f"export LD_PRELOAD={arm}"]
+    assert doctor.blis_fix("") == ["sudo apt-get install libblis4-pthread", f"export LD_PRELOAD={BLIS_PATH}"]
+    monkeypatch.setattr(doctor, "blas_info", lambda: bundled)
+    monkeypatch.setattr(doctor, "installed_blis", lambda: arm)
+    assert cli(["doctor"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"BLIS is installed here ({arm}): preload it: export LD_PRELOAD={arm}" in err and "apt-get" not in err
 
 
 def test_no_blas_warning_with_blis_or_on_a_gpu():

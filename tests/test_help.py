@@ -79,3 +79,56 @@ def test_generate_help_says_it_drafts():
     """generate drafts by default (the drafter store's drafter for the model, else lookup)."""
     text = command_help("generate")
     assert "without a drafter" not in text and "draft" in text.lower()
+
+
+def _commands(command=None, path=()):
+    """``(words, click command)`` of every command and subcommand of the CLI."""
+    command = command or typer.main.get_command(app)
+    yield list(path), command
+    for name, sub in getattr(command, "commands", {}).items():  # a group (typer's own click classes)
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_into_a_pipe_cuts_nothing(monkeypatch, capsys):
+    """``mlx-redrafter CMD --help | less``: stdout is not a terminal, so rich
+    drew the tables 80 columns wide and cut what did not fit
+    (``multi-token-predic…``, ``--max-prompt-toke…``). Every command's help
+    now shows every flag's name and every word whole. Caught: help_width()
+    returning None (rich's 80 columns) cut sweep's, serve's, distill's and train's."""
+    import os
+
+    from helpers import cli
+
+    def no_terminal(fd=1):
+        raise OSError("not a terminal")
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", no_terminal)  # stdin, stdout and stderr: none is one
+    commands = list(_commands())
+    assert {"sweep", "datastore build", "drafters list"} <= {" ".join(w) for w, _ in commands}
+    for words, command in commands:
+        assert cli([*words, "--help"]) == 0, words
+        out = capsys.readouterr().out
+        assert "…" not in out, (words, [line for line in out.splitlines() if "…" in line])
+        for param in command.params:
+            for flag in [*param.opts, *param.secondary_opts]:
+                assert flag.startswith("-") is False or re.search(re.escape(flag) + r"(?![\w-])", out), (words, flag)
+
+
+def test_sweeps_help_into_a_pipe_as_a_script_runs_it():
+    """The issue's case itself: no terminal on any stream (the help cut
+    `multi-token-predic…`)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_redrafter.cli", "sweep", "--help"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "multi-token-prediction" in out.stdout and "…" not in out.stdout, out.stdout

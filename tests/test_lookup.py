@@ -70,17 +70,6 @@ def test_bad_orders_are_refused():
         Lookup(n_max=1, n_min=2)
 
 
-def test_join_beams_pads_rows_and_missing_lookup_beams():
-    from mlx_redrafter.draft.lookup import join_beams
-    from mlx_redrafter.step.tree import PAD
-
-    assert join_beams([[1], [2]], [[3, 4, 5]], 1) == [[1, PAD, PAD], [2, PAD, PAD], [3, 4, 5]]
-    assert join_beams([[1], [2]], [], 2) == [[1], [2], [1], [1]]
-    assert join_beams([], [[3, 4]], 2) == [[3, 4], [3, 4]]
-    assert join_beams([], [], 1) == [[PAD]]
-    assert join_beams([[1, 2]], [[7, 8], [9, 9]], 1) == [[1, 2], [7, 8]]
-
-
 # --------------------------------------------------------------------------- lookup drafts in the step loop
 
 import mlx.core as mx  # noqa: E402

@@ -265,6 +265,51 @@ def test_a_larger_budget_adds_data_and_trains_on(tiny, tmp_path):
     assert larger.installed is not None and not larger.already_done
 
 
+def test_a_rerun_says_the_prompts_are_used_up_and_the_drafter_it_kept(tiny, tmp_path, monkeypatch, capsys):
+    """The first run distils every prompt of a small file and says so; a
+    rerun with more budget distils nothing new (it says why, and what adds
+    data), its training scores worse (held-out scores forced low) so the
+    folder keeps the drafter it had, and the report says that drafter and
+    its verdict stand. Caught: "distilled 0 positions" and the old verdict
+    printed as if new, with no word of either (used_up() returning "",
+    train_head not marking the head kept)."""
+    from mlx_redrafter.cli.make import _print_report
+    from mlx_redrafter.train import trainer
+
+    folder, _ = tiny
+    small = tmp_path / "small.jsonl"
+    small.write_text(
+        "".join(json.dumps({"id": f"s{i}", "turns": [f"w{5 + i} w{6 + i} w{7 + i}"]}) + "\n" for i in range(40))
+    )
+    out, lines = tmp_path / "work", []
+
+    def said(status):
+        if status.line:
+            lines.append(status.line)
+
+    cfg = recipe((folder, small), out, minutes=1.0, max_conversations=None)
+    first = make_drafter(cfg, progress=said, measure=Passes())
+    assert len(Manifest.load(out / "data").done) == 40 and first.installed is not None
+    used_up = "every one of the 40 conversations of --prompts"
+    assert any(line.startswith("distilled ") and used_up in line for line in lines), lines
+    lines.clear()
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: {"eval_acc": [0.0], "eval_accepted_w1": 0.0})
+    cfg = recipe((folder, small), out, minutes=2.0, max_conversations=None, train={"batch_size": 32, "max_steps": 40})
+    passes = Passes()
+    again = make_drafter(cfg, progress=said, measure=passes)
+    [distilled] = [line for line in lines if line.startswith("distilled ")]
+    assert distilled.startswith("distilled 0 positions") and used_up in distilled and "--prompts FILE" in distilled
+    [trained] = [line for line in lines if line.startswith("trained ")]
+    assert "no step of this run scored better" in trained and "so that one is kept" in trained, trained
+    assert again.kept == ("redrafter",) and not again.verdict_measured and passes.calls == []
+    assert again.verdict == first.verdict and again.installed == first.installed
+    capsys.readouterr()
+    _print_report(again, cfg)
+    err = capsys.readouterr().err
+    assert "scored no better on the held-out conversations than the drafter it continued" in err
+    assert f"kept, unchanged (its verdict of {first.verdict['date']} stands" in err and "Installed" in err
+
+
 def test_a_draining_distillation_finishes_the_replies_under_way_and_starts_no_more(tiny, tmp_path):
     from mlx_redrafter.llm.load import load_model
     from mlx_redrafter.train.distill import DistillConfig, distill
@@ -332,7 +377,14 @@ def test_learning_curve_fit_has_the_known_answer():
     assert "too few" in data_needed(points[:2], 0.4, 1.4, 1.0, 1.2, 20000, 0.01).message
     assert "too few" in data_needed(points, 0.4, 1.4, 1.0, 1.2, 20000, 0.01, warmup=5000).message  # the warm-up's
     flat = [(p, 0.3) for p, _ in points]
-    assert "flat" in data_needed(flat, 0.3, 1.3, 1.0, 1.2, 20000, 0.01).message
+    assert "learning curve is flat" in data_needed(flat, 0.3, 1.3, 1.0, 1.2, 20000, 0.01).message
+    # A falling curve is called so, its sign written once (it read "flat", "= 2.182 + -0.0981 ln(positions)").
+    falling = [(p, 0.9 - 0.05 * math.log(p)) for p, _ in points]
+    said = data_needed(falling, 0.3, 1.3, 1.0, 1.2, 20000, 0.01).message
+    assert said.startswith("its learning curve falls (") and "0.900 - 0.0500 ln(positions)" in said, said
+    assert "+ -" not in said and "-0.035 per doubling" in said and "0.485 at 4,000 positions" in said, said
+    unaccepted = data_needed(points, 0.4, 1.0, 1.0, 1.2, 20000, 0.01).message
+    assert "not accepted in the verdict (1.00 tokens/step)" in unaccepted and "flat" not in unaccepted
 
 
 def test_the_budget_split_and_the_head():

@@ -235,6 +235,9 @@ def test_cli_generate_baseline_prints_speed():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr
+    # stderr is a pipe here: each status line stays one line (rich broke them at 80 columns).
+    [summary] = [line for line in r.stderr.splitlines() if line.startswith("prompt: ")]
+    assert len(summary) > 80 and "generation: " in summary and "peak memory" in summary, r.stderr
 
 
 def test_cli_generate_reads_stdin_raw():
@@ -257,9 +260,25 @@ def test_cli_doctor_reports_blas():
         (["generate", "-p", "hi", "--model", "./no/such/dir"], "does not exist"),
         (["generate", "-p", "hi", "--beam-width", "0"], "--beam-width must be at least 1"),
         (["generate", "--file", "/no/such/prompt.txt"], "Prompt file does not exist"),
+        (["generate", "-p", ""], "Error: The --prompt is empty."),
+        (["generate", "-p", "hi", "-n", "0"], "Error: --max-tokens must be an integer >= 1 (got 0)."),
     ],
 )
 def test_cli_bad_input_is_one_clear_message(args, message):
+    """Each refused before the model loads (no announcement), in one line
+    that names the flag. Caught: an empty prompt generated from nothing and
+    exited 0; -n 0 said `max_tokens` after the load."""
     r = run_cli(*args)
     assert r.returncode == 1
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert "drafting" not in r.stderr and "max_tokens" not in r.stderr  # the load's announcement; the keyword
+
+
+def test_cli_generate_refuses_an_empty_prompt_on_stdin(tmp_path):
+    r = run_cli("generate", "-n", "4", input="\n\n")  # blank lines: nothing to answer
+    assert r.returncode == 1 and "Error: The prompt read from standard input is empty." in r.stderr, r.stderr
+    assert "--prompt TEXT, --file PATH" in r.stderr and "drafting" not in r.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run_cli("generate", "--file", str(empty))
+    assert r.returncode == 1 and f"Error: The prompt file {empty} is empty." in r.stderr, r.stderr

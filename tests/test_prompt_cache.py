@@ -68,6 +68,7 @@ def test_bounds_drop_the_oldest_entries(model):
 
     one = cache.nbytes // cache.entries  # every entry here has the same buffer size
     small = PromptCache(model, max_size=10, max_bytes=one)
+    assert small.byte_bound == one and cache.byte_bound is None  # /health's bound_bytes: null when unbounded
     for p in ps:
         _turn(model, small, p)
     assert small.entries == 1 and small.nbytes <= one

@@ -131,6 +131,24 @@ def test_models_and_health(server, client):
     assert h["queue"]["bound"] == QUEUE and h["queue"]["max_batch"] == MAX_BATCH
     m = h["memory"]  # MLX's: the model's weights at least are alive
     assert 0 < m["active_mb"] <= m["peak_mb"] and m["cache_mb"] >= 0
+    # No --prompt-cache-bytes: no bound, said as null (it once said 9223372036854775808).
+    assert h["prompt_cache"]["bound_bytes"] is None
+
+
+def test_metrics_name_the_chat_pages_files_by_their_route(server):
+    """The page's files count under the mount's route, not as unknown paths."""
+
+    def count(route: str, status: str) -> float:
+        text = httpx.get(server + "/metrics", timeout=10).text
+        want = f'redrafter_requests_total{{route="{route}",status="{status}"}} '
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want))
+
+    before = (count("/ui/{path}", "200"), count("/", "200"), count("unmatched", "404"))
+    for path in ("/", "/ui/app.js", "/ui/style.css", "/nowhere"):
+        httpx.get(server + path, timeout=10)
+    assert count("/ui/{path}", "200") == before[0] + 2
+    assert count("/", "200") == before[1] + 1
+    assert count("unmatched", "404") == before[2] + 1  # an unknown path still is one
 
 
 def test_chat_equals_generate_and_stream_equals_whole(client, reference, generate_cli):

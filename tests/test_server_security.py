@@ -254,6 +254,73 @@ def test_origins_from_the_environment_and_patterns(runtime):
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
 
 
+# --------------------------------------------------------------------------- bodies sent as forms (curl -d)
+
+# What clients send for a JSON body: `curl -d` (a form's type), text/plain, no type at all.
+LOOSE_TYPES = ["application/x-www-form-urlencoded", "text/plain", None]
+
+
+@pytest.mark.parametrize("content_type", LOOSE_TYPES, ids=["form", "text", "none"])
+def test_a_json_body_is_read_whatever_its_content_type(open_server, content_type):
+    """As Ollama's server does: every route that takes a body reads it as
+    JSON. Caught: without the JsonBody middleware (app.py), every request
+    here but the untyped one was a 400 "Input should be a valid dictionary"."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    for path, body in BODIES.items():
+        r = httpx.post(open_server + path, content=json.dumps(body).encode(), headers=headers, timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["content-type"].startswith("application/json"), path
+    r = httpx.post(open_server + "/api/chat", content=b"messages=hi", headers=headers, timeout=120)  # a real form
+    assert r.status_code == 400 and r.json()["error"].startswith("The body is not valid JSON: "), r.text
+
+
+def test_curl_dash_d_is_answered(open_server):
+    """`curl -d` itself, as Ollama's documentation writes it."""
+    import shutil
+    import subprocess
+
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine (the test above sends its headers)")
+    body = json.dumps({"model": "default", "prompt": "1,", "stream": False, "options": {"num_predict": 2}})
+    out = subprocess.run([curl, "-s", "-d", body, open_server + "/api/generate"], capture_output=True, timeout=120)
+    reply = json.loads(out.stdout)
+    assert reply["done"] is True and isinstance(reply["response"], str), reply
+    body = json.dumps({"messages": HI, "max_tokens": 2})
+    out = subprocess.run(
+        [curl, "-s", "-d", body, open_server + "/v1/chat/completions"], capture_output=True, timeout=120
+    )
+    assert json.loads(out.stdout)["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_foreign_pages_simple_request_is_still_refused(open_server, content_type):
+    """A web page may post a form or text/plain to any address without a
+    CORS preflight (a "simple request"), but its browser sends its Origin:
+    reading such bodies as JSON must not let a foreign page drive the model
+    (CSRF). Caught: OriginGuard passing every request through."""
+    before = httpx.get(open_server + "/metrics").text
+    for path, body in BODIES.items():
+        for origin in ("http://evil.example", "null"):
+            r = httpx.post(
+                open_server + path,
+                content=json.dumps(body).encode(),
+                headers={"Content-Type": content_type, "Origin": origin, "Sec-Fetch-Site": "cross-site"},
+            )
+            assert r.status_code == 403, (path, r.text)
+            assert "access-control-allow-origin" not in r.headers
+    after = httpx.get(open_server + "/metrics").text
+    assert _generated(after) == _generated(before)  # the model never ran for them
+
+
+def _generated(metrics: str) -> float:
+    """The tokens the server generated, from its /metrics."""
+    for line in metrics.splitlines():
+        if line.startswith("redrafter_generated_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no redrafter_generated_tokens_total in /metrics")
+
+
 # --------------------------------------------------------------------------- the API key
 
 

@@ -324,6 +324,29 @@ EVIL = (
 )
 
 
+def test_the_legend_has_a_colour_for_every_draft_source(page):
+    """Every source the server names (/metrics' DRAFT_SOURCES) has a swatch in
+    the legend, coloured as the reply's tokens from it (EAGLE-3 had none:
+    caught on the page before its swatch was added)."""
+    from mlx_redrafter.serve.metrics import DRAFT_SOURCES
+
+    pieces = [(f"{source} words ", source) for source in DRAFT_SOURCES] + [("own words", "llm")]
+    background = "e => getComputedStyle(e).backgroundColor"
+    with serve_in_thread(fake_app(pieces)) as url:
+        page.goto(url + "/")
+        _send(page, "Say it.")
+        _wait_reply(page, 1)
+        colours = set()
+        for source in DRAFT_SOURCES:
+            swatch = page.locator(f"#legend .swatch.src-{source}")
+            assert swatch.count() == 1, f"the legend has no swatch for {source}"
+            token = page.locator(f"{REPLY} .src-{source}").first
+            colour = swatch.evaluate(background)
+            assert colour != "rgba(0, 0, 0, 0)" and token.evaluate(background) == colour, source
+            colours.add(colour)
+        assert len(colours) == len(DRAFT_SOURCES)  # each its own
+
+
 def test_model_html_never_runs(page):
     # Streamed in 5-character pieces, as tokens come: every partial render is sanitized too.
     pieces = [(EVIL[i : i + 5], ("drafter", "llm", "lookup")[i % 3]) for i in range(0, len(EVIL), 5)]

@@ -33,7 +33,9 @@ HELP = """\
 /system TEXT          set the system message (/system alone shows it, /system - removes it)
 /save FILE            save the conversation as Markdown (.md) or JSON (.json)
 /quit                 leave (Ctrl-D too); Ctrl-C stops a reply
-//TEXT                send a message that starts with '/'"""
+//TEXT                send a message that starts with '/'
+\"\"\"                   open a message of several lines; a line ending in \"\"\" sends it
+                      (on a terminal a multi-line paste is one message too)"""
 
 
 def status_line(turn) -> str:

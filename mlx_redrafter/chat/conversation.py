@@ -257,8 +257,9 @@ class ChatSession:
         eos: List[int] = []  # the EOS that ended the reply: its KV may be in the cache
         stream = None
         try:
-            reused = self.prompt_cache.reuse(ids)
-            turn.reused_tokens, turn.prefilled_tokens = reused, len(ids) - reused
+            reused = self.prompt_cache.reuse(ids)  # the tokens the cache holds (a hybrid's: prefilled by it too)
+            turn.reused_tokens = self.prompt_cache.reused  # of those, what came from earlier turns
+            turn.prefilled_tokens = len(ids) - turn.reused_tokens
             stream = stream_generate(
                 self.model,
                 self.tokenizer,

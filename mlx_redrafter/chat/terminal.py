@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..errors import RedrafterError
 from ..output import RedrafterResponse
-from ..step.plan import asks
+from ..step.plan import asks, request_sources
 from .commands import CommandResult, status_line
 from .conversation import ChatSession, Turn
 
@@ -29,6 +29,18 @@ STYLES = {
     "eagle3": "bright_blue",
     "dflash": "bright_red",
 }
+
+
+NAMES = {"drafter": "drafter", "mtp": "MTP head", "draft-model": "draft model", "eagle3": "EAGLE-3 head"}
+NAMES.update(dflash="DFlash drafter", lookup="lookup", datastore="datastore")
+
+
+def legend(draft) -> str:
+    """The colours of the sources ``draft`` drafts with, each in its colour:
+    ``cyan (drafter), magenta (lookup) and ...``."""
+    sources = list(dict.fromkeys(s.name for s in request_sources(draft)))  # each source's label, in the plan's order
+    parts = [f"[{STYLES.get(s, DRAFT_STYLE)}]{STYLES.get(s, DRAFT_STYLE)}[/] ({NAMES.get(s, s)})" for s in sources]
+    return " and ".join(filter(None, [", ".join(parts[:-1]), parts[-1] if parts else "colour"]))
 
 
 # --------------------------------------------------------------------------- the terminal loop
@@ -80,14 +92,55 @@ class _Output:
             print(message, file=sys.stderr, flush=True)
 
 
-def _read_line(interactive: bool) -> str:
+PROMPT, MORE = ">>> ", "... "
+BLOCK = '"""'  # opens and closes a multi-line message, as in Ollama's CLI
+
+
+def _read_line(interactive: bool, prompt: str = PROMPT) -> str:
     """The next input line; ``EOFError`` at the end."""
     if interactive:
-        return input(">>> ")
+        return input(prompt)
     line = sys.stdin.readline()
     if not line:
         raise EOFError
     return line.rstrip("\n")
+
+
+def read_message(interactive: bool, notice) -> Tuple[str, bool]:
+    """The next message and whether it can be a command: a line, a paste
+    (on a terminal whose readline brackets pastes, a multi-line paste is one
+    message), or a block: a line that starts with BLOCK (three double quotes)
+    opens it, a line that ends with BLOCK closes it, and what lies between is
+    one message, never a command. ``EOFError`` at the end; a block still open
+    there is sent as it is, with a ``notice``."""
+    line = _read_line(interactive)
+    if not line.lstrip().startswith(BLOCK):
+        return line, "\n" not in line
+    first = line.lstrip()[len(BLOCK) :]
+    if first.rstrip().endswith(BLOCK) and first.strip():  # opened and closed on one line
+        return first.rstrip()[: -len(BLOCK)], False
+    lines = [first]
+    while True:
+        try:
+            line = _read_line(interactive, MORE)
+        except EOFError:
+            notice(f"(the {BLOCK} block was not closed: sent as it is)")
+            break
+        if line.rstrip().endswith(BLOCK):
+            lines.append(line.rstrip()[: -len(BLOCK)])
+            break
+        lines.append(line)
+    return "\n".join(lines), False
+
+
+def _bracket_pastes() -> None:
+    """Let a paste arrive whole: GNU readline (8.1 and later) inserts a
+    bracketed paste, newlines and all, as one edit, sent by Enter (Python
+    turns this off by default; libedit has no such setting)."""
+    import readline
+
+    if "libedit" not in (readline.__doc__ or ""):
+        readline.parse_and_bind("set enable-bracketed-paste on")
 
 
 def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
@@ -98,21 +151,18 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
     out = _Output(interactive)
     chat.notify = out.notice
     if interactive:
-        import readline  # noqa: F401  (line editing and history for input())
-
+        _bracket_pastes()  # importing readline also gives input() line editing and history
         # Ctrl-C must interrupt a reply even when started with SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        out.console.print("[dim]Type a message. /help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]")
+        out.console.print(
+            f"[dim]Type a message (several lines: paste them, or open and close them with {BLOCK}). "
+            "/help lists commands; Ctrl-C stops a reply; Ctrl-D exits.[/dim]"
+        )
         if chat.settings.show_drafts and asks(chat.draft()):
-            out.console.print(
-                f"[dim]Tokens from accepted drafts are shown in [{DRAFT_STYLE}]"
-                f"{DRAFT_STYLE}[/{DRAFT_STYLE}] (drafter), "
-                f"[{LOOKUP_STYLE}]{LOOKUP_STYLE}[/{LOOKUP_STYLE}] (lookup) "
-                f"and [{DATASTORE_STYLE}]{DATASTORE_STYLE}[/{DATASTORE_STYLE}] (datastore).[/dim]"
-            )
+            out.console.print(f"[dim]Tokens from accepted drafts are shown in {legend(chat.draft())}.[/dim]")
     while True:
         try:
-            line = _read_line(interactive)
+            line, may_command = read_message(interactive, out.notice)
         except EOFError:
             if interactive:
                 out.console.out("")
@@ -126,13 +176,13 @@ def run_chat(chat: ChatSession, interactive: Optional[bool] = None) -> int:
         if not text:
             continue
         try:
-            if text.startswith("/") and not text.startswith("//"):
+            if may_command and text.startswith("/") and not text.startswith("//"):
                 res = chat.handle_command(text)
                 out.result(res)
                 if res.quit:
                     return 0
                 continue
-            text = text[1:] if text.startswith("//") else text
+            text = text[1:] if may_command and text.startswith("//") else text
             turn = chat.reply(text, on_response=lambda r: out.token(r, chat.settings.show_drafts))
             out.end_reply(turn)
             if turn.interrupted and not interactive:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import RedrafterError
 from .options import app, err
@@ -47,10 +48,14 @@ def list_cmd(
     for r in table:  # plain columns: whole paths, whatever the terminal's width
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if not rows and not mtp:
+        import shlex
+
+        make = f"mlx-redrafter make-drafter --model {shlex.quote(model) if model else 'MODEL'} --hours 1"
         err.print(
-            f"No drafters in {store.store_root()}"
-            + (f" for {model}" if model else "")
-            + ". `mlx-redrafter make-drafter --model M` makes one."
+            f"No drafters in {escape(str(store.store_root()))}"
+            + (f" for {escape(model)}" if model else "")
+            + f". `{escape(make)}` makes one.",
+            soft_wrap=True,
         )
 
 

@@ -141,6 +141,17 @@ def _print_report(report, cfg) -> None:
             f"Already done: {report.out} finished every stage for a {cfg.minutes:g}-minute budget "
             "(a larger --minutes adds data and training)."
         )
+    elif report.kept:
+        stands = (
+            "measured again below"
+            if report.verdict_measured
+            else f"its verdict of {v.get('date', 'the last run')} stands, as below"
+        )
+        err.print(
+            "This run's training scored no better on the held-out conversations than the drafter it continued: "
+            f"that drafter is kept, unchanged ({stands}).",
+            soft_wrap=True,
+        )
     plain = v.get("plain", {})
     err.print(f"verdict on {v.get('prompts')} held-out prompts, {v.get('max_tokens')} tokens each, {v.get('device')}:")
     err.print(f"  plain decoding   {plain.get('tokens_per_second', 0):.1f} tok/s")

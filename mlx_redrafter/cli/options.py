@@ -25,7 +25,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="ReDrafter speculative decoding for mlx-lm models: same tokens, fewer LLM calls.",
 )
-err = Console(stderr=True)
+
+
+class _ErrorConsole(Console):
+    """The error console: on a terminal rich wraps lines at its width; into a
+    file or a pipe (a log, ``2>&1 | tee``) each message stays one line, as
+    rich would otherwise break it at 80 columns, mid-phrase."""
+
+    def print(self, *objects, soft_wrap=None, **kw) -> None:
+        if soft_wrap is None and not self.is_terminal:
+            soft_wrap = True
+        super().print(*objects, soft_wrap=soft_wrap, **kw)
+
+
+err = _ErrorConsole(stderr=True)
 
 # --------------------------------------------------------------------------- shared flags
 
@@ -128,7 +141,8 @@ DatastoreOpt = typer.Option(
 NoHistoryOpt = typer.Option(
     False,
     "--no-history",
-    help="Do not append the replies to the model's history datastore (kept locally under the cache folder).",
+    help="Write nothing of this session to disk. By default each prompt and reply is appended to the model's "
+    "history under the cache folder (said at start; for datastore drafts and make-drafter --prompts history).",
 )
 
 
@@ -244,18 +258,25 @@ def progress_bar(*middle: str, eta: bool = False, disable: bool = False):
 
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
-    """The prompt from --prompt, --file, or standard input."""
+    """The prompt from --prompt, --file, or standard input; an empty one
+    (or only white space) is refused, naming where it came from."""
     if prompt is not None and file is not None:
         raise RedrafterError("Give either --prompt or --file, not both.")
     if file is not None:
         if not file.is_file():
             raise RedrafterError(f"Prompt file does not exist: {file}", "Check the --file path.")
-        return file.read_text()
-    if prompt is not None:
-        return prompt
-    if sys.stdin.isatty():
+        text, where = file.read_text(), f"The prompt file {file}"
+    elif prompt is not None:
+        text, where = prompt, "The --prompt"
+    elif sys.stdin.isatty():
         raise RedrafterError("No prompt given.", "Use --prompt TEXT, --file PATH, or pipe text on stdin.")
-    return sys.stdin.read()
+    else:
+        text, where = sys.stdin.read(), "The prompt read from standard input"
+    if not text.strip():
+        raise RedrafterError(
+            f"{where} is empty.", "Give the text to answer: --prompt TEXT, --file PATH, or pipe it in."
+        )
+    return text
 
 
 def format_prompt(tokenizer, text: str, system: Optional[str], raw: bool):

@@ -1,4 +1,4 @@
-"""The commands that run a model: ``generate``, ``chat``, ``serve`` and ``doctor``."""
+"""The commands that run a model: ``generate``, ``chat``, ``serve`` and ``doctor`` (in doctor.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from rich.markup import escape
 
 from ..errors import RedrafterError
 from ..runtime import LoadOptions
+from .doctor import doctor
 from .options import (
     CapEndsTurnOpt,
-    DtypeOpt,
     MaxTokensCapOpt,
     MinPOpt,
-    ModelOpt,
     NoHistoryOpt,
     SeedOpt,
     ServedModelNameOpt,
@@ -40,7 +39,7 @@ def generate(
     options: LoadOptions,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="Read the prompt from a file."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Longest reply, in tokens."),
     temp: float = TempOpt,
     top_p: float = TopPOpt,
     top_k: int = TopKOpt,
@@ -59,10 +58,12 @@ def generate(
     With --json or --json-schema the reply is structured output (exactly
     plain constrained decoding; drafting runs the synchronous loop); cut by
     --max-tokens before the JSON closes, it exits with status 1."""
+    from ..chat.settings import check_setting
     from ..generate import stream_generate
     from ..output import Tally
 
-    sampling = _sampling(temp, top_p, top_k, min_p)  # refuse bad values before the slow load
+    check_setting("max_tokens", max_tokens, name="--max-tokens")  # refuse bad values before the slow load
+    sampling = _sampling(temp, top_p, top_k, min_p)
     grammar = _grammar(json_any, json_schema)  # and a bad schema
     text = read_prompt(prompt, file)
     rt = _runtime(options)
@@ -153,6 +154,7 @@ def chat(
     if max_context is not None and max_context < 2:
         raise RedrafterError(f"--max-context must be at least 2 (got {max_context}).")
     rt = _runtime(replace(options, history=not no_history))
+    announce_history(rt)
     if seed is not None:
         import mlx.core as mx
 
@@ -162,6 +164,23 @@ def chat(
     code = run_chat(conversation)
     if code:
         raise typer.Exit(code)
+
+
+def announce_history(rt) -> None:
+    """Say, at start, what ``chat`` and ``serve`` write to disk (the
+    conversations' text, unasked for otherwise), where, and the flag that
+    turns it off."""
+    if rt.history is None:
+        return
+    from ..draft.datastore.index import default_path
+
+    folder = default_path(rt.model_spec, "history").parent
+    err.print(
+        f"History: each prompt and reply is appended to {escape(str(folder))}/ (kept on this machine only, for "
+        "datastore drafts and `make-drafter --prompts history`). --no-history turns it off; "
+        "`mlx-redrafter datastore clear` deletes it.",
+        soft_wrap=True,
+    )
 
 
 def _check_port(host: str, port: int) -> None:
@@ -181,7 +200,9 @@ def _check_port(host: str, port: int) -> None:
 
 def _cache_bytes(text: Optional[str]) -> int:
     """--prompt-cache-bytes as a number (no bound when not given)."""
-    return 1 << 63 if text is None else _size(text, "--prompt-cache-bytes")
+    from ..llm.prompt_cache import NO_BYTE_BOUND
+
+    return NO_BYTE_BOUND if text is None else _size(text, "--prompt-cache-bytes")
 
 
 def _size(text: str, flag: str) -> int:
@@ -287,6 +308,7 @@ def serve(
     from ..serve import Engine
 
     rt = _runtime(replace(options, history=not no_history))
+    announce_history(rt)
     engine = Engine(
         rt,
         max_tokens=max_tokens,
@@ -353,50 +375,4 @@ def _server_parts(host: str, api_key, allow_host, allow_origin):
     return uvicorn, create_app, security
 
 
-@app.command()
-def doctor(
-    calibrate: bool = typer.Option(
-        False,
-        "--calibrate",
-        help="Measure this device's verify-cost curve c(N) for --tree auto "
-        "and its batched-decoding gains for serve (<= 40 s), and store them.",
-    ),
-    model: str = ModelOpt,
-    dtype: Optional[str] = DtypeOpt,
-):
-    """Print versions, device, default dtype and BLAS (with the fix when it is slow), and the verify-cost curve."""
-    from ..doctor import BLIS_FIX, SLOW_GFLOPS, matmul_gflops, report
-
-    info = report()
-    for k, v in info.items():
-        if v is not None and k != "blas_slow":
-            print(f"{k:>14}: {v}")
-    gflops = matmul_gflops()
-    print(f"{'matmul':>14}: {gflops:.1f} GFLOPS (float32, 768x768)")
-    if info.get("blas_slow") or (info["device"].startswith("Device(cpu") and gflops < SLOW_GFLOPS):
-        err.print(
-            f"[yellow]The CPU backend uses {info['blas']} ({gflops:.1f} GFLOPS); "
-            "a good BLAS is about 20x faster here. Fix:[/yellow]\n" + BLIS_FIX
-        )
-    _show_curve(model, dtype, calibrate)
-
-
-def _show_curve(model_spec: str, dtype: Optional[str], calibrate: bool) -> None:
-    """The verify-cost curve ``--tree auto`` uses for this model here; ``calibrate``: measure and store it first."""
-    from ..llm.load import load_model
-    from ..step.curve import curve_for, format_curve, save_curve
-
-    model, _ = load_model(model_spec, dtype=dtype)
-    if calibrate:
-        from ..tuning.calibrate import measure_curve
-
-        err.print("measuring the verify-cost curve and the batch curve (at most 40 s)...")
-        path = save_curve(measure_curve(model, model_spec), model, model_spec)
-        err.print(f"saved {path}")
-    curve = curve_for(model, model_spec)
-    print(format_curve(curve))
-    if curve.builtin:
-        print(
-            "  (no curve measured on this device for this model: --tree auto uses the built-in one; "
-            "measure it with `mlx-redrafter doctor --calibrate`)"
-        )
+app.command()(doctor)  # after serve, where --help lists it

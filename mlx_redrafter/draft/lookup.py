@@ -89,20 +89,6 @@ class Lookup:
         return drafts
 
 
-def join_beams(drafted: List[List[int]], proposals: List[List[int]], k: int) -> List[List[int]]:
-    """The rows of a step's tree: the drafter's beams, then ``k`` lookup rows.
-
-    A missing lookup row is a copy of row 0 (dedup removes it, and the array
-    keeps its shape); rows are padded with ``PAD`` to the longest. With no
-    drafter and no proposal every row is padding: a tree of ``g0`` alone.
-    """
-    rows = drafted + proposals[:k]
-    filler = rows[0] if rows else [PAD]
-    rows += [filler] * (len(drafted) + k - len(rows))
-    length = max(len(r) for r in rows)
-    return [r + [PAD] * (length - len(r)) for r in rows]
-
-
 class DeviceLookup:
     """:class:`Lookup`'s first draft (``k = 1``), computed on the device.
 

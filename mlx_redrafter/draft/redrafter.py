@@ -307,8 +307,8 @@ def save_drafter(drafter: Drafter, path, dtype=None, extra_config: Optional[dict
 
 
 FIT_FIX = (
-    "Use a drafter trained for this model (`mlx-redrafter make-drafter --model M` makes one), "
-    "or load the model it was trained for."
+    "Use a drafter trained for this model (`mlx-redrafter make-drafter --model` with the model's id or folder "
+    "makes one), or load the model it was trained for."
 )
 
 

@@ -22,6 +22,9 @@ from ..errors import RedrafterError
 from .cache import always_trimmable, drop_sources, feed, prefill_forward, target_size, trim_cache
 from .recurrent import cache_length, snapshot
 
+# No bound on the bytes kept (mlx-lm's LRUPromptCache takes a number): what `serve` uses unless told.
+NO_BYTE_BOUND = 1 << 63
+
 
 class PromptCache:
     """KV caches kept across turns and requests, found by the token ids they
@@ -46,7 +49,7 @@ class PromptCache:
 
     KEY = "model"  # one model per PromptCache: the trie's model key is constant
 
-    def __init__(self, model, max_size: int = 1, max_bytes: int = 1 << 63):
+    def __init__(self, model, max_size: int = 1, max_bytes: int = NO_BYTE_BOUND):
         if max_size < 1 or max_bytes < 1:
             raise RedrafterError(
                 f"A prompt cache needs room for an entry (got {max_size} entries, {max_bytes} bytes).",
@@ -59,22 +62,17 @@ class PromptCache:
         self.ids: List[int] = []
         self.hits = 0  # generations that reused a cached prefix
         self.reused_tokens = 0  # prompt tokens those reused, in all
+        self.reused = 0  # of the working cache's tokens, those that came from the store (:meth:`reuse`)
 
     def reuse(self, ids: Sequence[int]) -> int:
         """Take a copy of the stored cache sharing the longest prefix with
-        ``ids`` as the working cache, trimmed to that prefix; return its length
-        (pass ``ids[length:]`` and ``prompt_cache=self.cache`` to stream_generate)."""
-        self.cache, keep = self.fetch(ids)
+        ``ids`` as the working cache, trimmed to that prefix; return the
+        length it holds (pass ``ids[length:]`` and ``prompt_cache=self.cache``
+        to stream_generate). ``reused``: how many of those came from the
+        store; a model with ``checkpoints`` prefilled the rest itself (:meth:`take`)."""
+        self.cache, self.reused, held = self.take(ids)
         self.ids = []  # ids unknown until the generation ends
-        return keep
-
-    def fetch(self, ids: Sequence[int]):
-        """``(cache, length)``: a copy of the stored cache sharing the longest
-        prefix with ``ids``, trimmed to that prefix (at most all of ``ids``
-        but the last), or a fresh cache and 0; ``checkpoints``: prefilled
-        up to the last token (:meth:`take`)."""
-        cache, _, held = self.take(ids)
-        return cache, held
+        return held
 
     def take(self, ids: Sequence[int], marks: Sequence[int] = ()):
         """``(cache, reused, held)``: a copy of the stored cache sharing the
@@ -82,7 +80,8 @@ class PromptCache:
         cache, holding ``held`` tokens once a model with ``checkpoints`` has
         prefilled the rest up to the last token (:meth:`checkpoint`, with
         ``marks``). Several generations at once (the server's batch) each
-        take their own."""
+        take their own. ``hits`` and ``reused_tokens`` count what came from
+        the store, never what this call prefilled."""
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, list(ids))
         keep = len(ids) - len(rest)
         if cache is not None and not rest:  # an exact hit: stream_generate needs one prompt token
@@ -92,8 +91,8 @@ class PromptCache:
         if cache is None or keep <= 0:
             cache, keep = make_prompt_cache(self.model), 0
         held = self.checkpoint(cache, ids, keep, marks) if self.checkpoints and len(ids) - keep > 1 else keep
-        self.hits += 1 if held > 0 else 0
-        self.reused_tokens += held
+        self.hits += 1 if keep > 0 else 0
+        self.reused_tokens += keep
         return cache, keep, held
 
     def checkpoint(self, cache, ids: Sequence[int], held: int, marks: Sequence[int] = ()) -> int:
@@ -159,3 +158,8 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         return self.lru.nbytes
+
+    @property
+    def byte_bound(self):
+        """The most bytes of KV kept, or None when there is no bound."""
+        return None if self.lru.max_bytes >= NO_BYTE_BOUND else self.lru.max_bytes

@@ -15,7 +15,8 @@ line in the log; the server's own failures keep their tracebacks.
 
 Who may use the app (Host names, browser origins, the API key) is its
 :class:`~mlx_redrafter.serve.security.SecurityConfig`; how much of a body it
-reads, :mod:`~mlx_redrafter.serve.limits`; ``/openapi.json``
+reads, :mod:`~mlx_redrafter.serve.limits`; a body is read as JSON whatever
+its ``Content-Type`` (:mod:`~mlx_redrafter.serve.json_body`); ``/openapi.json``
 documents what each route really answers (:mod:`~mlx_redrafter.serve.openapi`).
 """
 
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException
 
 from . import anthropic_api, ollama_api, openai_api, responses_api
 from .engine import Engine
+from .json_body import JsonBody
 from .limits import BodyLimit, default_body_bytes
 from .metrics import Metrics, RequestCounter
 from .openapi import document
@@ -96,7 +98,8 @@ def create_app(
 
     app = FastAPI(title="mlx-redrafter", lifespan=lifespan)
     bound = max_body_bytes or default_body_bytes(engine.card()["context_length"])  # the context /v1/models says
-    app.add_middleware(BodyLimit, max_bytes=bound, refuse=error_response)  # first, so inside the guards below
+    app.add_middleware(JsonBody)  # innermost: a body is JSON whatever its Content-Type (curl -d sends a form's)
+    app.add_middleware(BodyLimit, max_bytes=bound, refuse=error_response)  # inside the guards below
     if security is not None:
         secure(app, security, error_response)
     metrics = Metrics(engine)

@@ -29,7 +29,7 @@ import mlx.core as mx
 from ..config import SamplingConfig
 from ..errors import RedrafterError
 from ..llm.parts import context_limit
-from ..llm.prompt_cache import PromptCache
+from ..llm.prompt_cache import NO_BYTE_BOUND, PromptCache
 from ..llm.text import encode_prompt, token_floor
 from ..prompts import render_messages
 from ..step.grammar import compile_for_model
@@ -93,7 +93,7 @@ class Engine:
         sampling: Optional[SamplingConfig] = None,
         queue_size: int = 16,
         prompt_cache_size: int = 10,
-        prompt_cache_bytes: int = 1 << 63,
+        prompt_cache_bytes: int = NO_BYTE_BOUND,
         max_batch: int = 8,
         max_tokens_cap: Optional[int] = None,
         served_names: Sequence[str] = (),
@@ -274,7 +274,7 @@ class Engine:
             "hits": c.hits,
             "reused_tokens": c.reused_tokens,
             "bound": c.lru.max_size,
-            "bound_bytes": c.lru.max_bytes,
+            "bound_bytes": c.byte_bound,  # null: no --prompt-cache-bytes
         }
 
 

@@ -5,7 +5,8 @@ per app, so that several apps in one process do not share counters).
 Names (counters end in ``_total`` on the wire):
 
 * ``redrafter_requests_total{route,status}``: answered HTTP requests, by
-  route template (``unmatched`` for unknown paths) and status code;
+  route template (the chat page's files as ``/ui/{path}``, ``unmatched`` for
+  unknown paths) and status code;
 * ``redrafter_prompt_tokens_total``, ``redrafter_generated_tokens_total``;
 * ``redrafter_tokens_per_step``: a histogram of the tokens each step emitted;
 * ``redrafter_draft_tokens_accepted_total{source}``: emitted tokens that were
@@ -160,5 +161,16 @@ class RequestCounter:
             raise
 
     def _count(self, scope, status: int) -> None:
-        route = getattr(scope.get("route"), "path", "unmatched")  # FastAPI puts the matched route here
-        self.metrics.requests.labels(route, str(status)).inc()
+        self.metrics.requests.labels(route_label(scope), str(status)).inc()
+
+
+def route_label(scope) -> str:
+    """The route a request matched, as ``/metrics`` names it: its path
+    template (FastAPI puts the matched route in the scope), a mounted app's
+    prefix with ``{path}`` (the chat page's files: ``/ui/{path}``), else ``unmatched``."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    if "endpoint" in scope:  # a Mount matched: Starlette moved its prefix into root_path
+        return scope.get("root_path", "")[len(scope.get("app_root_path", "")) :] + "/{path}"
+    return "unmatched"

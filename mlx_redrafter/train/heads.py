@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from typing import Tuple
 
 from ..errors import RedrafterError
+from ..profiles import drafter_id
 from .recipe_state import Status
 
 REDRAFTER, EAGLE3, DFLASH, AUTO = "redrafter", "eagle3", "dflash", "auto"
@@ -112,6 +113,7 @@ def train_head(run, kind: str, left: float) -> None:
     folder = run.head_dirs[kind]
     rate = getattr(run.rates, rate_name)
     ck = checkpoint_state(folder)
+    saved = drafter_id(folder) if (folder / "model.safetensors").is_file() else None  # the head the folder holds
     steps = max(int(left * rate / per_step), 1)
     every = cfg.eval_every if "eval_every" in given else max(10, steps // 8)
     cfg = replace(cfg, minutes=(ck.get("seconds", 0.0) + left) / 60, eval_every=every, checkpoint_every=every)
@@ -147,6 +149,14 @@ def train_head(run, kind: str, left: float) -> None:
     if added > 1 and secs > 0:
         setattr(run.rates, rate_name, added * per_step / secs)
     line = f"trained {whose}{added} steps in {secs / 60:.1f} min ({after.get('step', 0)} in all)"
+    if saved is not None and added > 0 and drafter_id(folder) == saved:
+        # The folder keeps the head with the best held-out score: these steps did not beat it.
+        run.kept += (kind,)
+        best, what = ck.get("best_accepted", 0.0), name or "drafter"
+        line += (
+            f"; no step of this run scored better on the held-out conversations than the {what} it started "
+            f"from (held-out accepted length {best:.3f}), so that one is kept"
+        )
     run.tell(Status("train", 1.0, line=line))
 
 

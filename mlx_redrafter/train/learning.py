@@ -65,6 +65,21 @@ def fit_log(points: List[Tuple[int, float]], warmup: int = 0) -> Optional[Tuple[
     return my - b * mx_, b
 
 
+def curve_words(a: float, b: float, used: List[Tuple[int, float]]) -> str:
+    """The fitted curve as a reader takes it: the accuracy it gives at the
+    first and last positions fitted, the change per doubling of the data,
+    then the fit itself (its intercept is the accuracy at one position, an
+    extrapolation that may lie outside 0-1)."""
+    (first, _), (last, _) = used[0], used[-1]
+    at = lambda p: a + b * math.log(p)
+    sign = "-" if b < 0 else "+"
+    return (
+        f"held-out first-draft accuracy {at(first):.3f} at {first:,} positions, {at(last):.3f} at {last:,}: "
+        f"{b * math.log(2):+.3f} per doubling of the data; fit over {len(used)} evaluations: "
+        f"{a:.3f} {sign} {abs(b):.4f} ln(positions)"
+    )
+
+
 @dataclass
 class Need:
     """What the curve says about a drafter that did not pay."""
@@ -100,12 +115,15 @@ def data_needed(
             f"extrapolate (it takes {MIN_POINTS}): a larger budget trains longer and tells more"
         )
     a, b = fit
-    shape = (
-        f"held-out first-draft accuracy = {a:.3f} + {b:.4f} ln(positions), over "
-        f"{len(fit_points(points, warmup))} evaluations"
-    )
-    if b <= 0 or tokens_per_step <= 1 or accuracy <= 0 or speedup <= 0:
-        return Need(f"its learning curve is flat ({shape}): more data alone is not predicted to make it pay")
+    shape = curve_words(a, b, fit_points(points, warmup))
+    if b <= 0:
+        trend = "falls" if b < 0 else "is flat"
+        return Need(f"its learning curve {trend} ({shape}): more data alone is not predicted to make it pay")
+    if tokens_per_step <= 1 or accuracy <= 0 or speedup <= 0:
+        return Need(
+            f"its drafts were not accepted in the verdict ({tokens_per_step:.2f} tokens/step), so its learning "
+            f"curve ({shape}) cannot say how much more data would pay"
+        )
     cost = tokens_per_step / speedup  # one step in plain steps
     want = (target * cost - 1) / ((tokens_per_step - 1) / accuracy)
     if want >= 1:

@@ -60,6 +60,8 @@ class Report:
     verdict: dict
     meta: dict
     already_done: bool  # the folder had finished every stage for this budget before this run
+    verdict_measured: bool = True  # False: the verdict is an earlier run's
+    kept: Tuple[str, ...] = ()  # heads this run trained on but did not improve: kept as they were
 
 
 def head_settings(hidden: int, vocab: int) -> dict:
@@ -126,6 +128,8 @@ class RecipeRun:
     sizes: object = None  # the fixed stages' prompt counts and lengths (budget.fit_sizes)
     # Set by the stages.
     held_acc: Optional[float] = None  # the last held-out first-draft accuracy training logged
+    verdict_measured: bool = False  # this run measured the verdict (else an earlier run's stands)
+    kept: Tuple[str, ...] = ()  # the heads this run trained on whose held-out score it did not beat (kept as they were)
     held_ids: Optional[List[Tuple[str, List[int]]]] = None  # the held-out prompts that fit (finish.held_prompts)
     existing: object = None  # the store's drafter for the model the verdict measures against, if any
 
@@ -325,15 +329,31 @@ class RecipeRun:
         if live.elapsed > 0 and positions(m) > start:
             self.rates.positions_per_s = (positions(m) - start) / live.elapsed
             self.state["rates"] = asdict(self.rates)
-        self.tell(
-            Status(
-                "distill",
-                1.0,
-                line=f"distilled {positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
-                f"({len(m.done)} conversations, {positions(m):,} positions in all)",
-            )
+        line = (
+            f"distilled {positions(m) - start:,} positions in {live.elapsed / 60:.1f} min "
+            f"({len(m.done)} conversations, {positions(m):,} positions in all)"
         )
+        self.tell(Status("distill", 1.0, line=line + self.used_up(m)))
         self.state.finish("distill", self.budget)
+
+    def used_up(self, m) -> str:
+        """Why distillation added nothing, and what adds data, when the
+        prompts are what ran out ("" otherwise: the budget's share ended it)."""
+        from ..prompts import read_conversations
+
+        cap, total = self.cfg.max_conversations, len(read_conversations(self.source.path))
+        if cap is not None and len(m.done) >= cap < total:
+            return (
+                f": the --max-conversations {cap} cap is reached; the rest of the budget trains on the same "
+                "data. A larger --max-conversations adds data."
+            )
+        if len(m.done) < total:
+            return ""
+        prompts = "the shipped ShareGPT prompts" if self.source.label == "sharegpt" else f"--prompts {self.cfg.prompts}"
+        return (
+            f": every one of the {total:,} conversations of {prompts} is distilled, so the rest of the budget "
+            "trains on the same data. More data needs more prompts: --prompts FILE.jsonl (a work folder of its own)."
+        )
 
     # -- training ------------------------------------------------------------
 
@@ -368,7 +388,9 @@ class RecipeRun:
     def verdict(self) -> None:
         from .finish import verdict_stage
 
+        before = self.state["verdict"]
         verdict_stage(self)
+        self.verdict_measured = self.state["verdict"] is not before  # else the earlier run's stands
 
     def install(self) -> None:
         from .finish import install_stage
@@ -383,4 +405,6 @@ class RecipeRun:
             self.state["verdict"] or {},
             self.state["meta"] or {},
             already_done,
+            self.verdict_measured,
+            self.kept,
         )

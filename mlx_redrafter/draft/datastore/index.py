@@ -373,7 +373,7 @@ class StoreLookup:
     ``propose(L, k)`` returns up to ``k`` distinct drafts of exactly ``L``
     tokens (``PAD``-padded where a sequence ended): the most frequent
     continuations of the longest suffix matched in the store, so that it can
-    stand in for (or beside) a ``Lookup`` in ``join_beams``. ``last`` holds
+    stand in for (or beside) a ``Lookup`` (step/sources/datastore.py). ``last`` holds
     the latest proposal's match length and counts, for scoring and stats.
     """
 

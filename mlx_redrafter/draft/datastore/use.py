@@ -14,9 +14,9 @@ A model's stores live in ``cache_root()/datastore/<digest of the model>/``
 
 :func:`open_datastore` turns ``stream_generate``'s ``datastore=`` (a path, a
 store, ``None`` for the model's default stores, ``False`` for none) into what
-:class:`~mlx_redrafter.config.DraftConfig` holds. :func:`context_or_store`
-is the step loops' proposer: context lookup first, one datastore row when the
-context has no match (the issue's rule until cost-aware selection exists).
+:class:`~mlx_redrafter.config.DraftConfig` holds. The step drafts from it as a
+source (step/sources/datastore.py: one row where no source before it copied
+from the context).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from ...errors import RedrafterError
 from ...files import write_json_atomic
-from .index import NO_MATCH, Datastore, Match, StoreLookup, default_path, load_or_empty, model_key
+from .index import NO_MATCH, Datastore, Match, default_path, load_or_empty, model_key
 
 log = logging.getLogger(__name__)
 
@@ -124,24 +124,6 @@ def open_datastore(datastore, model_spec=None, drafting: bool = True):
     if hasattr(datastore, "match") and hasattr(datastore, "depth"):
         return datastore
     raise RedrafterError(f"datastore= must be a path, a Datastore, None or False (got {type(datastore).__name__}).")
-
-
-def context_or_store(lookup, store: Optional[StoreLookup], length: int, k: int) -> Tuple[List[List[int]], str]:
-    """A step's lookup rows and their source: up to ``k`` context lookup
-    drafts of ``length`` tokens (``"lookup"``), else one datastore row
-    (``"datastore"``), else none."""
-    rows = lookup.propose(length, k) if lookup is not None and k else []
-    if rows or store is None:
-        return rows, LOOKUP
-    rows = store.propose(length, 1)
-    if rows:
-        store.store.proposed = getattr(store.store, "proposed", 0) + 1
-    return rows, DATASTORE
-
-
-def row_sources(drafter_rows: int, rows: int, source: str) -> Tuple[str, ...]:
-    """Each row's source: the drafter's rows, then ``rows - drafter_rows`` of ``source``."""
-    return ("drafter",) * drafter_rows + (source,) * max(rows - drafter_rows, 0)
 
 
 # -- history and the session's counts --------------------------------------------

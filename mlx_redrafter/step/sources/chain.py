@@ -46,7 +46,8 @@ class ChainSource(Source):
 
     @property
     def name(self) -> str:
-        return "draft-model" if not is_layer_head(self.head) else getattr(self.head, "source", "mtp")
+        """The head's own ``source`` (a layer head's: "mtp", "eagle3", "dflash"), else "draft-model"."""
+        return getattr(self.head, "source", None) or ("mtp" if is_layer_head(self.head) else "draft-model")
 
     @property
     def prior(self) -> Prior:
