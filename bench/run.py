@@ -443,7 +443,7 @@ def run(argv=None) -> Path:
             "drafter": str(drafter_path),
             "beam_width": s.beam_width,
             "beam_length": s.beam_length,
-            "shape_source": s.shape_source,
+            "shape_source": s.shape_origin,
             "adaptive": args.adaptive,
             "lookup": s.lookup,
         },

@@ -154,7 +154,7 @@ class Resolved:
     """A :class:`DraftConfig` and where its shape came from (for the commands' announcement)."""
 
     draft: DraftConfig
-    source: str = "built-in default"  # "flags", "tuned profile FILE", "flags + ...", "built-in default"
+    origin: str = "built-in default"  # "flags", "tuned profile FILE", "flags + ...", "built-in default"
     profile: Optional[dict] = None  # the tuned profile's dict, if one was found
 
 
@@ -173,21 +173,21 @@ def draft_shape(
     beam_length: Optional[int] = None,
     defaults: Tuple[int, int] = (DEFAULT_WIDTH, DEFAULT_LENGTH),
 ) -> Tuple[int, int, str, Optional[dict]]:
-    """``(width, length, source, profile)``: the given values, each missing one
+    """``(width, length, origin, profile)``: the given values, each missing one
     from the tuned profile of this device + model + drafter, else the built-in
     ``defaults``. ``profile`` is the profile's dict, or None."""
-    (width, length), source = defaults, "built-in default"
+    (width, length), origin = defaults, "built-in default"
     profile = lookup_profile(model_spec, drafter_path) if model_spec and drafter_path else None
     if profile is not None:
         width, length = profile["beam_width"], profile["beam_length"]
-        source = f"tuned profile {profile['file']}"
+        origin = f"tuned profile {profile['file']}"
     if beam_width is not None or beam_length is not None:
         # One value alone keeps the other from the profile (or the default): say so.
         both = beam_width is not None and beam_length is not None
-        source = "flags" if both else f"flags + {source}"
+        origin = "flags" if both else f"flags + {origin}"
         width = beam_width if beam_width is not None else width
         length = beam_length if beam_length is not None else length
-    return width, length, source, profile
+    return width, length, origin, profile
 
 
 def lookup_beams(lookup, drafter, profile: Optional[dict] = None) -> int:
@@ -219,29 +219,29 @@ def resolve(
     (a drafter built in code) only the built-in defaults fill what is not
     given. A layer-head drafter (an EAGLE-3 head, :func:`is_layer_head`)
     becomes the draft's ``head``, its beams ``head_width x head_length`` (by
-    default one beam of ``DEFAULT_HEAD_LENGTH``), drafted by the sourced loop.
+    default one beam of ``DEFAULT_HEAD_LENGTH``), a source with a cache of its own.
     ``tree``: as given, else the profile's (a sweep's best cell may be
     an auto one), else ``tree_default`` (the caller's default for the model,
     step/curve.py's ``default_tree``). ``kw``: the other :class:`DraftConfig`
     fields (``controller``, ``warp``...).
     """
-    profile, source = None, "built-in default"
+    profile, origin = None, "built-in default"
     width, length = beam_width, beam_length
     head = is_layer_head(drafter)
     if drafter is not None:
         defaults = (1, DEFAULT_HEAD_LENGTH) if head else (DEFAULT_WIDTH, DEFAULT_LENGTH)
         defaults = getattr(drafter, "default_shape", None) or defaults  # DFlash (issue 56): its trained block
-        width, length, source, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
+        width, length, origin, profile = draft_shape(model_spec, drafter_path, beam_width, beam_length, defaults)
     width = DEFAULT_WIDTH if width is None else width
     length = DEFAULT_LENGTH if length is None else length
     # DFlash (issue 56): a drafter may name its own default tree (a long block: "auto").
     tree = tree or (profile or {}).get("tree") or getattr(drafter, "default_tree", None) or tree_default
     lookup = lookup_beams(lookup, drafter, profile)
-    if head:  # its beams come from the sourced loop's chain, beside lookup's rows
+    if head:  # its beams come from its chain (step/sources/chain.py), beside lookup's rows
         draft = DraftConfig(lookup=lookup, tree=tree, head=drafter, head_width=width, head_length=length, **kw)
     else:
         draft = DraftConfig(drafter, width, length, lookup=lookup, tree=tree, **kw)
-    return Resolved(draft, source, profile)
+    return Resolved(draft, origin, profile)
 
 
 def library_draft(

@@ -63,11 +63,11 @@ class Runtime:
     model_spec: str
     draft: DraftConfig = field(default_factory=DraftConfig)
     drafter_path: Optional[Path] = None
-    shape_source: str = "built-in default"
+    shape_origin: str = "built-in default"
     plain_reason: str = "no drafter"
     note: Optional[str] = None  # a measured fact the user should see, e.g. drafting is slower here
     history: object = None  # a draft.stores.History: chat and serve append each reply to it
-    drafter_source: Optional[str] = None  # where the drafter came from: the store, the package, the Hub
+    drafter_origin: Optional[str] = None  # where the drafter came from: the store, the package, the Hub
     drafter_note: Optional[str] = None  # e.g. the drafter was trained on another copy of the model
     hint: Optional[str] = None  # no drafter: how to make one
     source_labels: tuple = ()  # the stateful sources, named: ("MTP head: ...", "draft model: ...")
@@ -107,7 +107,7 @@ class Runtime:
                 line = f"model {self.model_spec}, drafting: {what} per step{'' if guesses else ' (no drafter)'}"
                 if self.drafter_path is not None:  # an EAGLE-3 drafter: a layer head, not draft.drafter
                     adaptive = ", adaptive depth" if self.controller is not None else ""
-                    line += f" [{self.shape_source}{adaptive}, drafter {self.drafter_path}]"
+                    line += f" [{self.shape_origin}{adaptive}, drafter {self.drafter_path}]"
                 console.print(f"[dim]{escape(line)}[/dim]")
                 self._announce_sources(console)
                 self._announce_datastore(console)
@@ -125,8 +125,8 @@ class Runtime:
         line = (
             f"model {self.model_spec}, drafting: {' + '.join(guesses)}"
             f"{' + ' + copies + ' per step' if copied else ' per step (no copies from the context)'} "
-            f"[W={w} L={length} ({self.shape_source}{extra}), drafter {self.drafter_path}"
-            f"{f' ({self.drafter_source})' if self.drafter_source else ''}]"
+            f"[W={w} L={length} ({self.shape_origin}{extra}), drafter {self.drafter_path}"
+            f"{f' ({self.drafter_origin})' if self.drafter_origin else ''}]"
         )
         console.print(f"[dim]{escape(line)}[/dim]")
         self._announce_sources(console)
@@ -336,7 +336,7 @@ def _load_drafting(options: LoadOptions) -> Runtime:
         _without_drafter(rt, no_drafter, lookup, tree)
         return rt
     path = located.path
-    rt.drafter_source, rt.drafter_note = (None if located.source == "given" else located.source), located.note
+    rt.drafter_origin, rt.drafter_note = (None if located.source == "given" else located.source), located.note
     drafter = load_drafter(path, dtype=options.dtype)
     check_fits(drafter, model)
     controller = None
@@ -355,7 +355,7 @@ def _load_drafting(options: LoadOptions) -> Runtime:
         **tree_kw(tree, model),
     )
     resolved.draft = with_curve(model, resolved.draft, model_spec)
-    rt.draft, rt.drafter_path, rt.shape_source = resolved.draft, path, resolved.source
+    rt.draft, rt.drafter_path, rt.shape_origin = resolved.draft, path, resolved.origin
     profile = resolved.profile
     if profile is not None and profile.get("speedup", 1.0) < 1.0:
         rt.note = (

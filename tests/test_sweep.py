@@ -566,22 +566,22 @@ def test_load_runtime_picks_up_a_saved_profile(tmp_path, tiny_folder, monkeypatc
 
     dfolder = save_random_drafter(tmp_path / "d", seed=7)
     s = load_runtime(str(tiny_folder), str(dfolder))
-    assert (s.beam_width, s.beam_length, s.shape_source) == (DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default")
+    assert (s.beam_width, s.beam_length, s.shape_origin) == (DEFAULT_WIDTH, DEFAULT_LENGTH, "built-in default")
 
     # Saved under a relative spelling of the same folder: still found.
     monkeypatch.chdir(tiny_folder.parent)
     path = save_profile(tiny_folder.name, dfolder, 3, 5)
     s = load_runtime(str(tiny_folder), str(dfolder))
     assert (s.beam_width, s.beam_length) == (3, 5)
-    assert s.shape_source == f"tuned profile {path}"
+    assert s.shape_origin == f"tuned profile {path}"
     console = Console(record=True, width=400)
     s.announce(console)
     assert f"W=3 L=5 (tuned profile {path})" in console.export_text()
 
     s = load_runtime(str(tiny_folder), str(dfolder), beam_width=1)
-    assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_source.startswith("flags + tuned profile")
+    assert (s.beam_width, s.beam_length) == (1, 5) and s.shape_origin.startswith("flags + tuned profile")
     s = load_runtime(str(tiny_folder), str(dfolder), beam_width=2, beam_length=2)
-    assert (s.beam_width, s.beam_length, s.shape_source) == (2, 2, "flags")
+    assert (s.beam_width, s.beam_length, s.shape_origin) == (2, 2, "flags")
 
 
 def test_the_library_uses_a_saved_profile_when_no_shape_is_given(tmp_path, tiny_folder):

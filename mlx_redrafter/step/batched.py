@@ -116,7 +116,7 @@ class BatchSteps:
         self.plan = make_plan(model, draft, batched=True)
         self.curve = curve if curve is not None else (draft.curve or builtin_curve())
         layers = fused_layers(self.plan.sources)
-        self.embed, self.backbone, self.head = model_parts(model, layers or None)
+        self.embed, self.backbone, self.lm_head = model_parts(model, layers or None)
         self.width = hidden_size(model)
         self.context_width = self.width * (1 + len(layers))
         self.cache: list = []
@@ -149,10 +149,10 @@ class BatchSteps:
         matcher = plan.grammar.matcher() if plan.grammar is not None else None
         row = BatchRow(plan, None, matcher)
         if first or tokens:
-            logits, context = prefill(self.backbone, self.head, cache, mx.array(tokens, mx.int32))
+            logits, context = prefill(self.backbone, self.lm_head, cache, mx.array(tokens, mx.int32))
         elif history and trim_cache(cache, len(history) - 1):  # re-feed the last cached token: its context
             tokens, history = history[-1:], history[:-1]
-            logits, context = prefill(self.backbone, self.head, cache, mx.array(tokens, mx.int32))
+            logits, context = prefill(self.backbone, self.lm_head, cache, mx.array(tokens, mx.int32))
         else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
             context = mx.zeros((self.context_width,), mx.float32)
         if first:
@@ -245,7 +245,7 @@ class BatchSteps:
         trees = [rt for rt, _ in built]
         bt = stack_trees(trees)
         start = self.ragged.end  # the trees go right after the longest row
-        logits, hidden = verify_batch(self.model, self.backbone, self.head, self.cache, bt, self.ragged)
+        logits, hidden = verify_batch(self.model, self.backbone, self.lm_head, self.cache, bt, self.ragged)
         accs = [self._accept(row, rt, logits[b], masks) for b, (row, (rt, masks)) in enumerate(zip(self.rows, built))]
         take_row_states(self.cache, mx.stack([b * bt.width + a.last for b, a in enumerate(accs)]))
         reads, sizes = [], []

@@ -81,7 +81,7 @@ class Generation:
         self.model, self.plan, self.sampling, self.ahead = model, plan, sampling, ahead
         self.grammar = grammar
         sources = list(plan.sources) + ([grammar.source()] if grammar is not None else [])
-        self.embed, self.backbone, self.head = model_parts(model, fused_layers(sources) or None)
+        self.embed, self.backbone, self.lm_head = model_parts(model, fused_layers(sources) or None)
         self.auto = plan.tree.open(sources)
         self.drafts = Drafts(
             sources, model, self.embed, hidden_size(model), list(history), self.auto is not None, sampling.greedy, ahead
@@ -133,7 +133,7 @@ class Generation:
         """``(hidden, Accepted)`` of a built tree (lazy); the recurrent layers take the accepted node's state."""
         hidden = self.forward(built.tree, built.chain, holes, base)
         self.laps.lap("verify", hidden)
-        logits = self.head(hidden)
+        logits = self.lm_head(hidden)
         if masks is None:
             acc = accept(built, logits, self.sampling)
         else:  # a grammar: every node's logits masked by its own state
@@ -207,7 +207,7 @@ def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequenc
     install_tree_hooks(model)  # refuses unsupported positions before any work
     gen = Generation(model, cache, plan, sampling, list(history) + host_read(prompt), ahead=True)
     tic = time.perf_counter()
-    logits, context = prefill(gen.backbone, gen.head, gen.cache, prompt)
+    logits, context = prefill(gen.backbone, gen.lm_head, gen.cache, prompt)
     holes = HoleyCache(gen.cache)
     length = cache_length(gen.cache) or 0
     if gen.auto is not None:
@@ -297,7 +297,7 @@ class _AfterRead:
                 drafts.entered(prompt_ids[start : start + hidden.shape[0]], hidden)
 
         tic = time.perf_counter()
-        logits, context = prefill(gen.backbone, gen.head, gen.cache, prompt, sink=sink)
+        logits, context = prefill(gen.backbone, gen.lm_head, gen.cache, prompt, sink=sink)
         if gen.auto is not None:
             gen.auto.advance(cache_length(gen.cache) or 0)  # trees are priced at their context
         g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
