@@ -107,12 +107,22 @@ CHAT_PROMPTS = [
 ]
 
 
+ORACLE_LENGTH = 5
+# An oracle knows the reply a little past the run's end (its last drafts look ahead).
+TRUTH_TOKENS = N_TOKENS + ORACLE_LENGTH + 2
+
+
 @pytest.fixture(scope="module")
 def default_refs(default_model):
+    """The chat prompts, plain greedy decoding's reply (N_TOKENS tokens at
+    most, up to the EOS), and the same run a few tokens longer, EOS and what
+    follows included: what the oracles know. One plain run per prompt for the
+    whole module: each costs seconds on the default model."""
     model, tok = default_model
     ps = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHAT_PROMPTS]
-    refs = [generate_tokens(model, p, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)[0] for p in ps]
-    return ps, refs
+    truths = [generate_tokens(model, p, max_tokens=TRUTH_TOKENS)[0] for p in ps]
+    ends = [next((i for i, t in enumerate(truth) if t in tok.eos_token_ids), len(truth)) for truth in truths]
+    return ps, [truth[: min(end, N_TOKENS)] for truth, end in zip(truths, ends)], truths
 
 
 def test_default_model_shipped_drafter(default_model, default_refs):
@@ -121,7 +131,7 @@ def test_default_model_shipped_drafter(default_model, default_refs):
 
     model, tok = default_model
     d = load_drafter("default")
-    for p, ref in zip(*default_refs):
+    for p, ref in zip(*default_refs[:2]):
         draft = DraftConfig(d, 2, 3)
         assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids, min_accepted=2)
 
@@ -129,8 +139,8 @@ def test_default_model_shipped_drafter(default_model, default_refs):
 def test_default_model_oracle_drafter(default_model, default_refs):
     model, tok = default_model
     accepted = []
-    for p, ref in zip(*default_refs):
-        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, 5), 3, 5)
+    for p, ref, truth in zip(*default_refs):
+        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, ORACLE_LENGTH, replies=[truth]), 3, ORACLE_LENGTH)
         short = min(8, len(ref) // 2)  # a reply may end after a few tokens (one prompt's has 7)
         _, stats = assert_tokens_exact(
             model, p, draft, plain=ref, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids, min_accepted=short
@@ -182,10 +192,13 @@ def _run(model, tok, prompt, drafter, **kw):
 
 
 @pytest.fixture(scope="module")
-def oracle_setup(default_model):
+def oracle_setup(default_model, default_refs):
     model, tok = default_model
-    prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[4]}], add_generation_prompt=True)
-    oracle = OracleDrafter(model, prompt, 80, 5)
+    prompts_, _, truths = default_refs
+    prompt = prompts_[4]
+    # Its oracle knows the plain reply past these runs' 60 tokens (and their last drafts).
+    assert len(truths[4]) > 60 + ORACLE_LENGTH
+    oracle = OracleDrafter(model, prompt, 60, ORACLE_LENGTH, replies=[truths[4]])
     rs = assert_exact_under_drafting(
         model, tok, prompt, drafter=oracle, beam_width=2, beam_length=5, max_tokens=60, min_accepted=20
     )
