@@ -33,6 +33,30 @@ def default_model(_isolated_cache):
     return load_model("default")
 
 
+@pytest.fixture(scope="module")
+def default_loaded_once(default_model):
+    """For a module's in-process commands (``cli([...])``, ``load_runtime``):
+    ``load_model("default")`` with no dtype options returns the session's
+    ``default_model`` instead of loading the model again (seconds each:
+    dequantizing it). Anything else (another model or dtype, another cache
+    folder in ``MLX_REDRAFTER_CACHE``) loads for real. Opt in per module:
+    ``pytestmark = pytest.mark.usefixtures("default_loaded_once")``."""
+    from mlx_redrafter.llm import load as load_module
+
+    real = load_module.load_model
+    cache = os.environ.get("MLX_REDRAFTER_CACHE")
+
+    def load_model(spec="default", dtype=None, keep_quantized=None):
+        if spec == "default" and dtype is None and keep_quantized is None:
+            if os.environ.get("MLX_REDRAFTER_CACHE") == cache:
+                return default_model
+        return real(spec, dtype, keep_quantized)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(load_module, "load_model", load_model)
+        yield default_model
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir():
     """The official ReDrafter fixtures (see their GENERATED_BY.md): part of the
