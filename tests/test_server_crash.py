@@ -58,11 +58,9 @@ def _seeded_cache(cache: Path) -> None:
     converting the GGUF, which it does before it serves, long before a kill."""
     import shutil
 
-    from mlx_redrafter.converters.gguf import cached_conversion
+    from mlx_redrafter.llm.load import resolve_model_path
 
-    from mlx_redrafter.llm.load import default_model_path
-
-    converted = cached_conversion(default_model_path())
+    converted = resolve_model_path("default")  # converted into the session cache, once per worker
     shutil.copytree(converted, cache / "gguf" / converted.name)
 
 
