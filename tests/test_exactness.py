@@ -29,26 +29,32 @@ from mlx_redrafter.step.verify import install_tree_hooks
 
 GRID = [(w, l) for w in (1, 2, 4) for l in (1, 3, 5)]
 N_PROMPTS, N_TOKENS = 5, 64
+ORACLE_LENGTH = 5  # the longest beam an oracle drafts here
+# An oracle knows the reply a little past the run's end (its last drafts look ahead).
+TRUTH_TOKENS = N_TOKENS + ORACLE_LENGTH + 2
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def tiny(request):
+    """A tiny model, prompts, plain greedy decoding's N_TOKENS tokens for each,
+    and the same runs a few tokens longer: what the oracles know (one plain
+    run per prompt for the module, not one per oracle)."""
     model = tiny_model(request.param)
     ps = prompts(N_PROMPTS)
-    refs = [generate_tokens(model, p, max_tokens=N_TOKENS)[0] for p in ps]
+    truths = [generate_tokens(model, p, max_tokens=TRUTH_TOKENS)[0] for p in ps]
     window = TINY_CONFIGS[request.param].get("sliding_window")
     assert window is None or len(ps[0]) + N_TOKENS > 4 * window  # the rotating cache wraps
-    return request.param, model, ps, refs
+    return request.param, model, ps, [t[:N_TOKENS] for t in truths], truths
 
 
 @pytest.mark.parametrize("width,length", GRID)
 def test_tiny_models_drafter_beam_search(tiny, width, length):
     """A real drafter's beam search gives every beam but the first, the oracle's
     truth: trees of real beams, one path accepted."""
-    kind, model, ps, refs = tiny
+    kind, model, ps, refs, truths = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
-    for p, ref in zip(ps, refs):
-        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, length, inner=drafter), width, length)
+    for p, ref, truth in zip(ps, refs, truths):
+        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, length, inner=drafter, replies=[truth]), width, length)
         _, stats = assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, min_accepted=8)
         assert all(s.tree_size <= 1 + width * length for s in stats), kind
 
@@ -57,20 +63,21 @@ def test_tiny_models_drafter_beam_search(tiny, width, length):
 def test_tiny_models_fused_feature_drafter(tiny, width, length, pipelined):
     """A drafter that fuses layer 0's output (EAGLE-3 style) on every model
     type, Gemma's sliding-window layers included: the output is plain decoding's."""
-    kind, model, ps, refs = tiny
+    kind, model, ps, refs, truths = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1, feature_layers=[0])
-    for p, ref in zip(ps[:2], refs[:2]):
-        oracle = OracleDrafter(model, p, N_TOKENS, length, inner=drafter)  # its beam search fuses the features
+    for p, ref, truth in zip(ps[:2], refs[:2], truths[:2]):
+        # Its beam search fuses the features.
+        oracle = OracleDrafter(model, p, N_TOKENS, length, inner=drafter, replies=[truth])
         draft = DraftConfig(oracle, width, length, lookup=1, pipelined=pipelined)
         assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, min_accepted=8)  # lookup wins on Gemma
 
 
 @pytest.mark.parametrize("width,length", GRID)
 def test_tiny_models_oracle_drafter(tiny, width, length):
-    kind, model, ps, refs = tiny
+    kind, model, ps, refs, truths = tiny
     accepted = []
-    for p, ref in zip(ps, refs):
-        oracle = OracleDrafter(model, p, N_TOKENS, length)
+    for p, ref, truth in zip(ps, refs, truths):
+        oracle = OracleDrafter(model, p, N_TOKENS, length, replies=[truth])
         draft = DraftConfig(oracle, width, length)
         _, stats = assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, min_accepted=8)
         accepted += [s.accepted for s in stats[1:]]
@@ -105,11 +112,6 @@ CHAT_PROMPTS = [
     "List three fruits that are red.",
     "Write a Python function that reverses a string.",
 ]
-
-
-ORACLE_LENGTH = 5
-# An oracle knows the reply a little past the run's end (its last drafts look ahead).
-TRUTH_TOKENS = N_TOKENS + ORACLE_LENGTH + 2
 
 
 @pytest.fixture(scope="module")
