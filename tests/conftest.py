@@ -12,6 +12,20 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_redrafter"
 EVAL_SETS = FIXTURES.parent / "eval_sets"
 
 
+def pytest_configure(config):
+    # `make test` (-n 2 --dist loadfile): xdist hands files out in the order
+    # collected below (longest first), not sorted by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering within each file
+def pytest_collection_modifyitems(items):
+    from file_order import longest_first
+
+    longest_first(items)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Converted models and profiles go to a per-session cache, unless the
