@@ -100,13 +100,13 @@ def test_q4_q8_blocks_repack_bit_exactly():
     assert {"Q4_1", "Q8_0", "F32"} <= kinds
 
 
-def test_converted_folder_opens_with_plain_mlx_lm(default_model, tmp_path):
+def test_converted_folder_opens_with_plain_mlx_lm(default_model):
     """The converted folder is an ordinary mlx-lm model: plain mlx_lm.load (still
     quantized) gives the logits of load_model (dequantized float32)."""
     from mlx_lm import load
-    from mlx_redrafter.converters.gguf import convert_gguf
+    from mlx_redrafter.converters.gguf import cached_conversion
 
-    dst = convert_gguf(default_model_path(), tmp_path / "smol")
+    dst = cached_conversion(default_model_path())  # what default_model was loaded from: converted once per session
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (dst / name).is_file()
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
