@@ -57,6 +57,7 @@ setup-agents: setup
 
 # Two pytest workers (pytest-xdist), whole files per worker: most tests are
 # bound by Python on one core, so two workers halve the suite on 2 cores.
+# Files go out longest first (tests/file_order.py), so neither worker ends alone.
 TEST_WORKERS ?= 2
 test: setup browser-auto
 	$(RUN)$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

@@ -12,6 +12,20 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "official_redrafter"
 EVAL_SETS = FIXTURES.parent / "eval_sets"
 
 
+def pytest_configure(config):
+    # `make test` (-n 2 --dist loadfile): xdist hands files out in the order
+    # collected below (longest first), not sorted by their number of tests.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering within each file
+def pytest_collection_modifyitems(items):
+    from file_order import longest_first
+
+    longest_first(items)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Converted models and profiles go to a per-session cache, unless the
@@ -31,6 +45,30 @@ def default_model(_isolated_cache):
     from mlx_redrafter import load_model
 
     return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def default_loaded_once(default_model):
+    """For a module's in-process commands (``cli([...])``, ``load_runtime``):
+    ``load_model("default")`` with no dtype options returns the session's
+    ``default_model`` instead of loading the model again (seconds each:
+    dequantizing it). Anything else (another model or dtype, another cache
+    folder in ``MLX_REDRAFTER_CACHE``) loads for real. Opt in per module:
+    ``pytestmark = pytest.mark.usefixtures("default_loaded_once")``."""
+    from mlx_redrafter.llm import load as load_module
+
+    real = load_module.load_model
+    cache = os.environ.get("MLX_REDRAFTER_CACHE")
+
+    def load_model(spec="default", dtype=None, keep_quantized=None):
+        if spec == "default" and dtype is None and keep_quantized is None:
+            if os.environ.get("MLX_REDRAFTER_CACHE") == cache:
+                return default_model
+        return real(spec, dtype, keep_quantized)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(load_module, "load_model", load_model)
+        yield default_model
 
 
 @pytest.fixture(scope="session")

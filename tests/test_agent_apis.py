@@ -375,9 +375,11 @@ def test_replies_are_the_providers_own_types(served):
     from openai.types.responses import Response, ResponseStreamEvent
 
     ask = [{"role": "user", "content": ASK}]
-    message = {"model": "default", "max_tokens": 48, "messages": ask, "temperature": 0}
-    one_call = {"type": "any", "disable_parallel_tool_use": True}  # the grammar ends the reply: nothing cut
-    for body in (message, {**message, "tools": [WEATHER], "tool_choice": one_call}):
+    # A text reply that max_tokens cuts (as 48 tokens do: the same types, fewer tokens), and a
+    # tool call given room to end (its grammar ends the reply: nothing cut).
+    message = {"model": "default", "max_tokens": 8, "messages": ask, "temperature": 0}
+    one_call = {"type": "any", "disable_parallel_tool_use": True}
+    for body in (message, {**message, "max_tokens": 48, "tools": [WEATHER], "tool_choice": one_call}):
         m = _strict(Message, httpx.post(served + "/v1/messages", json=body, timeout=300).json())
         events = [data for name, data in _sse(served, "/v1/messages", {**body, "stream": True}) if name != "ping"]
         assert [_strict(RawMessageStreamEvent, e).type for e in events][-1] == "message_stop"
@@ -387,8 +389,9 @@ def test_replies_are_the_providers_own_types(served):
     bad = httpx.post(served + "/v1/messages", json={"model": "default", "messages": ask}, timeout=30)
     assert bad.status_code == 400 and _strict(ErrorResponse, bad.json()).type == "error"
 
-    respond = {"model": "default", "max_output_tokens": 48, "input": ASK, "temperature": 0}
-    for body in (respond, {**respond, "tools": [FUNCTION], "tool_choice": "required", "parallel_tool_calls": False}):
+    respond = {"model": "default", "max_output_tokens": 8, "input": ASK, "temperature": 0}
+    call = {"max_output_tokens": 48, "tools": [FUNCTION], "tool_choice": "required", "parallel_tool_calls": False}
+    for body in (respond, {**respond, **call}):
         r = _strict(Response, httpx.post(served + "/v1/responses", json=body, timeout=300).json())
         events = _sse(served, "/v1/responses", {**body, "stream": True})
         assert [_strict(ResponseStreamEvent, data).type for _, data in events][-1] == f"response.{r.status}"

@@ -49,11 +49,19 @@ LATENCY = {
 }
 
 
-def test_decisions_follow_the_confidences():
+@pytest.fixture(scope="module")
+def trained():
+    """A controller trained on the synthetic episodes (seconds of training:
+    shared by the tests that need one), and those episodes."""
     episodes = synthetic_episodes()
     ctrl = train_controller(
         episodes, ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=30, batch_size=256
     )
+    return ctrl, episodes
+
+
+def test_decisions_follow_the_confidences(trained):
+    ctrl, episodes = trained
     sure = mx.array(np.tile([[0.95] + [0.005] * 9], (L, 1)), dtype=mx.float32)
     unsure = mx.array(np.tile([[0.08] + [0.1] * 9], (L, 1)), dtype=mx.float32)
     assert int(ctrl.depth(sure)) > int(ctrl.depth(unsure))
@@ -70,11 +78,9 @@ def test_untrained_thresholds_cover_every_depth():
         assert int(ctrl.depth(conf)) == want
 
 
-def test_adaptive_generation_is_exact(llama):
+def test_adaptive_generation_is_exact(llama, trained):
     model, ps, refs = llama
-    ctrl = train_controller(
-        synthetic_episodes(), ControllerConfig(beam_width=W, beam_length=L, latency=LATENCY), epochs=20
-    )
+    ctrl, _ = trained
     depths = []
     for p, ref in zip(ps, refs):
         oracle = OracleDrafter(model, p, 48, L)

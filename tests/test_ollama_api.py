@@ -11,11 +11,13 @@ import httpx
 import jsonschema_rs
 import ollama
 import pytest
-from ui_servers import Server, generate_process
+from ui_servers import GenerateCommand, Server
 
 MAX_TOKENS = 8
 PROMPT = "Write a short poem about the sea."
 GREEDY = {"temperature": 0}
+# The reference command runs in-process (ui_servers.GenerateCommand): the session's default model, loaded once.
+pytestmark = pytest.mark.usefixtures("default_loaded_once")
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,9 +49,8 @@ TOOL_HISTORY = [
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT, loading alongside the server."""
-    with generate_process(PROMPT, MAX_TOKENS, "--no-draft") as proc:
-        yield proc
+    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT."""
+    return GenerateCommand(PROMPT, MAX_TOKENS, "--no-draft")
 
 
 @pytest.fixture(scope="module")

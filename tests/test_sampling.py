@@ -287,9 +287,10 @@ PROMPT = [1, 3, 0, 2]
 N_RUNS = 1500
 
 
-@pytest.mark.parametrize(
-    "cfg", [SamplingConfig(temp=0.7), SamplingConfig(temp=1.0), SamplingConfig(temp=1.0, top_p=0.9)]
-)
+# Temperature 1.0 alone is left out: the same path as 0.7 with one value
+# (the temperature's division, checked at 0.7 here and against mlx-lm's
+# sampler above); drafts at 1.0 are sampled in the lookup and datastore tests.
+@pytest.mark.parametrize("cfg", [SamplingConfig(temp=0.7), SamplingConfig(temp=1.0, top_p=0.9)])
 def test_redrafter_sampling_matches_the_model(small_model, cfg):
     drafter = random_drafter(hidden=32, vocab=V_SMALL, exit_dim=32, num_draft_layers=1)
     expected = exact_first_tokens(small_model, PROMPT, cfg)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from openai import OpenAI
-from ui_servers import generate_process
+from ui_servers import GenerateCommand
 
 from mlx_redrafter.serve import GenParams, Job, JobQueue, QueueFull, Result
 
@@ -24,6 +24,8 @@ QUEUE = 4
 MAX_BATCH = 4  # requests decoded at once (--max-batch)
 PROMPT = "Write a short poem about the sea."
 LONG = "Count from 1 to 500, separated by commas."  # a reply far longer than any test waits for
+# The reference command runs in-process (ui_servers.GenerateCommand): the session's default model, loaded once.
+pytestmark = pytest.mark.usefixtures("default_loaded_once")
 
 
 def _free_port() -> int:
@@ -43,10 +45,8 @@ def _stop(proc) -> None:
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on
-    PROMPT, started alongside the server (both spend their start loading the model)."""
-    with generate_process(PROMPT, MAX_TOKENS, "--no-draft") as proc:
-        yield proc
+    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT."""
+    return GenerateCommand(PROMPT, MAX_TOKENS, "--no-draft")
 
 
 @pytest.fixture(scope="module")
@@ -323,8 +323,7 @@ def seeded_cli():
     """The command line's plain seeded sampling of PROMPT: what a seeded row
     decoded in a batch gives (its key starts at its seed). The later --temp wins."""
     flags = ["--no-draft", "--temp", "0.9", "--top-p", "0.9", "--seed", "11"]
-    with generate_process(PROMPT, SEEDED["max_tokens"], *flags) as proc:
-        yield proc
+    return GenerateCommand(PROMPT, SEEDED["max_tokens"], *flags)
 
 
 def test_mixed_sampling_and_a_grammar_in_one_batch(server, client, seeded_cli):

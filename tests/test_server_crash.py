@@ -52,10 +52,23 @@ def _half_written(folder: Path) -> list:
     return bad
 
 
+def _seeded_cache(cache: Path) -> None:
+    """``cache`` with the default model already converted (a copy of the
+    session cache's conversion): the server starts without the seconds of
+    converting the GGUF, which it does before it serves, long before a kill."""
+    import shutil
+
+    from mlx_redrafter.llm.load import resolve_model_path
+
+    converted = resolve_model_path("default")  # converted into the session cache, once per worker
+    shutil.copytree(converted, cache / "gguf" / converted.name)
+
+
 def test_sigkill_mid_stream_then_restart(tmp_path):
     cache, work = tmp_path / "cache", tmp_path / "work"
     cache.mkdir()
     work.mkdir()
+    _seeded_cache(cache)
     env = {**os.environ, "MLX_REDRAFTER_CACHE": str(cache)}
     args = ["--max-tokens", "400", "--no-ui", "--max-batch", "1"]  # one at a time: the second request waits
     first = Server(args, tmp_path / "serve.log", env=env, cwd=work)

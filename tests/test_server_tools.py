@@ -13,7 +13,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from test_server import _chat, _health
-from ui_servers import Server, generate_process
+from ui_servers import GenerateCommand, Server
 
 MAX_TOKENS = 8
 CACHE_SIZE = 3
@@ -37,12 +37,13 @@ TIME = {
 }
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 MARKERS = ("<tool_call", "</tool_call", "<tool_response", "<tools>")
+# The reference command runs in-process (ui_servers.GenerateCommand): the session's default model, loaded once.
+pytestmark = pytest.mark.usefixtures("default_loaded_once")
 
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    with generate_process(PROMPT, MAX_TOKENS) as proc:
-        yield proc
+    return GenerateCommand(PROMPT, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ SCHEMA = {
 }
 ASK = "Give the name and birth year of Ada Lovelace as JSON."
 MAX_TOKENS = 40  # the schema's replies take about 15 tokens
+# The runtime and generate load the default model in-process: the session's, loaded once.
+pytestmark = pytest.mark.usefixtures("default_loaded_once")
 
 
 def _valid(text: str, schema=SCHEMA):

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
-from ui_servers import Server, chromium_path, fake_app, generate_process, serve_in_thread
+from ui_servers import GenerateCommand, Server, chromium_path, fake_app, serve_in_thread
 
 MAX_TOKENS = 16
 PROMPT = "Write a short poem about the sea."
@@ -21,13 +21,14 @@ FOLLOW_UP = "Now make it rhyme."
 LONG = "Count from 1 to 500, separated by commas."
 REPLY = ".msg.assistant"
 COLOURED = ".msg.assistant .src-drafter, .msg.assistant .src-lookup"
+# The reference command runs in-process (ui_servers.GenerateCommand): the session's default model, loaded once.
+pytestmark = pytest.mark.usefixtures("default_loaded_once")
 
 
 @pytest.fixture(scope="module")
 def generate_cli():
-    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT, loading alongside the server."""
-    with generate_process(PROMPT, MAX_TOKENS, "--no-draft") as proc:
-        yield proc
+    """``mlx-redrafter generate --temp 0 --no-draft`` (plain decoding) on PROMPT."""
+    return GenerateCommand(PROMPT, MAX_TOKENS, "--no-draft")
 
 
 @pytest.fixture(scope="module")

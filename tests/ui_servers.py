@@ -6,6 +6,7 @@ test wants (the page must be safe for any server's output). Each is on
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import socket
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -54,18 +55,28 @@ def wait_healthy(url: str, proc, log: Path, timeout: float = 300) -> None:
         time.sleep(0.5)
 
 
-@contextmanager
-def generate_process(prompt: str, max_tokens: int, *flags: str):
-    """``mlx-redrafter generate --temp 0 -n MAX_TOKENS -p PROMPT FLAGS`` started
-    now (it loads the model while a server starts beside it); always stopped.
-    ``--no-draft``: plain decoding, which the server's drafted replies equal."""
-    cmd = [sys.executable, "-m", "mlx_redrafter.cli", "generate", "--temp", "0", "-n", str(max_tokens), "-p", prompt]
-    cmd += list(flags)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
+class GenerateCommand:
+    """``mlx-redrafter generate --temp 0 -n MAX_TOKENS -p PROMPT FLAGS``, run
+    in-process the first time its output is read, like a finished process:
+    ``communicate()`` gives ``(stdout, stderr)``, then ``returncode`` is set.
+    ``--no-draft``: plain decoding, which the server's drafted replies equal.
+    In-process, a module that uses ``default_loaded_once`` (conftest.py) does
+    not load the default model again (a subprocess spent seconds on it)."""
+
+    def __init__(self, prompt: str, max_tokens: int, *flags: str):
+        self.args = ["generate", "--temp", "0", "-n", str(max_tokens), "-p", prompt, *flags]
+        self.returncode: Optional[int] = None
+        self._output: Optional[Tuple[str, str]] = None
+
+    def communicate(self, timeout: Optional[float] = None) -> Tuple[str, str]:
+        from helpers import cli
+
+        if self._output is None:
+            out, err = io.StringIO(), io.StringIO()
+            with redirect_stdout(out), redirect_stderr(err):
+                self.returncode = cli(self.args)
+            self._output = out.getvalue(), err.getvalue()
+        return self._output
 
 
 class Server:
