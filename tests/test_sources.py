@@ -247,11 +247,14 @@ def test_sampling_with_mtp_and_draft_model_matches_the_model():
 
 
 def test_bad_source_shapes_are_refused(cycling):
-    _, head = cycling
+    """Refused where every caller's draft is planned (step/plan.py ``make_plan``)."""
+    from mlx_redrafter.step.plan import make_plan
+
+    model, head = cycling
     with pytest.raises(RedrafterError, match="MTP head's beams"):
-        DraftConfig(head=head, head_length=0).check()
+        make_plan(model, DraftConfig(head=head, head_length=0))
     with pytest.raises(RedrafterError, match="draft model's beams"):
-        DraftConfig(draft_model=object(), draft_model_width=0).check()
+        make_plan(model, DraftConfig(draft_model=object(), draft_model_width=0))
 
 
 def test_long_prompts_are_fed_to_the_head_in_chunks(leaky, monkeypatch):
