@@ -11,7 +11,8 @@ resolved :class:`DraftConfig` along as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 from .errors import RedrafterError
@@ -71,6 +72,11 @@ class SamplingConfig:
         return self.temp == 0
 
 
+def always_draft_default() -> bool:
+    """``$MLX_REDRAFTER_ALWAYS_DRAFT=1``: every step drafts what was asked (see :class:`DraftConfig`)."""
+    return os.environ.get("MLX_REDRAFTER_ALWAYS_DRAFT", "") not in ("", "0")
+
+
 @dataclass
 class DraftConfig:
     """What a generation asks to draft with: the request's drafting fields,
@@ -125,6 +131,11 @@ class DraftConfig:
     # The caller's own sources: objects with a ``name`` and ``propose(tokens)``
     # (step/sources/host.py); their rows join the others' in the one tree.
     sources: tuple = ()
+    # False (the default): each step runs the sources that pay, measured live,
+    # plain decoding when none does (step/governor.py). True: every step drafts
+    # with every source (a sweep's cell, a benchmark of one setting, the tests);
+    # $MLX_REDRAFTER_ALWAYS_DRAFT=1 makes it the default.
+    always_draft: bool = field(default_factory=always_draft_default)
 
     @property
     def head_is_drafter(self) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
+from dataclasses import replace
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -119,6 +120,7 @@ def stream_generate(
     draft_model=None,
     num_draft_tokens: Optional[int] = None,
     sources: Sequence = (),
+    always_draft: Optional[bool] = None,
 ) -> Iterator[RedrafterResponse]:
     """Stream a reply, like ``mlx_lm.stream_generate``, with ReDrafter when
     there is a drafter: the one given, else the drafter store's for this
@@ -199,6 +201,13 @@ def stream_generate(
             a ``Datastore``, ``"default"`` (the model's own stores, only when
             the call already drafts), or ``None``/``False`` (none, the default).
         draft: a resolved :class:`DraftConfig`, in place of the keywords above.
+        always_draft: ``False`` (the default): each step runs the sources
+            that pay, measured live on this run's own steps, and plain
+            decoding when none does (step/governor.py: never slower than
+            plain decoding; what it learns carries to the next call).
+            ``True``: every step drafts with every source asked for (to
+            measure one setting). None: ``$MLX_REDRAFTER_ALWAYS_DRAFT=1``
+            makes it True.
 
     Sampling keywords:
         temp, top_p, min_p, top_k, seed: as in mlx-lm (``temp=0``: greedy).
@@ -244,6 +253,8 @@ def stream_generate(
         dict(mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens),
         datastore,
     )
+    if always_draft is not None and draft is not None:
+        draft = replace(draft, always_draft=bool(always_draft))
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     plan = checked_plan(model, prompt, draft, grammar=grammar is not None, timings=timings, cache=prompt_cache)

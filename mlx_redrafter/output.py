@@ -74,6 +74,9 @@ class Tally:
     datastore_steps: int = 0  # steps that accepted datastore tokens
     # Accepted draft tokens of the other sources: "drafter", "mtp", "draft-model", "eagle3", "dflash".
     source_tokens: dict = field(default_factory=dict)
+    # Governed steps (step/governor.py) by mode: "draft", "plain" (drafting did not pay), "probe".
+    modes: dict = field(default_factory=dict)
+    plain_rate: float = 0.0  # tokens/s of plain decoding, measured live (0: not measured)
     last: Optional[RedrafterResponse] = None
     _step: int = -1
 
@@ -93,6 +96,10 @@ class Tally:
             self.steps += 1
             self.tree_tokens += r.stats.tree_size
             self._step = r.stats.step
+            mode = getattr(r.stats, "mode", "")
+            if mode:
+                self.modes[mode] = self.modes.get(mode, 0) + 1
+                self.plain_rate = r.stats.plain_rate or self.plain_rate
             self.datastore_steps += int(r.from_draft and r.stats.source == "datastore")
         return True
 
@@ -107,6 +114,9 @@ class Tally:
         self.datastore_steps += other.datastore_steps
         for source, n in other.source_tokens.items():
             self.source_tokens[source] = self.source_tokens.get(source, 0) + n
+        for mode, n in other.modes.items():
+            self.modes[mode] = self.modes.get(mode, 0) + n
+        self.plain_rate = other.plain_rate or self.plain_rate
         self.last = other.last or self.last
 
     @property
@@ -144,14 +154,34 @@ class Tally:
             text += f" ({', '.join(parts)})"
         return text
 
+    def governor_summary(self) -> str:
+        """Whether drafting helped: ``"drafted 40 of 60 steps, 16 plain (drafting
+        did not pay), 4 measuring; 1.31x plain decoding (measured live)"``;
+        "" when no step was governed."""
+        steps = sum(self.modes.values())
+        if not steps:
+            return ""
+        plain, probes = self.modes.get("plain", 0), self.modes.get("probe", 0)
+        text = f"drafted {self.modes.get('draft', 0)} of {steps} steps"
+        if plain:
+            text += f", {plain} plain (drafting did not pay)"
+        if probes:
+            text += f", {probes} measuring"
+        r = self.last
+        if self.plain_rate > 0 and r is not None and r.generation_tps > 0:
+            text += f"; {r.generation_tps / self.plain_rate:.2f}x plain decoding (measured live)"
+        return text
+
     def summary(self) -> str:
         r = self.last
         if r is None:
             return "no tokens generated"
+        governed = self.governor_summary()
         return (
             f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
             f"generation: {self.tokens} tokens, {r.generation_tps:.1f} tok/s, "
             f"{self.tokens_per_step:.2f} tokens/step, "
             f"{self.draft_summary()} | "
-            f"peak memory {r.peak_memory:.2f} GB"
+            + (f"{governed} | " if governed else "")
+            + f"peak memory {r.peak_memory:.2f} GB"
         )

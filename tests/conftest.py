@@ -4,6 +4,13 @@ from pathlib import Path
 
 import pytest
 
+# Every step drafts what a test asks for: the live choice (step/governor.py)
+# would otherwise run plain decoding wherever drafting loses on this machine,
+# and the tests of drafting would test plain decoding. tests/test_governor.py
+# and the surfaces' tests turn it back on (always_draft=False, or the variable
+# removed for a command they start).
+os.environ["MLX_REDRAFTER_ALWAYS_DRAFT"] = "1"
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Everything the tests read ships with the repository (no folder beside it).

@@ -142,6 +142,8 @@ def stats_text(chat) -> str:
         f"prefill: {t.prefilled_tokens} tokens computed, {t.reused_tokens} reused from the cache ({reuse:.0%})",
         f"decoding: {how}, temp {chat.settings.sampling.temp:g}",
     ]
+    governed = g.governor_summary()
+    lines.append(f"drafting: {governed}" if governed else "drafting: every step as asked (no live choice)")
     return "\n".join(lines)
 
 

@@ -64,6 +64,15 @@ class Metrics:
         )
         for source in DRAFT_SOURCES:
             self.accepted.labels(source)
+        self.modes = Counter(
+            "redrafter_governed_steps",
+            "Steps of drafting generations by what the live choice ran (step/governor.py): 'draft' (its sources "
+            "paid), 'plain' (none paid: plain decoding), 'probe' (measuring a choice left out).",
+            ["mode"],
+            registry=r,
+        )
+        for mode in ("draft", "plain", "probe"):
+            self.modes.labels(mode)
         self.hits = Counter(
             "redrafter_prompt_cache_hits", "Generations that reused a cached prompt prefix.", registry=r
         )
@@ -118,6 +127,8 @@ class Metrics:
             self.per_step.observe(n)
         for source, n in res.drafted_by_source.items():
             self.accepted.labels(source).inc(n)
+        for mode, n in res.tally.modes.items():
+            self.modes.labels(mode).inc(n)
         if res.reused_tokens:
             self.hits.inc()
             self.reused.inc(res.reused_tokens)

@@ -13,8 +13,10 @@ from which :meth:`AutoTree.observe` learns.
 
 The cost is anything with :class:`~mlx_redrafter.step.curve.CostCurve`'s
 interface (``cost(n)`` in plain steps, ``max_size``, ``at(context)``): the
-device's stored curve today; a cost measured live can take its place
-(:meth:`AutoTree.timed` hears each step's size and time).
+device's stored curve (calibrated, else the built-in one) is the prior, and
+a :class:`~mlx_redrafter.step.live_cost.LiveCost` learns from every step's
+measured size and time (:meth:`AutoTree.timed`), so within a few steps the
+sizes are priced at what they cost on this machine now, at this context.
 
 Nothing here reads the device: the loop's one read brings what it needs.
 """
@@ -27,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from .curve import builtin_curve
+from .live_cost import LiveCost
 from .select import (
     DEPTHS,
     Calibration,
@@ -74,8 +77,10 @@ def can_pay(sources: Sequence, curve=None) -> bool:
 class AutoTree:
     """One generation's cost-aware selection: its :class:`Calibration` and cost."""
 
-    def __init__(self, curve=None, priors: Sequence = (), calibration: Optional[Calibration] = None):
+    def __init__(self, curve=None, priors: Sequence = (), calibration: Optional[Calibration] = None, live: bool = True):
         self.base = curve if curve is not None else builtin_curve()
+        # The stored curve is the live cost's prior; False: the stored curve alone (a sweep's fixed setting).
+        self.live = LiveCost(self.base) if live else None
         self.curve = self.base  # the base curve at the current context (:meth:`advance`)
         self.cal = calibration if calibration is not None else Calibration(priors)
         self.edges = mx.array(self.cal.edges)
@@ -90,10 +95,17 @@ class AutoTree:
         step = self.tokens // CONTEXT_STEP
         if step != self._step:
             self._step = step
-            self.curve = self.base.at(step * CONTEXT_STEP)
+            if self.live is None or not self.live.samples:  # a live cost follows the context by itself
+                self.curve = self.base.at(step * CONTEXT_STEP)
 
-    def timed(self, size: int, seconds: float) -> None:
-        """A step of ``size`` tokens took ``seconds`` (a stored curve ignores it; a live cost learns from it)."""
+    def timed(self, size: int, seconds: float, sources: Sequence[str] = ()) -> None:
+        """A step of ``size`` tokens, drafted by ``sources``, took ``seconds``:
+        the live cost learns from it and prices the next step's sizes (the
+        drafting itself is spent by then: the marginal curve)."""
+        if self.live is None:
+            return
+        self.live.observe(size, seconds, sources)
+        self.curve = self.live.curve()
 
     def shape(self, lengths: Sequence[int], priors: Sequence[str]):
         """``(Structure, device ancestors)`` of rows of these lengths and priors' names (cached)."""

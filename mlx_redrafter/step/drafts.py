@@ -31,6 +31,18 @@ def fused_layers(sources) -> List[int]:
     return layers
 
 
+def source_names(sources) -> List[str]:
+    """Each source's name, a repeated one numbered (``name#2``): the governor's arms are sets of them."""
+    out: List[str] = []
+    for s in sources:
+        name, k = s.name, 1
+        while name in out:
+            k += 1
+            name = f"{s.name}#{k}"
+        out.append(name)
+    return out
+
+
 def columns(layers: Sequence[int], wanted: Sequence[int], width: int, last: bool):
     """Indices into the fused backbone output ``[taps of layers..., final]``
     of the ``wanted`` taps (then the final state, with ``last``), or None when
@@ -59,13 +71,17 @@ class Drafts:
         self.early = [s.needs == DEVICE for s in self.sources]  # read, then build: proposed before the read
         self.stateful = any(s.needs == STATES for s in self.sources)
         self.pending: List[Optional[Rows]] = [None] * len(self.sources)  # the early rows, not read yet
+        self.on: Optional[List[bool]] = None  # the governor's choice: which proposers propose (None: all)
 
     def propose(self, at: At, which=None) -> List[Optional[Rows]]:
         """Each proposer's rows (None where it proposes none), in plan order;
-        ``which[i]`` False skips proposer ``i`` (its entry stays None)."""
+        ``which[i]`` False, or the governor's ``on[i]`` False, skips proposer
+        ``i`` (its entry stays None; a source with a cache catches up when it
+        next proposes)."""
         out = []
         for i, p in enumerate(self.proposers):
-            rows = p.propose(at) if which is None or which[i] else None
+            asked = (which is None or which[i]) and (self.on is None or self.on[i])
+            rows = p.propose(at) if asked else None
             if rows is not None:
                 at.proposed.append(rows)
             out.append(rows)

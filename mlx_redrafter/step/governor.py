@@ -1,73 +1,127 @@
 """Whether a step drafts, and with which sources: the rule that keeps
 generation from ever being slower than plain decoding.
 
-Each step, before anything is drafted, the step loop offers the
-:class:`Governor` its options: the sets of costly sources (those with a
-forward of their own: the ReDrafter head, a layer head, a draft model, a
-block drafter) it could draft with, each with the expected gain the tree
-selection found for it, in tokens per plain step under
-:class:`~mlx_redrafter.step.live_cost.LiveCost`'s prices (the empty set is
-plain decoding, plus whatever free host-side rows such as lookup's pay for
-themselves). The governor takes the best option, so plain decoding runs
-whenever drafting is expected to lose.
+A generation's sources can run in several ways, its **arms**: every source
+(the plan as asked), none (plain decoding), and every source but a costly
+one (a forward of its own: the ReDrafter head, an MTP or EAGLE-3 head, a
+draft model), so that lookup can draft without an MTP head that does not pay. The :class:`Governor` measures each
+arm's throughput live, tokens per second over this run's own steps, and runs
+the best one; plain decoding is one of them. Nothing is assumed about the
+machine, the model or the source: a draft model that does not pay, an MTP
+head whose drafts are rejected, a host twice as slow, a long context, all
+show in what the steps measure.
 
-Expectations come from what was accepted, and a source that does not draft
-is not observed: its estimate would never recover after a bad stretch. So a
-source left out is **probed**: after ``PROBE_AFTER`` steps out it drafts for
-``PROBE_STEPS`` steps, and if it is still left out after that, the wait
-doubles (up to ``MAX_WAIT``); once it is chosen again the wait starts over.
-Ollama's MLX runner and oMLX park speculation the same way.
+* **Start**: the plan's arm runs first, then every other arm is tried for
+  :data:`PROBE_STEPS` steps (an arm's first and last step of a run are not
+  measured: their time mixes two arms' work), plain decoding first.
+* **Then**: each step runs the arm with the best rate (the one running keeps
+  its place unless another beats it by :data:`HYSTERESIS`).
+* **Probes**: an arm left out cannot show that it pays again (a copy task
+  late in a chat makes lookup pay), so after :data:`PROBE_AFTER` steps out
+  it runs for :data:`PROBE_STEPS` steps; each probe doubles its next wait (up
+  to :data:`MAX_WAIT`), and once chosen on its merits its wait starts over.
+  Ollama's MLX runner and oMLX park speculation the same way.
+* **Forgetting**: a measurement counts :data:`FORGET` times less each step
+  after it, so a machine that slows down, or a context that grows, moves the
+  rates within a few dozen steps.
 
-:class:`Tally` counts what happened, for the summaries, ``/stats`` and
-``/metrics``: steps drafted, steps plain, steps probing, and why.
+What was learned carries over (:meth:`Governor.to_dict`,
+:meth:`Governor.restore`; step/keep.py keeps it per model, dtype, device and
+plan): the next chat turn, server request or run starts with the arm that
+won, its rates as priors worth one step each.
+
+:class:`Tally` counts what happened for the summaries, ``/stats`` and
+``/metrics``: steps drafted, steps plain (drafting did not pay), probes.
+Everything here is host numbers; nothing reads the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-PROBE_AFTER = 16  # steps a left-out source waits before it is probed the first time
-PROBE_STEPS = 2  # steps a probe drafts
-MAX_WAIT = 1024  # the longest wait between probes
-MARGIN = 1.0  # an option must beat plain decoding's gain by this factor to draft
+Arm = FrozenSet[str]
+PLAIN: Arm = frozenset()
+
+PROBE_AFTER = 16  # steps an arm waits out before it is probed the first time
+PROBE_STEPS = 4  # steps a probe runs (the middle two are measured)
+MAX_WAIT = 512  # the longest wait between two probes of an arm
+FORGET = 0.98  # weight of a measurement one step older: about the last 50 steps count
+HYSTERESIS = 1.02  # another arm must beat the running one by this factor to replace it
+MIN_SAMPLES = 2  # measured steps before an arm's rate is trusted
+PRIOR_WEIGHT = 1.0  # steps a reloaded rate is worth
+RESTORED_WAIT = 4 * PROBE_AFTER  # the longest wait a generation starts with
 
 
-@dataclass(frozen=True)
-class Option:
-    """One way to run the next step: the costly ``sources`` that draft and the
-    expected ``gain`` (tokens per plain step) of the best tree they give."""
+def arm_name(arm: Arm) -> str:
+    """``"plain"`` or the sources' names joined by ``+`` (sorted)."""
+    return "+".join(sorted(arm)) or "plain"
 
-    sources: FrozenSet[str]
-    gain: float
+
+def arms_of(names: Sequence[str], costly: Optional[Sequence[str]] = None) -> List[Arm]:
+    """The arms worth trying: every source, plain decoding, and every source
+    but one of the ``costly`` ones (a forward of their own: the ReDrafter
+    head, a layer head, a draft model; default: all), with (three costly
+    sources at most) the other sets of them. Host sources (lookup, the
+    datastore) cost little when they find nothing, so they are not dropped alone."""
+    full = frozenset(names)
+    costly = list(names if costly is None else costly)
+    out = [full, PLAIN] + [full - {c} for c in costly]
+    if len(costly) <= 3:
+        out += [full - set(p) for p in combinations(costly, 2)]
+    seen: List[Arm] = []
+    for a in out:
+        if a not in seen:
+            seen.append(a)
+    return seen
+
+
+@dataclass
+class Rate:
+    """One arm's measured tokens and seconds, each forgotten by :data:`FORGET` per step."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0  # measured steps (not forgotten)
+    at: int = 0  # the step of the last measurement
+
+    def add(self, step: int, tokens: int, seconds: float) -> None:
+        decay = FORGET ** max(step - self.at, 0)
+        self.tokens, self.seconds = self.tokens * decay + tokens, self.seconds * decay + seconds
+        self.samples, self.at = self.samples + 1, step
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
 class _Parked:
     wait: int = PROBE_AFTER  # steps out before the next probe
     out: int = 0  # steps out since the last probe
-    probing: int = 0  # probe steps left
 
 
 @dataclass
 class Tally:
     """What the governor decided, step by step (host counts)."""
 
-    drafted: int = 0  # steps that drafted with a costly source or verified drafted rows
-    plain: int = 0  # steps of plain decoding (nothing drafted)
-    probes: int = 0  # steps that drafted to probe a left-out source
-    left_out: Dict[str, int] = field(default_factory=dict)  # per costly source: steps it did not draft
+    drafted: int = 0  # steps that ran an arm with sources (their own choice)
+    plain: int = 0  # steps of plain decoding because drafting did not pay
+    probes: int = 0  # steps that ran an arm to measure it
+    plain_rate: float = 0.0  # tokens per second of plain decoding, as measured (0: not yet)
+    best: str = ""  # the arm that won last
 
     def merge(self, other: "Tally") -> None:
         self.drafted += other.drafted
         self.plain += other.plain
         self.probes += other.probes
-        for k, v in other.left_out.items():
-            self.left_out[k] = self.left_out.get(k, 0) + v
+        self.plain_rate = other.plain_rate or self.plain_rate
+        self.best = other.best or self.best
 
     @property
     def steps(self) -> int:
-        return self.drafted + self.plain
+        return self.drafted + self.plain + self.probes
 
     def summary(self) -> str:
         """One phrase: how often the step drafted and why it did not."""
@@ -77,88 +131,124 @@ class Tally:
         if self.plain:
             words += f", {self.plain} plain (drafting did not pay)"
         if self.probes:
-            words += f", {self.probes} probing"
+            words += f", {self.probes} measuring"
         return words
 
 
 class Governor:
-    """Chooses each step's costly sources (see the module doc)."""
+    """Chooses each step's arm from measured rates (see the module doc).
 
-    def __init__(self, sources: Sequence[str] = (), margin: float = MARGIN):
-        self.parked: Dict[str, _Parked] = {s: _Parked() for s in sources}
-        self.margin = margin
+    ``names``: the plan's sources (distinct names), ``costly`` those with a
+    forward of their own (default: all); ``starts_plain``: plain
+    decoding runs first (a stored curve says no draft pays). :meth:`choose` gives the
+    next step's arm; :meth:`ran` tells what a step of an arm emitted and how
+    long it took.
+    """
+
+    def __init__(self, names: Sequence[str], starts_plain: bool = False, costly: Optional[Sequence[str]] = None):
+        self.names = tuple(names)
+        self.arms = arms_of(self.names, costly)
+        if starts_plain:  # a prior says no draft pays here: plain runs first, the others are measured after
+            self.arms.insert(0, self.arms.pop(self.arms.index(PLAIN)))
+        self.rates: Dict[Arm, Rate] = {a: Rate() for a in self.arms}
+        self.parked: Dict[Arm, _Parked] = {a: _Parked() for a in self.arms}
+        self.best: Arm = self.arms[0]
+        self.step = 0
+        self.probe: Optional[Arm] = None
+        self.probe_left = 0
+        self.chosen: Optional[Arm] = None  # the arm the last choose() gave
+        self.prev: Optional[Arm] = None  # the arm of the last step ran
         self.tally = Tally()
 
-    def options(self, sources: Optional[Sequence[str]] = None) -> List[FrozenSet[str]]:
-        """The source sets worth pricing this step: none, each source alone,
-        all of them (a few costly sources at most, so every subset of two)."""
-        names = list(self.parked if sources is None else sources)
-        sets = {frozenset()} | {frozenset([s]) for s in names}
-        if len(names) <= 3:
-            sets |= {frozenset([a, b]) for i, a in enumerate(names) for b in names[i + 1 :]}
-        sets.add(frozenset(names))
-        return sorted(sets, key=lambda s: (len(s), sorted(s)))
+    # ------------------------------------------------------------------ deciding
 
-    def choose(
-        self, options: Iterable[Option], plain_gain: float = 1.0, measure_plain: bool = False
-    ) -> Tuple[FrozenSet[str], bool]:
-        """``(sources, probing)``: the option with the best gain (ties to fewer
-        sources), with the left-out sources that are due a probe added.
-        ``plain_gain``: the gain of the empty set when it is not among ``options``.
-        ``measure_plain``: the cost model no longer knows what a plain step
-        costs (:meth:`~mlx_redrafter.step.live_cost.LiveCost.needs_plain`):
-        this step runs plain, whatever drafting is expected to gain, unless a
-        probe is due."""
-        options = list(options)
-        if measure_plain:
-            probing = self._probes(frozenset())
-            return probing, bool(probing)
-        best = max(options, key=lambda o: (o.gain, -len(o.sources)), default=Option(frozenset(), plain_gain))
-        empty = next((o.gain for o in options if not o.sources), plain_gain)
-        chosen = best.sources if best.gain > empty * self.margin else frozenset()
-        probing = self._probes(chosen)
-        return chosen | probing, bool(probing)
+    def gain(self, arm: Arm) -> float:
+        """An arm's measured rate over plain decoding's (0: unknown)."""
+        plain = self.rates[PLAIN].per_second
+        return self.rates[arm].per_second / plain if plain > 0 else 0.0
 
-    def _probes(self, chosen: FrozenSet[str]) -> FrozenSet[str]:
-        due = set()
-        for name, park in self.parked.items():
-            if name in chosen:
-                if not park.probing:  # chosen on its merits: the next wait starts over
-                    park.wait, park.out = PROBE_AFTER, 0
+    def choose(self) -> Tuple[Arm, bool]:
+        """``(arm, probing)`` for the next step."""
+        self.step += 1
+        if self.probe_left:
+            self.probe_left -= 1
+            self.chosen = self.probe
+            return self.probe, True
+        unknown = next((a for a in self.arms if self.rates[a].samples < MIN_SAMPLES), None)
+        if unknown is not None and unknown != self.best:
+            return self._start_probe(unknown)
+        if unknown is None:
+            self._rank()
+        for arm, park in self.parked.items():
+            if arm == self.best:
                 continue
-            if park.probing:
-                due.add(name)
-            elif park.out >= park.wait:
-                park.probing, park.out = PROBE_STEPS, 0
-                due.add(name)
-        return frozenset(due)
+            if unknown is None and park.out >= park.wait:  # waited out: probe it, and wait longer next time
+                park.out, park.wait = 0, min(park.wait * 2, MAX_WAIT)
+                return self._start_probe(arm)
+            park.out += 1
+        self.chosen = self.best
+        return self.best, False
 
-    def ran(self, sources: FrozenSet[str], drafted: bool, probing: bool) -> None:
-        """The step ran with ``sources``; ``drafted``: it verified more than ``g0``."""
+    def _start_probe(self, arm: Arm) -> Tuple[Arm, bool]:
+        self.probe, self.probe_left, self.chosen = arm, PROBE_STEPS - 1, arm
+        return arm, True
+
+    def _rank(self) -> None:
+        def score(a: Arm) -> float:
+            return self.rates[a].per_second * (HYSTERESIS if a == self.best else 1.0)
+
+        best = max(self.arms, key=score)
+        if best != self.best:
+            self.best = best
+            self.parked[best] = _Parked()  # chosen on its merits: its next wait starts over
+        self.tally.best = arm_name(self.best)
+
+    # ------------------------------------------------------------------ hearing
+
+    def ran(self, arm: Arm, tokens: int, seconds: float, probing: bool = False) -> None:
+        """A step of ``arm`` emitted ``tokens`` in ``seconds``. A step between
+        two arms is not measured (its time mixes both arms' work)."""
+        steady = arm == self.prev and arm == self.chosen
+        self.prev = arm
+        if steady and seconds > 0:
+            self.rates[arm].add(self.step, tokens, seconds)
         t = self.tally
-        if drafted or sources:
+        if probing:
+            t.probes += 1
+        elif arm:
             t.drafted += 1
         else:
             t.plain += 1
-        t.probes += int(probing)
-        for name, park in self.parked.items():
-            if name in sources:
-                if park.probing:
-                    park.probing -= 1
-                    if not park.probing:  # the probe is over: if it is not chosen next, wait longer
-                        park.wait = min(park.wait * 2, MAX_WAIT)
-                continue
-            park.out += 1
-            t.left_out[name] = t.left_out.get(name, 0) + 1
+        t.plain_rate = self.rates[PLAIN].per_second
 
     # ------------------------------------------------------------------ keeping it
 
     def to_dict(self) -> dict:
-        return {name: {"wait": p.wait, "out": p.out} for name, p in self.parked.items()}
+        """The rates (tokens and seconds per step), the waits and the best arm."""
+        arms = {}
+        for a in self.arms:
+            r, p = self.rates[a], self.parked[a]
+            if r.samples:
+                step_s = r.seconds / max(r.tokens, 1e-9)
+                arms[arm_name(a)] = {"seconds_per_token": step_s, "samples": r.samples, "wait": p.wait}
+        return {"names": list(self.names), "best": arm_name(self.best), "arms": arms}
 
     def restore(self, data: dict) -> None:
-        """Waits carried over from an earlier generation (a source that kept losing stays parked)."""
-        for name, p in (data or {}).items():
-            if name in self.parked:
-                self.parked[name].wait = int(min(max(p.get("wait", PROBE_AFTER), PROBE_AFTER), MAX_WAIT))
-                self.parked[name].out = int(max(p.get("out", 0), 0))
+        """Start from what an earlier generation learned: its best arm, its
+        waits, and its rates as priors worth :data:`PRIOR_WEIGHT` steps."""
+        if not data or sorted(data.get("names", [])) != sorted(self.names):
+            return
+        by_name = {arm_name(a): a for a in self.arms}
+        for name, got in (data.get("arms") or {}).items():
+            arm = by_name.get(name)
+            spt = float(got.get("seconds_per_token", 0.0))
+            if arm is None or spt <= 0:
+                continue
+            self.rates[arm] = Rate(PRIOR_WEIGHT, PRIOR_WEIGHT * spt, MIN_SAMPLES, 0)
+            # A new generation is a new text: an arm that kept losing is probed again within RESTORED_WAIT steps.
+            self.parked[arm].wait = int(min(max(got.get("wait", PROBE_AFTER), PROBE_AFTER), RESTORED_WAIT))
+        self.best = by_name.get(data.get("best"), self.best)
+        self.tally.best = arm_name(self.best)
+
+
+__all__ = ["Arm", "Governor", "PLAIN", "Rate", "Tally", "arm_name", "arms_of"]

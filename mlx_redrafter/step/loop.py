@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -51,9 +51,12 @@ from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
 from .accept import Accepted, sample_first
 from .build import Built, Candidates, accept, build
-from .drafts import Drafts, columns, fused_layers  # noqa: F401  (columns: the taps' columns, re-exported)
+from .drafts import Drafts, columns, fused_layers, source_names  # noqa: F401  (columns: re-exported)
+from .governor import Governor
+from .keep import kept, live_key, opened
+from .live_cost import LiveCost
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
-from .source import N_BUCKETS, At, Flight
+from .source import N_BUCKETS, TOKENS, At, Flight
 from .verify import install_tree_hooks, needs_hooks, tree_hooks
 
 
@@ -82,10 +85,11 @@ class Generation:
         self.grammar = grammar
         sources = list(plan.sources) + ([grammar.source()] if grammar is not None else [])
         self.embed, self.backbone, self.lm_head = model_parts(model, fused_layers(sources) or None)
-        self.auto = plan.tree.open(sources)
+        self.auto = plan.tree.open(sources, live=plan.governed)
         self.drafts = Drafts(
             sources, model, self.embed, hidden_size(model), list(history), self.auto is not None, sampling.greedy, ahead
         )
+        self.governor = self._governor(model, plan) if plan.governed and plan.sources else None
         size = target_size(model)
         keepers = [p for p in self.drafts.proposers if p.make_cache is not None]
         if keepers:
@@ -95,6 +99,33 @@ class Generation:
             drop_sources(cache, size)
         self.cache = cache[:size]
         self.laps = Laps(False)
+
+    def _governor(self, model, plan) -> Governor:
+        """The plan's governor, started from what earlier generations learned (step/keep.py)."""
+        self.names = source_names(plan.sources)
+        self.key = live_key(model, self.names)
+        costly = [n for n, s in zip(self.names, plan.sources) if s.needs != TOKENS]  # a forward of their own
+        governor = Governor(self.names, plan.starts_plain, costly)
+        state = opened(self.key) or {}
+        governor.restore(state.get("governor"))
+        if self.auto is not None and self.auto.live is not None and state.get("cost"):
+            try:
+                self.auto.live = LiveCost.from_dict(state["cost"])
+                self.auto.curve = self.auto.live.curve()
+            except ValueError:  # another version's: start from the stored curve
+                pass
+        return governor
+
+    def next_arm(self) -> Tuple[Optional[frozenset], bool]:
+        """The governor's ``(arm, probing)`` for the step about to be drafted:
+        only its sources propose (the grammar's forced rows always do).
+        ``(None, False)`` when ungoverned: every source proposes."""
+        if self.governor is None:
+            return None, False
+        arm, probing = self.governor.choose()
+        on = [n in arm for n in self.names]
+        self.drafts.on = on + [True] * (len(self.drafts.proposers) - len(on))
+        return arm, probing
 
     @property
     def history(self) -> List[int]:
@@ -106,13 +137,26 @@ class Generation:
             self.auto.advance(len(tokens))
         self.drafts.emitted(tokens)
 
-    def timed(self, size: int, seconds: float) -> None:
-        """A step of ``size`` tokens took ``seconds``: the tree policy's cost hears it (a live one learns)."""
+    def timed(self, out: StepTokens, size: int, arm=None, probing: bool = False) -> StepTokens:
+        """A step of ``size`` tokens, run with ``arm``, emitted ``out`` in its
+        ``stats.step_time``: the live cost and the governor learn from it, and
+        its stats say whether it drafted (``mode``)."""
+        seconds = out.stats.step_time
         if self.auto is not None:
-            self.auto.timed(size, seconds)
+            self.auto.timed(size, seconds, sorted(arm or ()))
+        if self.governor is not None and arm is not None:
+            self.governor.ran(arm, len(out.tokens), seconds, probing)
+            out.stats.mode = "probe" if probing else ("draft" if arm else "plain")
+            out.stats.plain_rate = self.governor.tally.plain_rate
+        return out
 
     def close(self) -> None:
         self.drafts.close()
+        if self.governor is not None and self.governor.step:
+            state = {"governor": self.governor.to_dict()}
+            if self.auto is not None and self.auto.live is not None:
+                state["cost"] = self.auto.live.to_dict()
+            kept(self.key, state)
 
     # ------------------------------------------------------------------ one step
 
@@ -171,6 +215,8 @@ class _Queued:
     n: mx.array  # accepted drafts
     built: Optional[Built] = None
     before: list = field(default_factory=list)  # the recurrent layers' states before it (put back if never read)
+    arm: Optional[frozenset] = None  # the governor's arm it was drafted with (None: ungoverned)
+    probing: bool = False
 
     @property
     def depth(self) -> int:
@@ -190,6 +236,7 @@ def _kept(size: int, acc: Accepted, depth: int) -> mx.array:
 def _queue(gen: Generation, holes: HoleyCache, prev: _Queued) -> _Queued:
     """Build the step after ``prev`` (lazily)."""
     before = recurrent_states(gen.cache)
+    arm, probing = gen.next_arm()
     flight = Flight(prev.row, prev.n, prev.g0, prev.depth)
     blocks = gen.drafts.propose(At(prev.g0, prev.context, gen.history, flight=flight))
     cands = Candidates([b for b in blocks if b is not None])
@@ -199,7 +246,9 @@ def _queue(gen: Generation, holes: HoleyCache, prev: _Queued) -> _Queued:
     row = built.beams[acc.beam]
     read = step_read(acc, row)
     read = read if built.codes is None else mx.concatenate([read, built.codes])
-    return _Queued(read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, built, before)
+    return _Queued(
+        read, acc.next_token, hidden[acc.last], prev.real + 1 + acc.n, row, acc.n, built, before, arm, probing
+    )
 
 
 def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequence[int] = ()) -> Iterator[StepTokens]:
@@ -238,8 +287,8 @@ def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequenc
             before = read.emitted
             gen.emitted(before)
             elapsed = time.perf_counter() - tic
-            gen.timed(built.size, elapsed)
-            yield read.tokens(step, built.size, elapsed, syncs, built.depth, built.labels)
+            out = read.tokens(step, built.size, elapsed, syncs, built.depth, built.labels)
+            yield gen.timed(out, built.size, queued.arm, queued.probing)
             queued = following
     finally:
         holes.compact(drop_unread=True)
@@ -301,6 +350,7 @@ class _AfterRead:
         if gen.auto is not None:
             gen.auto.advance(cache_length(gen.cache) or 0)  # trees are priced at their context
         g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
+        self.arm = gen.next_arm()
         vals = host_read(g0, *drafts.early_reads(g0, context, self.host))
         self.g0, self.g0_val, self.syncs = g0, vals[0], 1 + drafts.reads()
         gen.emitted([self.g0_val])
@@ -326,6 +376,7 @@ class _AfterRead:
         laps.lap("pack", built.tree.tokens, built.tree.mask)
         hidden, acc = gen.verify(built, masks=masks)
         g0, context = acc.next_token, hidden[acc.last]
+        (arm, probing), self.arm = self.arm, gen.next_arm()  # the next step's sources propose early
         early = drafts.early_reads(g0, context, self.host)  # the next step's device rows, lazily
         laps.lap("draft", *early)
         codes = () if built.codes is None else (built.codes,)
@@ -346,9 +397,8 @@ class _AfterRead:
         out = read.tokens(self.step_no, built.size, 0.0, 0, built.depth, built.labels)
         out = out if grammar is None else grammar.consume(out)
         out.stats.step_time, out.stats.host_syncs = time.perf_counter() - tic, self.syncs
-        gen.timed(built.size, out.stats.step_time)
         out.stats = _timed(out.stats, laps)
-        return out
+        return gen.timed(out, built.size, arm, probing)
 
 
 def _timed(stats, laps: Laps):

@@ -50,13 +50,14 @@ class TreePolicy:
     def auto(self) -> bool:
         return self.kind == "auto"
 
-    def open(self, sources):
-        """One generation's :class:`~mlx_redrafter.step.auto.AutoTree` (None for a fixed tree)."""
+    def open(self, sources, live: bool = True):
+        """One generation's :class:`~mlx_redrafter.step.auto.AutoTree` (None for a
+        fixed tree); ``live``: its cost learned from the steps (else the stored curve's)."""
         if not self.auto:
             return None
         from .auto import AutoTree
 
-        return AutoTree(self.cost, [s.prior for s in sources])
+        return AutoTree(self.cost, [s.prior for s in sources], live=live)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class DraftPlan:
     schedule: str = PLAIN
     reason: str = "nothing drafts"
     structured: bool = False  # made for a grammar: the schedule reads, then builds, and prunes by it
+    # Each step runs the sources that pay, measured live, plain decoding when
+    # none does (step/governor.py); False: every step drafts with every source.
+    governed: bool = True
+    starts_plain: bool = False  # governed: the stored curve says no draft pays, so the first steps run plain
 
     @property
     def drafting(self) -> bool:
@@ -136,18 +141,25 @@ def make_plan(
     tree = TreePolicy(draft.tree, draft.curve)
     if batched:  # every row's rows on the host; the batch's width is its own policy
         sources = [replace(s, controller=None) if s.controller is not None else s for s in sources]
-        return DraftPlan(tuple(sources), TreePolicy("fixed", draft.curve, packed=True), AFTER_READ, dropped)
+        return DraftPlan(
+            tuple(sources), TreePolicy("fixed", draft.curve, packed=True), AFTER_READ, dropped, False, False
+        )
+    # Timed phases are a measurement of one setting: they draft every step.
+    governed, starts_plain = not (draft.always_draft or timings), False
     if grammar:  # the masks follow every row's tokens on the host: a packed tree
         tree = TreePolicy("fixed", packed=True)
     elif tree.auto and not any(s.controller is not None for s in sources):
         from .auto import can_pay
 
         if not can_pay(sources, draft.curve):
-            return DraftPlan(reason="no draft can pay on this device's verify-cost curve")
+            if not governed:
+                return DraftPlan(reason="no draft can pay on this device's verify-cost curve")
+            # The stored curve says no draft pays: start plain, and let the steps' own times say otherwise.
+            starts_plain = True
     schedule = _schedule(model, draft, sources, tree, grammar, timings, cache)
     if schedule == AFTER_READ and not tree.auto and not any(s.needs == STATES for s in sources):
         tree = replace(tree, packed=True)  # every row reaches the host before the tree is built
-    return DraftPlan(tuple(sources), tree, schedule, dropped, grammar)
+    return DraftPlan(tuple(sources), tree, schedule, dropped, grammar, governed, starts_plain)
 
 
 def _checked(model, draft: DraftConfig) -> list:

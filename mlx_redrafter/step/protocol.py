@@ -43,6 +43,10 @@ class StepStats:
     pack_time: float = 0.0  # dedup + packing of this step's beams
     verify_time: float = 0.0  # the LLM's tree forward
     accept_time: float = 0.0  # acceptance (a needed KV-cache move runs lazily with the next verify)
+    # A governed step (step/governor.py): "draft" (its sources pay), "plain" (none
+    # did: plain decoding), "probe" (measuring an arm); "" ungoverned.
+    mode: str = ""
+    plain_rate: float = 0.0  # tokens/s of plain decoding as measured live so far (0: not yet)
 
 
 @dataclass

@@ -1,0 +1,232 @@
+"""Never slower than plain decoding: the governor chooses each step's sources
+(plain decoding among them) from the steps' measured rates.
+
+Unit tests feed the governor a simulated machine (no clock is read); the
+loop tests run the real step loops on tiny models with each step's time
+given by a cost table instead of the clock (``Generation.timed`` is wrapped),
+so "a steep cost makes plain win" is a fact of the test, not of this machine.
+Mutations seen caught (each on a scratch copy): the governor's choice never
+applied to the proposers (``drafts.on`` ignored: the steep-cost loop test),
+the probe wait never doubled (the back-off test), ``restore`` ignoring the
+best arm (the carry-over tests), a parked draft model's catch-up dropped
+(``Chain.extend`` skipped while parked: the exactness test), the best arm
+ranked by the lowest rate (the steep and flat tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import OracleDrafter, prompts, run_steps, tiny_model
+from loops import check_caches, steps_then_close
+
+from mlx_redrafter.config import DraftConfig
+from mlx_redrafter.generate import generate_tokens
+from mlx_redrafter.step import keep, loop
+from mlx_redrafter.step.governor import (
+    MAX_WAIT,
+    PLAIN,
+    PROBE_AFTER,
+    PROBE_STEPS,
+    RESTORED_WAIT,
+    Governor,
+    arm_name,
+    arms_of,
+)
+
+N = 96
+
+
+# --------------------------------------------------------------------------- a simulated machine
+
+
+def simulate(gov, rate, steps, seed=0, tokens=None):
+    """Run ``steps`` governed steps; ``rate(arm, t)``: tokens per second of
+    that arm at step ``t``. Returns the arm of each step."""
+    rng = np.random.default_rng(seed)
+    arms = []
+    for t in range(steps):
+        arm, probing = gov.choose()
+        k = 1 if not arm else int(rng.integers(1, 4))  # a drafting step emits 1-3 tokens
+        gov.ran(arm, k, k / rate(arm, t) * (1 + 0.05 * rng.standard_normal()), probing)
+        arms.append(arm)
+    return arms
+
+
+def steep(arm, t):  # drafting costs more than it brings: 2 tokens per step at 3 plain steps
+    return 100.0 if not arm else 70.0
+
+
+def flat(arm, t):  # a GPU: drafting nearly free
+    return 100.0 if not arm else 180.0
+
+
+def test_a_steep_cost_makes_plain_decoding_win_within_a_few_steps():
+    gov = Governor(["drafter"])
+    arms = simulate(gov, steep, 300)
+    first_plain = next(t for t, a in enumerate(arms) if a == PLAIN and t > PROBE_STEPS)
+    assert first_plain < 3 * PROBE_STEPS
+    assert gov.best == PLAIN
+    late = arms[3 * PROBE_STEPS :]
+    assert sum(bool(a) for a in late) <= PROBE_STEPS * 6, "drafted outside the probes"
+    assert gov.tally.plain > 250
+
+
+def test_a_flat_cost_makes_drafting_win():
+    gov = Governor(["drafter"])
+    arms = simulate(gov, flat, 300)
+    assert gov.best == frozenset(["drafter"])
+    assert sum(bool(a) for a in arms[20:]) > 0.9 * len(arms[20:])
+    assert gov.tally.drafted > 5 * gov.tally.plain
+
+
+def test_the_source_that_pays_drafts_alone():
+    """An MTP head whose drafts are rejected beside lookup that copies well (a
+    Qwen3.5 shape with its head): lookup alone wins, the head is parked."""
+    rates = {frozenset(): 100.0, frozenset(["lookup"]): 200.0, frozenset(["mtp", "lookup"]): 150.0}
+    gov = Governor(["mtp", "lookup"], costly=["mtp"])
+    assert set(gov.arms) == set(rates)  # lookup is never dropped alone: it costs nothing when it finds nothing
+    arms = simulate(gov, lambda arm, t: rates[arm], 400)
+    assert gov.best == frozenset(["lookup"])
+    assert sum(a == frozenset(["lookup"]) for a in arms[100:]) > 0.9 * 300
+
+
+def test_a_generation_that_stops_paying_stops_drafting_and_one_that_starts_starts():
+    gov = Governor(["lookup"])
+    # Drafting pays until step 150 (a copy task), then stops paying, then pays again from 600.
+    arms = simulate(gov, lambda arm, t: 100.0 if not arm else (180.0 if t < 150 or t >= 600 else 60.0), 1000)
+    assert sum(bool(a) for a in arms[100:150]) >= 45
+    assert sum(bool(a) for a in arms[250:600]) <= 40, "kept drafting after it stopped paying"
+    assert sum(bool(a) for a in arms[900:]) >= 90, "never drafted again after it paid again"
+
+
+def test_the_probe_schedule_backs_off():
+    gov = Governor(["mtp"])
+    arms = simulate(gov, steep, 6000)
+    starts = [t for t in range(1, len(arms)) if arms[t] and not arms[t - 1]]
+    waits = np.diff(starts) - PROBE_STEPS
+    explored = next(t for t, a in enumerate(arms) if a == PLAIN) + PROBE_STEPS  # the plan's arm, then plain
+    assert starts[0] - explored == PROBE_AFTER
+    assert list(waits[:4]) == [2 * PROBE_AFTER, 4 * PROBE_AFTER, 8 * PROBE_AFTER, 16 * PROBE_AFTER]
+    assert max(waits) == MAX_WAIT and waits[-1] == MAX_WAIT
+
+
+def test_an_arm_chosen_again_starts_its_wait_over():
+    gov = Governor(["mtp"])
+    simulate(gov, steep, 300)
+    assert gov.parked[frozenset(["mtp"])].wait > PROBE_AFTER
+    simulate(gov, flat, 600)  # it pays now: found at a probe, then kept
+    assert gov.best == frozenset(["mtp"])
+    assert gov.parked[frozenset(["mtp"])].wait == PROBE_AFTER
+
+
+def test_what_was_learned_carries_over():
+    gov = Governor(["drafter"])
+    simulate(gov, steep, 200)
+    again = Governor(["drafter"])
+    again.restore(gov.to_dict())
+    assert again.best == PLAIN and again.parked[frozenset(["drafter"])].wait == RESTORED_WAIT
+    arms = simulate(again, steep, 20)
+    assert not any(arms), "a reloaded governor measured again what it knew"
+    other = Governor(["drafter", "lookup"])
+    other.restore(gov.to_dict())  # another plan's state is not this one's
+    assert other.best == frozenset(["drafter", "lookup"])
+
+
+# --------------------------------------------------------------------------- the real loops
+
+
+@pytest.fixture
+def costs(monkeypatch, tmp_path):
+    """Each step's time from ``costs["fn"](size, arm)`` instead of the clock; the kept state in ``tmp_path``."""
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    monkeypatch.setattr(keep, "_KEPT", {})
+    real = loop.Generation.timed
+    table = {}
+
+    def timed(self, out, size, arm=None, probing=False):
+        out.stats.step_time = table["fn"](size, arm)
+        return real(self, out, size, arm, probing)
+
+    monkeypatch.setattr(loop.Generation, "timed", timed)
+    return table
+
+
+def steep_step(size, arm):  # every verified token costs a plain step, a draft forward half of one
+    return 0.01 * (size + 0.5 * len(arm or ()))
+
+
+def flat_step(size, arm):
+    return 0.01 * (1.0 if size == 1 else 1.05)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_model("llama")
+    p = prompts(1)[0]
+    return model, p, generate_tokens(model, p, max_tokens=N)[0]
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["ahead", "after-read"])
+@pytest.mark.parametrize("tree", ["fixed", "auto"])
+def test_plain_wins_on_a_steep_cost_and_drafting_on_a_flat_one_with_the_same_tokens(
+    costs, tiny, pipelined, tree, monkeypatch, tmp_path
+):
+    model, p, ref = tiny
+    modes = {}
+    for name, fn in (("steep", steep_step), ("flat", flat_step)):
+        keep._KEPT.clear()  # each machine its own (nothing carried from the other)
+        monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path / name))
+        costs["fn"] = fn
+        drafter = OracleDrafter(model, p, N, 3)
+        draft = DraftConfig(drafter, 2, 3, pipelined=pipelined, tree=tree, always_draft=False)
+        got, stats, _ = run_steps(model, p, draft, N)
+        assert got == ref, name
+        modes[name] = [s.mode for s in stats[1:]]
+    steep_modes, flat_modes = modes["steep"], modes["flat"]
+    assert all(m in ("draft", "plain", "probe") for m in steep_modes + flat_modes)
+    tail = steep_modes[12:]
+    assert tail and tail.count("plain") >= len(tail) - 2 * PROBE_STEPS, steep_modes
+    assert "plain" not in flat_modes and flat_modes.count("draft") >= len(flat_modes) - 3 * PROBE_STEPS, flat_modes
+
+
+def test_a_parked_draft_model_catches_up_exactly(costs, tiny):
+    """A draft model parked for stretches (its cache behind) and probed
+    (catching up in one call): the output and the target's cache equal plain
+    decoding's, and its own cache holds what the target's does."""
+    model, p, _ = tiny
+    costs["fn"] = steep_step
+    draft = DraftConfig(draft_model=model, draft_model_length=3, lookup=1, always_draft=False)
+    got, stats, cache = steps_then_close(model, p, draft, 400, loop="sourced", tokens=N)
+    assert got == generate_tokens(model, p, max_tokens=len(got))[0]
+    modes = [s.mode for s in stats[1:]]
+    assert "plain" in modes and "probe" in modes
+    check_caches(model, p, cache, got, "governed draft model", copies=1)
+
+
+def test_the_next_generation_starts_where_the_last_one_ended(costs, tiny, tmp_path):
+    model, p, _ = tiny
+    costs["fn"] = steep_step
+    draft = DraftConfig(OracleDrafter(model, p, N, 3), 2, 3, always_draft=False)
+    run_steps(model, p, draft, N)
+    files = list((tmp_path / "profiles").glob("live-*.json"))
+    assert len(files) == 1
+    keep._KEPT.clear()  # a new process: from the disk
+    _, stats, _ = run_steps(model, p, draft, 24)
+    assert [s.mode for s in stats[1:8]] == ["plain"] * 7
+
+
+def test_always_draft_drafts_every_step(costs, tiny):
+    model, p, ref = tiny
+    costs["fn"] = steep_step
+    got, stats, _ = run_steps(model, p, DraftConfig(OracleDrafter(model, p, N, 3), 2, 3, always_draft=True), N)
+    assert got == ref
+    assert all(s.mode == "" and s.tree_size == 7 for s in stats[1:])
+
+
+def test_arm_names_and_sets():
+    assert arm_name(PLAIN) == "plain" and arm_name(frozenset(["lookup", "drafter"])) == "drafter+lookup"
+    both = frozenset(["drafter", "mtp", "lookup"])
+    arms = arms_of(["drafter", "mtp", "lookup"], costly=["drafter", "mtp"])
+    assert arms[:2] == [both, PLAIN]
+    assert set(arms[2:]) == {frozenset(["mtp", "lookup"]), frozenset(["drafter", "lookup"]), frozenset(["lookup"])}
