@@ -37,6 +37,7 @@ def test_metrics_count_dflash_tokens():
     """``/metrics`` has a dflash counter from the start, and counts a generation's dflash tokens."""
     from types import SimpleNamespace
 
+    from mlx_redrafter.output import Tally
     from mlx_redrafter.serve.metrics import Metrics
 
     queue = SimpleNamespace(
@@ -50,7 +51,12 @@ def test_metrics_count_dflash_tokens():
     line = 'redrafter_draft_tokens_accepted_total{source="dflash"}'
     assert f"{line} 0.0" in m.text().decode()
     done = SimpleNamespace(
-        prompt_tokens=4, completion_tokens=9, step_tokens=[4, 5], drafted_by_source={"dflash": 7}, reused_tokens=0
+        prompt_tokens=4,
+        completion_tokens=9,
+        step_tokens=[4, 5],
+        drafted_by_source={"dflash": 7},
+        reused_tokens=0,
+        tally=Tally(),
     )
     engine.listeners[0](done)
     assert f"{line} 7.0" in m.text().decode()

@@ -230,3 +230,70 @@ def test_arm_names_and_sets():
     arms = arms_of(["drafter", "mtp", "lookup"], costly=["drafter", "mtp"])
     assert arms[:2] == [both, PLAIN]
     assert set(arms[2:]) == {frozenset(["mtp", "lookup"]), frozenset(["drafter", "lookup"]), frozenset(["lookup"])}
+
+
+# --------------------------------------------------------------------------- what users see
+
+
+def _responses(modes, plain_rate=50.0, tps=60.0):
+    from mlx_redrafter.output import RedrafterResponse
+    from mlx_redrafter.step.protocol import StepStats
+
+    out = []
+    for i, mode in enumerate(modes, start=1):
+        stats = StepStats(step=i, mode=mode, plain_rate=plain_rate)
+        out.append(
+            RedrafterResponse(
+                text="x",
+                token=1,
+                logprobs=None,
+                from_draft=False,
+                prompt_tokens=3,
+                prompt_tps=1.0,
+                generation_tokens=i,
+                generation_tps=tps,
+                peak_memory=0.1,
+                finish_reason=None,
+                stats=stats,
+            )
+        )
+    return out
+
+
+def test_the_summary_says_how_often_it_drafted_and_the_speed_against_plain():
+    from mlx_redrafter.output import Tally
+
+    t = Tally()
+    for r in _responses(["draft"] * 6 + ["plain"] * 3 + ["probe"]):
+        t.add(r)
+    text = t.summary()
+    assert "drafted 6 of 10 steps, 3 plain (drafting did not pay), 1 measuring; 1.20x plain decoding" in text
+    ungoverned = Tally()
+    for r in _responses([""] * 4):
+        ungoverned.add(r)
+    assert ungoverned.governor_summary() == "" and "plain decoding" not in ungoverned.summary()
+
+
+def test_metrics_count_governed_steps():
+    from types import SimpleNamespace
+
+    from mlx_redrafter.output import Tally
+    from mlx_redrafter.serve.metrics import Metrics
+
+    queue = SimpleNamespace(
+        status=lambda: {"waiting": 0, "running": 0, "active": 0},
+        step_listeners=[],
+        shed_listeners=[],
+        decoder=SimpleNamespace(batch_listeners=[]),
+    )
+    engine = SimpleNamespace(cache=SimpleNamespace(entries=0, nbytes=0), queue=queue, listeners=[])
+    m = Metrics(engine)
+    assert 'redrafter_governed_steps_total{mode="plain"} 0.0' in m.text().decode()
+    t = Tally()
+    for r in _responses(["draft", "plain", "plain", "probe"]):
+        t.add(r)
+    done = SimpleNamespace(prompt_tokens=3, completion_tokens=4, step_tokens=[], drafted_by_source={}, reused_tokens=0)
+    engine.listeners[0](SimpleNamespace(**vars(done), tally=t))
+    text = m.text().decode()
+    assert 'redrafter_governed_steps_total{mode="plain"} 2.0' in text
+    assert 'redrafter_governed_steps_total{mode="draft"} 1.0' in text

@@ -1,0 +1,129 @@
+"""Never slower than plain decoding (issue 55): the defaults against plain
+mlx-lm decoding of the same model, in one run, per condition.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/blis-pthread/libblas.so.3 \\
+        python bench/never_slower.py --conditions default,q4,draft-model --num-prompts 6 --max-tokens 128
+
+Three modes per prompt, their order rotating from one prompt to the next so
+that drift hits all alike:
+
+* ``plain``: ``mlx_lm.stream_generate`` (mlx-lm's own loop, no drafting);
+* ``governed``: ``mlx_redrafter.stream_generate`` with the defaults (the
+  shipped drafter, lookup, the live choice of step/governor.py);
+* ``always``: the same with ``always_draft=True`` (every step drafts: what the
+  defaults did before the live choice).
+
+Conditions: ``default`` (the default model, MT-Bench first turns), ``q4``
+(the same model quantized to 4 bits in memory), ``draft-model`` (the default
+model with a draft model that does not pay: its own first 8 of 30 layers,
+3 tokens), ``long`` (each prompt after ~600 tokens of earlier conversation).
+No calibration is used: the live state of earlier runs (``live-*.json``) is
+removed first, so the governed mode starts from nothing; it carries across
+the prompts of one run, as across the turns of a chat.
+Reports tokens per second per mode (summed over prompts) and the ratios to
+plain; writes ``--out`` (JSON) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+CONDITIONS = ("default", "q4", "draft-model", "long")
+
+
+def _tokens_per_second(gen) -> tuple:
+    tic, n = time.perf_counter(), 0
+    for _ in gen:
+        n += 1
+    return n, time.perf_counter() - tic
+
+
+def run_condition(name: str, prompts, model, tokenizer, max_tokens: int) -> dict:
+    import mlx_lm
+
+    from mlx_redrafter import stream_generate
+
+    extra = {}
+    if name == "q4":
+        import mlx.nn as nn
+
+        model = copy.deepcopy(model)
+        nn.quantize(model, group_size=64, bits=4)
+    if name == "draft-model":
+        draft = copy.deepcopy(model)
+        draft.model.layers = draft.model.layers[:8]
+        extra = {"draft_model": draft, "num_draft_tokens": 3}
+    if name == "long":
+        filler = []
+        for p in prompts:
+            filler += p
+        prompts = [(filler * 4)[:600] + p for p in prompts]
+
+    modes = {
+        "plain": lambda p: mlx_lm.stream_generate(model, tokenizer, p, max_tokens=max_tokens),
+        "governed": lambda p: stream_generate(model, tokenizer, p, max_tokens=max_tokens, always_draft=False, **extra),
+        "always": lambda p: stream_generate(model, tokenizer, p, max_tokens=max_tokens, always_draft=True, **extra),
+    }
+    _tokens_per_second(modes["plain"](prompts[0]))  # warm up
+    totals = {m: [0, 0.0] for m in modes}
+    names = list(modes)
+    for i, p in enumerate(prompts):
+        for m in names[i % 3 :] + names[: i % 3]:
+            n, s = _tokens_per_second(modes[m](p))
+            totals[m][0] += n
+            totals[m][1] += s
+    tps = {m: n / s for m, (n, s) in totals.items()}
+    return {
+        "condition": name,
+        "tokens_per_second": tps,
+        "ratio": {m: tps[m] / tps["plain"] for m in modes},
+        "tokens": {m: totals[m][0] for m in modes},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from mlx_redrafter import load_model
+    from mlx_redrafter.files import cache_root
+    from mlx_redrafter.prompts import first_turn_ids, load_prompt_set
+
+    for f in (cache_root() / "profiles").glob("live-*.json"):
+        f.unlink()
+    model, tokenizer = load_model(args.model)
+    prompts = first_turn_ids(tokenizer, load_prompt_set("mt_bench")[: args.num_prompts])
+    rows = []
+    for name in args.conditions.split(","):
+        from mlx_redrafter.step import keep
+
+        keep._KEPT.clear()  # each condition starts from nothing
+        row = run_condition(name, prompts, model, tokenizer, args.max_tokens)
+        rows.append(row)
+        r = row["ratio"]
+        print(
+            f"{name}: plain {row['tokens_per_second']['plain']:.1f} tok/s | governed {r['governed']:.2f}x | "
+            f"always drafting {r['always']:.2f}x",
+            flush=True,
+        )
+        mx.clear_cache()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
