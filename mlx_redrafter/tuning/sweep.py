@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -239,12 +239,17 @@ def run_sweep(
     seq = 1 + max([b["seq"] for b in results["baselines"]] + [c.get("seq", 0) for c in results["cells"]], default=0)
 
     def draft(w, l, k, tree):
+        # A cell measures its setting: every step drafts (no live choice of plain decoding, step/governor.py).
         if make_draft is not None:
-            return make_draft(w, l, k, tree)
+            return replace(make_draft(w, l, k, tree), always_draft=True)
         if is_layer_head(drafter):  # an EAGLE-3 head: its beams are the draft's layer head's
             head = {"head": drafter, "head_width": w, "head_length": l}
-            return DraftConfig(controller=controller, lookup=k, tree=tree, curve=config.curve, **head)
-        return DraftConfig(drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve)
+            return DraftConfig(
+                controller=controller, lookup=k, tree=tree, curve=config.curve, always_draft=True, **head
+            )
+        return DraftConfig(
+            drafter, w, l, controller=controller, lookup=k, tree=tree, curve=config.curve, always_draft=True
+        )
 
     if todo:
         warm_up(model, prompts[0], draft(*todo[0]))
