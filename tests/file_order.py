@@ -56,6 +56,7 @@ SECONDS: Dict[str, float] = {
     "test_server_crash.py": 15,
     "test_dflash.py": 15,
     "test_sources.py": 14,
+    "test_governor.py": 12,
     "test_datastore_sampling.py": 14,
     "test_sweep.py": 13,
     "test_front_door.py": 12,

@@ -29,7 +29,7 @@ from test_sampling import V_SMALL, chi2_passes, exact_first_tokens
 from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.step import accept as accept_mod
-from mlx_redrafter.step.batch_budget import LiveCost, SourceRates, choose_width, ranked_nodes
+from mlx_redrafter.step.batch_budget import BatchCost, SourceRates, choose_width, ranked_nodes
 from mlx_redrafter.step.batched import BatchSteps, RowPlan
 from mlx_redrafter.step.curve import CostCurve
 from mlx_redrafter.step.grammar import compile_grammar
@@ -189,7 +189,7 @@ def test_the_live_cost_follows_the_measured_steps():
     """Measured widths are priced by their own seconds; the others by the
     curve's shape scaled to the nearest measured width."""
     curve = CostCurve(tuple(1.0 + 0.25 * n for n in range(16)))  # c(4) = 1.75, c(8) = 2.75, c(12) = 3.75
-    cost = LiveCost(curve)
+    cost = BatchCost(curve)
     assert cost(4, 2) == curve(8)  # nothing measured: the curve
     cost.observe(4, 1, 0.10)
     cost.observe(4, 1, 0.20)  # an exponential average: 0.8 x 0.10 + 0.2 x 0.20

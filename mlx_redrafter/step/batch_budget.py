@@ -7,7 +7,7 @@ step yields is each row's ``1 + sum p`` over the nodes it verifies, ``p``
 being the probability that a node's whole path is accepted (the rule of
 step/select.py), estimated from what the batch accepted so far by source
 and depth (:class:`SourceRates`); the cost is measured live, the
-verify-cost curve pricing what was not measured yet (:class:`LiveCost`).
+verify-cost curve pricing what was not measured yet (:class:`BatchCost`).
 :func:`choose_width` picks the width with
 the most expected tokens per unit of cost, from 1 (the batch decodes
 plainly: nothing pays) up; each row then keeps its best nodes that fit
@@ -43,8 +43,10 @@ COST_WEIGHT = 0.2  # each new step's seconds weigh this much in the average of i
 RELAX = 0.02
 
 
-class LiveCost:
-    """What a step of the batch costs, live: the measured seconds of steps
+class BatchCost:
+    """What a step of the batch costs, live (one sequence's steps have
+    step/live_cost.py's model; a batch's cost depends on its rows as much as
+    on its width, so it keeps its own): the measured seconds of steps
     of as many rows at that width (an exponential average); a width not
     measured yet is priced by :func:`batch_cost` scaled to the measured
     width nearest it (the curve's shape, this device's level), or by the
@@ -135,10 +137,10 @@ def ranked_nodes(rows, sources, rates: SourceRates) -> List[Tuple[tuple, float]]
 def choose_width(ranked: Sequence[Sequence[Tuple[tuple, float]]], cost) -> int:
     """The batch's tree width (tokens a row, its next token included) with
     the most expected tokens per unit of ``cost(rows, width)`` (a
-    :class:`LiveCost`; a verify-cost curve prices by :func:`batch_cost`):
+    :class:`BatchCost`; a verify-cost curve prices by :func:`batch_cost`):
     1 is plain batched decoding."""
-    if not isinstance(cost, LiveCost):
-        cost = LiveCost(cost)
+    if not isinstance(cost, BatchCost):
+        cost = BatchCost(cost)
     rows = len(ranked)
     if not rows:
         return 1

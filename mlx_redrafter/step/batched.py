@@ -37,7 +37,7 @@ from ..llm.cache import trim_cache
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length
 from .accept import Accepted
-from .batch_budget import LiveCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
 from .drafts import Drafts, fused_layers
@@ -102,8 +102,9 @@ class BatchSteps:
     """Sequences decoded together with a draft tree each (see the module doc).
 
     ``draft`` says what drafts (the runtime's; the batch's plan leaves its
-    stateful sources and its controller out), ``curve`` prices the batch's forward until its steps are timed
-    (step/batch_budget.py ``LiveCost``; ``live=False``: by the curve alone).
+    stateful sources and its controller out), ``curve`` prices the batch's
+    forward until its steps are timed (step/batch_budget.py ``BatchCost``,
+    keyed by rows and width; ``live=False``: by the curve alone).
     :attr:`rows` are in the batch's order;
     :meth:`step` returns one :class:`StepTokens` per row, in that order;
     after it, :attr:`last_width` is the width its trees were padded to, :attr:`tokens`
@@ -123,7 +124,7 @@ class BatchSteps:
         self.ragged = Ragged()
         self.rows: List[BatchRow] = []
         self.rates = SourceRates()
-        self.cost = LiveCost(self.curve)
+        self.cost = BatchCost(self.curve)
         self.live = live  # False: priced by the curve alone (no timing: the same widths every run)
         self.syncs = 0
         self.last_width = 1  # the width of the last step's trees
