@@ -7,6 +7,8 @@ given by a cost table instead of the clock (``Generation.timed`` is wrapped),
 so "a steep cost makes plain win" is a fact of the test, not of this machine.
 Mutations seen caught (each on a scratch copy): the governor's choice never
 applied to the proposers (``drafts.on`` ignored: the steep-cost loop test),
+the holes kept or the queued step dropped when plain decoding starts
+(``holes.compact(drop_unread=True)``: the cache test),
 the probe wait never doubled (the back-off test), ``restore`` ignoring the
 best arm (the carry-over tests), a parked draft model's catch-up dropped
 (``Chain.extend`` skipped while parked: the exactness test), the best arm
@@ -183,6 +185,7 @@ def test_plain_wins_on_a_steep_cost_and_drafting_on_a_flat_one_with_the_same_tok
         got, stats, _ = run_steps(model, p, draft, N)
         assert got == ref, name
         modes[name] = [s.mode for s in stats[1:]]
+        assert all(s.tree_size == 1 and not s.accepted for s in stats if s.mode == "plain"), "a plain step drafted"
     steep_modes, flat_modes = modes["steep"], modes["flat"]
     assert all(m in ("draft", "plain", "probe") for m in steep_modes + flat_modes)
     tail = steep_modes[12:]
@@ -201,6 +204,7 @@ def test_a_parked_draft_model_catches_up_exactly(costs, tiny):
     assert got == generate_tokens(model, p, max_tokens=len(got))[0]
     modes = [s.mode for s in stats[1:]]
     assert "plain" in modes and "probe" in modes
+    assert all(s.tree_size == 1 for s in stats if s.mode == "plain"), "a plain step drafted"
     check_caches(model, p, cache, got, "governed draft model", copies=1)
 
 
@@ -297,3 +301,18 @@ def test_metrics_count_governed_steps():
     text = m.text().decode()
     assert 'redrafter_governed_steps_total{mode="plain"} 2.0' in text
     assert 'redrafter_governed_steps_total{mode="draft"} 1.0' in text
+
+
+@pytest.mark.parametrize("loop_name,pipelined", [("pipelined", True), ("synchronous", False)])
+def test_the_cache_equals_plain_decodings_after_drafting_then_plain_steps(costs, tiny, loop_name, pipelined):
+    """Drafting first, then plain steps once it loses (build ahead: the holes
+    squeezed out when plain decoding starts): keys, values and the tokens
+    held are plain decoding's."""
+    model, p, _ = tiny
+    costs["fn"] = steep_step
+    draft = DraftConfig(OracleDrafter(model, p, N, 3), 2, 3, pipelined=pipelined, always_draft=False)
+    got, stats, cache = steps_then_close(model, p, draft, 400, loop=loop_name, tokens=N)
+    assert got == generate_tokens(model, p, max_tokens=len(got))[0]
+    modes = [s.mode for s in stats[1:]]
+    assert "draft" in modes and modes.count("plain") > len(modes) / 2
+    check_caches(model, p, cache, got, f"governed, {loop_name}")

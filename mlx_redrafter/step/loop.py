@@ -283,6 +283,10 @@ def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequenc
             syncs += 1
             kept = set(read.path[: read.n + 1])
             holes.settle([i in kept for i in range(built.size)])
+            if following.size == 1 and holes.dirty and all(size == 1 for size in holes.unread):
+                # Plain decoding from here (the governor parked drafting): squeeze the holes out
+                # once, so that its steps are the model's own calls, without masks.
+                holes.compact()
             gen.learn(built, read, read.rest, before)
             before = read.emitted
             gen.emitted(before)
