@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from dataclasses import replace
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -249,18 +248,15 @@ def stream_generate(
             controller=controller,
             tree=tree,
             sources=tuple(sources),
+            always_draft=always_draft,
         ),
         dict(mtp=mtp, mtp_depth=mtp_depth, draft_model=draft_model, num_draft_tokens=num_draft_tokens),
         datastore,
     )
-    if always_draft is not None and draft is not None:
-        draft = replace(draft, always_draft=bool(always_draft))
     tokenizer = wrap_tokenizer(tokenizer)
     prompt = prompt_array(tokenizer, prompt)
     plan = checked_plan(model, prompt, draft, grammar=grammar is not None, timings=timings, cache=prompt_cache)
-    if seed is not None:
-        mx.random.seed(seed)
-    grammar = None if grammar is None else compile_for_model(model, tokenizer, grammar)
+    grammar = _seeded_grammar(model, tokenizer, grammar, seed)
     steps = token_steps(
         model,
         prompt,
@@ -272,6 +268,13 @@ def stream_generate(
         grammar=grammar,
     )
     yield from stream_text(tokenizer, steps, prompt.size, max_tokens, stop, structured=grammar is not None)
+
+
+def _seeded_grammar(model, tokenizer, grammar, seed: Optional[int]):
+    """Seed the sampler (``seed``, when given) and compile ``grammar`` for the tokenizer (None: none)."""
+    if seed is not None:
+        mx.random.seed(seed)
+    return None if grammar is None else compile_for_model(model, tokenizer, grammar)
 
 
 def stream_text(tokenizer, steps, prompt_tokens: int, max_tokens: int, stop: Sequence[str], structured=False):
@@ -342,7 +345,8 @@ def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
     ``beam_length``, ``lookup``, ``lookup_context``, ``controller``, ``warp``,
     ``draft``, ``max_tokens``, ``temp``, ``top_p``, ``min_p``, ``top_k``,
     ``seed``, ``sampling``, ``stop``, ``prompt_cache``, ``timings``, ``grammar``, ``tree``,
-    ``datastore``, ``mtp``, ``mtp_depth``, ``draft_model``, ``num_draft_tokens``, ``sources``.
+    ``datastore``, ``mtp``, ``mtp_depth``, ``draft_model``, ``num_draft_tokens``, ``sources``,
+    ``always_draft``.
     """
     text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, **kwargs):

@@ -51,6 +51,7 @@ def call_configs(
     auto = isinstance(loose_draft["drafter"], str) and loose_draft["drafter"] == AUTO
     mtp = loose_sources["mtp"]
     own_mtp = isinstance(mtp, str) and mtp == AUTO
+    always = loose_draft.pop("always_draft", None)  # applies to a resolved draft= too
     _refuse_both(
         draft,
         "draft",
@@ -59,6 +60,7 @@ def call_configs(
         datastore=datastore is not None and datastore is not False,
     )
     if draft is not None:
+        draft = draft if always is None else replace(draft, always_draft=bool(always))
         return sampling, with_curve(model, draft)
     d = dict(loose_draft)
     if auto:
@@ -81,6 +83,8 @@ def call_configs(
         sources=d["sources"],
         **tree_kw(d["tree"], model),
     )
+    if always is not None:  # None: DraftConfig's default ($MLX_REDRAFTER_ALWAYS_DRAFT)
+        draft = replace(draft, always_draft=bool(always))
     draft = _with_call_sources(model, draft, own_mtp, loose_sources, d["lookup"])
     from .step.plan import asks
 

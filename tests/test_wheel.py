@@ -10,6 +10,7 @@ working folder elsewhere: each ``__file__`` must lie in the unpacked wheel.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -25,8 +26,13 @@ DATA_FOLDERS = ("data", "drafters", "serve/ui")  # shipped as data (serve/ui: th
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy without build/: setuptools never empties build/lib, so
+    # a module deleted from the tree would still ship from an earlier build's.
+    src = tmp_path_factory.mktemp("src") / "repo"
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".*cache", ".hypothesis")
+    shutil.copytree(REPO, src, ignore=skip)
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-w", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
