@@ -57,7 +57,7 @@ MUTATIONS = [
     Mutation(
         "H2",
         "zeros instead of the target's features handed to a layer head after each step",
-        "mlx_redrafter/step/loop.py",
+        "mlx_redrafter/step/after_read.py",
         [
             (
                 "drafts.entered([self.g0_val] + read.row[: read.n], hidden[mx.array(read.path[: read.n + 1], mx.int32)])",  # noqa: E501

@@ -24,8 +24,9 @@ head and lookup; the step loops timed on token ids, plain being mlx-lm's
 No calibration is used: the live state of earlier runs (``live-*.json``) is
 removed first, so the governed mode starts from nothing; it carries across
 the prompts of one run, as across the turns of a chat.
-Reports tokens per second per mode (summed over prompts) and the ratios to
-plain; writes ``--out`` (JSON) when given.
+Reports decoding's tokens per second per mode (the tokens after the first
+over their time, summed over prompts: the prompt's prefill is not counted)
+and the ratios to plain; writes ``--out`` (JSON) when given.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ SHAPED = ("qwen35-mtp",)
 
 
 def _tokens_per_second(gen) -> tuple:
+    """Tokens after the first and the seconds they took: decoding, the prompt's prefill left out."""
+    it = iter(gen)
+    next(it)
     tic, n = time.perf_counter(), 0
-    for _ in gen:
+    for _ in it:
         n += 1
     return n, time.perf_counter() - tic
 
@@ -96,6 +100,8 @@ def run_condition(name: str, prompts, model, tokenizer, max_tokens: int) -> dict
 
 
 def _count(steps, n: int) -> tuple:
+    """Tokens of the steps after the first (the prefill's) up to ``n``, and their seconds."""
+    next(steps)
     tic, got = time.perf_counter(), 0
     for s in steps:
         got += len(s.tokens) if hasattr(s, "tokens") else 1

@@ -167,10 +167,16 @@ class Tally:
             text += f", {plain} plain (drafting did not pay)"
         if probes:
             text += f", {probes} measuring"
+        speed = self.vs_plain()
+        return text + (f"; {speed}" if speed else "")
+
+    def vs_plain(self) -> str:
+        """``"1.31x plain decoding (measured live)"``: the reply's speed over
+        plain decoding's as this run's plain steps measured it ("" when none did)."""
         r = self.last
-        if self.plain_rate > 0 and r is not None and r.generation_tps > 0:
-            text += f"; {r.generation_tps / self.plain_rate:.2f}x plain decoding (measured live)"
-        return text
+        if self.plain_rate <= 0 or r is None or r.generation_tps <= 0:
+            return ""
+        return f"{r.generation_tps / self.plain_rate:.2f}x plain decoding (measured live)"
 
     def summary(self) -> str:
         r = self.last

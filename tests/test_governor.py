@@ -97,7 +97,7 @@ def test_a_generation_that_stops_paying_stops_drafting_and_one_that_starts_start
     gov = Governor(["lookup"])
     # Drafting pays until step 150 (a copy task), then stops paying, then pays again from 600.
     arms = simulate(gov, lambda arm, t: 100.0 if not arm else (180.0 if t < 150 or t >= 600 else 60.0), 1000)
-    assert sum(bool(a) for a in arms[100:150]) >= 45
+    assert sum(bool(a) for a in arms[100:150]) >= 40  # plain measured now and then
     assert sum(bool(a) for a in arms[250:600]) <= 40, "kept drafting after it stopped paying"
     assert sum(bool(a) for a in arms[900:]) >= 90, "never drafted again after it paid again"
 
@@ -123,13 +123,23 @@ def test_an_arm_chosen_again_starts_its_wait_over():
 
 
 def test_what_was_learned_carries_over():
+    drafter = frozenset(["drafter"])
     gov = Governor(["drafter"])
     simulate(gov, steep, 200)
     again = Governor(["drafter"])
     again.restore(gov.to_dict())
-    assert again.best == PLAIN and again.parked[frozenset(["drafter"])].wait == RESTORED_WAIT
-    arms = simulate(again, steep, 20)
+    # Far behind (0.7 of plain): it keeps its wait, and the next text starts plain at once.
+    assert again.best == PLAIN and again.parked[drafter].wait == gov.parked[drafter].wait > RESTORED_WAIT
+    arms = simulate(again, steep, 100)
     assert not any(arms), "a reloaded governor measured again what it knew"
+    # Close behind (0.9 of plain): the next text may decide otherwise: measured first, probed again soon.
+    close = Governor(["drafter"])
+    simulate(close, lambda arm, t: 100.0 if not arm else 90.0, 300)
+    assert close.best == PLAIN
+    again = Governor(["drafter"])
+    again.restore(close.to_dict())
+    assert again.parked[drafter].wait == RESTORED_WAIT
+    assert simulate(again, flat, 3)[0] == drafter
     other = Governor(["drafter", "lookup"])
     other.restore(gov.to_dict())  # another plan's state is not this one's
     assert other.best == frozenset(["drafter", "lookup"])
@@ -276,6 +286,12 @@ def test_the_summary_says_how_often_it_drafted_and_the_speed_against_plain():
     for r in _responses([""] * 4):
         ungoverned.add(r)
     assert ungoverned.governor_summary() == "" and "plain decoding" not in ungoverned.summary()
+    from types import SimpleNamespace
+
+    from mlx_redrafter.chat.commands import status_line
+
+    turn = SimpleNamespace(tally=t, interrupted=False, prefilled_tokens=3, reused_tokens=0)
+    assert "1.20x plain decoding (measured live) | prefill" in status_line(turn)  # chat's line after each reply
 
 
 def test_metrics_count_governed_steps():
@@ -316,3 +332,21 @@ def test_the_cache_equals_plain_decodings_after_drafting_then_plain_steps(costs,
     modes = [s.mode for s in stats[1:]]
     assert "draft" in modes and modes.count("plain") > len(modes) / 2
     check_caches(model, p, cache, got, f"governed, {loop_name}")
+
+
+def test_plain_steps_queued_ahead_on_a_hybrid_leave_plain_decodings_cache(costs):
+    """Read, then build, with plain decoding chosen: its steps are queued a
+    step ahead (as mlx-lm's loop), and the one queued when the loop ends is
+    undone: a hybrid's recurrent states and keys are plain decoding's."""
+    from hybrids import tiny_hybrid
+
+    model = tiny_hybrid("qwen3_5")
+    p = prompts(1)[0]
+    costs["fn"] = steep_step
+    draft = DraftConfig(OracleDrafter(model, p, N, 3), 2, 3, pipelined=False, always_draft=False)
+    for stop_at in (N, N + 3):  # the loop ends after a plain step that queued the next, or mid-run
+        keep._KEPT.clear()
+        got, stats, cache = steps_then_close(model, p, draft, 400, loop="synchronous", tokens=stop_at)
+        assert got == generate_tokens(model, p, max_tokens=len(got))[0]
+        assert [s.mode for s in stats[-3:]] == ["plain"] * 3
+        check_caches(model, p, cache, got, "governed hybrid, read then build")

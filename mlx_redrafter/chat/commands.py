@@ -43,9 +43,10 @@ def status_line(turn) -> str:
     t, r = turn.tally, turn.tally.last
     tps = r.generation_tps if r is not None else 0.0
     head = "interrupted: " if turn.interrupted else ""
+    speed = t.vs_plain()  # how much faster (or slower) than plain decoding, where this run measured plain steps
     return (
         f"{head}{t.tokens} tokens, {tps:.1f} tok/s, {t.tokens_per_step:.2f} tokens/step, "
-        f"{t.draft_summary()} | prefill {turn.prefilled_tokens} tokens "
+        f"{t.draft_summary()}{', ' + speed if speed else ''} | prefill {turn.prefilled_tokens} tokens "
         f"({turn.reused_tokens} reused from the cache)"
     )
 

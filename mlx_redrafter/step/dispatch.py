@@ -21,8 +21,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..config import DraftConfig, SamplingConfig
 from ..errors import RedrafterError
 from ..llm.cache import check_cache, drop_sources, target_size
+from .after_read import after_read_steps
 from .grammar import Grammar, GrammarMask, grammar_logits_processor
-from .loop import after_read_steps, ahead_steps
+from .loop import ahead_steps
 from .plan import AHEAD, DraftPlan, make_plan
 from .protocol import StepStats, StepTokens
 

@@ -15,7 +15,8 @@ show in what the steps measure.
   :data:`PROBE_STEPS` steps (an arm's first and last step of a run are not
   measured: their time mixes two arms' work), plain decoding first.
 * **Then**: each step runs the arm with the best rate (the one running keeps
-  its place unless another beats it by :data:`HYSTERESIS`).
+  its place unless another beats it by :data:`HYSTERESIS`, the one asked
+  for by :data:`PLAN_EDGE` more).
 * **Probes**: an arm left out cannot show that it pays again (a copy task
   late in a chat makes lookup pay), so after :data:`PROBE_AFTER` steps out
   it runs for :data:`PROBE_STEPS` steps; each probe doubles its next wait (up
@@ -45,13 +46,19 @@ Arm = FrozenSet[str]
 PLAIN: Arm = frozenset()
 
 PROBE_AFTER = 16  # steps an arm waits out before it is probed the first time
-PROBE_STEPS = 4  # steps a probe runs (the middle two are measured)
+PROBE_STEPS = 6  # steps a probe runs (the middle four are measured)
 MAX_WAIT = 512  # the longest wait between two probes of an arm
 FORGET = 0.98  # weight of a measurement one step older: about the last 50 steps count
 HYSTERESIS = 1.02  # another arm must beat the running one by this factor to replace it
-MIN_SAMPLES = 2  # measured steps before an arm's rate is trusted
+# ... and the plan's own arm (every source asked for) by this one: a draft's
+# rate swings with the text (a copy pays, prose may not), a plain step's
+# hardly, so near a tie the few steps a probe measures favour plain decoding
+# by chance more often than not; what the user asked for keeps a small edge.
+PLAN_EDGE = 1.05
+MIN_SAMPLES = 4  # measured steps before an arm's rate is trusted (a probe's middle four)
 PRIOR_WEIGHT = 1.0  # steps a reloaded rate is worth
-RESTORED_WAIT = 4 * PROBE_AFTER  # the longest wait a generation starts with
+FAR = 0.8  # an arm below this share of the best's rate is far behind: a new generation keeps its wait
+RESTORED_WAIT = PROBE_AFTER  # a generation is a new text: every arm left out is measured again soon
 
 
 def arm_name(arm: Arm) -> str:
@@ -153,6 +160,7 @@ class Governor:
         self.rates: Dict[Arm, Rate] = {a: Rate() for a in self.arms}
         self.parked: Dict[Arm, _Parked] = {a: _Parked() for a in self.arms}
         self.best: Arm = self.arms[0]
+        self.plan: Arm = self.arms[0]  # the arm asked for (plain where a stored curve says no draft pays)
         self.step = 0
         self.probe: Optional[Arm] = None
         self.probe_left = 0
@@ -195,7 +203,8 @@ class Governor:
 
     def _rank(self) -> None:
         def score(a: Arm) -> float:
-            return self.rates[a].per_second * (HYSTERESIS if a == self.best else 1.0)
+            edge = (HYSTERESIS if a == self.best else 1.0) * (PLAN_EDGE if a == self.plan else 1.0)
+            return self.rates[a].per_second * edge
 
         best = max(self.arms, key=score)
         if best != self.best:
@@ -235,18 +244,25 @@ class Governor:
 
     def restore(self, data: dict) -> None:
         """Start from what an earlier generation learned: its best arm, its
-        waits, and its rates as priors worth :data:`PRIOR_WEIGHT` steps."""
+        waits, and its rates as priors worth :data:`PRIOR_WEIGHT` steps (the
+        plan's arm measured again first: a new text drafts differently)."""
         if not data or sorted(data.get("names", [])) != sorted(self.names):
             return
         by_name = {arm_name(a): a for a in self.arms}
-        for name, got in (data.get("arms") or {}).items():
-            arm = by_name.get(name)
-            spt = float(got.get("seconds_per_token", 0.0))
-            if arm is None or spt <= 0:
-                continue
-            self.rates[arm] = Rate(PRIOR_WEIGHT, PRIOR_WEIGHT * spt, MIN_SAMPLES, 0)
-            # A new generation is a new text: an arm that kept losing is probed again within RESTORED_WAIT steps.
-            self.parked[arm].wait = int(min(max(got.get("wait", PROBE_AFTER), PROBE_AFTER), RESTORED_WAIT))
+        saved = {by_name[n]: g for n, g in (data.get("arms") or {}).items() if n in by_name}
+        saved = {a: g for a, g in saved.items() if float(g.get("seconds_per_token", 0.0)) > 0}
+        best = max((1.0 / float(g["seconds_per_token"]) for g in saved.values()), default=0.0)
+        for arm, got in saved.items():
+            spt = float(got["seconds_per_token"])
+            close = 1.0 / spt >= FAR * best  # within reach of the best: this text may decide otherwise
+            # The plan's arm, when close, is measured again on this text first (a draft's rate is the
+            # text's); the others start known, their rates priors until their next probe.
+            known = 0 if arm == self.plan and close else MIN_SAMPLES
+            self.rates[arm] = Rate(PRIOR_WEIGHT, PRIOR_WEIGHT * spt, known, 0)
+            # A new generation is a new text: an arm that was close is probed again within
+            # RESTORED_WAIT steps; one far behind keeps its wait.
+            wait = max(int(got.get("wait", PROBE_AFTER)), PROBE_AFTER)
+            self.parked[arm].wait = min(wait, RESTORED_WAIT if close else MAX_WAIT)
         self.best = by_name.get(data.get("best"), self.best)
         self.tally.best = arm_name(self.best)
 

@@ -14,7 +14,7 @@ schedules differ only in when a step is read:
   the cache keeps every verified row and masks the rejected ones as holes
   (:class:`~mlx_redrafter.llm.cache.HoleyCache`), and sources that propose
   from the host's tokens line their rows up with the step in flight.
-* **read, then build** (:func:`after_read_steps`): each step is read before
+* **read, then build** (step/after_read.py ``after_read_steps``): each step is read before
   the next is built. Sources that need what the host read run here: a
   source that catches up on the accepted tokens' hidden states (an MTP head,
   an EAGLE-3 head, a draft model), a controller whose depth is read, a
@@ -40,12 +40,8 @@ import mlx.core as mx
 from ..llm.cache import (
     HoleyCache,
     attach_sources,
-    compact_cache,
     drop_sources,
-    kv_offsets,
-    set_cache_length,
     target_size,
-    verify_starts,
 )
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
@@ -299,115 +295,3 @@ def ahead_steps(model, prompt: mx.array, cache, plan, sampling, history: Sequenc
         if unread is not None:
             restore_states(gen.cache, unread.before)
         gen.close()
-
-
-# --------------------------------------------------------------------------- read, then build
-
-
-def after_read_steps(
-    model,
-    prompt: mx.array,
-    cache,
-    plan,
-    sampling,
-    history: Sequence[int] = (),
-    grammar=None,
-    timings: bool = False,
-) -> Iterator[StepTokens]:
-    """The read-then-build schedule (see the module doc). ``grammar``: a
-    :class:`~mlx_redrafter.step.grammar.GrammarMask`; the loop ends after
-    its EOS."""
-    install_tree_hooks(model)  # refuses unsupported positions before any work
-    prompt_ids = host_read(prompt)
-    gen = Generation(model, cache, plan, sampling, list(history) + prompt_ids, grammar=grammar)
-    gen.laps = Laps(timings)
-    run = _AfterRead(gen, plan.tree.packed or grammar is not None)
-    try:
-        out = run.first(prompt, prompt_ids)
-        yield out
-        while grammar is None or not grammar.ended(out):
-            out = run.step()
-            yield out
-    finally:
-        gen.close()
-
-
-class _AfterRead:
-    """The read-then-build schedule between two steps: the next root ``g0``
-    (on the device and the host), the hidden state where it was predicted,
-    and the next step's candidates. ``host``: every row reaches the host
-    before the tree is built (a packed tree, a grammar's masks)."""
-
-    def __init__(self, gen: Generation, host: bool):
-        self.gen, self.host, self.step_no, self.syncs = gen, host, 0, 0
-
-    def first(self, prompt: mx.array, prompt_ids: List[int]) -> StepTokens:
-        gen, grammar, drafts = self.gen, self.gen.grammar, self.gen.drafts
-        sink = None
-        if drafts.stateful:
-
-            def sink(start, hidden):
-                drafts.entered(prompt_ids[start : start + hidden.shape[0]], hidden)
-
-        tic = time.perf_counter()
-        logits, context = prefill(gen.backbone, gen.lm_head, gen.cache, prompt, sink=sink)
-        if gen.auto is not None:
-            gen.auto.advance(cache_length(gen.cache) or 0)  # trees are priced at their context
-        g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
-        self.arm = gen.next_arm()
-        vals = host_read(g0, *drafts.early_reads(g0, context, self.host))
-        self.g0, self.g0_val, self.syncs = g0, vals[0], 1 + drafts.reads()
-        gen.emitted([self.g0_val])
-        self.context, self.rest = context, vals[1:]
-        out = first_step(self.g0_val, time.perf_counter() - tic, self.syncs)
-        return out if grammar is None else grammar.consume(out)
-
-    def step(self) -> StepTokens:
-        gen, grammar, drafts, laps = self.gen, self.gen.grammar, self.gen.drafts, self.gen.laps
-        self.step_no, tic = self.step_no + 1, time.perf_counter()
-        laps.begin(tic)
-        # The sources that need the read propose now: a stateful one catches up
-        # first, so that its cache never runs ahead of the target's when the loop ends here.
-        cands, masks = drafts.late(self.rest, self.host, self.g0, self.context, self.g0_val), None
-        laps.lap("draft", *[b.tokens for b in cands.blocks])
-        self.syncs += drafts.reads()
-        offsets, starts = kv_offsets(gen.cache), verify_starts(gen.cache)
-        if grammar is not None:
-            cands, words = grammar.prune(cands)
-        built = build(cands, self.g0, gen.auto, packed=self.host, greedy=gen.sampling.greedy)
-        if grammar is not None:
-            masks = grammar.masks(words, built)
-        laps.lap("pack", built.tree.tokens, built.tree.mask)
-        hidden, acc = gen.verify(built, masks=masks)
-        g0, context = acc.next_token, hidden[acc.last]
-        (arm, probing), self.arm = self.arm, gen.next_arm()  # the next step's sources propose early
-        early = drafts.early_reads(g0, context, self.host)  # the next step's device rows, lazily
-        laps.lap("draft", *early)
-        codes = () if built.codes is None else (built.codes,)
-        read = StepRead.parse(host_read(step_read(acc, built.beams[acc.beam]), *codes, *early), built.depth)
-        self.syncs += 1
-        k = 0 if built.codes is None else built.codes.size
-        # Most steps accept nothing, or a prefix packed in place (always so for
-        # a single path): the cache rows need moving only otherwise. The move
-        # stays lazy and runs with the next verify.
-        if not read.in_place:  # the path's padding past a chosen tree's size would write past a window's end
-            compact_cache(gen.cache, starts, acc.path[: min(built.size, built.depth + 1)])
-        set_cache_length(gen.cache, starts, offsets, 1 + read.n)
-        gen.learn(built, read, read.rest[:k], [])
-        if drafts.stateful:
-            drafts.entered([self.g0_val] + read.row[: read.n], hidden[mx.array(read.path[: read.n + 1], mx.int32)])
-        gen.emitted(read.emitted)
-        self.g0, self.g0_val, self.context, self.rest = g0, read.g0, context, read.rest[k:]
-        out = read.tokens(self.step_no, built.size, 0.0, 0, built.depth, built.labels)
-        out = out if grammar is None else grammar.consume(out)
-        out.stats.step_time, out.stats.host_syncs = time.perf_counter() - tic, self.syncs
-        out.stats = _timed(out.stats, laps)
-        return gen.timed(out, built.size, arm, probing)
-
-
-def _timed(stats, laps: Laps):
-    if laps.on:
-        t = laps.times
-        stats.draft_time, stats.pack_time = t.get("draft", 0.0), t.get("pack", 0.0)
-        stats.verify_time, stats.accept_time = t.get("verify", 0.0), t.get("accept", 0.0)
-    return stats
