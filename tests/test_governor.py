@@ -96,21 +96,43 @@ def test_the_source_that_pays_drafts_alone():
 def test_a_generation_that_stops_paying_stops_drafting_and_one_that_starts_starts():
     gov = Governor(["lookup"])
     # Drafting pays until step 150 (a copy task), then stops paying, then pays again from 600.
-    arms = simulate(gov, lambda arm, t: 100.0 if not arm else (180.0 if t < 150 or t >= 600 else 60.0), 1000)
+    arms = simulate(gov, lambda arm, t: 100.0 if not arm else (180.0 if t < 150 or t >= 600 else 85.0), 1000)
     assert sum(bool(a) for a in arms[100:150]) >= 40  # plain measured now and then
     assert sum(bool(a) for a in arms[250:600]) <= 40, "kept drafting after it stopped paying"
     assert sum(bool(a) for a in arms[900:]) >= 90, "never drafted again after it paid again"
 
 
+def close_behind(arm, t):  # drafting at 0.85 of plain: close, probed every doubling wait
+    return 100.0 if not arm else 85.0
+
+
 def test_the_probe_schedule_backs_off():
     gov = Governor(["mtp"])
-    arms = simulate(gov, steep, 6000)
+    arms = simulate(gov, close_behind, 6000)
     starts = [t for t in range(1, len(arms)) if arms[t] and not arms[t - 1]]
     waits = np.diff(starts) - PROBE_STEPS
     explored = next(t for t, a in enumerate(arms) if a == PLAIN) + PROBE_STEPS  # the plan's arm, then plain
     assert starts[0] - explored == PROBE_AFTER
     assert list(waits[:4]) == [2 * PROBE_AFTER, 4 * PROBE_AFTER, 8 * PROBE_AFTER, 16 * PROBE_AFTER]
     assert max(waits) == MAX_WAIT and waits[-1] == MAX_WAIT
+
+
+def test_an_arm_far_behind_is_probed_shorter_and_less_often():
+    """A draft model at half plain's speed: each probe ends after two measured
+    steps, and the waits quadruple."""
+    gov = Governor(["draft-model"])
+    arms = simulate(gov, lambda arm, t: 100.0 if not arm else 50.0, 3000)
+    runs, t = [], 1
+    while t < len(arms):
+        if arms[t] and not arms[t - 1]:
+            n = next(k for k in range(t, len(arms) + 1) if k == len(arms) or not arms[k]) - t
+            runs.append((t, n))
+            t += n
+        t += 1
+    starts, lengths = [s for s, _ in runs], [n for _, n in runs]
+    assert all(n < PROBE_STEPS for n in lengths[1:]), lengths  # the first: its initial measurement
+    waits = [b - a - n for (a, n), b in zip(runs, starts[1:])]
+    assert waits[:3] == [4 * PROBE_AFTER, 16 * PROBE_AFTER, MAX_WAIT], waits
 
 
 def test_an_arm_chosen_again_starts_its_wait_over():

@@ -20,7 +20,8 @@ show in what the steps measure.
 * **Probes**: an arm left out cannot show that it pays again (a copy task
   late in a chat makes lookup pay), so after :data:`PROBE_AFTER` steps out
   it runs for :data:`PROBE_STEPS` steps; each probe doubles its next wait (up
-  to :data:`MAX_WAIT`), and once chosen on its merits its wait starts over.
+  to :data:`MAX_WAIT`; an arm far behind, :data:`FAR`, is probed shorter
+  and its wait quadruples), and once chosen on its merits its wait starts over.
   Ollama's MLX runner and oMLX park speculation the same way.
 * **Forgetting**: a measurement counts :data:`FORGET` times less each step
   after it, so a machine that slows down, or a context that grows, moves the
@@ -57,7 +58,10 @@ HYSTERESIS = 1.02  # another arm must beat the running one by this factor to rep
 PLAN_EDGE = 1.05
 MIN_SAMPLES = 4  # measured steps before an arm's rate is trusted (a probe's middle four)
 PRIOR_WEIGHT = 1.0  # steps a reloaded rate is worth
-FAR = 0.8  # an arm below this share of the best's rate is far behind: a new generation keeps its wait
+# An arm below this share of the best's rate is far behind: its probe ends after
+# two measured steps, its next wait is four times longer (not twice), and a new
+# generation keeps its wait.
+FAR = 0.8
 RESTORED_WAIT = PROBE_AFTER  # a generation is a new text: every arm left out is measured again soon
 
 
@@ -164,6 +168,7 @@ class Governor:
         self.step = 0
         self.probe: Optional[Arm] = None
         self.probe_left = 0
+        self.probe_measured = 0  # steps the running probe measured
         self.chosen: Optional[Arm] = None  # the arm the last choose() gave
         self.prev: Optional[Arm] = None  # the arm of the last step ran
         self.tally = Tally()
@@ -191,15 +196,19 @@ class Governor:
             if arm == self.best:
                 continue
             if unknown is None and park.out >= park.wait:  # waited out: probe it, and wait longer next time
-                park.out, park.wait = 0, min(park.wait * 2, MAX_WAIT)
+                park.out, park.wait = 0, min(park.wait * (4 if self._far(arm) else 2), MAX_WAIT)
                 return self._start_probe(arm)
             park.out += 1
         self.chosen = self.best
         return self.best, False
 
     def _start_probe(self, arm: Arm) -> Tuple[Arm, bool]:
-        self.probe, self.probe_left, self.chosen = arm, PROBE_STEPS - 1, arm
+        self.probe, self.probe_left, self.chosen, self.probe_measured = arm, PROBE_STEPS - 1, arm, 0
         return arm, True
+
+    def _far(self, arm: Arm) -> bool:
+        """Whether ``arm`` is far behind the best (a draft model that does not pay): probed less."""
+        return self.rates[arm].per_second < FAR * self.rates[self.best].per_second
 
     def _rank(self) -> None:
         def score(a: Arm) -> float:
@@ -221,6 +230,11 @@ class Governor:
         self.prev = arm
         if steady and seconds > 0:
             self.rates[arm].add(self.step, tokens, seconds)
+            if probing and arm == self.probe and arm != self.best:
+                self.probe_measured += 1
+                if self.probe_measured >= 2 and self._far(arm):  # far behind: no need to measure on
+                    self.probe_left = 0
+                    self.rates[arm].samples = max(self.rates[arm].samples, MIN_SAMPLES)
         t = self.tally
         if probing:
             t.probes += 1
