@@ -171,8 +171,6 @@ def main(argv=None) -> int:
     from mlx_redrafter.files import cache_root
     from mlx_redrafter.prompts import first_turn_ids, load_prompt_set
 
-    for f in (cache_root() / "profiles").glob("live-*.json"):
-        f.unlink()
     names = args.conditions.split(",")
     if any(n not in SHAPED for n in names):
         model, tokenizer = load_model(args.model)
@@ -181,7 +179,9 @@ def main(argv=None) -> int:
     for name in names:
         from mlx_redrafter.step import keep
 
-        keep._KEPT.clear()  # each condition starts from nothing
+        keep._KEPT.clear()  # each condition starts from nothing: no state in memory, none on disk
+        for f in (cache_root() / "profiles").glob("live-*.json"):
+            f.unlink()
         if name == "qwen35-mtp":
             row = run_qwen35_mtp(args.num_prompts, args.max_tokens)
         else:

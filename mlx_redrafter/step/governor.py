@@ -269,9 +269,10 @@ class Governor:
         for arm, got in saved.items():
             spt = float(got["seconds_per_token"])
             close = 1.0 / spt >= FAR * best  # within reach of the best: this text may decide otherwise
-            # The plan's arm, when close, is measured again on this text first (a draft's rate is the
-            # text's); the others start known, their rates priors until their next probe.
-            known = 0 if arm == self.plan and close else MIN_SAMPLES
+            # The plan's arm is measured again on this text first (a draft's rate is the text's: a
+            # prompt that repeats a document makes lookup pay); the others start known, their
+            # rates priors until their next probe.
+            known = 0 if arm == self.plan else MIN_SAMPLES
             self.rates[arm] = Rate(PRIOR_WEIGHT, PRIOR_WEIGHT * spt, known, 0)
             # A new generation is a new text: an arm that was close is probed again within
             # RESTORED_WAIT steps; one far behind keeps its wait.
