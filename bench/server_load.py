@@ -13,8 +13,9 @@ drafted, as serve was before batching), "after" (``--max-batch`` as given,
 default 8: concurrent requests decoded together where that pays, with the
 server's defaults), "plain" (``--no-draft``: batched plain decoding, nothing
 drafts), "today" (``--no-batch-drafts``: a request alone drafts, a batch
-decodes plainly, as serve was before issue 57) and "trees" (the defaults
-again, named for issue 57: every row of a batch drafts). For each number
+decodes plainly, as serve was before issue 57, and its default again since
+section 34's quiet run) and "trees" (``--batch-drafts``: every row of a
+batch drafts, issue 57). For each number
 of clients, each server in turn (the order alternating), every client sends
 ``--rounds`` greedy chat requests one after another (MT-Bench first turns,
 ``--max-tokens`` each). It reports aggregate tokens/s (completion tokens
@@ -453,7 +454,7 @@ MODES = {
     "after": lambda args: ["--max-batch", str(args.max_batch)],  # the defaults
     "plain": lambda args: ["--max-batch", str(args.max_batch), "--no-draft"],  # batched plain decoding
     "today": lambda args: ["--max-batch", str(args.max_batch), "--no-batch-drafts"],  # before issue 57
-    "trees": lambda args: ["--max-batch", str(args.max_batch)],  # every row of a batch drafts (issue 57)
+    "trees": lambda args: ["--max-batch", str(args.max_batch), "--batch-drafts"],  # every row drafts (issue 57)
 }
 
 

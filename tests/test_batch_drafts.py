@@ -42,9 +42,9 @@ def model(tokenizer):
     return model
 
 
-def _engine(model, tokenizer, draft: DraftConfig, max_batch=4, **kw):
+def _engine(model, tokenizer, draft: DraftConfig, max_batch=4, batch_drafts=True, **kw):
     rt = Runtime(model, tokenizer, "tiny", draft=draft)
-    return Engine(rt, max_tokens=N, max_batch=max_batch, queue_size=8, **kw)
+    return Engine(rt, max_tokens=N, max_batch=max_batch, queue_size=8, batch_drafts=batch_drafts, **kw)
 
 
 def _oracle(model, prompts, n=40):

@@ -230,11 +230,13 @@ MaxBatchOpt = typer.Option(
     "--max-batch",
     help="Requests decoded at once, batched when that pays on this device (1: one at a time, each drafted).",
 )
+# Off by default: on this project's 2-core CPU a drafting batch ran at 0.92x of
+# batched plain decoding at 4 clients (bench/RESULTS.md section 34, quiet).
 BatchDraftsOpt = typer.Option(
-    True,
+    False,
     "--batch-drafts/--no-batch-drafts",
     help="Requests decoded together draft, each its own tree, all verified in one forward "
-    "(--no-batch-drafts: they decode plainly, as before).",
+    "(default off: measured slower than batched plain decoding on a CPU, bench/RESULTS.md section 34).",
 )
 PromptCacheSizeOpt = typer.Option(
     10, "--prompt-cache-size", help="Conversations whose KV cache is kept (the least recently stored dropped first)."

@@ -127,7 +127,7 @@ class BatchDecoder:
 
     live_cost = True  # the drafting batch prices its steps by their measured time (False: by the curve alone)
 
-    def __init__(self, engine, max_batch: int, batch_drafts: bool = True):
+    def __init__(self, engine, max_batch: int, batch_drafts: bool = False):
         rt = engine.rt
         self.engine, self.model = engine, rt.model
         self.tokenizer = wrap_tokenizer(rt.tokenizer)

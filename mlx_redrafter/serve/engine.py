@@ -76,7 +76,8 @@ class Engine:
     the server reports, as vLLM's ``--served-model-name``); besides, it
     always answers to the model as given and its short name (:attr:`names`).
     ``batch_drafts``: whether requests decoded together draft (each its own
-    tree, all verified in one forward: serve/batch.py), else they decode plainly.
+    tree, all verified in one forward: serve/batch.py; off by default,
+    bench/RESULTS.md section 34), else they decode plainly.
     ``listeners`` are called on the worker thread with every job's
     :class:`Result` (metrics); ``queue.step_listeners`` with the rows each
     step decoded, ``queue.shed_listeners`` for each request turned away."""
@@ -98,7 +99,7 @@ class Engine:
         max_tokens_cap: Optional[int] = None,
         served_names: Sequence[str] = (),
         cap_ends_turn: bool = False,
-        batch_drafts: bool = True,
+        batch_drafts: bool = False,
     ):
         self.rt = runtime
         self.model_id = served_names[0] if served_names else runtime.model_spec
