@@ -577,3 +577,19 @@ def agent_model_folder(root, kind: str, layers: int = 1, **config):
     save_model(folder, tiny_model(kind, **config))
     save_config(config, folder / "config.json")
     return folder
+
+
+def engine_metrics():
+    """``(Metrics, engine)``: the server's ``/metrics`` over a stand-in engine
+    with nothing queued or cached; ``engine.listeners[0](result)`` counts a
+    finished generation as the worker thread would."""
+    from mlx_redrafter.serve.metrics import Metrics
+
+    queue = SimpleNamespace(
+        status=lambda: {"waiting": 0, "running": 0, "active": 0},
+        step_listeners=[],
+        shed_listeners=[],
+        decoder=SimpleNamespace(batch_listeners=[]),
+    )
+    engine = SimpleNamespace(cache=SimpleNamespace(entries=0, nbytes=0), queue=queue, listeners=[])
+    return Metrics(engine), engine

@@ -37,17 +37,11 @@ def test_metrics_count_dflash_tokens():
     """``/metrics`` has a dflash counter from the start, and counts a generation's dflash tokens."""
     from types import SimpleNamespace
 
-    from mlx_redrafter.output import Tally
-    from mlx_redrafter.serve.metrics import Metrics
+    from helpers import engine_metrics
 
-    queue = SimpleNamespace(
-        status=lambda: {"waiting": 0, "running": 0, "active": 0},
-        step_listeners=[],
-        shed_listeners=[],
-        decoder=SimpleNamespace(batch_listeners=[]),
-    )
-    engine = SimpleNamespace(cache=SimpleNamespace(entries=0, nbytes=0), queue=queue, listeners=[])
-    m = Metrics(engine)
+    from mlx_redrafter.output import Tally
+
+    m, engine = engine_metrics()
     line = 'redrafter_draft_tokens_accepted_total{source="dflash"}'
     assert f"{line} 0.0" in m.text().decode()
     done = SimpleNamespace(

@@ -322,17 +322,11 @@ def test_the_summary_says_how_often_it_drafted_and_the_speed_against_plain():
 def test_metrics_count_governed_steps():
     from types import SimpleNamespace
 
-    from mlx_redrafter.output import Tally
-    from mlx_redrafter.serve.metrics import Metrics
+    from helpers import engine_metrics
 
-    queue = SimpleNamespace(
-        status=lambda: {"waiting": 0, "running": 0, "active": 0},
-        step_listeners=[],
-        shed_listeners=[],
-        decoder=SimpleNamespace(batch_listeners=[]),
-    )
-    engine = SimpleNamespace(cache=SimpleNamespace(entries=0, nbytes=0), queue=queue, listeners=[])
-    m = Metrics(engine)
+    from mlx_redrafter.output import Tally
+
+    m, engine = engine_metrics()
     assert 'redrafter_governed_steps_total{mode="plain"} 0.0' in m.text().decode()
     t = Tally()
     for r in _responses(["draft", "plain", "plain", "probe"]):
