@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -331,14 +332,26 @@ def chat_command(*args):
     return [sys.executable, "-m", "mlx_redrafter.cli", "chat", *args]
 
 
-def test_terminal_session(default_model, drafter_dir):
+@contextmanager
+def terminal_chat(*args, **spawn):
+    """``chat *args`` on a pseudo-terminal (pexpect; ``spawn``: more of its
+    options). Leaving the block sends Ctrl-D: the command must end with 0."""
     import pexpect  # a test dependency (.[test]): missing is an error, not a skip
 
-    cmd = chat_command("--drafter", str(drafter_dir), "-W", "2", "-L", "3", "--max-tokens", "16", "--show-drafts")
-    child = pexpect.spawn(
-        cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT, dimensions=(40, 240)
-    )
+    cmd = chat_command(*args)
+    child = pexpect.spawn(cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT, **spawn)
     try:
+        yield child
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+
+
+def test_terminal_session(default_model, drafter_dir):
+    args = ("--drafter", str(drafter_dir), "-W", "2", "-L", "3", "--max-tokens", "16", "--show-drafts")
+    with terminal_chat(*args, dimensions=(40, 240)) as child:
         child.expect_exact(">>> ")
         child.sendline("What is 2+2?")
         child.expect(r"\d+ tokens, [\d.]+ tok/s, [\d.]+ tokens/step, \d+% from drafts")
@@ -375,11 +388,6 @@ def test_terminal_session(default_model, drafter_dir):
         child.sendline("/stats")
         child.expect_exact("turns: 4 (1 interrupted")
         child.expect_exact(">>> ")
-        child.sendeof()
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-    assert child.exitstatus == 0, child.before
 
 
 def test_terminal_multi_line_messages(default_model, tmp_path):
@@ -388,13 +396,9 @@ def test_terminal_multi_line_messages(default_model, tmp_path):
     lines end in CR); /help names the way. Caught: each line was a turn of
     its own, one reply each (read_message returning the first line alone;
     no bracketed paste asked of the terminal)."""
-    import pexpect
-
     model, tok = default_model
-    cmd = chat_command("--no-draft", "--max-tokens", "4", "--no-history")
-    child = pexpect.spawn(cmd[0], cmd[1:], env=dict(os.environ), encoding="utf-8", timeout=TIMEOUT)
     status = r"\d+ tokens, [\d.]+ tok/s"
-    try:
+    with terminal_chat("--no-draft", "--max-tokens", "4", "--no-history") as child:
         child.expect_exact('open and close them with """')  # the greeting names the way in
         child.expect_exact(">>> ")
         child.sendline('"""')
@@ -416,11 +420,6 @@ def test_terminal_multi_line_messages(default_model, tmp_path):
         child.sendline(f"/save {tmp_path / 'c.json'}")
         child.expect_exact("Saved 2 turns")
         child.expect_exact(">>> ")
-        child.sendeof()
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
-    assert child.exitstatus == 0, child.before
     messages = json.loads((tmp_path / "c.json").read_text())["messages"]
     users = [m["content"] for m in messages if m["role"] == "user"]
     assert users == ["Name a colour.\nThen a fruit.", "Name a city.\nThen a river."]
