@@ -44,8 +44,10 @@ def after_read_steps(
     prompt_ids = host_read(prompt)
     gen = Generation(model, cache, plan, sampling, list(history) + prompt_ids, grammar=grammar)
     gen.laps = Laps(timings)
-    run = _AfterRead(gen, plan.tree.packed or grammar is not None)
-    run.ahead_ok = grammar is None and not timings and holes_fit(model, cache)
+    # Plain steps may run a step ahead where nothing reads each one (a grammar's masks,
+    # timings' syncs) and the last can be dropped from the cache (no sliding window).
+    ahead_ok = grammar is None and not timings and holes_fit(model, cache)
+    run = _AfterRead(gen, plan.tree.packed or grammar is not None, ahead_ok)
     try:
         out = run.first(prompt, prompt_ids)
         yield out
@@ -63,9 +65,9 @@ class _AfterRead:
     and the next step's candidates. ``host``: every row reaches the host
     before the tree is built (a packed tree, a grammar's masks)."""
 
-    def __init__(self, gen: Generation, host: bool):
+    def __init__(self, gen: Generation, host: bool, ahead_ok: bool):
         self.gen, self.host, self.step_no, self.syncs = gen, host, 0, 0
-        self.ahead_ok = False  # plain steps may be queued a step ahead (no grammar, no timings, a trimmable cache)
+        self.ahead_ok = ahead_ok  # plain steps may be queued a step ahead
         self.queued = None  # (token, hidden): the next plain step's forward, queued before this one was read
         self.before: list = []  # the recurrent states before it (put back if it is never read)
 

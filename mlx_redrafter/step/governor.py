@@ -32,9 +32,9 @@ What was learned carries over (:meth:`Governor.to_dict`,
 plan): the next chat turn, server request or run starts with the arm that
 won, its rates as priors worth one step each.
 
-:class:`Tally` counts what happened for the summaries, ``/stats`` and
-``/metrics``: steps drafted, steps plain (drafting did not pay), probes.
-Everything here is host numbers; nothing reads the device.
+Each step's stats say what it ran (:func:`mode_of`), which the summaries,
+``/stats`` and ``/metrics`` count (output.py ``Tally``). Everything here is
+host numbers; nothing reads the device.
 """
 
 from __future__ import annotations
@@ -113,37 +113,10 @@ class _Parked:
     out: int = 0  # steps out since the last probe
 
 
-@dataclass
-class Tally:
-    """What the governor decided, step by step (host counts)."""
-
-    drafted: int = 0  # steps that ran an arm with sources (their own choice)
-    plain: int = 0  # steps of plain decoding because drafting did not pay
-    probes: int = 0  # steps that ran an arm to measure it
-    plain_rate: float = 0.0  # tokens per second of plain decoding, as measured (0: not yet)
-    best: str = ""  # the arm that won last
-
-    def merge(self, other: "Tally") -> None:
-        self.drafted += other.drafted
-        self.plain += other.plain
-        self.probes += other.probes
-        self.plain_rate = other.plain_rate or self.plain_rate
-        self.best = other.best or self.best
-
-    @property
-    def steps(self) -> int:
-        return self.drafted + self.plain + self.probes
-
-    def summary(self) -> str:
-        """One phrase: how often the step drafted and why it did not."""
-        if not self.steps:
-            return ""
-        words = f"drafted {self.drafted} of {self.steps} steps"
-        if self.plain:
-            words += f", {self.plain} plain (drafting did not pay)"
-        if self.probes:
-            words += f", {self.probes} measuring"
-        return words
+def mode_of(arm: Arm, probing: bool) -> str:
+    """A governed step's ``StepStats.mode``: "probe" (measuring an arm),
+    "draft" (its sources chosen on their merits) or "plain" (none paid)."""
+    return "probe" if probing else ("draft" if arm else "plain")
 
 
 class Governor:
@@ -171,14 +144,13 @@ class Governor:
         self.probe_measured = 0  # steps the running probe measured
         self.chosen: Optional[Arm] = None  # the arm the last choose() gave
         self.prev: Optional[Arm] = None  # the arm of the last step ran
-        self.tally = Tally()
 
     # ------------------------------------------------------------------ deciding
 
-    def gain(self, arm: Arm) -> float:
-        """An arm's measured rate over plain decoding's (0: unknown)."""
-        plain = self.rates[PLAIN].per_second
-        return self.rates[arm].per_second / plain if plain > 0 else 0.0
+    @property
+    def plain_rate(self) -> float:
+        """Tokens per second of plain decoding, as measured (0: not yet)."""
+        return self.rates[PLAIN].per_second
 
     def choose(self) -> Tuple[Arm, bool]:
         """``(arm, probing)`` for the next step."""
@@ -219,7 +191,6 @@ class Governor:
         if best != self.best:
             self.best = best
             self.parked[best] = _Parked()  # chosen on its merits: its next wait starts over
-        self.tally.best = arm_name(self.best)
 
     # ------------------------------------------------------------------ hearing
 
@@ -235,14 +206,6 @@ class Governor:
                 if self.probe_measured >= 2 and self._far(arm):  # far behind: no need to measure on
                     self.probe_left = 0
                     self.rates[arm].samples = max(self.rates[arm].samples, MIN_SAMPLES)
-        t = self.tally
-        if probing:
-            t.probes += 1
-        elif arm:
-            t.drafted += 1
-        else:
-            t.plain += 1
-        t.plain_rate = self.rates[PLAIN].per_second
 
     # ------------------------------------------------------------------ keeping it
 
@@ -279,7 +242,6 @@ class Governor:
             wait = max(int(got.get("wait", PROBE_AFTER)), PROBE_AFTER)
             self.parked[arm].wait = min(wait, RESTORED_WAIT if close else MAX_WAIT)
         self.best = by_name.get(data.get("best"), self.best)
-        self.tally.best = arm_name(self.best)
 
 
-__all__ = ["Arm", "Governor", "PLAIN", "Rate", "Tally", "arm_name", "arms_of"]
+__all__ = ["Arm", "Governor", "PLAIN", "Rate", "arm_name", "arms_of", "mode_of"]

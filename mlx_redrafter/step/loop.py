@@ -48,7 +48,7 @@ from ..llm.recurrent import cache_length, recurrent_states, restore_states, take
 from .accept import Accepted, sample_first
 from .build import Built, Candidates, accept, build
 from .drafts import Drafts, columns, fused_layers, source_names  # noqa: F401  (columns: re-exported)
-from .governor import Governor
+from .governor import Governor, mode_of
 from .keep import kept, live_key, opened
 from .live_cost import LiveCost
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
@@ -142,8 +142,7 @@ class Generation:
             self.auto.timed(size, seconds, sorted(arm or ()))
         if self.governor is not None and arm is not None:
             self.governor.ran(arm, len(out.tokens), seconds, probing)
-            out.stats.mode = "probe" if probing else ("draft" if arm else "plain")
-            out.stats.plain_rate = self.governor.tally.plain_rate
+            out.stats.mode, out.stats.plain_rate = mode_of(arm, probing), self.governor.plain_rate
         return out
 
     def close(self) -> None:
