@@ -96,7 +96,7 @@ class Tally:
             self.steps += 1
             self.tree_tokens += r.stats.tree_size
             self._step = r.stats.step
-            mode = getattr(r.stats, "mode", "")
+            mode = r.stats.mode
             if mode:
                 self.modes[mode] = self.modes.get(mode, 0) + 1
                 self.plain_rate = r.stats.plain_rate or self.plain_rate
