@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from ..config import TREES, DraftConfig
+from ..config import DraftConfig
 from ..errors import RedrafterError
 from .source import STATES
 
@@ -164,8 +164,7 @@ def make_plan(
 
 def _checked(model, draft: DraftConfig) -> list:
     """The request's sources, each checked, the controller given to the one drafter it decides for."""
-    if draft.tree not in TREES:
-        raise RedrafterError(f"Unknown tree {draft.tree!r}.", "Use tree='auto' or tree='fixed' (--tree auto|fixed).")
+    draft.check()  # the request's own fields (the tree)
     sources = request_sources(draft)
     for s in sources:
         s.check(model)
