@@ -4,8 +4,8 @@ generation from ever being slower than plain decoding.
 A generation's sources can run in several ways, its **arms**: every source
 (the plan as asked), none (plain decoding), and every source but a costly
 one (a forward of its own: the ReDrafter head, an MTP or EAGLE-3 head, a
-draft model), so that lookup can draft without an MTP head that does not pay. The :class:`Governor` measures each
-arm's throughput live, tokens per second over this run's own steps, and runs
+draft model), so that lookup can draft without an MTP head that does not
+pay. The :class:`Governor` measures each arm's throughput live, tokens per second over this run's own steps, and runs
 the best one; plain decoding is one of them. Nothing is assumed about the
 machine, the model or the source: a draft model that does not pay, an MTP
 head whose drafts are rejected, a host twice as slow, a long context, all
@@ -19,18 +19,20 @@ show in what the steps measure.
   for by :data:`PLAN_EDGE` more).
 * **Probes**: an arm left out cannot show that it pays again (a copy task
   late in a chat makes lookup pay), so after :data:`PROBE_AFTER` steps out
-  it runs for :data:`PROBE_STEPS` steps; each probe doubles its next wait (up
-  to :data:`MAX_WAIT`; an arm far behind, :data:`FAR`, is probed shorter
-  and its wait quadruples), and once chosen on its merits its wait starts over.
-  Ollama's MLX runner and oMLX park speculation the same way.
+  it runs for up to :data:`PROBE_STEPS` steps (fewer once its steps tell
+  it apart from the best, :data:`SURE`ly); each probe doubles its next wait (up to
+  :data:`MAX_WAIT`; an arm far behind, :data:`FAR`, waits four times longer),
+  and once chosen on its merits its wait starts over. Ollama's MLX runner
+  and oMLX park speculation the same way.
 * **Forgetting**: a measurement counts :data:`FORGET` times less each step
   after it, so a machine that slows down, or a context that grows, moves the
-  rates within a few dozen steps.
+  rates within a few dozen steps (a parked arm's, at most :data:`PROBE_AFTER`
+  steps' worth between two probes: they add up).
 
 What was learned carries over (:meth:`Governor.to_dict`,
 :meth:`Governor.restore`; step/keep.py keeps it per model, dtype, device and
 plan): the next chat turn, server request or run starts with the arm that
-won, its rates as priors worth one step each.
+won and its measurements, forgotten as the new steps come.
 
 Each step's stats say what it ran (:func:`mode_of`), which the summaries,
 ``/stats`` and ``/metrics`` count (output.py ``Tally``). Everything here is
@@ -56,11 +58,18 @@ HYSTERESIS = 1.02  # another arm must beat the running one by this factor to rep
 # hardly, so near a tie the few steps a probe measures favour plain decoding
 # by chance more often than not; what the user asked for keeps a small edge.
 PLAN_EDGE = 1.05
-MIN_SAMPLES = 4  # measured steps before an arm's rate is trusted (a probe's middle four)
-PRIOR_WEIGHT = 1.0  # steps a reloaded rate is worth
-# An arm below this share of the best's rate is far behind: its probe ends after
-# two measured steps, its next wait is four times longer (not twice), and a new
-# generation keeps its wait.
+# A probe ends early, or an arm is called far behind (probed less), only this
+# sure: two unlucky drafting steps (1 token each) must not park an arm for long.
+SURE = 2.0
+# A pseudo-step's relative variance, so that a rate from a few alike steps is
+# not taken for certain: a drafting step's tokens swing (1 to several), a plain
+# step's time hardly.
+DRAFT_SPREAD, PLAIN_SPREAD = 0.5, 0.01
+PRIOR_STEPS = 3  # steps the pseudo-step's spread is worth
+MIN_SAMPLES = 2  # measured steps before an arm's rate is trusted
+# An arm below this share of the best's rate (even by its rate's upper bound)
+# is far behind: its next wait is four times longer (not twice), and a new
+# generation neither measures it first nor shortens its wait.
 FAR = 0.8
 RESTORED_WAIT = PROBE_AFTER  # a generation is a new text: every arm left out is measured again soon
 
@@ -90,21 +99,56 @@ def arms_of(names: Sequence[str], costly: Optional[Sequence[str]] = None) -> Lis
 
 @dataclass
 class Rate:
-    """One arm's measured tokens and seconds, each forgotten by :data:`FORGET` per step."""
+    """One arm's measured steps, each forgotten by :data:`FORGET` per step:
+    their tokens and seconds (the rate) and how much the rate may be off
+    (a drafting step's tokens swing with the text, a plain step's never)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
+    weight: float = 0.0  # the steps' summed weights
+    weight2: float = 0.0  # ... and squared weights (how many steps the rate is worth: weight**2 / weight2)
+    tt: float = 0.0  # weighted sums of tokens**2, tokens*seconds, seconds**2 (the spread)
+    ts: float = 0.0
+    ss: float = 0.0
     samples: int = 0  # measured steps (not forgotten)
     at: int = 0  # the step of the last measurement
+    prior: float = DRAFT_SPREAD  # the pseudo-step's relative variance
 
     def add(self, step: int, tokens: int, seconds: float) -> None:
-        decay = FORGET ** max(step - self.at, 0)
-        self.tokens, self.seconds = self.tokens * decay + tokens, self.seconds * decay + seconds
+        d = self.aged(step)
+        self.tokens, self.seconds = self.tokens * d + tokens, self.seconds * d + seconds
+        self.weight, self.weight2 = self.weight * d + 1.0, self.weight2 * d * d + 1.0
+        self.tt, self.ts, self.ss = self.tt * d + tokens**2, self.ts * d + tokens * seconds, self.ss * d + seconds**2
         self.samples, self.at = self.samples + 1, step
+
+    def aged(self, step: int) -> float:
+        """What the measurements count at ``step``: :data:`FORGET` per step
+        since the last, at most :data:`PROBE_AFTER` steps (an arm parked
+        learns nothing: what its next probe measures adds to what the earlier
+        ones did, so that a lead shows after a few probes)."""
+        return FORGET ** min(max(step - self.at, 0), PROBE_AFTER)
 
     @property
     def per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def error(self) -> float:
+        """The rate's standard error (tokens per second; the ratio estimator's):
+        the steps' spread around the rate over how many steps it is worth,
+        with a pseudo-step of spread ``prior`` so that a few alike steps are
+        not taken for certain."""
+        if self.weight <= 0 or self.seconds <= 0:
+            return float("inf")
+        r = self.per_second
+        squares = max(self.tt - 2 * r * self.ts + r * r * self.ss, 0.0)  # of tokens - rate * seconds
+        spread = squares * self.weight / self.tokens**2  # relative variance of one step
+        spread = (spread * self.weight + self.prior * PRIOR_STEPS) / (self.weight + PRIOR_STEPS)
+        return r * (spread * self.weight2 / self.weight**2) ** 0.5
+
+
+def _rate(arm: Arm, *sums) -> Rate:
+    return Rate(*sums, prior=DRAFT_SPREAD if arm else PLAIN_SPREAD)
 
 
 @dataclass
@@ -134,7 +178,7 @@ class Governor:
         self.arms = arms_of(self.names, costly)
         if starts_plain:  # a prior says no draft pays here: plain runs first, the others are measured after
             self.arms.insert(0, self.arms.pop(self.arms.index(PLAIN)))
-        self.rates: Dict[Arm, Rate] = {a: Rate() for a in self.arms}
+        self.rates: Dict[Arm, Rate] = {a: _rate(a) for a in self.arms}
         self.parked: Dict[Arm, _Parked] = {a: _Parked() for a in self.arms}
         self.best: Arm = self.arms[0]
         self.plan: Arm = self.arms[0]  # the arm asked for (plain where a stored curve says no draft pays)
@@ -179,8 +223,15 @@ class Governor:
         return arm, True
 
     def _far(self, arm: Arm) -> bool:
-        """Whether ``arm`` is far behind the best (a draft model that does not pay): probed less."""
-        return self.rates[arm].per_second < FAR * self.rates[self.best].per_second
+        """Whether ``arm`` is far behind the best (a draft model that does not
+        pay), even by its rate's upper bound: probed less."""
+        rate, best = self.rates[arm], self.rates[self.best]
+        return rate.per_second + SURE * min(rate.error, rate.per_second) < FAR * best.per_second
+
+    def _beats(self, arm: Arm, other: Arm) -> bool:
+        """Whether ``arm``'s rate is above ``other``'s by :data:`SURE` standard errors of the difference."""
+        a, b = self.rates[arm], self.rates[other]
+        return a.per_second - b.per_second > SURE * (a.error**2 + b.error**2) ** 0.5
 
     def _rank(self) -> None:
         def score(a: Arm) -> float:
@@ -189,8 +240,10 @@ class Governor:
 
         best = max(self.arms, key=score)
         if best != self.best:
-            self.best = best
+            left, self.best = self.best, best
             self.parked[best] = _Parked()  # chosen on its merits: its next wait starts over
+            if self._far(left):  # left far behind (the plan's first steps, a draft model): probed less
+                self.parked[left] = _Parked(wait=4 * PROBE_AFTER)
 
     # ------------------------------------------------------------------ hearing
 
@@ -203,43 +256,49 @@ class Governor:
             self.rates[arm].add(self.step, tokens, seconds)
             if probing and arm == self.probe and arm != self.best:
                 self.probe_measured += 1
-                if self.probe_measured >= 2 and self._far(arm):  # far behind: no need to measure on
+                decided = self._beats(arm, self.best) or self._beats(self.best, arm)
+                if self.probe_measured >= 2 and decided:  # the steps already tell: no need to measure on
                     self.probe_left = 0
                     self.rates[arm].samples = max(self.rates[arm].samples, MIN_SAMPLES)
 
     # ------------------------------------------------------------------ keeping it
 
     def to_dict(self) -> dict:
-        """The rates (tokens and seconds per step), the waits and the best arm."""
+        """Each measured arm's sums (forgotten up to now), samples and wait, and the best arm."""
         arms = {}
         for a in self.arms:
             r, p = self.rates[a], self.parked[a]
-            if r.samples:
-                step_s = r.seconds / max(r.tokens, 1e-9)
-                arms[arm_name(a)] = {"seconds_per_token": step_s, "samples": r.samples, "wait": p.wait}
+            if r.samples and r.seconds > 0:
+                d = r.aged(self.step)
+                sums = [r.tokens * d, r.seconds * d, r.weight * d, r.weight2 * d * d, r.tt * d, r.ts * d, r.ss * d]
+                arms[arm_name(a)] = {"sums": sums, "samples": r.samples, "wait": p.wait}
         return {"names": list(self.names), "best": arm_name(self.best), "arms": arms}
 
     def restore(self, data: dict) -> None:
         """Start from what an earlier generation learned: its best arm, its
-        waits, and its rates as priors worth :data:`PRIOR_WEIGHT` steps (the
-        plan's arm measured again first: a new text drafts differently)."""
+        waits and its measurements, forgotten as this generation's steps come
+        (the plan's arm, unless far behind, measured again first: a new text
+        drafts differently)."""
         if not data or sorted(data.get("names", [])) != sorted(self.names):
             return
         by_name = {arm_name(a): a for a in self.arms}
-        saved = {by_name[n]: g for n, g in (data.get("arms") or {}).items() if n in by_name}
-        saved = {a: g for a, g in saved.items() if float(g.get("seconds_per_token", 0.0)) > 0}
-        best = max((1.0 / float(g["seconds_per_token"]) for g in saved.values()), default=0.0)
-        for arm, got in saved.items():
-            spt = float(got["seconds_per_token"])
-            close = 1.0 / spt >= FAR * best  # within reach of the best: this text may decide otherwise
-            # The plan's arm is measured again on this text first (a draft's rate is the text's: a
-            # prompt that repeats a document makes lookup pay); the others start known, their
-            # rates priors until their next probe.
-            known = 0 if arm == self.plan else MIN_SAMPLES
-            self.rates[arm] = Rate(PRIOR_WEIGHT, PRIOR_WEIGHT * spt, known, 0)
+        for name, got in (data.get("arms") or {}).items():
+            sums = got.get("sums") if name in by_name else None
+            if not isinstance(sums, list) or len(sums) != 7 or not float(sums[1]) > 0:  # another version's
+                continue
+            arm = by_name[name]
+            self.rates[arm] = _rate(arm, *map(float, sums), int(got.get("samples", 0)), 0)
+        best = max((r.per_second for r in self.rates.values()), default=0.0)
+        for arm, rate in self.rates.items():
+            if not rate.samples:
+                continue
+            close = rate.per_second >= FAR * best  # within reach of the best: this text may decide otherwise
+            # The plan's arm, when close, is measured again on this text first (a draft's rate is
+            # the text's: a prompt that repeats a document makes lookup pay).
+            rate.samples = 0 if arm == self.plan and close else max(rate.samples, MIN_SAMPLES)
             # A new generation is a new text: an arm that was close is probed again within
             # RESTORED_WAIT steps; one far behind keeps its wait.
-            wait = max(int(got.get("wait", PROBE_AFTER)), PROBE_AFTER)
+            wait = max(int((data["arms"][arm_name(arm)]).get("wait", PROBE_AFTER)), PROBE_AFTER)
             self.parked[arm].wait = min(wait, RESTORED_WAIT if close else MAX_WAIT)
         self.best = by_name.get(data.get("best"), self.best)
 
