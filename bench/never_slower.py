@@ -11,7 +11,11 @@ that drift hits all alike:
 * ``governed``: ``mlx_redrafter.stream_generate`` with the defaults (the
   shipped drafter, lookup, the live choice of step/governor.py);
 * ``always``: the same with ``always_draft=True`` (every step drafts: what the
-  defaults did before the live choice).
+  defaults did before the live choice);
+* ``arm:<sources>``: the defaults with the governor pinned to one of its
+  other arms (every source but a costly one: ``arm:lookup`` is lookup alone),
+  every step: the other fixed settings, so that "the best fixed setting" is
+  the best of ``plain``, ``always`` and these.
 
 Conditions: ``default`` (the default model, MT-Bench first turns), ``q4``
 (the same model quantized to 4 bits in memory), ``draft-model`` (the default
@@ -36,7 +40,9 @@ import copy
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -54,6 +60,69 @@ def _tokens_per_second(gen) -> tuple:
     for _ in it:
         n += 1
     return n, time.perf_counter() - tic
+
+
+@contextmanager
+def pinned(name: Optional[str]):
+    """The governor runs arm ``name`` every step (``None``: as it chooses)."""
+    from mlx_redrafter.step import governor
+
+    if name is None:
+        yield
+        return
+
+    def fixed(self):
+        self.step += 1
+        self.chosen = next(a for a in self.arms if governor.arm_name(a) == name)
+        return self.chosen, False
+
+    from mlx_redrafter.step import loop
+
+    # A pinned run neither reads nor keeps the live state: the governed mode's stays its own.
+    saved = governor.Governor.choose, loop.opened, loop.kept
+    governor.Governor.choose, loop.opened, loop.kept = fixed, lambda key: None, lambda key, state: None
+    try:
+        yield
+    finally:
+        governor.Governor.choose, loop.opened, loop.kept = saved
+
+
+def arms_of_plan(run) -> List[str]:
+    """The governor's arms (names) when ``run()`` opens a governed generation."""
+    from mlx_redrafter.step import governor
+
+    seen, init = [], governor.Governor.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        seen.append([governor.arm_name(x) for x in self.arms])
+
+    governor.Governor.__init__ = spy
+    try:
+        run()
+    finally:
+        governor.Governor.__init__ = init
+    return seen[0][2:] if seen else []  # past the plan's arm and plain
+
+
+def measure(modes: dict, prompts, count) -> dict:
+    """Each mode on each prompt, the order rotating per prompt; tokens per second and ratios to plain."""
+    totals = {m: [0, 0.0] for m in modes}
+    names = list(modes)
+    for i, p in enumerate(prompts):
+        k = i % len(names)
+        for m in names[k:] + names[:k]:
+            run, arm = modes[m]
+            with pinned(arm):
+                n, s = count(run(p))
+            totals[m][0] += n
+            totals[m][1] += s
+    tps = {m: n / s for m, (n, s) in totals.items()}
+    return {
+        "tokens_per_second": tps,
+        "ratio": {m: tps[m] / tps["plain"] for m in modes},
+        "tokens": {m: totals[m][0] for m in modes},
+    }
 
 
 def run_condition(name: str, prompts, model, tokenizer, max_tokens: int) -> dict:
@@ -77,26 +146,19 @@ def run_condition(name: str, prompts, model, tokenizer, max_tokens: int) -> dict
             filler += p
         prompts = [(filler * 20)[: LONG[name]] + p for p in prompts]
 
+    def governed(p, always=False):
+        return stream_generate(model, tokenizer, p, max_tokens=max_tokens, always_draft=always, **extra)
+
     modes = {
-        "plain": lambda p: mlx_lm.stream_generate(model, tokenizer, p, max_tokens=max_tokens),
-        "governed": lambda p: stream_generate(model, tokenizer, p, max_tokens=max_tokens, always_draft=False, **extra),
-        "always": lambda p: stream_generate(model, tokenizer, p, max_tokens=max_tokens, always_draft=True, **extra),
+        "plain": (lambda p: mlx_lm.stream_generate(model, tokenizer, p, max_tokens=max_tokens), None),
+        "governed": (governed, None),
+        "always": (lambda p: governed(p, True), None),
     }
-    _tokens_per_second(modes["plain"](prompts[0]))  # warm up
-    totals = {m: [0, 0.0] for m in modes}
-    names = list(modes)
-    for i, p in enumerate(prompts):
-        for m in names[i % 3 :] + names[: i % 3]:
-            n, s = _tokens_per_second(modes[m](p))
-            totals[m][0] += n
-            totals[m][1] += s
-    tps = {m: n / s for m, (n, s) in totals.items()}
-    return {
-        "condition": name,
-        "tokens_per_second": tps,
-        "ratio": {m: tps[m] / tps["plain"] for m in modes},
-        "tokens": {m: totals[m][0] for m in modes},
-    }
+    for arm in arms_of_plan(lambda: _tokens_per_second(governed(prompts[0]))):
+        modes[f"arm:{arm}"] = (governed, arm)
+    _tokens_per_second(modes["plain"][0](prompts[0]))  # warm up
+    _clear_state()
+    return {"condition": name, **measure(modes, prompts, _tokens_per_second)}
 
 
 def _count(steps, n: int) -> tuple:
@@ -137,25 +199,25 @@ def run_qwen35_mtp(num_prompts: int, max_tokens: int) -> dict:
         )
 
     modes = {
-        "plain": lambda p: generate_step(p, model, max_tokens=max_tokens),
-        "governed": drafted(False),
-        "always": drafted(True),
+        "plain": (lambda p: generate_step(p, model, max_tokens=max_tokens), None),
+        "governed": (drafted(False), None),
+        "always": (drafted(True), None),
     }
-    _count(modes["plain"](prompts[0]), 8)  # warm up
-    totals = {m: [0, 0.0] for m in modes}
-    names = list(modes)
-    for i, p in enumerate(prompts):
-        for m in names[i % 3 :] + names[: i % 3]:
-            n, sec = _count(modes[m](p), max_tokens)
-            totals[m][0] += n
-            totals[m][1] += sec
-    tps = {m: n / sec for m, (n, sec) in totals.items()}
-    return {
-        "condition": "qwen35-mtp",
-        "tokens_per_second": tps,
-        "ratio": {m: tps[m] / tps["plain"] for m in modes},
-        "tokens": {m: totals[m][0] for m in modes},
-    }
+    for arm in arms_of_plan(lambda: _count(drafted(False)(prompts[0]), 2)):
+        modes[f"arm:{arm}"] = (drafted(False), arm)
+    _count(modes["plain"][0](prompts[0]), 8)  # warm up
+    _clear_state()
+    return {"condition": "qwen35-mtp", **measure(modes, prompts, lambda steps: _count(steps, max_tokens))}
+
+
+def _clear_state() -> None:
+    """No live state in memory or on disk: the governed mode starts from nothing."""
+    from mlx_redrafter.files import cache_root
+    from mlx_redrafter.step import keep
+
+    keep._KEPT.clear()
+    for f in (cache_root() / "profiles").glob("live-*.json"):
+        f.unlink()
 
 
 def main(argv=None) -> int:
@@ -168,7 +230,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from mlx_redrafter import load_model
-    from mlx_redrafter.files import cache_root
     from mlx_redrafter.prompts import first_turn_ids, load_prompt_set
 
     names = args.conditions.split(",")
@@ -177,20 +238,18 @@ def main(argv=None) -> int:
         prompts = first_turn_ids(tokenizer, load_prompt_set("mt_bench")[: args.num_prompts])
     rows = []
     for name in names:
-        from mlx_redrafter.step import keep
-
-        keep._KEPT.clear()  # each condition starts from nothing: no state in memory, none on disk
-        for f in (cache_root() / "profiles").glob("live-*.json"):
-            f.unlink()
+        _clear_state()  # each condition starts from nothing
         if name == "qwen35-mtp":
             row = run_qwen35_mtp(args.num_prompts, args.max_tokens)
         else:
             row = run_condition(name, prompts, model, tokenizer, args.max_tokens)
         rows.append(row)
         r = row["ratio"]
+        best = max(v for m, v in r.items() if m != "governed")
+        others = " | ".join(f"{m} {v:.2f}x" for m, v in r.items() if m not in ("plain", "governed"))
         print(
             f"{name}: plain {row['tokens_per_second']['plain']:.1f} tok/s | governed {r['governed']:.2f}x | "
-            f"always drafting {r['always']:.2f}x",
+            f"{others} | governed / best fixed {r['governed'] / best:.2f}",
             flush=True,
         )
         mx.clear_cache()

@@ -114,6 +114,72 @@ def test_the_source_that_pays_drafts_alone():
     assert sum(a == frozenset(["lookup"]) for a in arms[100:]) > 0.9 * 300
 
 
+def test_lookup_measured_where_it_sat_out_is_chosen_without_waiting_for_a_probe():
+    """Plain decoding wins while lookup finds nothing; then the text turns
+    into a copy. What lookup would have drafted at the plain steps (step/
+    shadow.py) raises its rate at once: it runs long before its next probe."""
+    lookup = frozenset(["lookup"])
+    gov = Governor(["drafter", "lookup"], costly=["drafter"])
+    rates = {PLAIN: (1.0, 1.0), lookup: (1.0, 1.1), frozenset(["drafter", "lookup"]): (1.2, 1.6)}
+    simulate_tokens(gov, rates, 160)
+    assert gov.best == PLAIN and not gov.probe_left
+    wait = gov.parked[lookup].wait - gov.parked[lookup].out
+    arms = []
+    while len(arms) < 12 and lookup not in arms:  # a copy: lookup's row would be accepted whole
+        arm, probing = gov.choose()
+        arms.append(arm)
+        gov.ran(arm, 1, 1.0, probing)
+        gov.saw(lookup, 4)
+    assert arms[-1] == lookup and not gov.probe_left, arms  # chosen on its rate, not probed
+    assert len(arms) < wait, (arms, wait)
+    before = gov.rates[lookup].per_second
+    gov.saw(lookup, 1)  # lookup runs now: its own steps measure it, not the shadow
+    assert gov.rates[lookup].per_second == before
+
+
+class _Guesser:
+    """A proposer that guesses from the history, as lookup does: right at even steps, wrong at odd ones."""
+
+    shadow = True
+
+    def __init__(self, text, history):
+        self.text, self.history = text, history
+
+    def guess(self):
+        at = len(self.history)
+        return [self.text[at : at + 3] if at % 2 == 0 else [-1, -1, -1]]
+
+
+def test_the_shadow_checks_each_steps_rows_against_what_came_next():
+    from mlx_redrafter.step.shadow import Shadow
+
+    text = list(range(100, 140))
+    history = text[:4]
+    full, lookup = frozenset(["drafter", "lookup"]), frozenset(["lookup"])
+    shadow = Shadow(["drafter", "lookup"], [object(), _Guesser(text, history)], [full, PLAIN, lookup])
+    assert shadow.arms == [lookup]  # only the arms made of sources that can guess
+    got = []
+    for t in range(4, 20):  # plain steps: one token each
+        history.append(text[t])
+        got += shadow.emitted(history)
+    # Each step's guess settles once its row has been matched whole (1 + 3 tokens) or broken:
+    # the odd places' at the next token, the even ones' three tokens on (the last two still open).
+    assert sorted(k for _, k in got) == [1] * 8 + [4] * 6, got
+    assert all(arm == lookup for arm, _ in got)
+
+
+def test_a_governed_generation_measures_lookup_where_it_sat_out(costs, tiny):
+    """The loop hands the governor what lookup would have drafted at the
+    steps it sat out: the kept state says how many."""
+    model, p, _ = tiny
+    costs["fn"] = steep_step
+    draft = DraftConfig(OracleDrafter(model, p, N, 3), 2, 3, lookup=1, always_draft=False)
+    run_steps(model, p, draft, N)
+    (state,) = keep._KEPT.values()
+    seen = state["governor"]["arms"]["lookup"]["seen"]
+    assert seen[1] > 10, state
+
+
 def test_a_generation_that_stops_paying_stops_drafting_and_one_that_starts_starts():
     gov = Governor(["lookup"])
     # Drafting pays until step 150 (a copy task), then stops paying, then pays again from 600.

@@ -24,6 +24,10 @@ show in what the steps measure.
   :data:`MAX_WAIT`; an arm far behind, :data:`FAR`, waits four times longer),
   and once chosen on its merits its wait starts over. Ollama's MLX runner
   and oMLX park speculation the same way.
+* **Shadows**: an arm of host sources alone (lookup) is measured where it
+  sits out too (:meth:`Governor.saw`, step/shadow.py: its rows from the
+  history, checked against what the model emitted): its yield from every
+  step, its time from its own.
 * **Forgetting**: a measurement counts :data:`FORGET` times less each step
   after it, so a machine that slows down, or a context that grows, moves the
   rates within a few dozen steps (a parked arm's, at most :data:`PROBE_AFTER`
@@ -113,6 +117,12 @@ class Rate:
     samples: int = 0  # measured steps (not forgotten)
     at: int = 0  # the step of the last measurement
     prior: float = DRAFT_SPREAD  # the pseudo-step's relative variance
+    # Tokens its steps would have emitted where it sat out (step/shadow.py: lookup's rows checked
+    # against what came next), and those steps, forgotten by FORGET per step: its yield is
+    # then known from every step, its time per step from its own.
+    seen: float = 0.0
+    seen_steps: float = 0.0
+    seen_at: int = 0
 
     def add(self, step: int, tokens: int, seconds: float) -> None:
         d = self.aged(step)
@@ -128,9 +138,17 @@ class Rate:
         ones did, so that a lead shows after a few probes)."""
         return FORGET ** min(max(step - self.at, 0), PROBE_AFTER)
 
+    def saw(self, step: int, tokens: int) -> None:
+        """A step it sat out would have emitted ``tokens``."""
+        d = FORGET ** max(step - self.seen_at, 0)
+        self.seen, self.seen_steps, self.seen_at = self.seen * d + tokens, self.seen_steps * d + 1.0, step
+
     @property
     def per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Tokens per step (its own steps' and those it would have had) over its seconds per step."""
+        if self.seconds <= 0:
+            return 0.0
+        return (self.tokens + self.seen) / (self.weight + self.seen_steps) * self.weight / self.seconds
 
     @property
     def error(self) -> float:
@@ -247,6 +265,13 @@ class Governor:
 
     # ------------------------------------------------------------------ hearing
 
+    def saw(self, arm: Arm, tokens: int) -> None:
+        """A step that ``arm`` sat out: it would have emitted ``tokens``
+        (step/shadow.py). Counted while another arm runs: its own steps
+        measure it while it does."""
+        if arm != self.prev:
+            self.rates[arm].saw(self.step, tokens)
+
     def ran(self, arm: Arm, tokens: int, seconds: float, probing: bool = False) -> None:
         """A step of ``arm`` emitted ``tokens`` in ``seconds``. A step between
         two arms is not measured (its time mixes both arms' work)."""
@@ -271,7 +296,13 @@ class Governor:
             if r.samples and r.seconds > 0:
                 d = r.aged(self.step)
                 sums = [r.tokens * d, r.seconds * d, r.weight * d, r.weight2 * d * d, r.tt * d, r.ts * d, r.ss * d]
-                arms[arm_name(a)] = {"sums": sums, "samples": r.samples, "wait": p.wait}
+                seen = FORGET ** max(self.step - r.seen_at, 0)
+                arms[arm_name(a)] = {
+                    "sums": sums,
+                    "seen": [r.seen * seen, r.seen_steps * seen],
+                    "samples": r.samples,
+                    "wait": p.wait,
+                }
         return {"names": list(self.names), "best": arm_name(self.best), "arms": arms}
 
     def restore(self, data: dict) -> None:
@@ -287,7 +318,10 @@ class Governor:
             if not isinstance(sums, list) or len(sums) != 7 or not float(sums[1]) > 0:  # another version's
                 continue
             arm = by_name[name]
-            self.rates[arm] = _rate(arm, *map(float, sums), int(got.get("samples", 0)), 0)
+            self.rates[arm] = rate = _rate(arm, *map(float, sums), int(got.get("samples", 0)), 0)
+            seen = got.get("seen")
+            if isinstance(seen, list) and len(seen) == 2:
+                rate.seen, rate.seen_steps = map(float, seen)
         best = max((r.per_second for r in self.rates.values()), default=0.0)
         for arm, rate in self.rates.items():
             if not rate.samples:

@@ -52,6 +52,7 @@ from .governor import Governor, mode_of
 from .keep import kept, live_key, opened
 from .live_cost import LiveCost
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
+from .shadow import Shadow
 from .source import N_BUCKETS, TOKENS, At, Flight
 from .verify import install_tree_hooks, needs_hooks, tree_hooks
 
@@ -86,6 +87,7 @@ class Generation:
             sources, model, self.embed, hidden_size(model), list(history), self.auto is not None, sampling.greedy, ahead
         )
         self.governor = self._governor(model, plan) if plan.governed and plan.sources else None
+        self.shadow = None if self.governor is None else Shadow(self.names, self.drafts.proposers, self.governor.arms)
         size = target_size(model)
         keepers = [p for p in self.drafts.proposers if p.make_cache is not None]
         if keepers:
@@ -132,6 +134,9 @@ class Generation:
         if self.auto is not None:
             self.auto.advance(len(tokens))
         self.drafts.emitted(tokens)
+        if self.shadow is not None:
+            for arm, k in self.shadow.emitted(self.drafts.history):
+                self.governor.saw(arm, k)
 
     def timed(self, out: StepTokens, size: int, arm=None, probing: bool = False) -> StepTokens:
         """A step of ``size`` tokens, run with ``arm``, emitted ``out`` in its

@@ -179,6 +179,7 @@ class HostProposer(Proposer):
     ``P - extra`` (all of it when the step in flight accepts every draft)."""
 
     label, prior, copies = "host", None, False
+    shadow = False  # True: guess() gives its rows from the history alone, at no cost (step/shadow.py)
 
     def rows_after(self, at: At, extra: int) -> Optional[Tuple[List[List[int]], List[float]]]:
         """``(rows, scores)`` continuing ``at.history`` (lists of token ids; a

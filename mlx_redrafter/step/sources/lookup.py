@@ -63,6 +63,7 @@ class LookupSource(Source):
 
 class LookupProposer(HostProposer):
     label, prior, copies = "lookup", PRIOR, True
+    shadow = True  # its rows come from the history alone: step/shadow.py asks for them when it sits out
 
     def __init__(self, source: LookupSource, setting: Setting):
         self.s = source
@@ -73,6 +74,10 @@ class LookupProposer(HostProposer):
     def rows_after(self, at, extra: int):
         rows = self.index.propose(self.s.length + extra, self.s.count)
         return rows, list(self.index.matched)
+
+    def guess(self) -> List[List[int]]:
+        """The rows it would propose after the history read so far (step/shadow.py)."""
+        return self.index.propose(self.s.length, self.s.count)
 
     def propose(self, at) -> Optional[Rows]:
         fresh, flight = self.fresh, at.flight
