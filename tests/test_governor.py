@@ -17,6 +17,7 @@ ranked by the lowest rate (the steep and flat tests).
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import OracleDrafter, prompts, run_steps, tiny_model
@@ -485,3 +486,29 @@ def test_plain_steps_queued_ahead_on_a_hybrid_leave_plain_decodings_cache(costs)
         assert got == generate_tokens(model, p, max_tokens=len(got))[0]
         assert [s.mode for s in stats[-3:]] == ["plain"] * 3
         check_caches(model, p, cache, got, "governed hybrid, read then build")
+
+
+def test_a_plain_step_queued_ahead_is_read_without_a_new_op(costs, tiny, monkeypatch):
+    """Read, then build, plain decoding chosen: with the next step queued, the
+    read of this one is of an array already evaluated (one flat int32 array):
+    a new op there (a concatenation of a scalar token) would wait behind the
+    queued step, and the device would idle while the host builds the next (a
+    tenth of plain decoding's speed on this CPU, bench/RESULTS.md §36)."""
+    from mlx_redrafter.step import after_read
+
+    model, p, ref = tiny
+    costs["fn"] = steep_step
+    reads = []
+    real = after_read.host_read
+
+    def spy(*arrays):
+        reads.append(len(arrays) == 1 and arrays[0].ndim == 1 and arrays[0].dtype == mx.int32)
+        return real(*arrays)
+
+    monkeypatch.setattr(after_read, "host_read", spy)
+    draft = DraftConfig(OracleDrafter(model, p, N, 3), 2, 3, pipelined=False, always_draft=False)
+    got, stats, _ = run_steps(model, p, draft, N)
+    assert got == ref
+    modes = [s.mode for s in stats[1:]]
+    assert modes.count("plain") > 20
+    assert sum(reads) >= modes.count("plain") - 2 * PROBE_STEPS, (reads, modes)

@@ -68,7 +68,7 @@ class _AfterRead:
     def __init__(self, gen: Generation, host: bool, ahead_ok: bool):
         self.gen, self.host, self.step_no, self.syncs = gen, host, 0, 0
         self.ahead_ok = ahead_ok  # plain steps may be queued a step ahead
-        self.queued = None  # (token, hidden): the next plain step's forward, queued before this one was read
+        self.queued = None  # (token, hidden, flat token): the next plain step, queued before this one was read
         self.before: list = []  # the recurrent states before it (put back if it is never read)
 
     def first(self, prompt: mx.array, prompt_ids: List[int]) -> StepTokens:
@@ -144,17 +144,19 @@ class _AfterRead:
         to catch up on when they next draft."""
         gen, drafts = self.gen, self.gen.drafts
         self.step_no, tic = self.step_no + 1, time.perf_counter()
-        token, hidden = self.queued if self.queued is not None else self._forward(self.g0)
+        token, hidden, flat = self.queued if self.queued is not None else self._forward(self.g0)
         self.queued = None
         (arm, probing), self.arm = self.arm, gen.next_arm()
         early = []
         if self.ahead_ok and self.arm[0] == PLAIN:
             self.before = recurrent_states(gen.cache)
             self.queued = self._forward(token)
-            mx.async_eval(self.queued[0])
+            mx.async_eval(self.queued[2])
         else:  # the next step drafts: its early sources propose now, read with this step
             early = drafts.early_reads(token, hidden[-1], self.host)
-        vals = host_read(token, *early)
+        # The token's own flat array, evaluated with its step: a new op on it here would
+        # wait behind the step queued above, and the device would idle while the host builds.
+        vals = host_read(flat, *early)
         self.syncs += 1 + drafts.reads()
         if drafts.stateful:
             drafts.entered([self.g0_val], hidden)
@@ -164,10 +166,12 @@ class _AfterRead:
         return gen.timed(out, 1, arm, probing)
 
     def _forward(self, g0: mx.array):
-        """``(next token, hidden [1, F])`` of ``g0`` through the model's own call (lazy)."""
+        """``(next token, hidden [1, F], the token as a flat int32 [1])`` of
+        ``g0`` through the model's own call (lazy)."""
         gen = self.gen
         hidden = gen.backbone(g0.reshape(1, 1), cache=gen.cache)[0]
-        return sample_first(gen.lm_head(hidden)[0], gen.sampling), hidden
+        token = sample_first(gen.lm_head(hidden)[0], gen.sampling)
+        return token, hidden, token.reshape(1)
 
     def close(self) -> None:
         """The loop ends: a plain step queued and never read is undone."""
