@@ -242,14 +242,33 @@ def test_two_unlucky_steps_do_not_park_an_arm():
         assert (lengths < PROBE_STEPS) == far, (tokens, lengths)
 
 
+def test_a_probe_is_compared_with_the_fastest_arm_measured_not_the_plans():
+    """A draft model's plan (five arms): while every arm is measured the
+    first time, the plan's own arm is itself far behind. A probe of another
+    slow arm ends after two measured steps against plain decoding, the
+    fastest measured, not after all six against the plan's arm."""
+    full, slow = frozenset(["dm", "drafter", "lookup"]), frozenset(["dm", "lookup"])
+    steps = {full: (2, 4.0), PLAIN: (1, 1.0), frozenset(["drafter", "lookup"]): (2, 2.0), slow: (1, 2.5)}
+    steps[frozenset(["lookup"])] = (1, 1.0)
+    gov = Governor(["dm", "drafter", "lookup"], costly=["dm", "drafter"])
+    arms = []
+    for _ in range(40):
+        arm, probing = gov.choose()
+        gov.ran(arm, *steps[arm], probing)
+        arms.append(arm)
+    assert arms[:3] == [full] * 3 and slow in arms
+    assert arms.count(slow) == 3, [arm_name(a) for a in arms]  # a first step, then two measured
+
+
 def test_an_arm_far_behind_is_probed_shorter_and_less_often():
     """A draft model at half plain's speed: each probe ends after two measured
-    steps, and once its steps make it surely far behind, the waits quadruple."""
+    steps, and once its steps make it surely far behind, the waits quadruple
+    (its first measurement included)."""
     gov = Governor(["draft-model"])
     runs = drafting_runs(simulate(gov, lambda arm, t: 100.0 if not arm else 50.0, 3000))
     assert all(n <= 3 for _, n in runs), runs  # a first step, then two measured
     waits = waits_between(runs)
-    assert waits[1:4] == [2 * PROBE_AFTER, 8 * PROBE_AFTER, MAX_WAIT], runs
+    assert waits[1:4] == [4 * PROBE_AFTER, 16 * PROBE_AFTER, MAX_WAIT], runs
 
 
 def test_an_arm_chosen_again_starts_its_wait_over():

@@ -243,8 +243,14 @@ class Governor:
     def _far(self, arm: Arm) -> bool:
         """Whether ``arm`` is far behind the best (a draft model that does not
         pay), even by its rate's upper bound: probed less."""
-        rate, best = self.rates[arm], self.rates[self.best]
+        rate, best = self.rates[arm], self.rates[self._leader(arm)]
         return rate.per_second + SURE * min(rate.error, rate.per_second) < FAR * best.per_second
+
+    def _leader(self, but: Arm) -> Arm:
+        """The arm measured fastest so far other than ``but`` (the best
+        before every arm is measured: what a probe is compared with)."""
+        known = [a for a in self.arms if a != but and self.rates[a].samples >= MIN_SAMPLES]
+        return max(known, key=lambda a: self.rates[a].per_second) if known else self.best
 
     def _beats(self, arm: Arm, other: Arm) -> bool:
         """Whether ``arm``'s rate is above ``other``'s by :data:`SURE` standard errors of the difference."""
@@ -281,10 +287,13 @@ class Governor:
             self.rates[arm].add(self.step, tokens, seconds)
             if probing and arm == self.probe and arm != self.best:
                 self.probe_measured += 1
-                decided = self._beats(arm, self.best) or self._beats(self.best, arm)
+                leader = self._leader(arm)
+                decided = self._beats(arm, leader) or self._beats(leader, arm)
                 if self.probe_measured >= 2 and decided:  # the steps already tell: no need to measure on
                     self.probe_left = 0
                     self.rates[arm].samples = max(self.rates[arm].samples, MIN_SAMPLES)
+                    if self._far(arm):  # far behind: its next wait is a far arm's, however it was probed
+                        self.parked[arm].wait = max(self.parked[arm].wait, 4 * PROBE_AFTER)
 
     # ------------------------------------------------------------------ keeping it
 
