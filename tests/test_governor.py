@@ -9,7 +9,10 @@ Mutations seen caught (each on a scratch copy): the governor's choice never
 applied to the proposers (``drafts.on`` ignored: the steep-cost loop test),
 the holes kept or the queued step dropped when plain decoding starts
 (``holes.compact(drop_unread=True)``: the cache test),
-the probe wait never doubled (the back-off test), ``restore`` ignoring the
+the probe wait never doubled (the back-off test), a probe compared with the
+plan's arm instead of the fastest measured (the five-arm test), the shadow's
+``saw`` dropped or counted while its arm runs (the shadow tests), a queued
+plain step read through a new op (the read test), ``restore`` ignoring the
 best arm (the carry-over tests), a parked draft model's catch-up dropped
 (``Chain.extend`` skipped while parked: the exactness test), the best arm
 ranked by the lowest rate (the steep and flat tests).

@@ -241,14 +241,16 @@ class Governor:
         return arm, True
 
     def _far(self, arm: Arm) -> bool:
-        """Whether ``arm`` is far behind the best (a draft model that does not
-        pay), even by its rate's upper bound: probed less."""
+        """Whether ``arm`` is far behind the fastest other arm measured (a
+        draft model that does not pay), even by its rate's upper bound: probed less."""
         rate, best = self.rates[arm], self.rates[self._leader(arm)]
         return rate.per_second + SURE * min(rate.error, rate.per_second) < FAR * best.per_second
 
     def _leader(self, but: Arm) -> Arm:
-        """The arm measured fastest so far other than ``but`` (the best
-        before every arm is measured: what a probe is compared with)."""
+        """The arm measured fastest so far other than ``but``: what a probe
+        is compared with (the running best, when no other arm is measured
+        yet). While the arms are first measured, the running best is the
+        plan's arm, which may itself be far behind."""
         known = [a for a in self.arms if a != but and self.rates[a].samples >= MIN_SAMPLES]
         return max(known, key=lambda a: self.rates[a].per_second) if known else self.best
 
