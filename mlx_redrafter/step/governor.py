@@ -324,26 +324,27 @@ class Governor:
         if not data or sorted(data.get("names", [])) != sorted(self.names):
             return
         by_name = {arm_name(a): a for a in self.arms}
+        saved = {}  # arm: what was kept of it
         for name, got in (data.get("arms") or {}).items():
             sums = got.get("sums") if name in by_name else None
             if not isinstance(sums, list) or len(sums) != 7 or not float(sums[1]) > 0:  # another version's
                 continue
             arm = by_name[name]
+            saved[arm] = got
             self.rates[arm] = rate = _rate(arm, *map(float, sums), int(got.get("samples", 0)), 0)
             seen = got.get("seen")
             if isinstance(seen, list) and len(seen) == 2:
                 rate.seen, rate.seen_steps = map(float, seen)
-        best = max((r.per_second for r in self.rates.values()), default=0.0)
-        for arm, rate in self.rates.items():
-            if not rate.samples:
-                continue
+        best = max((self.rates[a].per_second for a in saved), default=0.0)
+        for arm, got in saved.items():
+            rate = self.rates[arm]
             close = rate.per_second >= FAR * best  # within reach of the best: this text may decide otherwise
             # The plan's arm, when close, is measured again on this text first (a draft's rate is
             # the text's: a prompt that repeats a document makes lookup pay).
             rate.samples = 0 if arm == self.plan and close else max(rate.samples, MIN_SAMPLES)
             # A new generation is a new text: an arm that was close is probed again within
             # RESTORED_WAIT steps; one far behind keeps its wait.
-            wait = max(int((data["arms"][arm_name(arm)]).get("wait", PROBE_AFTER)), PROBE_AFTER)
+            wait = max(int(got.get("wait", PROBE_AFTER)), PROBE_AFTER)
             self.parked[arm].wait = min(wait, RESTORED_WAIT if close else MAX_WAIT)
         self.best = by_name.get(data.get("best"), self.best)
 
