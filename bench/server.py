@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -27,7 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 BENCH_DIR = Path(__file__).resolve().parent
 MODES = ("redrafter", "no-draft")
@@ -39,14 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: List[str], log: Path):
-    """``(process, base_url)`` of a server that answers /health."""
+def start_server(extra: List[str], log: Path, env: Optional[Dict[str, str]] = None):
+    """``(process, base_url)`` of a server that answers /health (``env``: more environment)."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--port", str(port), *extra]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
@@ -67,8 +68,9 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
-def compare(flags: Dict[str, List[str]], counts: List[int], measure, warm, logs: Path):
-    """Start a server for each entry of ``flags`` (``warm(url)`` once each),
+def compare(flags: Dict[str, List[str]], counts: List[int], measure, warm, logs: Path, envs=None):
+    """Start a server for each entry of ``flags`` (``envs[mode]``: more
+    environment; ``warm(url)`` once each),
     then yield ``(clients, {mode: measure(url, clients)})`` for each number
     of clients, the servers measured one after the other in an order that
     alternates, so that machine drift hits all alike. The servers are
@@ -76,7 +78,7 @@ def compare(flags: Dict[str, List[str]], counts: List[int], measure, warm, logs:
     servers: Dict[str, tuple] = {}
     try:
         for mode, extra in flags.items():
-            servers[mode] = start_server(extra, logs / f"{mode}.log")
+            servers[mode] = start_server(extra, logs / f"{mode}.log", (envs or {}).get(mode))
             warm(servers[mode][1])
         for i, clients in enumerate(counts):
             order = list(flags) if i % 2 == 0 else list(flags)[::-1]

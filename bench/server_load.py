@@ -14,8 +14,10 @@ default 8: concurrent requests decoded together where that pays, with the
 server's defaults), "plain" (``--no-draft``: batched plain decoding, nothing
 drafts), "today" (``--no-batch-drafts``: a request alone drafts, a batch
 decodes plainly, as serve was before issue 57, and its default again since
-section 34's quiet run) and "trees" (``--batch-drafts``: every row of a
-batch drafts, issue 57). For each number
+section 34's quiet run), "trees" (``--batch-drafts``: every row of a
+batch drafts, issue 57, where the batch's governor finds it pays) and
+"trees-always" (the same with ``MLX_REDRAFTER_ALWAYS_DRAFT=1``: every
+step drafts, whatever it costs). For each number
 of clients, each server in turn (the order alternating), every client sends
 ``--rounds`` greedy chat requests one after another (MT-Bench first turns,
 ``--max-tokens`` each). It reports aggregate tokens/s (completion tokens
@@ -455,7 +457,10 @@ MODES = {
     "plain": lambda args: ["--max-batch", str(args.max_batch), "--no-draft"],  # batched plain decoding
     "today": lambda args: ["--max-batch", str(args.max_batch), "--no-batch-drafts"],  # before issue 57
     "trees": lambda args: ["--max-batch", str(args.max_batch), "--batch-drafts"],  # every row drafts (issue 57)
+    # ... every step, whatever it costs (no live choice: as before the batch's governor)
+    "trees-always": lambda args: ["--max-batch", str(args.max_batch), "--batch-drafts"],
 }
+ENVS = {"trees-always": {"MLX_REDRAFTER_ALWAYS_DRAFT": "1"}}  # more environment of a mode's server
 
 
 def throughput(args) -> dict:
@@ -474,6 +479,7 @@ def throughput(args) -> dict:
         lambda url, c: load_round(url, prompts, c, args.rounds, args.max_tokens),
         lambda url: load_round(url, prompts[:1], 1, 1, 8),
         args.out.parent,
+        {m: ENVS[m] for m in modes if m in ENVS},
     ):
         texts = [res[m]["texts"] for m in modes]
         rounds.append({"clients": clients, **res, "identical": all(t == texts[0] for t in texts)})

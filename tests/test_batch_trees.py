@@ -169,6 +169,54 @@ def test_nothing_pays_the_batch_decodes_plainly_and_exactly():
     assert bs.last_width == 1 and all(n == 0 for a in accepted for n in a.values())
 
 
+def batch_steep(rows, width, arm):  # every verified token costs a plain step, each source's draft half of one
+    return 0.01 * rows * (width + 0.5 * len(arm or ()))
+
+
+def batch_flat(rows, width, arm):  # a wide batch costs little more than a plain one
+    return 0.01 * rows * (1.0 if width == 1 else 1.05)
+
+
+@pytest.mark.parametrize("name", ["steep", "flat"])
+def test_the_batch_drafts_only_where_it_pays_with_the_same_tokens(name, monkeypatch):
+    """Governed (no ``always_draft``, a live batch): on a device where every
+    verified token and every draft forward costs (steep), the batch settles
+    on plain decoding, with no source asked; where a wide batch costs little
+    (flat), on drafting. Each step's time comes from a cost table, not the
+    clock; the rows' tokens are plain decoding's either way.
+    Mutation: ``BatchSteps._next_arm`` leaving ``drafts.on`` alone (every
+    source asked in every arm): the steep batch keeps drafting."""
+    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
+    fn = {"steep": batch_steep, "flat": batch_flat}[name]
+    real = BatchSteps.timed
+
+    def timed(self, out, width, ran, seconds):
+        return real(self, out, width, ran, fn(len(out), width, ran and ran[0]))
+
+    monkeypatch.setattr(BatchSteps, "timed", timed)
+    model, n = tiny_model("llama"), 96
+    prompts = PROMPTS[:2]
+    oracle = OracleDrafter(model, prompts, n, 3)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
+    assert bs.governed
+    modes, widths = [], []
+
+    def on_step(st):
+        modes.append(st.stats.mode)
+        widths.append(bs.last_width)
+
+    got, _ = run_batch(bs, prompts, n, on_step=on_step)
+    assert got == plain(model, prompts, n)
+    late = modes[len(modes) // 2 :]
+    if name == "steep":  # plain steps verify g0 alone in every row, after the first few
+        assert late.count("plain") > 0.7 * len(late), modes
+        assert widths[-1] == 1
+    else:  # drafting, but for the probes of plain decoding and lookup alone (waits of 16, 32, ... steps)
+        assert late.count("draft") > 0.5 * len(late) and modes[-1] == "draft", modes
+        assert max(widths[len(widths) // 2 :]) > 1
+    assert "probe" in modes  # the arms left out were measured
+
+
 def test_the_width_is_priced_on_the_whole_batch():
     """One row with sure drafts and three with none: a width that pays for
     one row alone does not pay for four rows padded to it."""

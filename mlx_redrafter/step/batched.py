@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -40,10 +40,12 @@ from .accept import Accepted
 from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
-from .drafts import Drafts, fused_layers
+from .drafts import Drafts, fused_layers, source_names
+from .governor import Governor, mode_of
 from .grammar import apply_mask, packed_masks, tree_masks, unpack_masks
 from .plan import make_plan
 from .protocol import StepRead, StepStats, StepTokens, host_read, prefill
+from .source import TOKENS
 from .sources.forced import FORCED_LENGTH
 from .tree import PAD, count_rows, pack
 
@@ -110,6 +112,14 @@ class BatchSteps:
     after it, :attr:`last_width` is the width its trees were padded to, :attr:`tokens`
     what it emitted, and :attr:`verified` and :attr:`accepted` count its
     draft nodes by source.
+
+    Whether the batch drafts at all is chosen live, as for a sequence alone
+    (step/governor.py): one :class:`~mlx_redrafter.step.governor.Governor`
+    per number of rows measures the batch's tokens per second with every
+    source drafting, with none (plain batched decoding: no source is asked,
+    so nothing of drafting is paid) and with the host sources alone, and
+    each step's rows are proposed under the best (``live=False`` or
+    ``always_draft``: every step drafts).
     """
 
     def __init__(self, model, draft: DraftConfig, curve=None, live: bool = True):
@@ -126,6 +136,13 @@ class BatchSteps:
         self.rates = SourceRates()
         self.cost = BatchCost(self.curve)
         self.live = live  # False: priced by the curve alone (no timing: the same widths every run)
+        self.governed = live and self.plan.governed and self.plan.drafting
+        self.names = source_names(self.plan.sources)
+        self.costly = [n for n, s in zip(self.names, self.plan.sources) if s.needs != TOKENS]  # a forward of their own
+        self.governors: Dict[int, Governor] = {}  # by the batch's rows: a batch's cost depends on them
+        self.arm: Optional[Tuple[frozenset, bool, int]] = (
+            None  # (arm, probing, rows) the next trees were proposed under
+        )
         self.syncs = 0
         self.last_width = 1  # the width of the last step's trees
         self.tokens = 0  # the last step's tokens, all rows together
@@ -164,6 +181,8 @@ class BatchSteps:
             row.drafts = Drafts(
                 self.plan.sources, self.model, self.embed, self.width, history + tokens, False, greedy, False
             )
+            if self.arm is not None:  # it joins under the arm the others' next trees are proposed under
+                row.drafts.on = [n in self.arm[0] for n in self.names]
         pending = row.drafts.early_reads(g0, context, True) if row.drafts is not None else []
         vals = host_read(g0, *pending)
         row.g0 = vals[0]
@@ -249,6 +268,7 @@ class BatchSteps:
         logits, hidden = verify_batch(self.model, self.backbone, self.lm_head, self.cache, bt, self.ragged)
         accs = [self._accept(row, rt, logits[b], masks) for b, (row, (rt, masks)) in enumerate(zip(self.rows, built))]
         take_row_states(self.cache, mx.stack([b * bt.width + a.last for b, a in enumerate(accs)]))
+        ran, self.arm = self.arm, self._next_arm()
         reads, sizes = [], []
         for b, (row, rt, acc) in enumerate(zip(self.rows, trees, accs)):
             beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
@@ -266,9 +286,48 @@ class BatchSteps:
         compact_rows(self.cache, self.ragged, start, paths, [1 + r.n for r in parsed])
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, trees, parsed)]
         self.tokens = sum(len(st.tokens) for st in out)
+        return self.timed(out, bt.width, ran, time.perf_counter() - tic)
+
+    def timed(self, out: List[StepTokens], width: int, ran, seconds: float) -> List[StepTokens]:
+        """A step of trees ``width`` wide, proposed under ``ran`` (the
+        governor's ``(arm, probing, rows)``; None: ungoverned), took
+        ``seconds``: the batch's cost and its governor learn from it."""
         if self.live:
-            self.cost.observe(len(out), bt.width, time.perf_counter() - tic)
+            self.cost.observe(len(out), width, seconds)
+        if ran is not None:
+            self._ran(ran, out, seconds)
         return out
+
+    # ------------------------------------------------------------------ the live choice
+
+    def _next_arm(self) -> Optional[Tuple[frozenset, bool, int]]:
+        """The governor's arm for the trees the rows propose now (they are
+        verified next step): only its sources are asked. None: ungoverned."""
+        if not self.governed or not self.rows:
+            return None
+        n = len(self.rows)
+        if n not in self.governors:
+            self.governors[n] = Governor(self.names, costly=self.costly)
+        gov = self.governors[n]
+        if self.arm is None or self.arm[2] != n:  # rows joined or left: its next step is not one of a run
+            gov.prev = None
+        arm, probing = gov.choose()
+        on = [name in arm for name in self.names]
+        for row in self.rows:
+            if row.drafts is not None:
+                row.drafts.on = on
+        return arm, probing, n
+
+    def _ran(self, ran: Tuple[frozenset, bool, int], out: List[StepTokens], seconds: float) -> None:
+        """The step just run verified trees proposed under ``ran``: its
+        governor learns the batch's tokens and seconds (not when rows joined
+        or left since: the step is another batch's), and each row's stats
+        say what it ran."""
+        arm, probing, rows = ran
+        if rows == len(out):
+            self.governors[rows].ran(arm, self.tokens, seconds, probing)
+        for st in out:
+            st.stats.mode, st.stats.plain_rate = mode_of(arm, probing), self.governors[rows].plain_rate
 
     def _emit(self, row: BatchRow, rt: RowTree, read: StepRead, tic: float) -> StepTokens:
         """Row ``row``'s tokens of the step just read; its next tree's rows."""

@@ -142,7 +142,12 @@ def make_plan(
     if batched:  # every row's rows on the host; the batch's width is its own policy
         sources = [replace(s, controller=None) if s.controller is not None else s for s in sources]
         return DraftPlan(
-            tuple(sources), TreePolicy("fixed", draft.curve, packed=True), AFTER_READ, dropped, False, False
+            tuple(sources),
+            TreePolicy("fixed", draft.curve, packed=True),
+            AFTER_READ,
+            dropped,
+            False,
+            not draft.always_draft,  # the batch's own governors (step/batched.py)
         )
     # Timed phases are a measurement of one setting: they draft every step.
     governed, starts_plain = not (draft.always_draft or timings), False
