@@ -80,7 +80,9 @@ def test_auto_with_a_real_drafters_beams_is_exact(tiny):
     drafter = OracleDrafter(model, p, N, 2, inner=random_drafter(exit_dim=48, num_draft_layers=1))
     for pipelined in (True, False):
         got, stats = run(model, p, auto(drafter, 2, 2, 1, SHALLOW, pipelined))
-        assert got == ref and accepted(got, stats, "drafter") >= 4, kind
+        # A prefix the rows share is verified once, in its first row's place; the
+        # longest row accepted takes the step (a lookup row on a reply that repeats).
+        assert got == ref and accepted(got, stats) >= 4 and accepted(got, stats, "drafter") >= 1, kind
 
 
 @pytest.mark.parametrize("lookup", [0, 1], ids=["drafter", "both"])

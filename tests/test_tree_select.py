@@ -264,6 +264,47 @@ def test_selection_feeds_acceptance_and_the_calibration():
     assert cal.hits[1, 0, 2] == 1 and cal.hits[1, 1, 2] == 1 and cal.trials[1, 2, 2] == 1 and cal.hits[1, 2, 2] == 0
 
 
+def test_a_prefix_rows_share_is_verified_once_and_what_hangs_below_it_stays():
+    """Two block rows ``[a, b, c]`` and ``[a, b, d]`` (a block's or a beam
+    search's top paths share prefixes): the second row's copies of ``a`` and
+    ``b`` are not verified, its ``d`` is, below the first row's ``b``, and
+    attends to the first row's ``a`` and ``b``. Acceptance through the
+    second row reads the first copies' logits and is recorded with ``d``'s
+    real parent. Mutations: the parent or the mask not moved to the first
+    copy, or the copies ranked as before (both verified)."""
+    from mlx_redrafter.step.tree import prefix_tree
+
+    lengths = (3, 3)
+    s = rows(lengths, ("drafter", "drafter"))
+    lay = layout(lengths)
+    beams = mx.array([[20, 21, 22], [20, 21, 23]], mx.int32)
+    first = prefix_tree(beams)
+    canon = (lay.node_index[first, mx.arange(3)[None, :]] - 1)[lay.node_row, lay.node_pos]
+    assert np.array(canon).tolist() == [0, 1, 2, 0, 1, 5]
+    score = mx.full((6,), 3.0)
+    sel = ts.select_device(s, score, mx.ones((6,), mx.bool_), calibration().device_table(), EDGES, 4, canon=canon)
+    assert sorted(np.array(sel.nodes).tolist()) == [0, 1, 2, 5]  # a, b, c and d: each prefix once
+    tokens = beams.reshape(-1)
+    tree = sel.tree(tokens, mx.array(7))
+    order = np.array(tree.tokens).tolist()
+    assert sorted(order) == [7, 20, 21, 22, 23]
+    at = {t: i for i, t in enumerate(order)}
+    assert np.array(sel.parent).tolist()[at[23]] == at[21]  # d hangs below the first row's b
+    mask = np.array(sel.mask)
+    assert mask[at[23]].tolist() == [i in (0, at[20], at[21], at[23]) for i in range(5)]
+    sel_beams, node_index = sel.rows(beams, lay.node_index)
+    assert np.array(node_index).tolist() == [[at[20], at[21], at[22]], [at[20], at[21], at[23]]]
+    want = {0: 20, at[20]: 21, at[21]: 23, at[22]: 5, at[23]: 6}  # the model takes the second row whole
+    logits = mx.array(np.eye(30, dtype=np.float32)[[want[i] for i in range(5)]])
+    acc = accept_greedy(sel_beams, node_index, logits)
+    assert int(acc.n) == 3 and int(acc.beam) == 1 and int(acc.next_token) == 6
+    obs = ts.decode_codes(np.array(sel.codes).tolist(), s)
+    assert obs.parent[at[23] - 1] == at[21]  # learned as a trial below b, which was accepted
+    cal = calibration()
+    cal.observe(obs, np.array(acc.path).tolist()[: int(acc.n) + 1])
+    assert cal.trials[0, 2].sum() == 2 and cal.hits[0, 2].sum() == 1  # c and d tried at depth 3, d accepted
+
+
 def test_device_p_matches_the_host():
     s = structure()
     score = np.array([-0.2, -1.5, -0.4, -3.0, 3, 3, 3, 3], np.float32)

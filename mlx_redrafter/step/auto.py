@@ -44,7 +44,7 @@ from .select import (
     row_structure,
     select_device,
 )
-from .tree import unique_mask
+from .tree import prefix_tree, unique_mask
 
 CONTEXT_STEP = 64  # the context-dependent curve is re-priced every this many tokens
 
@@ -130,17 +130,24 @@ class AutoTree:
         ``(selection, rows, node_index)``, rows and node index ``[R, L]``
         over the selection's packed tree (not verified: ``PAD``).
 
-        ``scores [R, L]`` are the nodes' raw scores. ``dedup`` (sampling)
-        drops a node whose prefix an earlier row already holds, with its
-        subtree: the sampling walk needs each prefix once.
+        ``scores [R, L]`` are the nodes' raw scores. A prefix that rows share
+        is verified once. ``dedup`` (sampling) drops a node whose prefix an
+        earlier row already holds, with its subtree: the sampling walk needs
+        each prefix once; without it (greedy) the later rows' nodes below
+        the shared prefix hang below its first copy (``select_device``'s ``canon``).
         """
         from .tree import PAD
 
         valid = beams >= 0
+        pick = (lay.node_row, lay.node_pos)
+        canon = None
         if dedup:
             valid = valid & unique_mask(beams)
-        pick = (lay.node_row, lay.node_pos)
-        sel = select_device(structure, scores[pick], valid[pick], self.cal.device_table(), self.edges, k, ancestors)
+        elif len(lay.lengths) > 1:
+            first = prefix_tree(beams)  # [R, L]: the first row holding each prefix
+            canon = (lay.node_index[first, mx.arange(beams.shape[1])[None, :]] - 1)[pick]
+        table = self.cal.device_table()
+        sel = select_device(structure, scores[pick], valid[pick], table, self.edges, k, ancestors, canon)
         rows, index = sel.rows(beams, lay.node_index)
         live = sel.p[mx.maximum(lay.node_index - 1, 0)] > 0
         return sel, mx.where(live & (index > 0), rows, PAD), mx.where(live, index, 0).astype(mx.int32)

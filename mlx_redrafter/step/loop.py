@@ -52,8 +52,9 @@ from .governor import Governor, mode_of
 from .keep import kept, live_key, opened
 from .live_cost import LiveCost
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
+from .select import code_candidate
 from .shadow import Shadow
-from .source import N_BUCKETS, TOKENS, At, Flight
+from .source import TOKENS, At, Flight
 from .verify import install_tree_hooks, needs_hooks, tree_hooks
 
 
@@ -194,7 +195,7 @@ class Generation:
         self.auto.observe(built.structure, codes, read.path[: read.n + 1])
         if built.host:
             cal = self.auto.cal
-            verified = {built.structure.source[c // N_BUCKETS] for c in codes if c >= 0}
+            verified = {built.structure.source[code_candidate(c, built.structure)] for c in codes if c >= 0}
             for rows, scores, prior in built.host:
                 if cal.channel(prior) not in verified:
                     self.auto.observe_unverified(rows, scores, prior, before, read.emitted)

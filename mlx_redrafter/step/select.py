@@ -210,7 +210,7 @@ class Selection:
     depth: mx.array  # [k+1]
     parent: mx.array  # [k+1] packed index of each node's parent (g0's is 0)
     mask: mx.array  # [k+1, k+1] bool: ancestor-or-self
-    codes: mx.array  # [k] int32 for the host read: candidate * N_BUCKETS + bucket, -1 for padding
+    codes: mx.array  # [k] int32 for the host read: :func:`code_of` each node, -1 for padding
     p: mx.array  # [M] each candidate's p (0: invalid, or under an invalid parent)
 
     def tree(self, tokens: mx.array, g0: mx.array) -> Tree:
@@ -241,29 +241,43 @@ def select_device(
     edges,
     k: int,
     ancestors: Optional[mx.array] = None,
+    canon: Optional[mx.array] = None,
 ) -> Selection:
     """The top-``k`` candidates by p, ties to the shallower (parent-closed,
     see the module doc), with fixed shapes and no host sync.
 
     ``score [M]`` and ``valid [M]`` are the step's device arrays; ``k``
     (``bucket - 1``) is at most ``structure.size``. ``ancestors`` is
-    ``mx.array(structure.ancestors())``, cached by the caller.
+    ``mx.array(structure.ancestors())``, cached by the caller. ``canon
+    [M]`` (optional, lazy): each candidate's first copy, where rows share a
+    prefix (a beam search's or a block's top paths); a later copy is never
+    chosen (it ranks last), and what hangs below it hangs below the first
+    copy, which it attends to and descends from: each prefix is verified once.
     """
     if not 0 <= k <= structure.size:
         raise ValueError(f"cannot verify {k} of {structure.size} candidates")
     p, bucket = node_p(mx, structure, score, valid, table, edges)
     depth, parent = mx.array(structure.depth), mx.array(structure.parent)
-    rank = rank_by_p(mx, p, depth)
+    anc = ancestors if ancestors is not None else mx.array(structure.ancestors())
+    if canon is not None:
+        # A copy has its first copy's p (the same path), so that first copy ranks before
+        # anything the copy's children rank before; the copy itself ranks after everything.
+        first = canon == mx.arange(p.shape[0], dtype=canon.dtype)
+        rank = rank_by_p(mx, mx.where(first, p, -1.0), depth)
+        anc = _to_first_copies(anc, canon)
+    else:
+        rank = rank_by_p(mx, p, depth)
     nodes = mx.argsort(rank)[:k].astype(mx.int32)
     position = mx.where(rank < k, rank + 1, 0).astype(mx.int32)
+    if canon is not None:  # a copy is verified as its first copy: its children's parent, its rows' node
+        position = position[canon]
     zero = mx.zeros((1,), mx.int32)
     sel_parent = parent[nodes]
     packed_parent = mx.where(sel_parent >= 0, position[mx.maximum(sel_parent, 0)], 0)
     ext = mx.concatenate([zero, nodes + 1])
-    anc = ancestors if ancestors is not None else mx.array(structure.ancestors())
     mask = anc[ext][:, ext]
     b = bucket[nodes]
-    codes = mx.where(b >= 0, nodes * N_BUCKETS + b, -1).astype(mx.int32)
+    codes = mx.where(b >= 0, code_of(nodes, b, packed_parent, structure), -1).astype(mx.int32)
     return Selection(
         nodes,
         position,
@@ -273,6 +287,15 @@ def select_device(
         codes,
         p,
     )
+
+
+def _to_first_copies(anc: mx.array, canon: mx.array) -> mx.array:
+    """``ancestors [M+1, M+1]`` (index 0: ``g0``) with every ancestor that
+    is a later copy replaced by its first copy (``canon [M]``)."""
+    ext = mx.concatenate([mx.zeros((1,), canon.dtype), canon.astype(canon.dtype) + 1])
+    n = anc.shape[0]
+    to_first = (ext[:, None] == mx.arange(n, dtype=ext.dtype)[None, :]).astype(mx.float32)  # [k', k]
+    return (anc.astype(mx.float32) @ to_first) > 0
 
 
 # --------------------------------------------------------------------------- calibration
@@ -289,18 +312,33 @@ class Observed:
     rank: Optional[List[int]] = None  # :meth:`Structure.rank` of each node (None: host estimates not learned)
 
 
+def code_of(candidate, bucket, packed_parent, structure: Structure):
+    """A verified node's code in the step's read: its candidate, score
+    bucket and packed parent (where rows share a prefix, the parent is not
+    the structure's: :func:`select_device`'s ``canon``)."""
+    return (candidate * N_BUCKETS + bucket) * (structure.size + 1) + packed_parent
+
+
+def code_candidate(code: int, structure: Structure) -> int:
+    """The candidate of a code (-1: padding)."""
+    return code // (structure.size + 1) // N_BUCKETS if code >= 0 else -1
+
+
 def decode_codes(codes: Sequence[int], structure: Structure) -> Observed:
     """:attr:`Selection.codes` as read by the host -> :class:`Observed`."""
-    cand = [c // N_BUCKETS if c >= 0 else -1 for c in codes]
-    position = {c: i + 1 for i, c in enumerate(cand) if c >= 0}
-    ranks = structure.rank()
-    src, dep, par, rnk = [], [], [], []
-    for c in cand:
-        src.append(int(structure.source[c]) if c >= 0 else 0)
-        dep.append(int(structure.depth[c]) if c >= 0 else 0)
-        par.append(position.get(int(structure.parent[c]), 0) if c >= 0 else 0)
-        rnk.append(int(ranks[c]) if c >= 0 else 0)
-    return Observed(src, dep, [c % N_BUCKETS if c >= 0 else -1 for c in codes], par, rnk)
+    ranks, stride = structure.rank(), structure.size + 1
+    src, dep, bkt, par, rnk = [], [], [], [], []
+    for c in codes:
+        if c < 0:
+            src.append(0), dep.append(0), bkt.append(-1), par.append(0), rnk.append(0)
+            continue
+        cand, bucket = divmod(c // stride, N_BUCKETS)
+        src.append(int(structure.source[cand]))
+        dep.append(int(structure.depth[cand]))
+        bkt.append(bucket)
+        par.append(c % stride)
+        rnk.append(int(ranks[cand]))
+    return Observed(src, dep, bkt, par, rnk)
 
 
 class Calibration:
