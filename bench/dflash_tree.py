@@ -11,7 +11,9 @@ Settings, each over the same prompts, plain decoding measured first and last
 * **tree W auto**: the same rows as candidates, the cost-aware selection
   verifying the nodes this device's curve says pay (DDTree's best-first
   choice, priced: step/select.py);
-* each with lookup's row beside it when ``--lookup`` is given.
+* each with lookup's row beside it when ``--lookup`` is given;
+* the defaults with the live choice (step/governor.py: plain decoding where
+  drafting does not pay); the settings above draft every step.
 
 Reports tokens per step, first-draft acceptance (the share of steps whose
 first drafted token was accepted), DFlash's share of the tokens, tokens/s
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_redrafter import load_model
-from mlx_redrafter.config import DraftConfig
+from mlx_redrafter.config import DraftConfig, resolve
 from mlx_redrafter.hub.load import load_drafter
 from mlx_redrafter.prompts import first_turn_ids, load_prompt_set, select_conversations
 from mlx_redrafter.step.curve import curve_for
@@ -40,13 +42,15 @@ from mlx_redrafter.tuning.measure import run_pass, warm_up
 
 
 def settings(drafter, widths, lookup: int, curve):
+    """Each setting drafts every step (``always_draft``: the setting itself is
+    measured, not the live choice), then the defaults with the live choice."""
     length = drafter.config.block_size - 1
-    out = {"chain": DraftConfig(head=drafter, head_width=1, head_length=length, lookup=lookup)}
+    one = dict(head=drafter, head_length=length, lookup=lookup, always_draft=True)
+    out = {"chain": DraftConfig(head_width=1, **one)}
     for w in widths:
-        out[f"tree {w}"] = DraftConfig(head=drafter, head_width=w, head_length=length, lookup=lookup)
-        out[f"tree {w} auto"] = DraftConfig(
-            head=drafter, head_width=w, head_length=length, lookup=lookup, tree="auto", curve=curve
-        )
+        out[f"tree {w}"] = DraftConfig(head_width=w, **one)
+        out[f"tree {w} auto"] = DraftConfig(head_width=w, tree="auto", curve=curve, **one)
+    out["defaults (live choice)"] = resolve(drafter, lookup=lookup, curve=curve).draft  # as generate resolves it
     return out
 
 
