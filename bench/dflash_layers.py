@@ -37,7 +37,8 @@ from mlx_redrafter.tuning.measure import run_pass, warm_up
 
 
 def train(model, tok, data: Path, folder: Path, layers: int, minutes: float) -> dict:
-    """Train a drafter of ``layers`` for ``minutes`` into ``folder`` (kept: a rerun measures it again); its best evaluation."""
+    """Train a drafter of ``layers`` for ``minutes`` into ``folder`` (kept: a
+    rerun measures it again); its best evaluation."""
     if not (folder / "model.safetensors").is_file():
         cfg = DFlashTrainConfig(layers=layers, minutes=minutes, eval_every=50, checkpoint_every=10_000)
         train_dflash(model, data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
