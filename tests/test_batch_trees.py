@@ -30,7 +30,7 @@ from mlx_redrafter.config import DraftConfig, SamplingConfig
 from mlx_redrafter.generate import generate_tokens
 from mlx_redrafter.step import accept as accept_mod
 from mlx_redrafter.step.batch_budget import BatchCost, SourceRates, choose_width, ranked_nodes
-from mlx_redrafter.step.batched import BatchSteps, RowPlan
+from mlx_redrafter.step.batched import BatchRow, BatchSteps, RowPlan
 from mlx_redrafter.step.curve import CostCurve
 from mlx_redrafter.step.grammar import compile_grammar
 
@@ -43,9 +43,10 @@ N = 16
 def run_batch(bs, prompts, n, join_at=None, plans=None, on_step=None):
     """Decode ``prompts`` together with ``bs``: the first two from the start,
     the others joining at step ``join_at`` (None: all from the start); a row
-    leaves once it has ``n`` tokens. Returns each row's tokens and the
-    accepted drafts of every row in every step."""
+    leaves once it has ``n`` tokens (a list: each row's own). Returns each
+    row's tokens and the accepted drafts of every row in every step."""
     plans = plans or [RowPlan(SamplingConfig()) for _ in prompts]
+    ns = list(n) if isinstance(n, (list, tuple)) else [n] * len(prompts)
     outs, handles, accepted = [[] for _ in prompts], [None] * len(prompts), []
     first = len(prompts) if join_at is None else 2
 
@@ -69,9 +70,9 @@ def run_batch(bs, prompts, n, join_at=None, plans=None, on_step=None):
             outs[i] += st.tokens
             if on_step is not None:
                 on_step(st)
-            if len(outs[i]) >= n:
+            if len(outs[i]) >= ns[i]:
                 bs.remove(row)
-    return [o[:n] for o in outs], accepted
+    return [o[:k] for o, k in zip(outs, ns)], accepted
 
 
 def plain(model, prompts, n):
@@ -211,10 +212,64 @@ def test_the_batch_drafts_only_where_it_pays_with_the_same_tokens(name, monkeypa
     if name == "steep":  # plain steps verify g0 alone in every row, after the first few
         assert late.count("plain") > 0.7 * len(late), modes
         assert widths[-1] == 1
+        assert bs.queued_steps > len(late) // 4  # plain steps were launched before the last one was read
     else:  # drafting, but for the probes of plain decoding and lookup alone (waits of 16, 32, ... steps)
         assert late.count("draft") > 0.5 * len(late) and modes[-1] == "draft", modes
         assert max(widths[len(widths) // 2 :]) > 1
     assert "probe" in modes  # the arms left out were measured
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_rows_join_and_leave_while_a_plain_step_is_queued(kind, monkeypatch):
+    """Governed on the steep cost table: once the batch decodes plainly, each
+    step is launched before the one before it is read. Two rows join late and
+    every row leaves at its own length, each time with a step queued: the
+    queued step is undone (its token forgotten by every row's cache, its
+    draws' keys given back) and each row's tokens are still plain
+    decoding's. A hybrid's plain steps are not queued (its recurrent states
+    would not forget the queued token); its rows are still aligned once and
+    then written in place. Mutations: ``_unqueue`` doing nothing (the rows'
+    caches keep the queued token), or not giving the keys back;
+    ``align_rows`` leaving ragged rows where they are."""
+    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
+    real = BatchSteps.timed
+    monkeypatch.setattr(
+        BatchSteps,
+        "timed",
+        lambda self, out, w, ran, s: real(self, out, w, ran, batch_steep(len(out), w, ran and ran[0])),
+    )
+    model = MODELS[kind]()
+    ns = [70, 84, 58, 76]
+    oracle = OracleDrafter(model, PROMPTS, max(ns), 3)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
+    undone = []
+    unqueue = bs._unqueue
+
+    def spy():
+        if bs.ahead is not None:
+            before = list(bs.ragged.lengths)
+            unqueue()
+            undone.append([a - b for a, b in zip(before, bs.ragged.lengths)])
+        else:
+            unqueue()
+
+    bs._unqueue = spy
+    got, _ = run_batch(bs, PROMPTS, ns, join_at=36)
+    assert got == [plain(model, [p], k)[0] for p, k in zip(PROMPTS, ns)]
+    if kind == "qwen3_5":
+        assert not undone and bs.queued_steps == 0
+        return
+    assert len(undone) >= 3 and all(set(d) == {1} for d in undone), undone  # joins and leaves with a step queued
+    # A sampled row's key: the queued step's draw is given back when it is undone.
+    key = mx.random.key(3)
+    row = BatchRow(RowPlan(SamplingConfig(temp=1.0), key=key), None, None)
+    bs.rows, bs.ahead, bs.ragged.lengths = [row], object(), [5]
+    row.saved_key = key
+    row.next_key()
+    bs._unqueue = unqueue
+    monkeypatch.setattr("mlx_redrafter.step.batched.fit_rows", lambda cache, ragged: None)
+    bs._unqueue()
+    assert row.plan.key is key and bs.ragged.lengths == [4] and bs.ahead is None
 
 
 def test_the_width_is_priced_on_the_whole_batch():

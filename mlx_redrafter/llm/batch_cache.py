@@ -70,8 +70,9 @@ def _sync_left(batch, ragged: Ragged) -> None:
         ragged.left = [0] * len(ragged.lengths)
 
 
-def _fit(batch, ragged: Ragged) -> None:
-    """Every attention layer's offsets and used length from the host mirror."""
+def fit_rows(batch, ragged: Ragged) -> None:
+    """Every attention layer's offsets and used length from the host mirror
+    (after :attr:`Ragged.lengths` changed: a row forgets its last tokens)."""
     offsets, end = mx.array(ragged.lengths, mx.int32), ragged.end
     for c in kv_leaves(batch):
         c.offset = offsets
@@ -97,7 +98,7 @@ def join_rows(batch: list, ragged: Ragged, caches: Sequence[list], lengths: Sequ
             c.extend(m)
     ragged.lengths = ragged.lengths + list(lengths)
     _sync_left(batch, ragged)
-    _fit(batch, ragged)
+    fit_rows(batch, ragged)
     return batch
 
 
@@ -113,7 +114,7 @@ def drop_rows(batch: list, ragged: Ragged, keep: Sequence[int]) -> None:
         c.filter(keep)
     ragged.lengths = [ragged.lengths[i] for i in keep]
     _sync_left(batch, ragged)
-    _fit(batch, ragged)
+    fit_rows(batch, ragged)
 
 
 def extract_row(batch: list, ragged: Ragged, b: int) -> list:
@@ -155,7 +156,36 @@ def compact_rows(batch: list, ragged: Ragged, start: int, paths: mx.array, kept:
         c.keys = mx.put_along_axis(c.keys, dst, mx.take_along_axis(c.keys, src, axis=2), axis=2)
         c.values = mx.put_along_axis(c.values, dst, mx.take_along_axis(c.values, src, axis=2), axis=2)
     ragged.lengths = [n + k for n, k in zip(ragged.lengths, kept)]
-    _fit(batch, ragged)
+    fit_rows(batch, ragged)
+
+
+def align_rows(batch: list, ragged: Ragged) -> None:
+    """Move each row's tokens so that every row ends where the longest does
+    (more left padding), lazily: one gather of the buffer, once, after
+    drafting steps left the rows' ends ragged. Then a step of one token a row
+    writes each row's token in place (:func:`advance_rows`), with no move."""
+    end = ragged.end
+    shift = [end - (a + n) for a, n in zip(ragged.left, ragged.lengths)]
+    if not any(shift):
+        return
+    left = [a + s for a, s in zip(ragged.left, shift)]
+    for c in kv_leaves(batch):
+        if c.keys is not None:
+            width = c.keys.shape[2]
+            src = mx.arange(width, dtype=mx.int32)[None, :] - mx.array(shift, mx.int32)[:, None]
+            src = mx.clip(src, 0, width - 1)[:, None, :, None]  # columns before a row's start: anything
+            c.keys = mx.take_along_axis(c.keys, src, axis=2)
+            c.values = mx.take_along_axis(c.values, src, axis=2)
+        c.left_padding = mx.array(left, mx.int32)
+    ragged.left = left
+    fit_rows(batch, ragged)
+
+
+def advance_rows(batch: list, ragged: Ragged) -> None:
+    """After a verify call of one token a row, written where every row ends
+    (:func:`align_rows`): each row keeps it, in place."""
+    ragged.lengths = [n + 1 for n in ragged.lengths]
+    fit_rows(batch, ragged)
 
 
 def take_row_states(batch: list, nodes: mx.array) -> None:

@@ -32,10 +32,20 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..config import DraftConfig, SamplingConfig
-from ..llm.batch_cache import Ragged, compact_rows, drop_rows, extract_row, join_rows, take_row_states
+from ..llm.batch_cache import (
+    Ragged,
+    advance_rows,
+    align_rows,
+    compact_rows,
+    drop_rows,
+    extract_row,
+    fit_rows,
+    join_rows,
+    take_row_states,
+)
 from ..llm.cache import trim_cache
 from ..llm.parts import hidden_size, model_parts
-from ..llm.recurrent import cache_length
+from ..llm.recurrent import cache_length, recurrent_leaves
 from .accept import Accepted
 from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
@@ -66,6 +76,21 @@ class RowPlan:
     sampler: Optional[Callable] = None
 
 
+@dataclass
+class _Launched:
+    """A step launched (lazy): the rows' trees, the batch of them, where they
+    were written, each row's acceptance, the hidden states, and whether it
+    is plain (every row's next token alone, already moved into place)."""
+
+    trees: List[RowTree]
+    bt: object
+    start: int
+    accs: List[Accepted]
+    hidden: mx.array
+    plain: bool
+    queued: bool = False
+
+
 class BatchRow:
     """A row of :class:`BatchSteps`: its plan, drafts and next token."""
 
@@ -75,6 +100,7 @@ class BatchRow:
         self.rows: List[List[int]] = []  # the next tree's rows (PAD-padded), host
         self.sources: List[str] = []
         self.steps = 0
+        self.saved_key = None  # its key before a step queued ahead drew from it
 
     def next_key(self):
         """A fresh key for this step's draws (None: the row draws from the global state)."""
@@ -140,9 +166,10 @@ class BatchSteps:
         self.names = source_names(self.plan.sources)
         self.costly = [n for n, s in zip(self.names, self.plan.sources) if s.needs != TOKENS]  # a forward of their own
         self.governors: Dict[int, Governor] = {}  # by the batch's rows: a batch's cost depends on them
-        self.arm: Optional[Tuple[frozenset, bool, int]] = (
-            None  # (arm, probing, rows) the next trees were proposed under
-        )
+        # (arm, probing, rows) the next trees were proposed under (None: ungoverned)
+        self.arm: Optional[Tuple[frozenset, bool, int]] = None
+        self.ahead: Optional[_Launched] = None  # a plain step launched before the last one was read
+        self.queued_steps = 0  # steps that were launched before the one before them was read
         self.syncs = 0
         self.last_width = 1  # the width of the last step's trees
         self.tokens = 0  # the last step's tokens, all rows together
@@ -163,6 +190,7 @@ class BatchSteps:
         ``reply`` the reply so far, ending with ``g0`` (a grammar's parse
         takes it in); returns ``(row, None)``."""
         tic = time.perf_counter()
+        self._unqueue()
         history, tokens, first = list(history), list(tokens), g0 is None
         matcher = plan.grammar.matcher() if plan.grammar is not None else None
         row = BatchRow(plan, None, matcher)
@@ -206,6 +234,7 @@ class BatchSteps:
 
     def remove(self, row: BatchRow) -> list:
         """``row`` leaves: its own caches (holding every token but its next one, :attr:`BatchRow.g0`)."""
+        self._unqueue()
         b = self.rows.index(row)
         cache = extract_row(self.cache, self.ragged, b)
         keep = [i for i in range(len(self.rows)) if i != b]
@@ -259,34 +288,87 @@ class BatchSteps:
     def step(self) -> List[StepTokens]:
         """One step of every row: each row's accepted drafts and its own next token."""
         tic = time.perf_counter()
-        self.last_width = self._plan_width()
         self.verified, self.accepted = Counter(), Counter()
-        built = [self._row_tree(row) for row in self.rows]
+        now, self.ahead = self.ahead or self._launch(), None
+        self.queued_steps += now.queued
+        self.last_width = now.bt.width
+        ran, self.arm = self.arm, self._next_arm()
+        reads, sizes = [], []
+        for b, (row, rt, acc) in enumerate(zip(self.rows, now.trees, now.accs)):
+            beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
+            pending = row.drafts.early_reads(acc.next_token, now.hidden[b, acc.last], True) if row.drafts else []
+            parts = [mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, beam]), *pending]
+            reads += parts
+            sizes.append(sum(p.size for p in parts))
+        read = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in reads])
+        if self._can_queue(now):
+            # The next step is a plain one too: queue it now, behind this step's read,
+            # so that the device computes it while the host reads and emits this one.
+            mx.async_eval(read)
+            self.ahead = self._launch(now)
+            mx.async_eval(*[a.next_token for a in self.ahead.accs])
+        vals = host_read(read)
+        self.syncs += 1
+        parsed, at = [], 0
+        for rt, size in zip(now.trees, sizes):
+            parsed.append(StepRead.parse(vals[at : at + size], rt.depth))
+            at += size
+        if not now.plain:  # a plain step moved its one token into place when it was launched
+            paths = padded_paths(now.accs, 1 + max(rt.depth for rt in now.trees))
+            compact_rows(self.cache, self.ragged, now.start, paths, [1 + r.n for r in parsed])
+        out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, now.trees, parsed)]
+        self.tokens = sum(len(st.tokens) for st in out)
+        return self.timed(out, now.bt.width, ran, time.perf_counter() - tic)
+
+    def _launch(self, after: Optional["_Launched"] = None) -> "_Launched":
+        """A step's verify and acceptance, lazily: every row's tree (its
+        rows cut to the batch's width), or, ``after`` a plain step whose
+        tokens are not read yet, each row's next token alone (a plain step
+        queued ahead: :meth:`_can_queue`)."""
+        if after is None:
+            self._plan_width()
+            built = [self._row_tree(row) for row in self.rows]
+        else:
+            built = [(RowTree(a.next_token), None) for a in after.accs]
+            for row in self.rows:  # the queued step's draws take the rows' next keys: kept to undo it
+                row.saved_key = row.plan.key
         trees = [rt for rt, _ in built]
+        plain = all(rt.tree is None and masks is None for rt, masks in built)
+        if plain:  # one token a row: written where every row ends, it needs no move after
+            align_rows(self.cache, self.ragged)
         bt = stack_trees(trees)
         start = self.ragged.end  # the trees go right after the longest row
         logits, hidden = verify_batch(self.model, self.backbone, self.lm_head, self.cache, bt, self.ragged)
         accs = [self._accept(row, rt, logits[b], masks) for b, (row, (rt, masks)) in enumerate(zip(self.rows, built))]
         take_row_states(self.cache, mx.stack([b * bt.width + a.last for b, a in enumerate(accs)]))
-        ran, self.arm = self.arm, self._next_arm()
-        reads, sizes = [], []
-        for b, (row, rt, acc) in enumerate(zip(self.rows, trees, accs)):
-            beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
-            pending = row.drafts.early_reads(acc.next_token, hidden[b, acc.last], True) if row.drafts else []
-            parts = [mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, beam]), *pending]
-            reads += parts
-            sizes.append(sum(p.size for p in parts))
-        vals = host_read(*reads)
-        self.syncs += 1
-        parsed, at = [], 0
-        for rt, size in zip(trees, sizes):
-            parsed.append(StepRead.parse(vals[at : at + size], rt.depth))
-            at += size
-        paths = padded_paths(accs, 1 + max(rt.depth for rt in trees))
-        compact_rows(self.cache, self.ragged, start, paths, [1 + r.n for r in parsed])
-        out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, trees, parsed)]
-        self.tokens = sum(len(st.tokens) for st in out)
-        return self.timed(out, bt.width, ran, time.perf_counter() - tic)
+        if plain:  # each row keeps its one token, known before the read
+            advance_rows(self.cache, self.ragged)
+        return _Launched(trees, bt, start, accs, hidden, plain, queued=after is not None)
+
+    def _can_queue(self, now: "_Launched") -> bool:
+        """Whether the next step can be launched before this one is read: this
+        one and the next are plain (the governor parked drafting, no row has a
+        grammar), so nothing of the next depends on what the host reads; and
+        the model has no recurrent layers (a queued step is undone, when rows
+        join or leave first, by forgetting its one cached token)."""
+        return (
+            now.plain
+            and self.arm is not None
+            and not self.arm[0]
+            and all(row.matcher is None for row in self.rows)
+            and not recurrent_leaves(self.cache)
+        )
+
+    def _unqueue(self) -> None:
+        """Undo a step queued ahead (rows join or leave before it is read):
+        its token leaves every row's cache and its draws' keys come back."""
+        if self.ahead is None:
+            return
+        self.ahead = None
+        self.ragged.lengths = [n - 1 for n in self.ragged.lengths]
+        fit_rows(self.cache, self.ragged)
+        for row in self.rows:
+            row.plan.key = row.saved_key
 
     def timed(self, out: List[StepTokens], width: int, ran, seconds: float) -> List[StepTokens]:
         """A step of trees ``width`` wide, proposed under ``ran`` (the
