@@ -36,11 +36,12 @@ from ..llm.batch_cache import (
     Ragged,
     advance_rows,
     align_rows,
-    compact_rows,
     drop_rows,
     extract_row,
     fit_rows,
     join_rows,
+    path_columns,
+    place_paths,
     take_row_states,
 )
 from ..llm.cache import trim_cache
@@ -79,8 +80,9 @@ class RowPlan:
 @dataclass
 class _Launched:
     """A step launched (lazy): the rows' trees, the batch of them, where they
-    were written, each row's acceptance, the hidden states, and whether it
-    is plain (every row's next token alone, already moved into place)."""
+    were written, each row's acceptance, the hidden states, whether it is
+    plain (every row's next token alone, written in place), and else the
+    accepted paths' keys and values to move into place once read."""
 
     trees: List[RowTree]
     bt: object
@@ -88,6 +90,7 @@ class _Launched:
     accs: List[Accepted]
     hidden: mx.array
     plain: bool
+    columns: list  # not plain: each attention layer's keys and values of the rows' accepted paths
     queued: bool = False
 
 
@@ -301,6 +304,8 @@ class BatchSteps:
             reads += parts
             sizes.append(sum(p.size for p in parts))
         read = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in reads])
+        if now.columns:  # evaluated with the read: the buffers are then written in place
+            mx.async_eval(*[a for pair in now.columns for a in pair])
         if self._can_queue(now):
             # The next step is a plain one too: queue it now, behind this step's read,
             # so that the device computes it while the host reads and emits this one.
@@ -313,9 +318,8 @@ class BatchSteps:
         for rt, size in zip(now.trees, sizes):
             parsed.append(StepRead.parse(vals[at : at + size], rt.depth))
             at += size
-        if not now.plain:  # a plain step moved its one token into place when it was launched
-            paths = padded_paths(now.accs, 1 + max(rt.depth for rt in now.trees))
-            compact_rows(self.cache, self.ragged, now.start, paths, [1 + r.n for r in parsed])
+        if not now.plain:  # a plain step's one token a row is in place already
+            place_paths(self.cache, self.ragged, now.columns, [1 + r.n for r in parsed])
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, now.trees, parsed)]
         self.tokens = sum(len(st.tokens) for st in out)
         return self.timed(out, now.bt.width, ran, time.perf_counter() - tic)
@@ -341,9 +345,12 @@ class BatchSteps:
         logits, hidden = verify_batch(self.model, self.backbone, self.lm_head, self.cache, bt, self.ragged)
         accs = [self._accept(row, rt, logits[b], masks) for b, (row, (rt, masks)) in enumerate(zip(self.rows, built))]
         take_row_states(self.cache, mx.stack([b * bt.width + a.last for b, a in enumerate(accs)]))
+        columns = []
         if plain:  # each row keeps its one token, known before the read
             advance_rows(self.cache, self.ragged)
-        return _Launched(trees, bt, start, accs, hidden, plain, queued=after is not None)
+        else:  # each row's accepted path, moved into place once read
+            columns = path_columns(self.cache, start, padded_paths(accs, 1 + max(rt.depth for rt in trees)))
+        return _Launched(trees, bt, start, accs, hidden, plain, columns, queued=after is not None)
 
     def _can_queue(self, now: "_Launched") -> bool:
         """Whether the next step can be launched before this one is read: this
