@@ -260,6 +260,12 @@ def test_rows_join_and_leave_while_a_plain_step_is_queued(kind, monkeypatch):
         assert not undone and bs.queued_steps == 0
         return
     assert len(undone) >= 3 and all(set(d) == {1} for d in undone), undone  # joins and leaves with a step queued
+    # A seeded row's sampler keeps its key to itself: nothing is queued beside it.
+    now = type("Now", (), {"plain": True})()
+    bs.rows, bs.arm = [BatchRow(RowPlan(SamplingConfig()), None, None)], (frozenset(), False, 1)
+    assert bs._can_queue(now)
+    bs.rows.append(BatchRow(RowPlan(SamplingConfig(temp=1.0), drafts=False, sampler=lambda lp: lp), None, None))
+    assert not bs._can_queue(now)
     # A sampled row's key: the queued step's draw is given back when it is undone.
     key = mx.random.key(3)
     row = BatchRow(RowPlan(SamplingConfig(temp=1.0), key=key), None, None)

@@ -355,14 +355,16 @@ class BatchSteps:
     def _can_queue(self, now: "_Launched") -> bool:
         """Whether the next step can be launched before this one is read: this
         one and the next are plain (the governor parked drafting, no row has a
-        grammar), so nothing of the next depends on what the host reads; and
-        the model has no recurrent layers (a queued step is undone, when rows
-        join or leave first, by forgetting its one cached token)."""
+        grammar), so nothing of the next depends on what the host reads; the
+        model has no recurrent layers, and no row draws with a sampler of its
+        own (a queued step is undone, when rows join or leave first, by
+        forgetting its one cached token and giving its keys back: a seeded
+        row's sampler keeps its key to itself)."""
         return (
             now.plain
             and self.arm is not None
             and not self.arm[0]
-            and all(row.matcher is None for row in self.rows)
+            and all(row.matcher is None and (row.plan.sampler is None or row.plan.sampling.greedy) for row in self.rows)
             and not recurrent_leaves(self.cache)
         )
 
