@@ -111,6 +111,30 @@ def test_train_controller_end_to_end_on_a_tiny_model(llama, tmp_path):
     assert_tokens_exact(model, ps[0], draft, plain=refs[0], max_tokens=48, min_accepted=8)
 
 
+def test_episodes_are_recorded_where_the_live_choice_would_decode_plainly(llama, monkeypatch, tmp_path):
+    """make-drafter's controller stage records one episode per drafted step.
+    Outside the suite (no ``MLX_REDRAFTER_ALWAYS_DRAFT``) the live choice
+    is on; on a device where drafting never pays it would run plain steps,
+    which the recorder never sees (make-drafter then failed with an
+    IndexError). Mutation: the recording without ``always_draft``."""
+    from mlx_redrafter.step import keep, loop
+
+    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
+    monkeypatch.setenv("MLX_REDRAFTER_CACHE", str(tmp_path))
+    monkeypatch.setattr(keep, "_KEPT", {})
+    real = loop.Generation.timed
+
+    def steep(self, out, size, arm=None, probing=False):  # every verified token costs a plain step
+        out.stats.step_time = 0.01 * (size + 0.5 * len(arm or ()))
+        return real(self, out, size, arm, probing)
+
+    monkeypatch.setattr(loop.Generation, "timed", steep)
+    model, ps, _ = llama
+    drafter = OracleDrafter(model, ps[0], 48, L)
+    episodes = record_episodes(model, drafter, [ps[0]], W, L, max_tokens=48)
+    assert len(episodes.accepted) >= 48 // (L + 1) and episodes.accepted.max() >= 1
+
+
 def test_fit_and_save_trains_saves_and_compares_every_depth(llama, tmp_path):
     from mlx_redrafter.train.controller import fit_and_save
 

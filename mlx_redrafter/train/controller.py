@@ -71,7 +71,9 @@ def record_episodes(
     for i, prompt in enumerate(prompts):
         rec = Recorder(top_k)
         ids = mx.array(prompt, dtype=mx.int32)
-        draft = DraftConfig(drafter, width, length, controller=rec)
+        # Every step drafts: an episode is a drafted step (the live choice would
+        # run plain steps where drafting does not pay, and record nothing for them).
+        draft = DraftConfig(drafter, width, length, controller=rec, always_draft=True)
         steps = redrafter_steps(model, ids, make_prompt_cache(model), draft=draft)
         stats, emitted = [], 0
         for step in steps:
