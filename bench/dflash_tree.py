@@ -56,7 +56,7 @@ def settings(drafter, widths, lookup: int, curve):
 
 def summary(p, plain_ids=None) -> dict:
     steps = [s for r in p.runs for s in r.steps[1:]]
-    first = [s.accepted >= 1 and s.source == "dflash" for s in steps]
+    first = [s.accepted >= 1 and s.source not in ("", "lookup", "datastore") for s in steps]  # the drafter's
     dflash = sum(s.accepted for s in steps if s.source == "dflash")
     tokens = sum(len(r.tokens) for r in p.runs)
     out = {
@@ -80,6 +80,12 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--widths", default="2,4")
     ap.add_argument("--lookup", type=int, default=0)
+    ap.add_argument(
+        "--compare",
+        default="",
+        help="Other drafters (folders, comma-separated: a ReDrafter drafter, an EAGLE-3 head), each in its "
+        "default shape drafting every step, beside the block's settings.",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     model, tok = load_model(args.model)
@@ -89,6 +95,10 @@ def main():
     eos = sorted(tok.eos_token_ids)
     curve = curve_for(model, args.model)
     cells = settings(drafter, [int(w) for w in args.widths.split(",")], args.lookup, curve)
+    for path in filter(None, args.compare.split(",")):
+        other = load_drafter(path)
+        other = other.bind(model) if hasattr(other, "bind") else other
+        cells[f"{Path(path).name} (every step)"] = resolve(other, lookup=args.lookup, always_draft=True).draft
     warm_up(model, ids[0], None)
     for d in cells.values():
         warm_up(model, ids[0], d)
@@ -100,12 +110,16 @@ def main():
     again = run_pass(model, ids, None, max_tokens=args.max_tokens, eos_ids=eos)
     base = (plain.tokens_per_s + again.tokens_per_s) / 2
     print(f"plain {plain.tokens_per_s:.1f} / {again.tokens_per_s:.1f} tok/s (load {os.getloadavg()[0]:.1f})")
-    print("setting | tokens/step | first-draft acceptance | dflash share | tree size | tok/s | speed-up | identical")
+    print(
+        "setting | tokens/step | first-draft acceptance | dflash share | tree size | tok/s | speed-up | "
+        "step cost (plain steps) | identical"
+    )
     for name, r in results.items():
         r["speedup"] = r["tokens_per_s"] / base
+        r["step_cost"] = r["tokens_per_step"] / r["speedup"]  # a step's time over a plain step's
         print(
             f"{name} | {r['tokens_per_step']:.2f} | {r['first_draft_acceptance']:.3f} | {r['dflash_share']:.3f} | "
-            f"{r['mean_tree_size']:.1f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['mean_tree_size']:.1f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['step_cost']:.2f} | "
             f"{r['identical_outputs']}/{len(ids)}"
         )
     if args.out:
