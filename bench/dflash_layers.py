@@ -25,7 +25,7 @@ import json
 import os
 from pathlib import Path
 
-from dflash_tree import summary
+from dflash_tree import summary, write_out
 
 from mlx_redrafter import load_model
 from mlx_redrafter.config import DraftConfig, resolve
@@ -100,11 +100,7 @@ def main():
             f"{c['speedup']:.2f}x | {d['speedup']:.2f}x | {c['identical_outputs']}/{len(ids)}, "
             f"{d['identical_outputs']}/{len(ids)}"
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        out = {"args": {k: str(v) for k, v in vars(args).items()}, "plain_tokens_per_s": [plain.tokens_per_s,
-               again.tokens_per_s], "sizes": rows, "load_average": os.getloadavg()}  # fmt: skip
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_out(args, [plain.tokens_per_s, again.tokens_per_s], sizes=rows)
 
 
 if __name__ == "__main__":
