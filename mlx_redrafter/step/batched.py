@@ -51,12 +51,11 @@ from .accept import Accepted
 from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
-from .drafts import Drafts, fused_layers, source_names
+from .drafts import Drafts, costly_names, fused_layers, source_names
 from .governor import Governor, mode_of
 from .grammar import apply_mask, packed_masks, tree_masks, unpack_masks
 from .plan import make_plan
 from .protocol import StepRead, StepStats, StepTokens, host_read, prefill
-from .source import TOKENS
 from .sources.forced import FORCED_LENGTH
 from .tree import PAD, count_rows, pack
 
@@ -79,14 +78,13 @@ class RowPlan:
 
 @dataclass
 class _Launched:
-    """A step launched (lazy): the rows' trees, the batch of them, where they
-    were written, each row's acceptance, the hidden states, whether it is
+    """A step launched (lazy): the rows' trees, the batch of them, each row's
+    acceptance, the hidden states, whether it is
     plain (every row's next token alone, written in place), and else the
     accepted paths' keys and values to move into place once read."""
 
     trees: List[RowTree]
     bt: object
-    start: int
     accs: List[Accepted]
     hidden: mx.array
     plain: bool
@@ -167,7 +165,6 @@ class BatchSteps:
         self.live = live  # False: priced by the curve alone (no timing: the same widths every run)
         self.governed = live and self.plan.governed and self.plan.drafting
         self.names = source_names(self.plan.sources)
-        self.costly = [n for n, s in zip(self.names, self.plan.sources) if s.needs != TOKENS]  # a forward of their own
         self.governors: Dict[int, Governor] = {}  # by the batch's rows: a batch's cost depends on them
         # (arm, probing, rows) the next trees were proposed under (None: ungoverned)
         self.arm: Optional[Tuple[frozenset, bool, int]] = None
@@ -350,7 +347,7 @@ class BatchSteps:
             advance_rows(self.cache, self.ragged)
         else:  # each row's accepted path, moved into place once read
             columns = path_columns(self.cache, start, padded_paths(accs, 1 + max(rt.depth for rt in trees)))
-        return _Launched(trees, bt, start, accs, hidden, plain, columns, queued=after is not None)
+        return _Launched(trees, bt, accs, hidden, plain, columns, queued=after is not None)
 
     def _can_queue(self, now: "_Launched") -> bool:
         """Whether the next step can be launched before this one is read: this
@@ -398,7 +395,7 @@ class BatchSteps:
             return None
         n = len(self.rows)
         if n not in self.governors:
-            self.governors[n] = Governor(self.names, costly=self.costly)
+            self.governors[n] = Governor(self.names, costly=costly_names(self.names, self.plan.sources))
         gov = self.governors[n]
         if self.arm is None or self.arm[2] != n:  # rows joined or left: its next step is not one of a run
             gov.prev = None

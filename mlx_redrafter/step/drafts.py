@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .build import Candidates
-from .source import DEVICE, STATES, At, Rows, Setting
+from .source import DEVICE, STATES, TOKENS, At, Rows, Setting
 
 
 def fused_layers(sources) -> List[int]:
@@ -41,6 +41,12 @@ def source_names(sources) -> List[str]:
             name = f"{s.name}#{k}"
         out.append(name)
     return out
+
+
+def costly_names(names: Sequence[str], sources) -> List[str]:
+    """The names (:func:`source_names`) of the sources with a forward of their
+    own (not host tokens alone): the governor's arms leave each of them out."""
+    return [n for n, s in zip(names, sources) if s.needs != TOKENS]
 
 
 def columns(layers: Sequence[int], wanted: Sequence[int], width: int, last: bool):

@@ -47,14 +47,14 @@ from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_states, restore_states, take_tree_states
 from .accept import Accepted, sample_first
 from .build import Built, Candidates, accept, build
-from .drafts import Drafts, columns, fused_layers, source_names  # noqa: F401  (columns: re-exported)
+from .drafts import Drafts, columns, costly_names, fused_layers, source_names  # noqa: F401  (columns: re-exported)
 from .governor import Governor, mode_of
 from .keep import kept, live_key, opened
 from .live_cost import LiveCost
 from .protocol import StepRead, StepTokens, first_step, host_read, prefill, step_read
 from .select import code_candidate
 from .shadow import Shadow
-from .source import TOKENS, At, Flight
+from .source import At, Flight
 from .verify import install_tree_hooks, needs_hooks, tree_hooks
 
 
@@ -103,8 +103,7 @@ class Generation:
         """The plan's governor, started from what earlier generations learned (step/keep.py)."""
         self.names = source_names(plan.sources)
         self.key = live_key(model, self.names)
-        costly = [n for n, s in zip(self.names, plan.sources) if s.needs != TOKENS]  # a forward of their own
-        governor = Governor(self.names, plan.starts_plain, costly)
+        governor = Governor(self.names, plan.starts_plain, costly_names(self.names, plan.sources))
         state = opened(self.key) or {}
         governor.restore(state.get("governor"))
         if self.auto is not None and self.auto.live is not None and state.get("cost"):
