@@ -417,3 +417,33 @@ def test_a_batched_rows_samples_follow_the_models_distribution(v5_model, monkeyp
     observed, taken = sampled_rows(v5_model, PROMPT, draft, cfg, RUNS, PER_BATCH, seed=5)
     assert chi2_passes(observed, expected, RUNS) == (wrong is None)
     assert taken > RUNS // 2  # drafts were accepted in many rows
+
+
+def test_one_token_a_row_on_ragged_rows_sees_only_each_rows_own_tokens():
+    """After drafting steps left the rows ending in different places, a
+    verify call of one token a row gives each row the logits it has alone
+    (its own cache, mlx-lm's model call): the columns after a shorter row's
+    end hold its rejected drafts and stay hidden. Mutation: ``verify_batch``
+    taking mlx-lm's own batched step for any width of 1 (its mask reads the
+    rows as ending together)."""
+    from mlx_redrafter.llm.batch_cache import extract_row
+    from mlx_redrafter.step.batch_verify import RowTree, stack_trees, verify_batch
+
+    model = tiny_model("llama")
+    oracle = OracleDrafter(model, PROMPTS, N, 3, inner=random_drafter())
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT, live=False)
+    for p in PROMPTS:
+        bs.add(make_prompt_cache(model), p, RowPlan(SamplingConfig()))
+    for _ in range(N - 4):
+        if not bs.ragged.aligned:
+            break
+        bs.step()
+    assert not bs.ragged.aligned, bs.ragged
+    alone = []
+    for b, row in enumerate(bs.rows):
+        own = extract_row(bs.cache, bs.ragged, b)
+        alone.append(model(mx.array([[row.g0]]), cache=own)[0, -1])
+    bt = stack_trees([RowTree(mx.array(row.g0, mx.int32)) for row in bs.rows])
+    logits, _ = verify_batch(model, bs.backbone, bs.lm_head, bs.cache, bt, bs.ragged)
+    for b, want in enumerate(alone):
+        assert mx.allclose(logits[b, 0], want, atol=1e-4).item(), b

@@ -47,6 +47,12 @@ class Ragged:
         """Where the buffer's used part ends: the longest row's end."""
         return max((a + n for a, n in zip(self.left, self.lengths)), default=0)
 
+    @property
+    def aligned(self) -> bool:
+        """Whether every row ends where the longest does (mlx-lm's own layout: left padding only)."""
+        end = self.end
+        return all(a + n == end for a, n in zip(self.left, self.lengths))
+
     def __len__(self) -> int:
         return len(self.lengths)
 

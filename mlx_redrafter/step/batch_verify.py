@@ -176,9 +176,18 @@ def batch_tree_hooks(model, cache, bt: BatchTree, ragged: Ragged):
 
 
 def verify_batch(model, backbone, head, cache, bt: BatchTree, ragged: Ragged):
-    """One forward over every row's tree: ``(logits [B, N, V], hidden [B, N, h])``, lazily."""
-    with batch_tree_hooks(model, cache, bt, ragged):
+    """One forward over every row's tree: ``(logits [B, N, V], hidden [B, N, h])``, lazily.
+
+    One token a row, every row ending at the buffer's end (a plain step,
+    llm/batch_cache.py ``align_rows``), is mlx-lm's own batched decoding
+    step: its masks and positions are the cache's, so no hook is installed
+    (the hooks' per-row positions and mask cost a 4-row plain step about 2%
+    on a CPU, bench/batch_plain.py)."""
+    if bt.width == 1 and ragged.aligned:
         hidden = backbone(bt.tokens, cache=cache)
+    else:
+        with batch_tree_hooks(model, cache, bt, ragged):
+            hidden = backbone(bt.tokens, cache=cache)
     return head(hidden), hidden
 
 

@@ -306,8 +306,12 @@ class BatchSteps:
         if self._can_queue(now):
             # The next step is a plain one too: queue it now, behind this step's read,
             # so that the device computes it while the host reads and emits this one.
-            mx.async_eval(read)
+            # Its graph is built first, while the device still finishes this step:
+            # MLX's CPU stream holds a few ops queued at most (``async_eval`` returns
+            # only when the rest are done), so time the host spends between two
+            # submissions is time the device waits.
             self.ahead = self._launch(now)
+            mx.async_eval(read)
             mx.async_eval(*[a.next_token for a in self.ahead.accs])
         vals = host_read(read)
         self.syncs += 1
