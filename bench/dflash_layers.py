@@ -36,11 +36,11 @@ from mlx_redrafter.train.dflash_trainer import DFlashTrainConfig, drafter_layers
 from mlx_redrafter.tuning.measure import run_pass, warm_up
 
 
-def train(model, tok, data: Path, folder: Path, layers: int, minutes: float) -> dict:
+def train(model, tok, data: Path, folder: Path, layers: int, minutes: float, eval_every: int) -> dict:
     """Train a drafter of ``layers`` for ``minutes`` into ``folder`` (kept: a
     rerun measures it again); its best evaluation."""
     if not (folder / "model.safetensors").is_file():
-        cfg = DFlashTrainConfig(layers=layers, minutes=minutes, eval_every=50, checkpoint_every=10_000)
+        cfg = DFlashTrainConfig(layers=layers, minutes=minutes, eval_every=eval_every, checkpoint_every=10_000)
         train_dflash(model, data, folder, cfg, eos_ids=sorted(tok.eos_token_ids))
     log = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in log if "eval_accepted_w1" in r]
@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--data", type=Path, required=True, help="make-drafter's data folder (with the DFlash taps).")
     ap.add_argument("--layers", default="1,2,3")
     ap.add_argument("--minutes", type=float, default=8.0, help="Training minutes of each size.")
+    ap.add_argument("--eval-every", type=int, default=50, help="Training steps between evaluations (make-drafter: 75).")
     ap.add_argument("--work", type=Path, default=Path("runs/dflash_layers"))
     ap.add_argument("--prompts", default="mt_bench")
     ap.add_argument("--num-prompts", type=int, default=6)
@@ -63,7 +64,9 @@ def main():
     args = ap.parse_args()
     model, tok = load_model(args.model)
     sizes = [int(n) for n in args.layers.split(",")]
-    trained = {n: train(model, tok, args.data, args.work / f"layers{n}", n, args.minutes) for n in sizes}
+    trained = {
+        n: train(model, tok, args.data, args.work / f"layers{n}", n, args.minutes, args.eval_every) for n in sizes
+    }
     convs = select_conversations(load_prompt_set(args.prompts), args.num_prompts)
     ids, eos = first_turn_ids(tok, convs), sorted(tok.eos_token_ids)
     curve = curve_for(model, args.model)

@@ -83,10 +83,14 @@ class DFlashTrainConfig:
 
 
 def drafter_layers(num_layers: int) -> int:
-    """Draft layers for a model of ``num_layers``: one per twelve of its
-    layers, 1 to 5 (z-lab's drafters: 5 for 36 to 64 layers; a CPU's draft
-    cost grows with each, bench/RESULTS.md measures the choice)."""
-    return max(1, min(5, num_layers // 12))
+    """Draft layers for a model of ``num_layers``: one per 24 of its layers,
+    1 to 5. z-lab's drafters have 5 for 36 to 64 layers, trained for days on
+    GPUs; on a user's machine a training run lasts minutes to an hour, and a
+    smaller drafter trains more steps in it and costs less each draft: on the
+    default model (30 layers), 1, 2 and 3 layers trained 16 minutes each
+    accepted 0.157, 0.112 and 0.114 of the block's first drafts on MT-Bench
+    (bench/RESULTS.md section 33)."""
+    return max(1, min(5, num_layers // 24))
 
 
 def default_gamma(block_size: int) -> float:
