@@ -89,6 +89,7 @@ class _Launched:
     hidden: mx.array
     plain: bool
     columns: list  # not plain: each attention layer's keys and values of the rows' accepted paths
+    tokens: Optional[mx.array] = None  # plain: every row's next token, ``[B]`` (the step's whole read)
     queued: bool = False
 
 
@@ -293,14 +294,13 @@ class BatchSteps:
         self.queued_steps += now.queued
         self.last_width = now.bt.width
         ran, self.arm = self.arm, self._next_arm()
-        reads, sizes = [], []
-        for b, (row, rt, acc) in enumerate(zip(self.rows, now.trees, now.accs)):
-            beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
-            pending = row.drafts.early_reads(acc.next_token, now.hidden[b, acc.last], True) if row.drafts else []
-            parts = [mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, beam]), *pending]
-            reads += parts
-            sizes.append(sum(p.size for p in parts))
-        read = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in reads])
+        pending = [
+            row.drafts.early_reads(acc.next_token, now.hidden[b, acc.last], True) if row.drafts else []
+            for b, (row, acc) in enumerate(zip(self.rows, now.accs))
+        ]
+        # A plain step with nothing proposed early reads its tokens as they are (no new op).
+        short = now.plain and not any(pending)
+        read, sizes = (now.tokens, None) if short else self._read(now, pending)
         if now.columns:  # evaluated with the read: the buffers are then written in place
             mx.async_eval(*[a for pair in now.columns for a in pair])
         if self._can_queue(now):
@@ -312,18 +312,39 @@ class BatchSteps:
             # submissions is time the device waits.
             self.ahead = self._launch(now)
             mx.async_eval(read)
-            mx.async_eval(*[a.next_token for a in self.ahead.accs])
+            mx.async_eval(self.ahead.tokens)
         vals = host_read(read)
         self.syncs += 1
-        parsed, at = [], 0
-        for rt, size in zip(now.trees, sizes):
-            parsed.append(StepRead.parse(vals[at : at + size], rt.depth))
-            at += size
+        if short:  # each row: nothing accepted, its next token, a path of its root alone
+            parsed = [StepRead.parse([0, 0, v, 0], 0) for v in vals]
+        else:
+            parsed = self._parse(vals, now, sizes)
         if not now.plain:  # a plain step's one token a row is in place already
             place_paths(self.cache, self.ragged, now.columns, [1 + r.n for r in parsed])
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, now.trees, parsed)]
         self.tokens = sum(len(st.tokens) for st in out)
         return self.timed(out, now.bt.width, ran, time.perf_counter() - tic)
+
+    @staticmethod
+    def _read(now: "_Launched", pending: List[list]) -> Tuple[mx.array, List[int]]:
+        """The step's one read (each row's acceptance, its accepted row, then
+        what its early sources need) and each row's share of it."""
+        reads, sizes = [], []
+        for rt, acc, early in zip(now.trees, now.accs, pending):
+            beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
+            parts = [mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, beam]), *early]
+            reads += parts
+            sizes.append(sum(p.size for p in parts))
+        return mx.concatenate([a.reshape(-1).astype(mx.int32) for a in reads]), sizes
+
+    @staticmethod
+    def _parse(vals: List[int], now: "_Launched", sizes: List[int]) -> List[StepRead]:
+        """Each row's :class:`StepRead` of :meth:`_read`'s values."""
+        parsed, at = [], 0
+        for rt, size in zip(now.trees, sizes):
+            parsed.append(StepRead.parse(vals[at : at + size], rt.depth))
+            at += size
+        return parsed
 
     def _launch(self, after: Optional["_Launched"] = None) -> "_Launched":
         """A step's verify and acceptance, lazily: every row's tree (its
@@ -351,7 +372,8 @@ class BatchSteps:
             advance_rows(self.cache, self.ragged)
         else:  # each row's accepted path, moved into place once read
             columns = path_columns(self.cache, start, padded_paths(accs, 1 + max(rt.depth for rt in trees)))
-        return _Launched(trees, bt, accs, hidden, plain, columns, queued=after is not None)
+        tokens = mx.stack([a.next_token for a in accs]).astype(mx.int32) if plain else None
+        return _Launched(trees, bt, accs, hidden, plain, columns, tokens, queued=after is not None)
 
     def _can_queue(self, now: "_Launched") -> bool:
         """Whether the next step can be launched before this one is read: this
