@@ -181,7 +181,7 @@ def verify_batch(model, backbone, head, cache, bt: BatchTree, ragged: Ragged):
     One token a row, every row ending at the buffer's end (a plain step,
     llm/batch_cache.py ``align_rows``), is mlx-lm's own batched decoding
     step: its masks and positions are the cache's, so no hook is installed
-    (the hooks' per-row positions and mask cost a 4-row plain step about 2%
+    (the hooks' per-row positions and mask cost a 4-row plain step 1-2%
     on a CPU, bench/batch_plain.py)."""
     if bt.width == 1 and ragged.aligned:
         hidden = backbone(bt.tokens, cache=cache)
