@@ -27,11 +27,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..config import DraftConfig, SamplingConfig
+from ..config import DraftConfig
 from ..llm.batch_cache import (
     Ragged,
     advance_rows,
@@ -49,6 +49,7 @@ from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_leaves
 from .accept import Accepted
 from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_row import BatchRow, RowPlan
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
 from .drafts import Drafts, costly_names, fused_layers, source_names
@@ -56,24 +57,7 @@ from .governor import Governor, mode_of
 from .grammar import apply_mask, packed_masks, tree_masks, unpack_masks
 from .plan import make_plan
 from .protocol import StepRead, StepStats, StepTokens, host_read, prefill
-from .sources.forced import FORCED_LENGTH
-from .tree import PAD, count_rows, pack
-
-GRAMMAR = "grammar"  # the label of a grammar's forced row
-
-
-@dataclass
-class RowPlan:
-    """How one row decodes: its ``sampling``, its own random ``key``
-    (sampling rows; None: the global random state), its ``grammar``,
-    whether it ``drafts``, and for a row that does not, an optional
-    ``sampler(logprobs [1, V]) -> [1]`` (mlx-lm's sampler contract)."""
-
-    sampling: SamplingConfig
-    key: Optional[mx.array] = None
-    grammar: object = None
-    drafts: bool = True
-    sampler: Optional[Callable] = None
+from .tree import count_rows, pack
 
 
 @dataclass
@@ -91,41 +75,6 @@ class _Launched:
     columns: list  # not plain: each attention layer's keys and values of the rows' accepted paths
     tokens: Optional[mx.array] = None  # plain: every row's next token, ``[B]`` (the step's whole read)
     queued: bool = False
-
-
-class BatchRow:
-    """A row of :class:`BatchSteps`: its plan, drafts and next token."""
-
-    def __init__(self, plan: RowPlan, drafts: Optional[Drafts], matcher):
-        self.plan, self.drafts, self.matcher = plan, drafts, matcher
-        self.g0 = 0  # the next token (the root of the next tree), on the host
-        self.rows: List[List[int]] = []  # the next tree's rows (PAD-padded), host
-        self.sources: List[str] = []
-        self.steps = 0
-        self.saved_key = None  # its key before a step queued ahead drew from it
-
-    def next_key(self):
-        """A fresh key for this step's draws (None: the row draws from the global state)."""
-        if self.plan.key is None:
-            return None
-        self.plan.key, sub = mx.random.split(self.plan.key)
-        return sub
-
-    def take(self, vals: List[int], emitted: List[int]) -> None:
-        """The next tree's rows, from the early sources' values just read and the tokens just emitted."""
-        self.rows, self.sources = [], []
-        if self.drafts is not None:
-            self.drafts.emitted(emitted)
-            cands = self.drafts.late(vals, True, g0_value=self.g0)
-            if cands.blocks:
-                rows = cands.host_rows()
-                depth = max(len(r) for r in rows)
-                self.rows, self.sources = [r + [PAD] * (depth - len(r)) for r in rows], list(cands.labels)
-        if self.matcher is not None and self.plan.drafts and not self.matcher.is_done():
-            forced = self.matcher.forced_tokens()[:FORCED_LENGTH]
-            if forced:
-                self.rows.append(forced)
-                self.sources.append(GRAMMAR)
 
 
 class BatchSteps:
