@@ -56,7 +56,7 @@ from .drafts import Drafts, costly_names, fused_layers, source_names
 from .governor import Governor, mode_of
 from .grammar import apply_mask, packed_masks, tree_masks, unpack_masks
 from .plan import make_plan
-from .protocol import StepRead, StepStats, StepTokens, host_read, prefill
+from .protocol import StepRead, StepStats, StepTokens, host_read, prefill, step_read
 from .tree import count_rows, pack
 
 
@@ -264,10 +264,7 @@ class BatchSteps:
             mx.async_eval(self.ahead.tokens)
         vals = host_read(read)
         self.syncs += 1
-        if short:  # each row: nothing accepted, its next token, a path of its root alone
-            parsed = [StepRead.parse([0, 0, v, 0], 0) for v in vals]
-        else:
-            parsed = self._parse(vals, now, sizes)
+        parsed = [StepRead.alone(v) for v in vals] if short else self._parse(vals, now, sizes)
         if not now.plain:  # a plain step's one token a row is in place already
             place_paths(self.cache, self.ragged, now.columns, [1 + r.n for r in parsed])
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, now.trees, parsed)]
@@ -281,7 +278,7 @@ class BatchSteps:
         reads, sizes = [], []
         for rt, acc, early in zip(now.trees, now.accs, pending):
             beam = rt.beams[acc.beam] if rt.tree is not None else mx.zeros((0,), mx.int32)
-            parts = [mx.concatenate([mx.stack([acc.n, acc.beam, acc.next_token]), acc.path, beam]), *early]
+            parts = [step_read(acc, beam), *early]
             reads += parts
             sizes.append(sum(p.size for p in parts))
         return mx.concatenate([a.reshape(-1).astype(mx.int32) for a in reads]), sizes

@@ -85,6 +85,11 @@ class StepRead:
         n, beam, g0 = vals[:3]
         return cls(n, beam, g0, vals[3 : 4 + depth], vals[4 + depth : 4 + 2 * depth], vals[4 + 2 * depth :])
 
+    @classmethod
+    def alone(cls, g0: int) -> "StepRead":
+        """The read of ``g0`` verified alone (a plain step): nothing accepted, a path of its root."""
+        return cls(0, 0, g0, [0], [], [])
+
     @property
     def emitted(self) -> List[int]:
         """The step's tokens: the accepted drafts, then the LLM's own."""
