@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from dflash_tree import write_out
@@ -54,11 +54,12 @@ def mlx_lm_batch(model, prompts, n: int):
         if not responses:
             continue
         steps += 1
-        if steps == SKIP + 1:
-            tic, count = time.perf_counter(), 0
         for r in responses:
             out[r.uid].append(r.token)
-            count += 1
+        if steps == SKIP:  # the clock starts once the skipped steps' tokens are out; later ones count
+            tic = time.perf_counter()
+        elif steps > SKIP:
+            count += len(responses)
     rate = count / (time.perf_counter() - tic)
     return rate, [out[u] for u in uids]
 
@@ -74,17 +75,18 @@ def hooked():
         batch_cache.Ragged.aligned = saved
 
 
-def plain_arm(model, draft, prompts, n: int):
-    """``BatchSteps`` pinned to plain decoding: (tokens/s, each row's tokens)."""
-    with pinned("plain"):
+def plain_arm(model, draft, prompts, n: int, through_hooks: bool = False):
+    """``BatchSteps`` pinned to plain decoding (``through_hooks``: every step
+    through the tree hooks): (tokens/s, each row's tokens)."""
+    with pinned("plain"), hooked() if through_hooks else nullcontext():
         batch = BatchSteps(model, draft, live=True)
         out = []
         for p in prompts:
             _, first = batch.add(make_prompt_cache(model), p, RowPlan(SamplingConfig()))
             out.append(list(first.tokens))
         count, tic = 0, None
-        for step in range(n - 1):
-            if step == SKIP - 1:
+        for step in range(n - 1):  # the first token came with the prefill
+            if step == SKIP - 1:  # the clock starts once the skipped steps' tokens are out; later ones count
                 tic, count = time.perf_counter(), 0
             for row, st in zip(out, batch.step()):
                 row.extend(st.tokens)
@@ -107,7 +109,7 @@ def main():
     ways = {
         "mlx-lm": lambda: mlx_lm_batch(model, prompts, args.max_tokens),
         "plain arm": lambda: plain_arm(model, rt.draft, prompts, args.max_tokens),
-        "plain arm, tree hooks": lambda: _hooked(model, rt.draft, prompts, args.max_tokens),
+        "plain arm, tree hooks": lambda: plain_arm(model, rt.draft, prompts, args.max_tokens, through_hooks=True),
     }
     for way in ways.values():  # warm-up: allocations and kernels
         way()
@@ -126,11 +128,6 @@ def main():
     for name, r in rates.items():
         print(f"{name} | {' / '.join(f'{x:.1f}' for x in r)} | {sum(r) / len(r) / base:.3f} | {same[name]}")
     write_out(args, rates["mlx-lm"], rates=rates, same_tokens=same)
-
-
-def _hooked(model, draft, prompts, n):
-    with hooked():
-        return plain_arm(model, draft, prompts, n)
 
 
 if __name__ == "__main__":
