@@ -10,7 +10,8 @@ the arm's mean (the swing that makes a few steps near a tie prove nothing).
 Scenarios (the arms' costs and yields are rough copies of this project's
 measurements, bench/RESULTS.md §36): ``tie`` (drafting at 1.06x),
 ``lose5`` (0.95x), ``win15`` (1.15x), ``dm`` (a draft model at 0.50x beside
-the drafter and lookup: five arms), ``mtp`` (an MTP head at 0.40x, lookup alone at 1.7x), ``stretch``
+the drafter and lookup: five arms), ``mtp`` (an MTP head at 0.40x, lookup alone at 1.7x),
+``mtp-dead`` (an MTP head whose drafts are all rejected, its steps at 2.8 plain ones, lookup finding nothing), ``stretch``
 (copy stretches: yields switch every ~30 steps). Reports governed tokens
 per unit of time against every arm pinned (the fixed settings). The tool
 that tuned the governor's constants; the real runs are bench/never_slower.py.
@@ -56,6 +57,9 @@ def scenario(name: str):
     if name == "mtp":
         arms = {PLAIN: (1.0, _yield(1)), F(["mtp", "lookup"]): (4.0, _yield(1.6)), lookup: (1.3, _yield(2.2))}
         return ["mtp", "lookup"], ["mtp"], arms, None
+    if name == "mtp-dead":  # the Qwen3.5 shape's random MTP head: every draft rejected, a step at 2.8 plain ones
+        arms = {PLAIN: (1.0, _yield(1)), F(["mtp", "lookup"]): (2.8, _yield(1)), lookup: (1.02, _yield(1.0))}
+        return ["mtp", "lookup"], ["mtp"], arms, None
     if name == "stretch":
         arms = {
             PLAIN: (1.0, _yield(1)),
@@ -92,7 +96,7 @@ def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 1
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenarios", nargs="*", default=["tie", "lose5", "win15", "dm", "mtp", "stretch"])
+    ap.add_argument("scenarios", nargs="*", default=["tie", "lose5", "win15", "dm", "mtp", "mtp-dead", "stretch"])
     ap.add_argument("--seeds", type=int, default=100)
     args = ap.parse_args(argv)
     for name in args.scenarios:

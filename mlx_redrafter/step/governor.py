@@ -24,6 +24,12 @@ show in what the steps measure.
   :data:`MAX_WAIT`; an arm far behind, :data:`FAR`, waits four times longer),
   and once chosen on its merits its wait starts over. Ollama's MLX runner
   and oMLX park speculation the same way.
+* **A budget for probing**: what a probe cost over what the best arm would
+  have emitted in its time (its every step, a source catching up included)
+  must be at most :data:`EXPLORE` of the time until the next one, so an arm
+  whose steps cost three plain ones (an MTP head whose drafts are rejected,
+  a draft model) waits hundreds of steps, one near a tie a few dozen. The
+  wait spans generations: a far arm's steps out carry over.
 * **Shadows**: an arm of host sources alone (lookup) is measured where it
   sits out too (:meth:`Governor.saw`, step/shadow.py: its rows from the
   history, checked against what the model emitted): its yield from every
@@ -75,6 +81,11 @@ MIN_SAMPLES = 2  # measured steps before an arm's rate is trusted
 # is far behind: its next wait is four times longer (not twice), and a new
 # generation neither measures it first nor shortens its wait.
 FAR = 0.8
+# Probing spends at most this share of the time: a probe that lost t seconds
+# against the best arm waits t / EXPLORE seconds (the best arm's steps) before the next.
+EXPLORE = 0.02
+LONGEST_WAIT = 4096  # ... up to this many steps
+PROBE_COST_STEPS = 3  # the steps a probe takes at least (its first is not measured): what one costs
 RESTORED_WAIT = PROBE_AFTER  # a generation is a new text: every arm left out is measured again soon
 
 
@@ -206,6 +217,8 @@ class Governor:
         self.probe_measured = 0  # steps the running probe measured
         self.chosen: Optional[Arm] = None  # the arm the last choose() gave
         self.prev: Optional[Arm] = None  # the arm of the last step ran
+        self.probed: Optional[Arm] = None  # the arm of the probe whose steps are being counted
+        self.spent = (0, 0.0)  # ... its tokens and seconds, every step of it
 
     # ------------------------------------------------------------------ deciding
 
@@ -269,7 +282,9 @@ class Governor:
             left, self.best = self.best, best
             self.parked[best] = _Parked()  # chosen on its merits: its next wait starts over
             if self._far(left):  # left far behind (the plan's first steps, a draft model): probed less
-                self.parked[left] = _Parked(wait=4 * PROBE_AFTER)
+                rate = self.rates[left]
+                cost = PROBE_COST_STEPS * rate.tokens / rate.weight, PROBE_COST_STEPS * rate.seconds / rate.weight
+                self.parked[left] = _Parked(wait=max(4 * PROBE_AFTER, self._budget(left, *cost)))
 
     # ------------------------------------------------------------------ hearing
 
@@ -283,6 +298,7 @@ class Governor:
     def ran(self, arm: Arm, tokens: int, seconds: float, probing: bool = False) -> None:
         """A step of ``arm`` emitted ``tokens`` in ``seconds``. A step between
         two arms is not measured (its time mixes both arms' work)."""
+        self._count(arm, tokens, seconds, probing)
         steady = arm == self.prev and arm == self.chosen
         self.prev = arm
         if steady and seconds > 0:
@@ -291,11 +307,33 @@ class Governor:
                 self.probe_measured += 1
                 leader = self._leader(arm)
                 decided = self._beats(arm, leader) or self._beats(leader, arm)
-                if self.probe_measured >= 2 and decided:  # the steps already tell: no need to measure on
+                if decided:  # the steps already tell (one step can, when far: SURE weighs the prior spread)
                     self.probe_left = 0
                     self.rates[arm].samples = max(self.rates[arm].samples, MIN_SAMPLES)
                     if self._far(arm):  # far behind: its next wait is a far arm's, however it was probed
                         self.parked[arm].wait = max(self.parked[arm].wait, 4 * PROBE_AFTER)
+
+    def _count(self, arm: Arm, tokens: int, seconds: float, probing: bool) -> None:
+        """Add a probe's step to what it spent; the first step after it settles its next wait."""
+        if self.probed is not None and (not probing or arm != self.probed):
+            probed, self.probed = self.probed, None
+            if probed != self.best:
+                park = self.parked[probed]
+                park.wait = max(park.wait, self._budget(probed, *self.spent))
+        if probing:
+            if self.probed is None:
+                self.probed, self.spent = arm, (0, 0.0)
+            self.spent = (self.spent[0] + tokens, self.spent[1] + seconds)
+
+    def _budget(self, arm: Arm, tokens: float, seconds: float) -> int:
+        """Steps to wait after steps of ``arm`` that emitted ``tokens`` in
+        ``seconds``: what they lost against the fastest other arm, over
+        :data:`EXPLORE` of that arm's step (0 when they lost nothing)."""
+        lead = self.rates[self._leader(arm)]
+        if lead.per_second <= 0 or lead.weight <= 0:
+            return 0
+        lost = seconds - tokens / lead.per_second
+        return min(int(lost / (EXPLORE * lead.seconds / lead.weight)), LONGEST_WAIT) if lost > 0 else 0
 
     # ------------------------------------------------------------------ keeping it
 
@@ -313,6 +351,7 @@ class Governor:
                     "seen": [r.seen * seen, r.seen_steps * seen],
                     "samples": r.samples,
                     "wait": p.wait,
+                    "out": p.out,
                 }
         return {"names": list(self.names), "best": arm_name(self.best), "arms": arms}
 
@@ -343,9 +382,10 @@ class Governor:
             # the text's: a prompt that repeats a document makes lookup pay).
             rate.samples = 0 if arm == self.plan and close else max(rate.samples, MIN_SAMPLES)
             # A new generation is a new text: an arm that was close is probed again within
-            # RESTORED_WAIT steps; one far behind keeps its wait.
+            # RESTORED_WAIT steps; one far behind keeps its wait and the steps it already waited.
             wait = max(int(got.get("wait", PROBE_AFTER)), PROBE_AFTER)
-            self.parked[arm].wait = min(wait, RESTORED_WAIT if close else MAX_WAIT)
+            self.parked[arm].wait = min(wait, RESTORED_WAIT if close else LONGEST_WAIT)
+            self.parked[arm].out = 0 if close else min(max(int(got.get("out", 0)), 0), wait)
         self.best = by_name.get(data.get("best"), self.best)
 
 
