@@ -219,6 +219,40 @@ def test_the_batch_drafts_only_where_it_pays_with_the_same_tokens(name, monkeypa
     assert "probe" in modes  # the arms left out were measured
 
 
+def test_a_new_number_of_rows_starts_from_what_the_batch_learned(monkeypatch):
+    """Governed on the steep cost table: two rows settle on plain decoding,
+    then two more join. The four-row batch starts on plain decoding (its
+    governor seeded from the two-row one's), not on a run of drafting
+    steps measured from scratch (probes aside); the tokens are plain decoding's.
+    Mutation seen caught: ``_new_governor`` not seeding (the four-row batch
+    drafts its first steps)."""
+    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
+    real = BatchSteps.timed
+    monkeypatch.setattr(
+        BatchSteps,
+        "timed",
+        lambda self, out, w, ran, s: real(self, out, w, ran, batch_steep(len(out), w, ran and ran[0])),
+    )
+    model, n = tiny_model("llama"), 64
+    oracle = OracleDrafter(model, PROMPTS, n, 3)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
+    steps, step = [], bs.step
+
+    def logged():
+        out = step()
+        steps.append((len(out), out[0].stats.mode))
+        return out
+
+    bs.step = logged
+    got, _ = run_batch(bs, PROMPTS, n, join_at=30)
+    assert got == plain(model, PROMPTS, n)
+    two = [m for r, m in steps[:30] if r == 2]
+    four = [m for r, m in steps if r == 4]
+    assert two[-5:] == ["plain"] * 5, two
+    # plain at once (a probe may follow: the waits carry over too), never the plan's arm measured anew
+    assert len(four) > 10 and four[0] == "plain" and "draft" not in four, four
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_rows_join_and_leave_while_a_plain_step_is_queued(kind, monkeypatch):
     """Governed on the steep cost table: once the batch decodes plainly, each

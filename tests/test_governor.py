@@ -247,6 +247,27 @@ def test_a_probe_that_costs_more_waits_longer_within_its_budget():
     assert gov.parked[mtp].wait >= 2 * 2 / EXPLORE
 
 
+def test_a_governor_seeded_from_another_starts_from_its_choice():
+    """A batch's governor for a new number of rows starts from the nearest
+    one's measurements (scaled by the rows and the cost), its best arm and
+    its waits: plain decoding runs at once, nothing is measured again first.
+    Mutation seen caught: the rates copied unscaled."""
+    drafter = frozenset(["drafter"])
+    gov = Governor(["drafter"])
+    simulate(gov, steep, 300)
+    new = Governor(["drafter"])
+    new.seeded(gov, tokens=2.0, seconds=1.5)
+    assert new.best == gov.best == PLAIN
+    for arm in gov.arms:
+        assert new.rates[arm].per_second == pytest.approx(gov.rates[arm].per_second * 2.0 / 1.5)
+        assert new.rates[arm].samples == gov.rates[arm].samples
+    assert (new.parked[drafter].wait, new.parked[drafter].out) == (gov.parked[drafter].wait, gov.parked[drafter].out)
+    assert new.choose() == (PLAIN, False)
+    fresh = Governor(["drafter"])
+    fresh.seeded(Governor(["drafter"]))  # one that measured nothing: nothing to start from
+    assert fresh.choose() == (drafter, False)
+
+
 def test_a_far_arms_wait_spans_generations():
     """The steps a far arm waited in one generation count in the next: its probe comes when the wait is up."""
     drafter = frozenset(["drafter"])

@@ -48,7 +48,7 @@ from ..llm.cache import trim_cache
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_leaves
 from .accept import Accepted
-from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_budget import BatchCost, SourceRates, batch_cost, choose_width, cut_rows, ranked_nodes, unique_prefixes
 from .batch_row import BatchRow, RowPlan
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
@@ -367,7 +367,7 @@ class BatchSteps:
             return None
         n = len(self.rows)
         if n not in self.governors:
-            self.governors[n] = Governor(self.names, costly=costly_names(self.names, self.plan.sources))
+            self.governors[n] = self._new_governor(n)
         gov = self.governors[n]
         if self.arm is None or self.arm[2] != n:  # rows joined or left: its next step is not one of a run
             gov.prev = None
@@ -377,6 +377,18 @@ class BatchSteps:
             if row.drafts is not None:
                 row.drafts.on = on
         return arm, probing, n
+
+    def _new_governor(self, n: int) -> Governor:
+        """The governor of ``n`` rows, started from the nearest number of rows
+        measured (its rates scaled by the rows and the curve's cost): rows
+        that come and go would otherwise measure every arm again at each count."""
+        gov = Governor(self.names, costly=costly_names(self.names, self.plan.sources))
+        known = [m for m, g in self.governors.items() if any(r.samples for r in g.rates.values())]
+        if known:
+            m = min(known, key=lambda m: (abs(m - n), -m))
+            cost = batch_cost(self.curve, n, 1) / batch_cost(self.curve, m, 1)
+            gov.seeded(self.governors[m], n / m, cost)
+        return gov
 
     def _ran(self, ran: Tuple[frozenset, bool, int], out: List[StepTokens], seconds: float) -> None:
         """The step just run verified trees proposed under ``ran``: its
