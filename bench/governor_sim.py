@@ -11,7 +11,8 @@ Scenarios (the arms' costs and yields are rough copies of this project's
 measurements, bench/RESULTS.md §36): ``tie`` (drafting at 1.06x),
 ``lose5`` (0.95x), ``win15`` (1.15x), ``dm`` (a draft model at 0.50x beside
 the drafter and lookup: five arms), ``mtp`` (an MTP head at 0.40x, lookup alone at 1.7x),
-``mtp-dead`` (an MTP head whose drafts are all rejected, its steps at 2.8 plain ones, lookup finding nothing), ``stretch``
+``mtp-dead`` (an MTP head whose drafts are all rejected, its steps at
+2.8 plain ones, lookup finding nothing), ``stretch``
 (copy stretches: yields switch every ~30 steps). Reports governed tokens
 per unit of time against every arm pinned (the fixed settings). The tool
 that tuned the governor's constants; the real runs are bench/never_slower.py.
