@@ -178,6 +178,17 @@ def batch_flat(rows, width, arm):  # a wide batch costs little more than a plain
     return 0.01 * rows * (1.0 if width == 1 else 1.05)
 
 
+def timed_by(monkeypatch, fn):
+    """Governed batches (no ``always_draft``) whose steps take ``fn(rows, width, arm)`` seconds, not the clock's."""
+    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
+    real = BatchSteps.timed
+    monkeypatch.setattr(
+        BatchSteps,
+        "timed",
+        lambda self, out, w, ran, s: real(self, out, w, ran, fn(len(out), w, ran and ran[0])),
+    )
+
+
 @pytest.mark.parametrize("name", ["steep", "flat"])
 def test_the_batch_drafts_only_where_it_pays_with_the_same_tokens(name, monkeypatch):
     """Governed (no ``always_draft``, a live batch): on a device where every
@@ -187,14 +198,7 @@ def test_the_batch_drafts_only_where_it_pays_with_the_same_tokens(name, monkeypa
     clock; the rows' tokens are plain decoding's either way.
     Mutation: ``BatchSteps._next_arm`` leaving ``drafts.on`` alone (every
     source asked in every arm): the steep batch keeps drafting."""
-    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
-    fn = {"steep": batch_steep, "flat": batch_flat}[name]
-    real = BatchSteps.timed
-
-    def timed(self, out, width, ran, seconds):
-        return real(self, out, width, ran, fn(len(out), width, ran and ran[0]))
-
-    monkeypatch.setattr(BatchSteps, "timed", timed)
+    timed_by(monkeypatch, {"steep": batch_steep, "flat": batch_flat}[name])
     model, n = tiny_model("llama"), 96
     prompts = PROMPTS[:2]
     oracle = OracleDrafter(model, prompts, n, 3)
@@ -226,13 +230,7 @@ def test_a_new_number_of_rows_starts_from_what_the_batch_learned(monkeypatch):
     steps measured from scratch (probes aside); the tokens are plain decoding's.
     Mutation seen caught: ``_new_governor`` not seeding (the four-row batch
     drafts its first steps)."""
-    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
-    real = BatchSteps.timed
-    monkeypatch.setattr(
-        BatchSteps,
-        "timed",
-        lambda self, out, w, ran, s: real(self, out, w, ran, batch_steep(len(out), w, ran and ran[0])),
-    )
+    timed_by(monkeypatch, batch_steep)
     model, n = tiny_model("llama"), 64
     oracle = OracleDrafter(model, PROMPTS, n, 3)
     bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
@@ -265,13 +263,7 @@ def test_rows_join_and_leave_while_a_plain_step_is_queued(kind, monkeypatch):
     then written in place. Mutations: ``_unqueue`` doing nothing (the rows'
     caches keep the queued token), or not giving the keys back;
     ``align_rows`` leaving ragged rows where they are."""
-    monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
-    real = BatchSteps.timed
-    monkeypatch.setattr(
-        BatchSteps,
-        "timed",
-        lambda self, out, w, ran, s: real(self, out, w, ran, batch_steep(len(out), w, ran and ran[0])),
-    )
+    timed_by(monkeypatch, batch_steep)
     model = MODELS[kind]()
     ns = [70, 84, 58, 76]
     oracle = OracleDrafter(model, PROMPTS, max(ns), 3)
