@@ -15,7 +15,9 @@ plan's arm instead of the fastest measured (the five-arm test), the shadow's
 plain step read through a new op (the read test), ``restore`` ignoring the
 best arm (the carry-over tests), a parked draft model's catch-up dropped
 (``Chain.extend`` skipped while parked: the exactness test), the best arm
-ranked by the lowest rate (the steep and flat tests).
+ranked by the lowest rate (the steep and flat tests), a probe's budget
+ignored (``_budget`` giving 0: the budget test), a far arm's steps out not
+restored (the wait-span test).
 """
 
 from __future__ import annotations
