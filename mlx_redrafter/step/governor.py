@@ -283,8 +283,9 @@ class Governor:
             self.parked[best] = _Parked()  # chosen on its merits: its next wait starts over
             if self._far(left):  # left far behind (the plan's first steps, a draft model): probed less
                 rate = self.rates[left]
-                cost = PROBE_COST_STEPS * rate.tokens / rate.weight, PROBE_COST_STEPS * rate.seconds / rate.weight
-                self.parked[left] = _Parked(wait=max(4 * PROBE_AFTER, self._budget(left, *cost)))
+                steps = PROBE_COST_STEPS / rate.weight if rate.weight > 0 else 0.0
+                budget = self._budget(left, rate.tokens * steps, rate.seconds * steps)
+                self.parked[left] = _Parked(wait=max(4 * PROBE_AFTER, budget))
 
     # ------------------------------------------------------------------ hearing
 
