@@ -149,6 +149,28 @@ class Rate:
         ones did, so that a lead shows after a few probes)."""
         return FORGET ** min(max(step - self.at, 0), PROBE_AFTER)
 
+    def kept(self, step: int, tokens: float = 1.0, seconds: float = 1.0) -> "Rate":
+        """These measurements as they count at ``step`` (forgotten up to it),
+        each step's tokens times ``tokens`` and seconds times ``seconds``:
+        what carries to another governor (a later generation, another number
+        of rows), whose steps count from 0."""
+        d, k, t = self.aged(step), tokens, seconds
+        s = FORGET ** max(step - self.seen_at, 0)
+        return Rate(
+            self.tokens * k * d,
+            self.seconds * t * d,
+            self.weight * d,
+            self.weight2 * d * d,
+            self.tt * k * k * d,
+            self.ts * k * t * d,
+            self.ss * t * t * d,
+            self.samples,
+            0,
+            self.prior,
+            self.seen * s * k,
+            self.seen_steps * s,
+        )
+
     def saw(self, step: int, tokens: int) -> None:
         """A step it sat out would have emitted ``tokens``."""
         d = FORGET ** max(step - self.seen_at, 0)
@@ -344,12 +366,10 @@ class Governor:
         for a in self.arms:
             r, p = self.rates[a], self.parked[a]
             if r.samples and r.seconds > 0:
-                d = r.aged(self.step)
-                sums = [r.tokens * d, r.seconds * d, r.weight * d, r.weight2 * d * d, r.tt * d, r.ts * d, r.ss * d]
-                seen = FORGET ** max(self.step - r.seen_at, 0)
+                k = r.kept(self.step)
                 arms[arm_name(a)] = {
-                    "sums": sums,
-                    "seen": [r.seen * seen, r.seen_steps * seen],
+                    "sums": [k.tokens, k.seconds, k.weight, k.weight2, k.tt, k.ts, k.ss],
+                    "seen": [k.seen, k.seen_steps],
                     "samples": r.samples,
                     "wait": p.wait,
                     "out": p.out,
@@ -367,11 +387,7 @@ class Governor:
             r = other.rates.get(arm)
             if r is None or not r.samples or r.seconds <= 0:
                 continue
-            d, k, t = r.aged(other.step), tokens, seconds
-            sums = r.tokens * k, r.seconds * t, r.weight, r.weight2 * d, r.tt * k * k, r.ts * k * t, r.ss * t * t
-            self.rates[arm] = rate = _rate(arm, *(x * d for x in sums), r.samples, 0)
-            seen = FORGET ** max(other.step - r.seen_at, 0)
-            rate.seen, rate.seen_steps = r.seen * seen * k, r.seen_steps * seen
+            self.rates[arm] = r.kept(other.step, tokens, seconds)
             self.parked[arm] = _Parked(other.parked[arm].wait, other.parked[arm].out)
         if other.rates[other.best].samples:
             self.best = other.best
