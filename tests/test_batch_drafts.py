@@ -125,6 +125,31 @@ def test_a_grammar_row_and_a_seeded_row_beside_drafting_rows(model, tokenizer):
         assert r.tokens == _plain(model, tokenizer, p, N) and r.drafted_by_source.get("drafter", 0) >= 2
 
 
+def test_a_draft_model_drafts_for_every_row_and_a_grammar_row(model, tokenizer):
+    """A source with caches of its own (the model as its own draft model:
+    always right) in the server's batch: each row's draft model keeps its
+    own cache, every free row's drafts are accepted, a grammar row beside
+    them gives its constrained tokens (the draft model's rows pruned by its
+    grammar), and ``/metrics`` counts them under the source's name.
+    Seen to fail: the batch's plan leaving stateful sources out
+    (step/plan.py, as before issue 57's rows drafted with them)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    draft = DraftConfig(None, draft_model=model, draft_model_length=3, curve=BATCH_PAYS)
+    engine = _engine(model, tokenizer, draft)
+    metrics = Metrics(engine)
+    assert engine.queue.decoder.trees
+    grammar = engine.compile_grammar(schema)
+    structured = Client(engine, PROMPTS[1], GenParams(N, grammar=grammar))
+    free = [Client(engine, p, GenParams(N)) for p in (PROMPTS[0], PROMPTS[3], PROMPTS[4])]
+    res = _served(engine, [structured, *free])
+    assert res[0].tokens == _plain(model, tokenizer, PROMPTS[1], N, grammar=grammar) and res[0].batched_tokens > 0
+    for p, r in zip((PROMPTS[0], PROMPTS[3], PROMPTS[4]), res[1:]):
+        assert r.tokens == _plain(model, tokenizer, p, N) and r.batched_tokens == len(r.tokens)
+        assert r.drafted_by_source.get("draft-model", 0) >= 4, r.drafted_by_source
+    accepted = _metric(metrics.text().decode(), "redrafter_batch_draft_tokens_accepted_total", '{source="draft-model"}')
+    assert accepted >= sum(r.drafted_by_source.get("draft-model", 0) for r in res[1:])
+
+
 def test_without_batch_drafts_the_batch_decodes_plainly(model, tokenizer):
     engine = _engine(model, tokenizer, _oracle(model, PROMPTS[:3]), batch_drafts=False)
     assert not engine.queue.decoder.trees

@@ -11,7 +11,8 @@ curve otherwise, step/curve.py), times what drafting gains inside the batch
 requests are drafted one at a time.
 
 The batch drafts (issue 57): every row proposes its own draft tree (its
-drafter's beams, lookup rows, its grammar's forced tokens), all rows' trees
+drafter's beams, lookup rows, its MTP or EAGLE-3 head's, draft model's or
+DFlash drafter's rows, its grammar's forced tokens), all rows' trees
 are verified in one forward whose width is priced on the whole batch, and
 each row keeps its own accepted tokens (step/batched.py). Where the model
 cannot (a sliding window's rotating cache, a layer no tree covers), or with

@@ -1,16 +1,25 @@
 """One row of a batch of draft trees (step/batched.py): how it decodes
 (:class:`RowPlan`) and what it carries between two steps (:class:`BatchRow`:
-its sources, its grammar's matcher, its next token and its next tree's rows)."""
+its sources, its grammar's matcher, its next token and its next tree's rows).
+
+A row's sources with caches of their own (an MTP or EAGLE-3 head, a draft
+model, a DFlash drafter) are the row's alone: their caches are made when it
+joins (:meth:`BatchRow.open_caches`), they catch up on what each step put in
+the row's cache (:meth:`BatchRow.entered`), and they draft after the step's
+read, on the device; :func:`propose_rows` reads every row's such rows in one
+read, the step's second."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..config import SamplingConfig
+from .build import Candidates
 from .drafts import Drafts
+from .protocol import StepRead, host_read
 from .sources.forced import FORCED_LENGTH
 from .tree import PAD
 
@@ -49,18 +58,54 @@ class BatchRow:
         self.plan.key, sub = mx.random.split(self.plan.key)
         return sub
 
-    def take(self, vals: List[int], emitted: List[int]) -> None:
-        """The next tree's rows, from the early sources' values just read and the tokens just emitted."""
+    def open_caches(self) -> None:
+        """Its stateful sources' own caches, new (the batch's cache holds the model's alone)."""
+        for p in self.drafts.proposers if self.drafts is not None else ():
+            if p.make_cache is not None:
+                p.attach(p.make_cache())
+
+    def entered(self, hidden: mx.array, read: StepRead) -> None:
+        """A step put its root and accepted drafts in the row's cache:
+        ``hidden [width, F]`` is the row's fused states over its tree, ``read`` the step's read."""
+        if self.drafts is not None and self.drafts.stateful:
+            path = mx.array(read.path[: read.n + 1], mx.int32)
+            self.drafts.entered([self.g0] + read.row[: read.n], hidden[path])
+
+    def propose(self, vals: List[int], emitted: List[int]) -> Optional[Candidates]:
+        """The next tree's candidates (rows drafted on the device after the
+        read still lazy), from the early sources' values just read and the tokens just emitted."""
+        if self.drafts is None:
+            return None
+        self.drafts.emitted(emitted)
+        return self.drafts.late(vals, True, g0_value=self.g0)
+
+    def take(self, cands: Optional[Candidates]) -> None:
+        """The next tree's rows: ``cands``' (every row on the host), then a grammar's forced row."""
         self.rows, self.sources = [], []
-        if self.drafts is not None:
-            self.drafts.emitted(emitted)
-            cands = self.drafts.late(vals, True, g0_value=self.g0)
-            if cands.blocks:
-                rows = cands.host_rows()
-                depth = max(len(r) for r in rows)
-                self.rows, self.sources = [r + [PAD] * (depth - len(r)) for r in rows], list(cands.labels)
+        if cands is not None and cands.blocks:
+            rows = cands.host_rows()
+            depth = max(len(r) for r in rows)
+            self.rows, self.sources = [r + [PAD] * (depth - len(r)) for r in rows], list(cands.labels)
         if self.matcher is not None and self.plan.drafts and not self.matcher.is_done():
             forced = self.matcher.forced_tokens()[:FORCED_LENGTH]
             if forced:
                 self.rows.append(forced)
                 self.sources.append(GRAMMAR)
+
+
+def propose_rows(rows: Sequence[BatchRow], reads: Sequence[StepRead]) -> int:
+    """Every row's next tree (:meth:`BatchRow.take`) after a step's read:
+    the rows its sources drafted on the device after the read (a stateful
+    source's), all rows' at once, come to the host in one read. Returns the
+    reads made (0 or 1)."""
+    cands = [row.propose(read.rest, read.emitted) for row, read in zip(rows, reads)]
+    late = [b for c in cands if c is not None for b in c.blocks if b.host is None]
+    if late:
+        vals, at = host_read(*[b.tokens for b in late]), 0
+        for b in late:
+            length = b.tokens.shape[1]
+            b.host = [vals[at + r * length : at + r * length + n] for r, n in enumerate(b.lengths)]
+            at += b.tokens.size
+    for row, c in zip(rows, cands):
+        row.take(c)
+    return int(bool(late))

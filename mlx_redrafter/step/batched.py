@@ -17,9 +17,10 @@ its own random key), its grammar (drafts pruned and every node masked by
 its own matcher, step/grammar.py; forced tokens join as a row), and, for a
 row that does not draft, its own sampler (``serve``'s seeded rows, whose
 samples are plain decoding's with that seed). Sources with caches of their
-own (an MTP or EAGLE-3 head, a draft model) do not draft in a batch: their
-caches would need batching too (the batch's plan leaves them out,
-step/plan.py ``make_plan(batched=True)``).
+own (an MTP or EAGLE-3 head, a draft model, a DFlash drafter) are each
+row's own, with caches of their own beside the batch's (step/batch_row.py):
+they catch up on each step's accepted tokens and draft after its read,
+every row's rows brought to the host in one more read.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_leaves
 from .accept import Accepted
 from .batch_budget import BatchCost, SourceRates, batch_cost, choose_width, cut_rows, ranked_nodes, unique_prefixes
-from .batch_row import BatchRow, RowPlan
+from .batch_row import BatchRow, RowPlan, propose_rows
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
 from .drafts import Drafts, costly_names, fused_layers, source_names
@@ -58,6 +59,15 @@ from .grammar import apply_mask, packed_masks, tree_masks, unpack_masks
 from .plan import make_plan
 from .protocol import StepRead, StepStats, StepTokens, host_read, prefill, step_read
 from .tree import count_rows, pack
+
+
+def _sink(drafts: Drafts, tokens: List[int]):
+    """What a prompt's prefill calls with each chunk's hidden states: the row's stateful sources catch up on them."""
+
+    def sink(start: int, hidden: mx.array) -> None:
+        drafts.entered(tokens[start : start + hidden.shape[0]], hidden)
+
+    return sink
 
 
 @dataclass
@@ -81,7 +91,7 @@ class BatchSteps:
     """Sequences decoded together with a draft tree each (see the module doc).
 
     ``draft`` says what drafts (the runtime's; the batch's plan leaves its
-    stateful sources and its controller out), ``curve`` prices the batch's
+    controller out), ``curve`` prices the batch's
     forward until its steps are timed (step/batch_budget.py ``BatchCost``,
     keyed by rows and width; ``live=False``: by the curve alone).
     :attr:`rows` are in the batch's order;
@@ -144,23 +154,27 @@ class BatchSteps:
         history, tokens, first = list(history), list(tokens), g0 is None
         matcher = plan.grammar.matcher() if plan.grammar is not None else None
         row = BatchRow(plan, None, matcher)
-        if first or tokens:
-            logits, context = prefill(self.backbone, self.lm_head, cache, mx.array(tokens, mx.int32))
-        elif history and trim_cache(cache, len(history) - 1):  # re-feed the last cached token: its context
-            tokens, history = history[-1:], history[:-1]
-            logits, context = prefill(self.backbone, self.lm_head, cache, mx.array(tokens, mx.int32))
-        else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
-            context = mx.zeros((self.context_width,), mx.float32)
-        if first:
-            g0 = self._first_token(row, logits if matcher is None else apply_mask(logits, matcher.mask()))
-        g0 = g0 if isinstance(g0, mx.array) else mx.array(g0, mx.int32)
         if plan.drafts and self.plan.drafting:
             greedy = plan.sampling.greedy
             row.drafts = Drafts(
                 self.plan.sources, self.model, self.embed, self.width, history + tokens, False, greedy, False
             )
+            row.open_caches()
             if self.arm is not None:  # it joins under the arm the others' next trees are proposed under
                 row.drafts.on = [n in self.arm[0] for n in self.names]
+        stateful = row.drafts is not None and row.drafts.stateful
+        if first or tokens or (history and trim_cache(cache, len(history) - 1)):
+            if not (first or tokens):  # re-feed the last cached token: its context
+                tokens, history = history[-1:], history[:-1]
+            sink = _sink(row.drafts, tokens) if stateful else None
+            logits, context = prefill(self.backbone, self.lm_head, cache, mx.array(tokens, mx.int32), sink=sink)
+        else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
+            context = mx.zeros((self.context_width,), mx.float32)
+            if stateful:
+                row.drafts.entered(history[-1:], context[None])
+        if first:
+            g0 = self._first_token(row, logits if matcher is None else apply_mask(logits, matcher.mask()))
+        g0 = g0 if isinstance(g0, mx.array) else mx.array(g0, mx.int32)
         pending = row.drafts.early_reads(g0, context, True) if row.drafts is not None else []
         vals = host_read(g0, *pending)
         row.g0 = vals[0]
@@ -168,7 +182,7 @@ class BatchSteps:
             for t in [row.g0] if first else list(reply):
                 if not matcher.is_done():
                     matcher.consume(t)
-        row.take(vals[1:], [row.g0])
+        propose_rows([row], [StepRead(0, 0, row.g0, [0], [], vals[1:])])
         self.cache = join_rows(self.cache, self.ragged, [cache], [cache_length(cache) or 0])
         self.rows.append(row)
         if not first:
@@ -267,7 +281,13 @@ class BatchSteps:
         parsed = [StepRead.alone(v) for v in vals] if short else self._parse(vals, now, sizes)
         if not now.plain:  # a plain step's one token a row is in place already
             place_paths(self.cache, self.ragged, now.columns, [1 + r.n for r in parsed])
+        for b, (row, read) in enumerate(zip(self.rows, parsed)):
+            row.entered(now.hidden[b], read)
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, now.trees, parsed)]
+        if propose_rows(self.rows, parsed):  # the stateful sources' rows: the step's second read
+            self.syncs += 1
+            for st in out:
+                st.stats.host_syncs = self.syncs
         self.tokens = sum(len(st.tokens) for st in out)
         return self.timed(out, now.bt.width, ran, time.perf_counter() - tic)
 
@@ -422,5 +442,4 @@ class BatchSteps:
             row.steps, sum(drafted), rt.size, time.perf_counter() - tic, self.syncs, read.beam, rt.depth, source
         )
         row.g0 = tokens[-1]
-        row.take(read.rest, read.emitted)
         return StepTokens(tokens, drafted, stats)

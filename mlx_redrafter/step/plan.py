@@ -115,8 +115,7 @@ def make_plan(
     ``timings``: its phases are timed (a sync each); ``cache``: the prompt
     cache it runs on (None: the model's own kind); ``batched``: the rows of a
     batch (step/batched.py: every row's rows on the host, the batch's width
-    its own policy; sources with caches of their own and the controller do
-    not draft there). Raises :class:`~mlx_redrafter.errors.RedrafterError`
+    its own policy; the controller does not decide depths there). Raises :class:`~mlx_redrafter.errors.RedrafterError`
     for a request no step can run.
     """
     if draft is None:
@@ -131,10 +130,9 @@ def make_plan(
         _say_plain_once(model, why_not)
         return DraftPlan(reason=f"{why_not.rstrip('.')}; no drafting for it yet")
     dropped = ""
-    if (grammar or batched) and any(s.needs == STATES for s in sources):  # their rows come after the read
+    if grammar and not batched and any(s.needs == STATES for s in sources):  # their rows come after the read
         names = " and ".join(sorted({s.name for s in sources if s.needs == STATES}))
-        where = "in a batch" if batched else "under a grammar"
-        dropped = f"{where}, {names} do not draft (their rows come after the step's read)"
+        dropped = f"under a grammar, {names} do not draft (their rows come after the step's read)"
         sources = [s for s in sources if s.needs != STATES]
         if not sources:
             return DraftPlan(reason=dropped, structured=grammar)
