@@ -178,9 +178,14 @@ def batch_flat(rows, width, arm):  # a wide batch costs little more than a plain
     return 0.01 * rows * (1.0 if width == 1 else 1.05)
 
 
-def timed_by(monkeypatch, fn):
-    """Governed batches (no ``always_draft``) whose steps take ``fn(rows, width, arm)`` seconds, not the clock's."""
+def timed_by(monkeypatch, fn, kept=None):
+    """Governed batches (no ``always_draft``) whose steps take ``fn(rows, width, arm)`` seconds, not the clock's,
+    starting from the requests alone's states ``kept`` (step/keep.py: by key; none from earlier tests or runs)."""
+    from mlx_redrafter.step import keep
+
     monkeypatch.setenv("MLX_REDRAFTER_ALWAYS_DRAFT", "0")
+    monkeypatch.setattr(keep, "_KEPT", dict(kept or {}))
+    monkeypatch.setattr(keep, "load_state", lambda key: None)
     real = BatchSteps.timed
     monkeypatch.setattr(
         BatchSteps,
@@ -249,6 +254,41 @@ def test_a_new_number_of_rows_starts_from_what_the_batch_learned(monkeypatch):
     assert two[-5:] == ["plain"] * 5, two
     # plain at once (a probe may follow: the waits carry over too), never the plan's arm measured anew
     assert len(four) > 10 and four[0] == "plain" and "draft" not in four, four
+
+
+def test_a_batch_starts_from_what_requests_alone_learned(monkeypatch):
+    """Requests alone on this model and sources found plain decoding fastest
+    and drafting far behind (a kept state, step/keep.py): a batch's first
+    governor starts from it, so the batch runs plain from its first governed
+    step, without measuring the plan's drafting arm first; the tokens are
+    plain decoding's. Mutation seen caught: step/batch_governors.py not
+    reading the kept state (the batch drafts its first steps)."""
+    from mlx_redrafter.step.governor import PLAIN, Governor
+    from mlx_redrafter.step.keep import live_key
+
+    model, n = tiny_model("llama"), 40
+    alone = Governor(["drafter", "lookup"], costly=["drafter"])
+    for step in range(12):  # a plain step at 1 token a second, drafting arms at a third of that
+        for arm in alone.arms:
+            alone.step += 1
+            alone.prev = alone.chosen = arm
+            alone.ran(arm, 1, 1.0 if arm == PLAIN else 3.0)
+    alone._rank()
+    assert alone.best == PLAIN
+    timed_by(monkeypatch, batch_steep, {live_key(model, ["drafter", "lookup"]): {"governor": alone.to_dict()}})
+    oracle = OracleDrafter(model, PROMPTS[:2], n, 3)
+    bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
+    modes, step = [], bs.step
+
+    def logged():
+        out = step()
+        modes.append(out[0].stats.mode)
+        return out
+
+    bs.step = logged
+    got, _ = run_batch(bs, PROMPTS[:2], n)
+    assert got == plain(model, PROMPTS[:2], n)
+    assert modes[1:9] == ["plain"] * 8, modes  # the first step verifies the trees proposed as the rows joined
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])

@@ -49,7 +49,8 @@ from ..llm.cache import trim_cache
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_leaves
 from .accept import Accepted
-from .batch_budget import BatchCost, SourceRates, batch_cost, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_budget import BatchCost, SourceRates, choose_width, cut_rows, ranked_nodes, unique_prefixes
+from .batch_governors import new_governor
 from .batch_row import BatchRow, RowPlan, propose_rows
 from .batch_verify import RowTree, accept_row, draw, padded_paths, stack_trees, verify_batch
 from .curve import builtin_curve
@@ -106,7 +107,9 @@ class BatchSteps:
     source drafting, with none (plain batched decoding: no source is asked,
     so nothing of drafting is paid) and with the host sources alone, and
     each step's rows are proposed under the best (``live=False`` or
-    ``always_draft``: every step drafts).
+    ``always_draft``: every step drafts). A number of rows not seen before
+    starts from the nearest one measured, the first from what requests alone
+    learned (step/batch_governors.py).
     """
 
     def __init__(self, model, draft: DraftConfig, curve=None, live: bool = True):
@@ -387,7 +390,8 @@ class BatchSteps:
             return None
         n = len(self.rows)
         if n not in self.governors:
-            self.governors[n] = self._new_governor(n)
+            costly = costly_names(self.names, self.plan.sources)
+            self.governors[n] = new_governor(self.model, self.names, costly, self.governors, self.curve, n)
         gov = self.governors[n]
         if self.arm is None or self.arm[2] != n:  # rows joined or left: its next step is not one of a run
             gov.prev = None
@@ -397,18 +401,6 @@ class BatchSteps:
             if row.drafts is not None:
                 row.drafts.on = on
         return arm, probing, n
-
-    def _new_governor(self, n: int) -> Governor:
-        """The governor of ``n`` rows, started from the nearest number of rows
-        measured (its rates scaled by the rows and the curve's cost): rows
-        that come and go would otherwise measure every arm again at each count."""
-        gov = Governor(self.names, costly=costly_names(self.names, self.plan.sources))
-        known = [m for m, g in self.governors.items() if any(r.samples for r in g.rates.values())]
-        if known:
-            m = min(known, key=lambda m: (abs(m - n), -m))
-            cost = batch_cost(self.curve, n, 1) / batch_cost(self.curve, m, 1)
-            gov.seeded(self.governors[m], n / m, cost)
-        return gov
 
     def _ran(self, ran: Tuple[frozenset, bool, int], out: List[StepTokens], seconds: float) -> None:
         """The step just run verified trees proposed under ``ran``: its

@@ -1,0 +1,39 @@
+"""Where a batch's governor for a number of rows starts (step/batched.py).
+
+A batch keeps one :class:`~mlx_redrafter.step.governor.Governor` per number
+of rows (a forward of 4 rows costs otherwise than one of 3). A new one
+starts from the nearest number of rows measured, else from what requests
+decoding alone learned on this model, device and sources (step/keep.py:
+earlier requests, chat turns and runs): its rates scaled by the rows and by
+what the verify-cost curve says a batch of them costs. So a draft model
+that did not pay alone is not measured again from scratch in the batch
+(each of its arms' first steps costs several plain ones), and rows that
+come and go do not measure every arm again at each count.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from .batch_budget import batch_cost
+from .governor import Governor
+from .keep import live_key, opened
+
+
+def new_governor(model, names: Sequence[str], costly: Sequence[str], governors: Dict[int, Governor], curve, n: int):
+    """The governor of ``n`` rows: seeded from ``governors`` (by number of
+    rows) at the nearest count measured, else from the state kept for a
+    request alone (none kept: from nothing)."""
+    gov = Governor(names, costly=costly)
+    known = [m for m, g in governors.items() if any(r.samples for r in g.rates.values())]
+    if known:
+        m = min(known, key=lambda m: (abs(m - n), -m))
+        other = governors[m]
+    else:
+        state = (opened(live_key(model, names)) or {}).get("governor")
+        if not state:
+            return gov
+        m, other = 1, Governor(names, costly=costly)
+        other.restore(state)  # as a new generation starts from it: arms close to the best measured again
+    gov.seeded(other, n / m, batch_cost(curve, n, 1) / batch_cost(curve, m, 1))
+    return gov
