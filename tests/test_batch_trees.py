@@ -256,39 +256,56 @@ def test_a_new_number_of_rows_starts_from_what_the_batch_learned(monkeypatch):
     assert len(four) > 10 and four[0] == "plain" and "draft" not in four, four
 
 
-def test_a_batch_starts_from_what_requests_alone_learned(monkeypatch):
-    """Requests alone on this model and sources found plain decoding fastest
-    and drafting far behind (a kept state, step/keep.py): a batch's first
-    governor starts from it, so the batch runs plain from its first governed
-    step, without measuring the plan's drafting arm first; the tokens are
-    plain decoding's. Mutation seen caught: step/batch_governors.py not
-    reading the kept state (the batch drafts its first steps)."""
+def kept_alone(model, drafting: float) -> dict:
+    """A request alone's kept state (step/keep.py) on ``model`` with the
+    drafter and lookup: 12 steps of every arm, plain decoding at a token a
+    second, the drafting arms at ``drafting`` times that."""
     from mlx_redrafter.step.governor import PLAIN, Governor
     from mlx_redrafter.step.keep import live_key
 
-    model, n = tiny_model("llama"), 40
     alone = Governor(["drafter", "lookup"], costly=["drafter"])
-    for step in range(12):  # a plain step at 1 token a second, drafting arms at a third of that
+    for _ in range(12):
         for arm in alone.arms:
             alone.step += 1
             alone.prev = alone.chosen = arm
-            alone.ran(arm, 1, 1.0 if arm == PLAIN else 3.0)
-    alone._rank()
-    assert alone.best == PLAIN
-    timed_by(monkeypatch, batch_steep, {live_key(model, ["drafter", "lookup"]): {"governor": alone.to_dict()}})
+            alone.ran(arm, 1, 1.0 if arm == PLAIN else 1.0 / drafting)
+    return {live_key(model, ["drafter", "lookup"]): {"governor": alone.to_dict()}}
+
+
+@pytest.mark.parametrize("drafting", [1 / 3, 1.2], ids=["far-behind", "paid-alone"])
+def test_a_batch_starts_from_what_requests_alone_learned(monkeypatch, drafting):
+    """Requests alone on this model and sources found drafting far behind
+    plain decoding (a third of its rate), or ahead of it (1.2x), in a kept
+    state (step/keep.py); in the batch every verified token costs a plain
+    step (no draft pays). The batch's first governor starts from the arms
+    far behind alone only: far behind, the drafting arms are not measured
+    again (no step verifies a draft before their kept waits are out); ahead,
+    the batch measures them itself and settles on plain decoding (what paid
+    alone does not say what pays in a batch). The tokens are plain
+    decoding's. Mutations seen caught: step/batch_governors.py not reading
+    the kept state (far-behind: the batch drafts its first steps), and
+    carrying the arms close to the best too (paid-alone: it keeps drafting)."""
+    model, n = tiny_model("llama"), 40
+    timed_by(monkeypatch, batch_steep, kept_alone(model, drafting))
     oracle = OracleDrafter(model, PROMPTS[:2], n, 3)
     bs = BatchSteps(model, DraftConfig(oracle, 2, 3, lookup=1), curve=FLAT)
     modes, step = [], bs.step
 
     def logged():
         out = step()
-        modes.append(out[0].stats.mode)
+        modes.append((out[0].stats.mode, bs.last_width))
         return out
 
     bs.step = logged
     got, _ = run_batch(bs, PROMPTS[:2], n)
     assert got == plain(model, PROMPTS[:2], n)
-    assert modes[1:9] == ["plain"] * 8, modes  # the first step verifies the trees proposed as the rows joined
+    # The first step verifies the trees proposed as the rows joined; then plain is measured and runs
+    # (the far arms' next probes come once their kept waits are out: 16 steps).
+    start = modes[1:16]
+    if drafting < 1:
+        assert all(width == 1 for _, width in start) and start[-1][0] == "plain", str(modes)
+    else:
+        assert any(width > 1 for _, width in start) and [m for m, _ in modes[-5:]] == ["plain"] * 5, str(modes)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
@@ -483,6 +500,20 @@ def test_a_batched_rows_samples_follow_the_models_distribution(v5_model, monkeyp
     observed, taken = sampled_rows(v5_model, PROMPT, draft, cfg, RUNS, PER_BATCH, seed=5)
     assert chi2_passes(observed, expected, RUNS) == (wrong is None)
     assert taken > RUNS // 2  # drafts were accepted in many rows
+
+
+def test_sampled_rows_drafting_with_a_draft_model_follow_the_models_distribution(v5_model):
+    """The same check with a source with caches of its own: the model as its
+    own draft model (each row its own caches, catching up on its own sampled
+    tokens), 250 rows to a batch."""
+    from test_sampling import PROMPT
+
+    cfg = SamplingConfig(temp=1.0)
+    draft = DraftConfig(None, draft_model=v5_model, draft_model_length=2)
+    expected = exact_first_tokens(v5_model, PROMPT, cfg)
+    observed, taken = sampled_rows(v5_model, PROMPT, draft, cfg, RUNS, 250, seed=7)
+    assert chi2_passes(observed, expected, RUNS)
+    assert taken > RUNS // 2
 
 
 def test_one_token_a_row_on_ragged_rows_sees_only_each_rows_own_tokens():

@@ -16,14 +16,14 @@ from __future__ import annotations
 from typing import Dict, Sequence
 
 from .batch_budget import batch_cost
-from .governor import Governor
+from .governor import FAR, Governor
 from .keep import live_key, opened
 
 
 def new_governor(model, names: Sequence[str], costly: Sequence[str], governors: Dict[int, Governor], curve, n: int):
     """The governor of ``n`` rows: seeded from ``governors`` (by number of
-    rows) at the nearest count measured, else from the state kept for a
-    request alone (none kept: from nothing)."""
+    rows) at the nearest count measured, else from the arms far behind in the
+    state kept for a request alone (none kept: from nothing)."""
     gov = Governor(names, costly=costly)
     known = [m for m, g in governors.items() if any(r.samples for r in g.rates.values())]
     if known:
@@ -33,7 +33,22 @@ def new_governor(model, names: Sequence[str], costly: Sequence[str], governors: 
         state = (opened(live_key(model, names)) or {}).get("governor")
         if not state:
             return gov
-        m, other = 1, Governor(names, costly=costly)
-        other.restore(state)  # as a new generation starts from it: arms close to the best measured again
+        m, other = 1, _far_arms(Governor(names, costly=costly), state)
     gov.seeded(other, n / m, batch_cost(curve, n, 1) / batch_cost(curve, m, 1))
     return gov
+
+
+def _far_arms(alone: Governor, state: dict) -> Governor:
+    """``alone`` restored from a request alone's ``state``, with only its arms
+    far behind its best (:data:`~mlx_redrafter.step.governor.FAR`) kept: a
+    batch's economics differ (drafting that paid alone may not in a batch,
+    step/batch_budget.py), so the close ones are measured in the batch itself;
+    an arm far behind alone (a draft model, a rejected MTP head) stays far
+    behind in a batch, where its forward runs once per row."""
+    alone.restore(state)
+    measured = [r.per_second for r in alone.rates.values() if r.seconds > 0]
+    best = max(measured, default=0.0)
+    for rate in alone.rates.values():
+        if rate.per_second >= FAR * best:
+            rate.samples = 0  # not carried (Governor.seeded skips it)
+    return alone
