@@ -16,14 +16,14 @@ from __future__ import annotations
 from typing import Dict, Sequence
 
 from .batch_budget import batch_cost
-from .governor import FAR, Governor
+from .governor import FAR, PLAIN, Governor
 from .keep import live_key, opened
 
 
 def new_governor(model, names: Sequence[str], costly: Sequence[str], governors: Dict[int, Governor], curve, n: int):
     """The governor of ``n`` rows: seeded from ``governors`` (by number of
-    rows) at the nearest count measured, else from the arms far behind in the
-    state kept for a request alone (none kept: from nothing)."""
+    rows) at the nearest count measured, else from the arms far behind plain
+    decoding in the state kept for a request alone (none kept: from nothing)."""
     gov = Governor(names, costly=costly)
     known = [m for m, g in governors.items() if any(r.samples for r in g.rates.values())]
     if known:
@@ -35,20 +35,24 @@ def new_governor(model, names: Sequence[str], costly: Sequence[str], governors: 
             return gov
         m, other = 1, _far_arms(Governor(names, costly=costly), state)
     gov.seeded(other, n / m, batch_cost(curve, n, 1) / batch_cost(curve, m, 1))
+    if other is not governors.get(m) and gov.rates[gov.best].samples:
+        # The plan's arm was far behind alone: plain decoding runs first, so that
+        # the arm is not left "from the start" (which would cut its kept wait short).
+        gov.best = PLAIN
     return gov
 
 
 def _far_arms(alone: Governor, state: dict) -> Governor:
     """``alone`` restored from a request alone's ``state``, with only its arms
-    far behind its best (:data:`~mlx_redrafter.step.governor.FAR`) kept: a
-    batch's economics differ (drafting that paid alone may not in a batch,
-    step/batch_budget.py), so the close ones are measured in the batch itself;
-    an arm far behind alone (a draft model, a rejected MTP head) stays far
-    behind in a batch, where its forward runs once per row."""
+    far behind plain decoding there (:data:`~mlx_redrafter.step.governor.FAR`)
+    kept: an arm that lost that much to plain decoding alone (a draft model,
+    a rejected MTP head) loses in a batch too, where its forward runs for
+    every row. The others are measured in the batch itself: a batch's
+    economics differ (drafting that paid alone may not, step/batch_budget.py),
+    and what paid alone paid on that request's text."""
     alone.restore(state)
-    measured = [r.per_second for r in alone.rates.values() if r.seconds > 0]
-    best = max(measured, default=0.0)
-    for rate in alone.rates.values():
-        if rate.per_second >= FAR * best:
+    plain = alone.rates[PLAIN].per_second if alone.rates[PLAIN].samples else 0.0
+    for arm, rate in alone.rates.items():
+        if arm == PLAIN or rate.per_second >= FAR * plain:
             rate.samples = 0  # not carried (Governor.seeded skips it)
     return alone
