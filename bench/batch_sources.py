@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from collections import Counter
@@ -82,7 +81,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from never_slower import _clear_state, pinned
+    from never_slower import _clear_state, pinned, write_rows
 
     from mlx_redrafter.prompts import first_turn_ids, load_prompt_set
     from mlx_redrafter.runtime import load_runtime
@@ -146,9 +145,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         mx.clear_cache()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
+    write_rows(args.out, rows)
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 

@@ -253,10 +253,15 @@ def main(argv=None) -> int:
             flush=True,
         )
         mx.clear_cache()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
+    write_rows(args.out, rows)
     return 0
+
+
+def write_rows(out: Optional[Path], rows: list) -> None:
+    """``--out`` (when given): the command line and the rows measured, as JSON."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
