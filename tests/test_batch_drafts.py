@@ -84,8 +84,16 @@ def test_concurrent_drafting_rows_equal_each_alone_and_metrics_count_them(model,
     assert steps <= N // 2  # each row read all its tokens of a step as they came (several a step)
 
 
-def test_rows_join_and_leave_a_drafting_batch(model, tokenizer):
-    engine = _engine(model, tokenizer, _oracle(model, PROMPTS))
+@pytest.mark.parametrize("source", ["drafter", "draft-model"])
+def test_rows_join_and_leave_a_drafting_batch(model, tokenizer, source):
+    """One request joins late, one hangs up: the others' tokens are plain
+    decoding's, with drafts accepted (a draft model's: each row's own caches)."""
+    draft = (
+        _oracle(model, PROMPTS)
+        if source == "drafter"
+        else DraftConfig(None, draft_model=model, draft_model_length=3, curve=BATCH_PAYS)
+    )
+    engine = _engine(model, tokenizer, draft)
     late, joined = Client(engine, PROMPTS[4], GenParams(10)), []
 
     def join_late(client, piece):  # on the worker thread, mid-batch
