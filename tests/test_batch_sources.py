@@ -185,3 +185,21 @@ def test_a_source_catches_up_on_the_plain_steps_between_its_drafts(feature_targe
     drafting = [a for a, m in zip(accepted, modes) if m == {"draft"}]
     assert len(drafting) >= 4 and {"plain"} in modes, modes
     assert all(set(a.values()) == {2} for a in drafting), accepted  # every row, the whole draft
+
+
+def test_a_row_with_nothing_cached_but_its_next_token_decodes_plainly():
+    """A row joining with an empty cache and only its next token (nothing for
+    a head's state to come from) decodes plainly beside a drafting row,
+    exactly: its next tokens are plain decoding's after that token.
+    Seen to fail: the head asked to draft from no state (a TypeError)."""
+    target, head, _ = targets("mimo")
+    bs = BatchSteps(target, DraftConfig(head=head, head_length=3), curve=FLAT, live=False)
+    lone, _ = bs.add(make_prompt_cache(target), [], RowPlan(SamplingConfig()), g0=5)
+    other, _ = bs.add(make_prompt_cache(target), PROMPTS[0], RowPlan(SamplingConfig()))
+    outs = {lone: [], other: []}
+    for _ in range(8):
+        for r, st in zip(bs.rows, bs.step()):
+            outs[r] += st.tokens
+    assert outs[lone][:8] == plain(target, [[5]], 8)[0]
+    assert outs[other][:7] == plain(target, [PROMPTS[0]], 8)[0][1:]
+    assert lone.drafts is None

@@ -173,8 +173,10 @@ class BatchSteps:
             logits, context = prefill(self.backbone, self.lm_head, cache, mx.array(tokens, mx.int32), sink=sink)
         else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
             context = mx.zeros((self.context_width,), mx.float32)
-            if stateful:
+            if stateful and history:
                 row.drafts.entered(history[-1:], context[None])
+            elif stateful:  # nothing known before g0: a head has no state to draft from, the row decodes plainly
+                row.drafts = None
         if first:
             g0 = self._first_token(row, logits if matcher is None else apply_mask(logits, matcher.mask()))
         g0 = g0 if isinstance(g0, mx.array) else mx.array(g0, mx.int32)
