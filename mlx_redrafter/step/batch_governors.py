@@ -28,17 +28,17 @@ def new_governor(model, names: Sequence[str], costly: Sequence[str], governors: 
     known = [m for m, g in governors.items() if any(r.samples for r in g.rates.values())]
     if known:
         m = min(known, key=lambda m: (abs(m - n), -m))
-        other = governors[m]
-    else:
-        state = (opened(live_key(model, names)) or {}).get("governor")
-        if not state:
-            return gov
-        m, other = 1, _far_arms(Governor(names, costly=costly), state)
-    gov.seeded(other, n / m, batch_cost(curve, n, 1) / batch_cost(curve, m, 1))
-    if other is not governors.get(m) and gov.rates[gov.best].samples:
-        # The plan's arm was far behind alone: plain decoding runs first, so that
-        # the arm is not left "from the start" (which would cut its kept wait short).
-        gov.best = PLAIN
+        gov.seeded(governors[m], n / m, batch_cost(curve, n, 1) / batch_cost(curve, m, 1))
+        return gov
+    state = (opened(live_key(model, names)) or {}).get("governor")
+    if state:
+        gov.seeded(
+            _far_arms(Governor(names, costly=costly), state), n, batch_cost(curve, n, 1) / batch_cost(curve, 1, 1)
+        )
+        if gov.rates[gov.best].samples:
+            # The plan's arm was far behind alone: plain decoding runs first, so that
+            # the arm is not left "from the start" (which would cut its kept wait short).
+            gov.best = PLAIN
     return gov
 
 

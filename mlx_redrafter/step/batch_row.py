@@ -64,12 +64,17 @@ class BatchRow:
             if p.make_cache is not None:
                 p.attach(p.make_cache())
 
+    @property
+    def stateful(self) -> bool:
+        """Whether it has sources with caches of their own (they hear what each step put in the row's cache)."""
+        return self.drafts is not None and self.drafts.stateful
+
     def entered(self, hidden: mx.array, read: StepRead) -> None:
-        """A step put its root and accepted drafts in the row's cache:
-        ``hidden [width, F]`` is the row's fused states over its tree, ``read`` the step's read."""
-        if self.drafts is not None and self.drafts.stateful:
-            path = mx.array(read.path[: read.n + 1], mx.int32)
-            self.drafts.entered([self.g0] + read.row[: read.n], hidden[path])
+        """A step put its root and accepted drafts in the row's cache (the row
+        is :attr:`stateful`): ``hidden [width, F]`` is the row's fused states
+        over its tree, ``read`` the step's read."""
+        path = mx.array(read.path[: read.n + 1], mx.int32)
+        self.drafts.entered([self.g0] + read.row[: read.n], hidden[path])
 
     def propose(self, vals: List[int], emitted: List[int]) -> Optional[Candidates]:
         """The next tree's candidates (rows drafted on the device after the
@@ -103,8 +108,7 @@ def propose_rows(rows: Sequence[BatchRow], reads: Sequence[StepRead]) -> int:
     if late:
         vals, at = host_read(*[b.tokens for b in late]), 0
         for b in late:
-            length = b.tokens.shape[1]
-            b.host = [vals[at + r * length : at + r * length + n] for r, n in enumerate(b.lengths)]
+            b.host = b.split(vals[at : at + b.tokens.size])
             at += b.tokens.size
     for row, c in zip(rows, cands):
         row.take(c)

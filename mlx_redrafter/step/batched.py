@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -165,7 +165,7 @@ class BatchSteps:
             row.open_caches()
             if self.arm is not None:  # it joins under the arm the others' next trees are proposed under
                 row.drafts.on = [n in self.arm[0] for n in self.names]
-        stateful = row.drafts is not None and row.drafts.stateful
+        stateful = row.stateful
         if first or tokens or (history and trim_cache(cache, len(history) - 1)):
             if not (first or tokens):  # re-feed the last cached token: its context
                 tokens, history = history[-1:], history[:-1]
@@ -187,7 +187,7 @@ class BatchSteps:
             for t in [row.g0] if first else list(reply):
                 if not matcher.is_done():
                     matcher.consume(t)
-        propose_rows([row], [StepRead(0, 0, row.g0, [0], [], vals[1:])])
+        propose_rows([row], [replace(StepRead.alone(row.g0), rest=vals[1:])])
         self.cache = join_rows(self.cache, self.ragged, [cache], [cache_length(cache) or 0])
         self.rows.append(row)
         if not first:
@@ -287,7 +287,8 @@ class BatchSteps:
         if not now.plain:  # a plain step's one token a row is in place already
             place_paths(self.cache, self.ragged, now.columns, [1 + r.n for r in parsed])
         for b, (row, read) in enumerate(zip(self.rows, parsed)):
-            row.entered(now.hidden[b], read)
+            if row.stateful:
+                row.entered(now.hidden[b], read)
         out = [self._emit(row, rt, read, tic) for row, rt, read in zip(self.rows, now.trees, parsed)]
         if propose_rows(self.rows, parsed):  # the stateful sources' rows: the step's second read
             self.syncs += 1

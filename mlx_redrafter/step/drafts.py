@@ -145,10 +145,8 @@ class Drafts:
             else:
                 settled = b
             if host:
-                w, length = b.tokens.shape
-                flat = vals[i : i + w * length]
-                i += w * length
-                settled.host = [flat[r * length : r * length + n] for r, n in enumerate(settled.lengths)]
+                settled.host = b.split(vals[i : i + b.tokens.size], settled.lengths)
+                i += b.tokens.size
             early.append(settled)
         at = At(g0, context, self.history, g0_value=g0_value, proposed=[b for b in early if b is not None])
         late = self.propose(at, [not e for e in self.early])

@@ -85,6 +85,12 @@ class Rows:
     pending: Optional[mx.array] = None
     settle: Optional[Callable[[List[int]], "Rows"]] = None
 
+    def split(self, flat: List[int], lengths: Optional[Sequence[int]] = None) -> List[List[int]]:
+        """Its rows on the host from ``flat``, its ``tokens`` as read (row by
+        row, ``[R, L]``): each row's first ``lengths[r]`` (default: its own lengths)."""
+        width = self.tokens.shape[1]
+        return [flat[r * width : r * width + n] for r, n in enumerate(self.lengths if lengths is None else lengths)]
+
     @classmethod
     def of_host(cls, rows: List[List[int]], scores: Sequence[float], **kw) -> "Rows":
         """Rows the host proposed (lists of token ids of any lengths)."""
