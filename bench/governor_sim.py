@@ -13,7 +13,10 @@ measurements, bench/RESULTS.md §36): ``tie`` (drafting at 1.06x),
 the drafter and lookup: five arms), ``mtp`` (an MTP head at 0.40x, lookup alone at 1.7x),
 ``mtp-dead`` (an MTP head whose drafts are all rejected, its steps at
 2.8 plain ones, lookup finding nothing), ``stretch``
-(copy stretches: yields switch every ~30 steps). Reports governed tokens
+(copy stretches: yields switch every ~30 steps). An arm of host sources
+alone (lookup) is also told what it would have emitted at the steps it sits
+out, as step/shadow.py tells the real governor (``--no-shadow``: not).
+``--generations`` and ``--tokens`` shape a run. Reports governed tokens
 per unit of time against every arm pinned (the fixed settings). The tool
 that tuned the governor's constants; the real runs are bench/never_slower.py.
 """
@@ -71,9 +74,10 @@ def scenario(name: str):
     raise SystemExit(f"unknown scenario {name!r}")
 
 
-def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 128) -> float:
+def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 128, shadow: bool = True) -> float:
     """Tokens per unit of time over ``generations`` of ``tokens`` each (governed, or ``pinned`` to one arm)."""
     names, costly, arms, stretch = scenario(name)
+    shadowed = [a for a in arms if a and not a & set(costly)] if shadow else []  # host sources alone
     rng = np.random.default_rng(seed)
     state, total, spent = None, 0, 0.0
     for _ in range(generations):
@@ -90,6 +94,10 @@ def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 1
             k, seconds = draw(rng), cost * (1 + 0.05 * rng.standard_normal())
             if pinned is None:
                 gov.ran(arm, k, seconds, probing)
+                for other in shadowed:  # lookup's rows checked where it sat out (step/shadow.py)
+                    if other != arm:
+                        d = arms[other][1]
+                        gov.saw(other, (d[copying] if isinstance(d, tuple) else d)(rng))
             n, total, spent = n + k, total + k, spent + seconds
         state = gov.to_dict()
     return total / spent
@@ -99,10 +107,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("scenarios", nargs="*", default=["tie", "lose5", "win15", "dm", "mtp", "mtp-dead", "stretch"])
     ap.add_argument("--seeds", type=int, default=100)
+    ap.add_argument("--generations", type=int, default=6, help="generations per run (their state carries)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per generation")
+    ap.add_argument("--no-shadow", action="store_true", help="lookup alone measured on its own steps only")
     args = ap.parse_args(argv)
+    shape = dict(generations=args.generations, tokens=args.tokens, shadow=not args.no_shadow)
     for name in args.scenarios:
-        governed = np.mean([run(name, s) for s in range(args.seeds)])
-        fixed = {a: np.mean([run(name, s, pinned=a) for s in range(args.seeds)]) for a in scenario(name)[2]}
+        governed = np.mean([run(name, s, **shape) for s in range(args.seeds)])
+        fixed = {a: np.mean([run(name, s, pinned=a, **shape) for s in range(args.seeds)]) for a in scenario(name)[2]}
         best = max(fixed.values())
         arms = " ".join(f"{arm_name(a)} {v:.2f}" for a, v in fixed.items())
         print(f"{name:8s} governed {governed:.3f} | pinned: {arms} | governed / best fixed {governed / best:.3f}")

@@ -17,7 +17,8 @@ best arm (the carry-over tests), a parked draft model's catch-up dropped
 (``Chain.extend`` skipped while parked: the exactness test), the best arm
 ranked by the lowest rate (the steep and flat tests), a probe's budget
 ignored (``_budget`` giving 0: the budget test), a far arm's steps out not
-restored (the wait-span test).
+restored (the wait-span test), plain decoding's or a shadowed arm's wait
+started over by a new generation (the test of their waits across generations).
 """
 
 from __future__ import annotations
@@ -367,6 +368,33 @@ def test_what_was_learned_carries_over():
     other = Governor(["drafter", "lookup"])
     other.restore(gov.to_dict())  # another plan's state is not this one's
     assert other.best == frozenset(["drafter", "lookup"])
+
+
+def test_plain_and_a_shadowed_arm_keep_their_waits_across_generations():
+    """A new text can change what a draft yields, not what a plain step
+    does, and lookup's yield on it is seen from its first step (the shadow):
+    neither is probed again at the next generation's start (as a close
+    drafting arm is, above); their waits and the steps they waited carry."""
+    full, lookup = frozenset(["drafter", "lookup"]), frozenset(["lookup"])
+    steps = {full: (2, 1.8), PLAIN: (1, 1.0), lookup: (1, 1.05)}  # plain and lookup close: 0.90 and 0.86
+    gov = Governor(["drafter", "lookup"], costly=["drafter"])
+    for _ in range(300):
+        arm, probing = gov.choose()
+        gov.ran(arm, *steps[arm], probing)
+        if arm != lookup:
+            gov.saw(lookup, 1)
+    assert gov.best == full and all(gov.parked[a].wait > RESTORED_WAIT for a in (PLAIN, lookup))
+    again = Governor(["drafter", "lookup"], costly=["drafter"])
+    again.restore(gov.to_dict())
+    for a in (PLAIN, lookup):
+        assert (again.parked[a].wait, again.parked[a].out) == (gov.parked[a].wait, gov.parked[a].out)
+    left = min(gov.parked[a].wait - gov.parked[a].out for a in (PLAIN, lookup))
+    arms = []
+    for _ in range(min(left, 2 * RESTORED_WAIT)):
+        arm, probing = again.choose()
+        again.ran(arm, *steps[arm], probing)
+        arms.append(arm)
+    assert arms == [full] * len(arms) and len(arms) > RESTORED_WAIT, [arm_name(a) for a in arms]
 
 
 # --------------------------------------------------------------------------- the real loops

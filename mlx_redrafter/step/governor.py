@@ -29,7 +29,9 @@ show in what the steps measure.
   must be at most :data:`EXPLORE` of the time until the next one, so an arm
   whose steps cost three plain ones (an MTP head whose drafts are rejected,
   a draft model) waits hundreds of steps, one near a tie a few dozen. The
-  wait spans generations: a far arm's steps out carry over.
+  wait spans generations: the steps out of a far arm, of plain decoding and
+  of an arm measured where it sits out carry over (a new text does not hide
+  their rates), while a close arm is probed again soon.
 * **Shadows**: an arm of host sources alone (lookup) is measured where it
   sits out too (:meth:`Governor.saw`, step/shadow.py: its rows from the
   history, checked against what the model emitted): its yield from every
@@ -86,7 +88,9 @@ FAR = 0.8
 EXPLORE = 0.02
 LONGEST_WAIT = 4096  # ... up to this many steps
 PROBE_COST_STEPS = 3  # the steps a probe takes at least (its first is not measured): what one costs
-RESTORED_WAIT = PROBE_AFTER  # a generation is a new text: every arm left out is measured again soon
+# A generation is a new text: every arm left out whose yield hangs on it, and that is not
+# measured where it sits out, is measured again soon.
+RESTORED_WAIT = PROBE_AFTER
 
 
 def arm_name(arm: Arm) -> str:
@@ -420,9 +424,13 @@ class Governor:
             rate.samples = 0 if arm == self.plan and close else max(rate.samples, MIN_SAMPLES)
             # A new generation is a new text: an arm that was close is probed again within
             # RESTORED_WAIT steps; one far behind keeps its wait and the steps it already waited.
+            # So does one whose rate the text does not hide: plain decoding's (its steps emit one
+            # token each, whatever the text), and an arm measured where it sits out (the shadow
+            # sees this text's yield from its first step; a probe would only time it again).
+            anew = close and arm != PLAIN and not rate.seen_steps > 0
             wait = max(int(got.get("wait", PROBE_AFTER)), PROBE_AFTER)
-            self.parked[arm].wait = min(wait, RESTORED_WAIT if close else LONGEST_WAIT)
-            self.parked[arm].out = 0 if close else min(max(int(got.get("out", 0)), 0), wait)
+            self.parked[arm].wait = min(wait, RESTORED_WAIT if anew else LONGEST_WAIT)
+            self.parked[arm].out = 0 if anew else min(max(int(got.get("out", 0)), 0), wait)
         self.best = by_name.get(data.get("best"), self.best)
 
 
