@@ -12,7 +12,9 @@ measurements, bench/RESULTS.md §36): ``tie`` (drafting at 1.06x),
 ``lose5`` (0.95x), ``win15`` (1.15x), ``dm`` (a draft model at 0.50x beside
 the drafter and lookup: five arms), ``mtp`` (an MTP head at 0.40x, lookup alone at 1.7x),
 ``mtp-dead`` (an MTP head whose drafts are all rejected, its steps at
-2.8 plain ones, lookup finding nothing), ``stretch``
+2.8 plain ones, lookup finding nothing), ``chat`` (the default model's
+drafting on chat, 1.10x, its yield in stretches of hard and easy text of
+about 10 steps, as a real trace showed), ``stretch``
 (copy stretches: yields switch every ~30 steps). An arm of host sources
 alone (lookup) is also told what it would have emitted at the steps it sits
 out, as step/shadow.py tells the real governor (``--no-shadow``: not).
@@ -64,6 +66,9 @@ def scenario(name: str):
     if name == "mtp-dead":  # the Qwen3.5 shape's random MTP head: every draft rejected, a step at 2.8 plain ones
         arms = {PLAIN: (1.0, _yield(1)), F(["mtp", "lookup"]): (2.8, _yield(1)), lookup: (1.02, _yield(1.0))}
         return ["mtp", "lookup"], ["mtp"], arms, None
+    if name == "chat":  # the default model on chat (bench/never_slower.py): drafting's yield in hard and easy stretches
+        arms = {PLAIN: (1.0, _yield(1)), full: (1.47, (_yield(1.15), _yield(2.1))), lookup: (1.03, _yield(1.03))}
+        return (*default, arms, 10)
     if name == "stretch":
         arms = {
             PLAIN: (1.0, _yield(1)),
@@ -105,7 +110,9 @@ def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 1
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenarios", nargs="*", default=["tie", "lose5", "win15", "dm", "mtp", "mtp-dead", "stretch"])
+    ap.add_argument(
+        "scenarios", nargs="*", default=["tie", "lose5", "win15", "chat", "dm", "mtp", "mtp-dead", "stretch"]
+    )
     ap.add_argument("--seeds", type=int, default=100)
     ap.add_argument("--generations", type=int, default=6, help="generations per run (their state carries)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per generation")
