@@ -49,6 +49,8 @@ def scenario(name: str):
         return (*default, {PLAIN: (1.0, _yield(1)), full: (1.65, _yield(1.75)), lookup: (1.05, _yield(1.05))}, None)
     if name == "lose5":
         return (*default, {PLAIN: (1.0, _yield(1)), full: (1.65, _yield(1.57)), lookup: (1.05, _yield(1.04))}, None)
+    if name == "lose10":
+        return (*default, {PLAIN: (1.0, _yield(1)), full: (1.65, _yield(1.49)), lookup: (1.05, _yield(1.04))}, None)
     if name == "win15":
         return (*default, {PLAIN: (1.0, _yield(1)), full: (1.65, _yield(1.9)), lookup: (1.05, _yield(1.05))}, None)
     if name == "dm":  # the defaults with a draft model: five arms, two of them far behind

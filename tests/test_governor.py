@@ -18,7 +18,10 @@ best arm (the carry-over tests), a parked draft model's catch-up dropped
 ranked by the lowest rate (the steep and flat tests), a probe's budget
 ignored (``_budget`` giving 0: the budget test), a far arm's steps out not
 restored (the wait-span test), plain decoding's or a shadowed arm's wait
-started over by a new generation (the test of their waits across generations).
+started over by a new generation (the test of their waits across generations),
+the plan's doubt dropped or not scaled by its rate's error (the unsure-plan
+test), a probe ended on every step measured without its own steps agreeing
+(the test of a generation that stops paying and starts again).
 """
 
 from __future__ import annotations
@@ -368,6 +371,22 @@ def test_what_was_learned_carries_over():
     other = Governor(["drafter", "lookup"])
     other.restore(gov.to_dict())  # another plan's state is not this one's
     assert other.best == frozenset(["drafter", "lookup"])
+
+
+def test_an_unsure_plan_keeps_its_place_and_a_sure_one_does_not():
+    """The arm asked for, measured at 0.90 of plain decoding's rate over 60
+    steps. When its steps swing (1 or 3 tokens, as a draft's yield comes in
+    hard and easy stretches), its rate is unsure by more than the edges it
+    is short of, and it keeps running; when every step is alike (2 tokens),
+    the rate is sure, and plain decoding wins."""
+    full = frozenset(["drafter"])
+    for tokens, kept in (([1, 3], True), ([2, 2], False)):
+        gov = Governor(["drafter"])
+        for t in range(60):
+            gov.rates[PLAIN].add(t, 1, 1.0)
+            gov.rates[full].add(t, tokens[t % 2], 2 / 0.9)
+        assert gov.rates[full].per_second == pytest.approx(0.9, rel=0.01)
+        assert gov.choose() == ((full, False) if kept else (PLAIN, False)), tokens
 
 
 def test_plain_and_a_shadowed_arm_keep_their_waits_across_generations():

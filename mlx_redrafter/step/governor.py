@@ -16,11 +16,14 @@ show in what the steps measure.
   measured: their time mixes two arms' work), plain decoding first.
 * **Then**: each step runs the arm with the best rate (the one running keeps
   its place unless another beats it by :data:`HYSTERESIS`, the one asked
-  for by :data:`PLAN_EDGE` more).
+  for by :data:`PLAN_EDGE` more, and by one standard error of its rate more,
+  up to :data:`DOUBT` of it, while that rate is unsure: a draft's yield comes
+  in stretches, and a few steps of a hard one must not park it).
 * **Probes**: an arm left out cannot show that it pays again (a copy task
   late in a chat makes lookup pay), so after :data:`PROBE_AFTER` steps out
   it runs for up to :data:`PROBE_STEPS` steps (fewer once its steps tell
-  it apart from the best, :data:`SURE`ly); each probe doubles its next wait (up to
+  it apart from the best, :data:`SURE`ly, and its own steps agree: a text
+  that turned shows in them before it moves the earlier probes'); each probe doubles its next wait (up to
   :data:`MAX_WAIT`; an arm far behind, :data:`FAR`, waits four times longer),
   and once chosen on its merits its wait starts over. Ollama's MLX runner
   and oMLX park speculation the same way.
@@ -70,6 +73,7 @@ HYSTERESIS = 1.02  # another arm must beat the running one by this factor to rep
 # hardly, so near a tie the few steps a probe measures favour plain decoding
 # by chance more often than not; what the user asked for keeps a small edge.
 PLAN_EDGE = 1.05
+DOUBT = 0.1  # ... and by up to this share of its rate while its rate is unsure (see _rank)
 # A probe ends early, or an arm is called far behind (probed less), only this
 # sure: two unlucky drafting steps (1 token each) must not park an arm for long.
 SURE = 2.0
@@ -241,6 +245,7 @@ class Governor:
         self.probe: Optional[Arm] = None
         self.probe_left = 0
         self.probe_measured = 0  # steps the running probe measured
+        self.probe_got = (0, 0.0)  # ... their tokens and seconds
         self.chosen: Optional[Arm] = None  # the arm the last choose() gave
         self.prev: Optional[Arm] = None  # the arm of the last step ran
         self.probed: Optional[Arm] = None  # the arm of the probe whose steps are being counted
@@ -277,6 +282,7 @@ class Governor:
 
     def _start_probe(self, arm: Arm) -> Tuple[Arm, bool]:
         self.probe, self.probe_left, self.chosen, self.probe_measured = arm, PROBE_STEPS - 1, arm, 0
+        self.probe_got = (0, 0.0)
         return arm, True
 
     def _far(self, arm: Arm) -> bool:
@@ -300,8 +306,12 @@ class Governor:
 
     def _rank(self) -> None:
         def score(a: Arm) -> float:
+            rate = self.rates[a]
             edge = (HYSTERESIS if a == self.best else 1.0) * (PLAN_EDGE if a == self.plan else 1.0)
-            return self.rates[a].per_second * edge
+            # The arm asked for gains one standard error (up to DOUBT of its rate): a draft's yield
+            # comes in stretches, so a lead a probe's few steps give another arm is often chance.
+            doubt = min(rate.error, DOUBT * rate.per_second) if a == self.plan else 0.0
+            return (rate.per_second + doubt) * edge
 
         best = max(self.arms, key=score)
         if best != self.best:
@@ -332,8 +342,11 @@ class Governor:
             self.rates[arm].add(self.step, tokens, seconds)
             if probing and arm == self.probe and arm != self.best:
                 self.probe_measured += 1
+                got = self.probe_got = (self.probe_got[0] + tokens, self.probe_got[1] + seconds)
                 leader = self._leader(arm)
-                decided = self._beats(arm, leader) or self._beats(leader, arm)
+                # Told apart by every step measured, this probe's own on the same side (see the module doc).
+                ahead = got[0] / got[1] > self.rates[leader].per_second
+                decided = self._beats(arm, leader) if ahead else self._beats(leader, arm)
                 if decided:  # the steps already tell (one step can, when far: SURE weighs the prior spread)
                     self.probe_left = 0
                     self.rates[arm].samples = max(self.rates[arm].samples, MIN_SAMPLES)
