@@ -244,8 +244,7 @@ class Governor:
         self.step = 0
         self.probe: Optional[Arm] = None
         self.probe_left = 0
-        self.probe_measured = 0  # steps the running probe measured
-        self.probe_got = (0, 0.0)  # ... their tokens and seconds
+        self.probe_got = (0, 0.0)  # the tokens and seconds of the steps the running probe measured
         self.chosen: Optional[Arm] = None  # the arm the last choose() gave
         self.prev: Optional[Arm] = None  # the arm of the last step ran
         self.probed: Optional[Arm] = None  # the arm of the probe whose steps are being counted
@@ -281,8 +280,7 @@ class Governor:
         return self.best, False
 
     def _start_probe(self, arm: Arm) -> Tuple[Arm, bool]:
-        self.probe, self.probe_left, self.chosen, self.probe_measured = arm, PROBE_STEPS - 1, arm, 0
-        self.probe_got = (0, 0.0)
+        self.probe, self.probe_left, self.chosen, self.probe_got = arm, PROBE_STEPS - 1, arm, (0, 0.0)
         return arm, True
 
     def _far(self, arm: Arm) -> bool:
@@ -341,7 +339,6 @@ class Governor:
         if steady and seconds > 0:
             self.rates[arm].add(self.step, tokens, seconds)
             if probing and arm == self.probe and arm != self.best:
-                self.probe_measured += 1
                 got = self.probe_got = (self.probe_got[0] + tokens, self.probe_got[1] + seconds)
                 leader = self._leader(arm)
                 # Told apart by every step measured, this probe's own on the same side (see the module doc).
