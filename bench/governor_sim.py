@@ -13,7 +13,7 @@ measurements, bench/RESULTS.md §36): ``tie`` (drafting at 1.06x),
 the drafter and lookup: five arms), ``mtp`` (an MTP head at 0.40x, lookup alone at 1.7x),
 ``mtp-dead`` (an MTP head whose drafts are all rejected, its steps at
 2.8 plain ones, lookup finding nothing), ``chat`` (the default model's
-drafting on chat, 1.10x, its yield in stretches of hard and easy text of
+drafting on chat, about 1.09x, its yield in stretches of hard and easy text of
 about 10 steps, as a real trace showed), ``stretch``
 (copy stretches: yields switch every ~30 steps). An arm of host sources
 alone (lookup) is also told what it would have emitted at the steps it sits
@@ -81,6 +81,11 @@ def scenario(name: str):
     raise SystemExit(f"unknown scenario {name!r}")
 
 
+def _draw(spec, copying: bool):
+    """An arm's yield draw: ``spec``, or its prose or copy draw (a stretch scenario)."""
+    return spec[copying] if isinstance(spec, tuple) else spec
+
+
 def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 128, shadow: bool = True) -> float:
     """Tokens per unit of time over ``generations`` of ``tokens`` each (governed, or ``pinned`` to one arm)."""
     names, costly, arms, stretch = scenario(name)
@@ -97,14 +102,12 @@ def run(name: str, seed: int, pinned=None, generations: int = 6, tokens: int = 1
                 copying = not copying
             arm, probing = gov.choose() if pinned is None else (pinned, False)
             cost, draw = arms[arm]
-            draw = draw[copying] if isinstance(draw, tuple) else draw
-            k, seconds = draw(rng), cost * (1 + 0.05 * rng.standard_normal())
+            k, seconds = _draw(draw, copying)(rng), cost * (1 + 0.05 * rng.standard_normal())
             if pinned is None:
                 gov.ran(arm, k, seconds, probing)
                 for other in shadowed:  # lookup's rows checked where it sat out (step/shadow.py)
                     if other != arm:
-                        d = arms[other][1]
-                        gov.saw(other, (d[copying] if isinstance(d, tuple) else d)(rng))
+                        gov.saw(other, _draw(arms[other][1], copying)(rng))
             n, total, spent = n + k, total + k, spent + seconds
         state = gov.to_dict()
     return total / spent
