@@ -203,3 +203,33 @@ def test_a_row_with_nothing_cached_but_its_next_token_decodes_plainly():
     assert outs[lone][:8] == plain(target, [[5]], 8)[0]
     assert outs[other][:7] == plain(target, [PROMPTS[0]], 8)[0][1:]
     assert lone.drafts is None
+
+
+def test_a_row_joining_on_a_cached_prefix_keeps_its_sources_caches():
+    """A draft model whose drafts hang on its whole context: a row that
+    left the batch carries its draft model's caches out after the model's
+    (as a prompt cache keeps them), and a row joining on that cache (the
+    next turn) drafts what a row given the whole prompt anew drafts, then
+    decodes exactly.
+
+    Seen to fail: the kept caches not taken (the draft model sees the new
+    turn alone: other drafts), and a leaving row's caches not carried out."""
+    target = repeating_target(0.02)
+    draft = DraftConfig(draft_model=repeating_target(0.5, seed=3), draft_model_length=3)
+    first, turn = [3, 9, 14, 2, 27, 5, 11, 30, 8, 19, 4, 22], [6, 17, 1, 25]
+
+    def joined(cache, tokens, history=()):
+        bs = BatchSteps(target, draft, curve=FLAT, live=False)
+        row, _ = bs.add(cache, tokens, RowPlan(SamplingConfig()), history=list(history))
+        return bs, row
+
+    anew = joined(make_prompt_cache(target), first + turn)[1].rows
+    bs, row = joined(make_prompt_cache(target), first)
+    cache = bs.remove(row)
+    assert len(cache) > len(make_prompt_cache(target))  # the draft model's caches came out after the model's
+    bs, row = joined(cache, turn, history=first)
+    assert row.rows == anew and row.rows
+    outs = []
+    while len(outs) < 12:
+        outs += bs.step()[0].tokens
+    assert outs[:12] == plain(target, [first + turn], 13)[0][1:]

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -118,15 +118,24 @@ def attach_sources(cache: list, size: int, makers) -> List[list]:
     if not extra:
         cache.extend(c for caches in fresh for c in caches)
         return fresh
-    if [type(c) for c in extra] != [type(c) for caches in fresh for c in caches]:
+    out = split_sources(extra, fresh)
+    if out is None:
         raise RedrafterError(
             f"The prompt cache holds {len(extra)} caches after the model's {size}, "
             "not the ones these draft sources keep (it was used with other draft sources).",
             "Make a new prompt cache (make_prompt_cache(model)) or keep the same MTP head and draft model.",
         )
-    out, start = [], size
+    return out
+
+
+def split_sources(extra: list, fresh: List[list]) -> Optional[List[list]]:
+    """``extra`` (the caches after the model's) split per source as ``fresh``
+    (each source's new caches) is; None when they are not the same sources' caches."""
+    if not extra or [type(c) for c in extra] != [type(c) for caches in fresh for c in caches]:
+        return None
+    out, start = [], 0
     for caches in fresh:
-        out.append(cache[start : start + len(caches)])
+        out.append(extra[start : start + len(caches)])
         start += len(caches)
     return out
 

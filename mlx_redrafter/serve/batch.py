@@ -252,12 +252,12 @@ class BatchDecoder:
         """Put ``row`` into the batch: ``cache`` holds its first ``held`` known tokens, the rest is prefilled."""
         if cache is None:
             cache, held = make_prompt_cache(self.model), 0
-        # A cache a row drafted in may end with an MTP head's or a draft
-        # model's caches: the batch drafts with the model's alone.
-        cache = cache[: target_size(self.model)]
-        if self.trees:
+        if self.trees:  # a drafting batch's row keeps its sources' caches (an MTP head's, a draft model's)
             self._insert_tree(row, cache, held)
             return
+        # A cache a row drafted in may end with an MTP head's or a draft
+        # model's caches: a plain batch decodes with the model's alone.
+        cache = cache[: target_size(self.model)]
         if self.gen is None:
             self.gen = BatchGenerator(
                 self.model,
@@ -283,8 +283,8 @@ class BatchDecoder:
         waits in :attr:`joining` and is prefilled a chunk a step
         (:meth:`_prefill_chunk`), so that the rows decoding go on meanwhile,
         as ``BatchGenerator`` interleaves prefill chunks with its steps."""
-        if len(row.known) - 1 - held > PREFILL_STEP:
-            self.joining.append((row, cache, held))
+        if len(row.known) - 1 - held > PREFILL_STEP:  # its chunks feed the model's caches alone: its sources start anew
+            self.joining.append((row, cache[: target_size(self.model)], held))
             return
         if self.gen is None:
             self.gen = BatchSteps(self.model, self.rt.draft, self.curve, live=self.live_cost)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from ..config import SamplingConfig
+from ..llm.cache import split_sources
 from .build import Candidates
 from .drafts import Drafts
 from .protocol import StepRead, host_read
@@ -50,6 +52,7 @@ class BatchRow:
         self.sources: List[str] = []
         self.steps = 0
         self.saved_key = None  # its key before a step queued ahead drew from it
+        self.caches: list = []  # its stateful sources' caches (a prompt cache keeps them after the model's)
 
     def next_key(self):
         """A fresh key for this step's draws (None: the row draws from the global state)."""
@@ -58,11 +61,25 @@ class BatchRow:
         self.plan.key, sub = mx.random.split(self.plan.key)
         return sub
 
-    def open_caches(self) -> None:
-        """Its stateful sources' own caches, new (the batch's cache holds the model's alone)."""
-        for p in self.drafts.proposers if self.drafts is not None else ():
-            if p.make_cache is not None:
-                p.attach(p.make_cache())
+    def open_caches(self, kept: list = ()) -> list:
+        """Its stateful sources' own caches (the batch's cache holds the model's
+        alone): ``kept``, the caches a row alone or an earlier turn left after
+        the model's (a prompt cache's, holding what the model's hold), when they
+        are these sources' and can be trimmed with the model's; else new ones.
+        Returns the kept ones taken (flat)."""
+        keepers = [p for p in (self.drafts.proposers if self.drafts is not None else ()) if p.make_cache is not None]
+        fresh = [p.make_cache() for p in keepers]
+        taken = split_sources(list(kept), fresh) if can_trim_prompt_cache(list(kept)) else None
+        for p, caches in zip(keepers, taken or fresh):
+            p.attach(caches)
+        self.caches = [c for caches in (taken or fresh) for c in caches]
+        return self.caches if taken else []
+
+    @property
+    def carried(self) -> list:
+        """Its sources' caches as the row leaves, to keep after the model's
+        (none when they cannot be trimmed with them: a hybrid draft model's state)."""
+        return self.caches if can_trim_prompt_cache(self.caches) else []
 
     @property
     def stateful(self) -> bool:

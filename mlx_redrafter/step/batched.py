@@ -45,7 +45,7 @@ from ..llm.batch_cache import (
     place_paths,
     take_row_states,
 )
-from ..llm.cache import trim_cache
+from ..llm.cache import target_size, trim_cache
 from ..llm.parts import hidden_size, model_parts
 from ..llm.recurrent import cache_length, recurrent_leaves
 from .accept import Accepted
@@ -113,7 +113,7 @@ class BatchSteps:
     """
 
     def __init__(self, model, draft: DraftConfig, curve=None, live: bool = True):
-        self.model = model
+        self.model, self.size = model, target_size(model)
         self.plan = make_plan(model, draft, batched=True)
         self.curve = curve if curve is not None else (draft.curve or builtin_curve())
         layers = fused_layers(self.plan.sources)
@@ -145,8 +145,9 @@ class BatchSteps:
     # ------------------------------------------------------------------ rows joining and leaving
 
     def add(self, cache, tokens: Sequence[int], plan: RowPlan, history: Sequence[int] = (), g0=None, reply=()):
-        """A row joins: ``cache`` (a single row's, the model's caches only)
-        holds ``history``; ``tokens`` follow it. ``g0=None``: ``tokens`` end
+        """A row joins: ``cache`` (a single row's: the model's caches, then
+        maybe its stateful sources', as a prompt cache keeps them) holds
+        ``history``; ``tokens`` follow it. ``g0=None``: ``tokens`` end
         a prompt, whose logits give the row's first token; returns ``(row,
         its first StepTokens)``. Else ``g0`` is the row's next token (already
         emitted), ``tokens`` the known ones before it that ``cache`` lacks,
@@ -155,18 +156,19 @@ class BatchSteps:
         tic = time.perf_counter()
         self._unqueue()
         history, tokens, first = list(history), list(tokens), g0 is None
+        kept, cache = cache[self.size :], cache[: self.size]  # its sources' caches after the model's
         matcher = plan.grammar.matcher() if plan.grammar is not None else None
-        row = BatchRow(plan, None, matcher)
+        row, taken = BatchRow(plan, None, matcher), []
         if plan.drafts and self.plan.drafting:
             greedy = plan.sampling.greedy
             row.drafts = Drafts(
                 self.plan.sources, self.model, self.embed, self.width, history + tokens, False, greedy, False
             )
-            row.open_caches()
+            taken = row.open_caches(kept)
             if self.arm is not None:  # it joins under the arm the others' next trees are proposed under
                 row.drafts.on = [n in self.arm[0] for n in self.names]
         stateful = row.stateful
-        if first or tokens or (history and trim_cache(cache, len(history) - 1)):
+        if first or tokens or (history and trim_cache(cache + taken, len(history) - 1)):
             if not (first or tokens):  # re-feed the last cached token: its context
                 tokens, history = history[-1:], history[:-1]
             sink = _sink(row.drafts, tokens) if stateful else None
@@ -174,6 +176,7 @@ class BatchSteps:
         else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
             context = mx.zeros((self.context_width,), mx.float32)
             if stateful and history:
+                row.open_caches()  # new ones (not the kept): the last token's state, from no context
                 row.drafts.entered(history[-1:], context[None])
             elif stateful:  # nothing known before g0: a head has no state to draft from, the row decodes plainly
                 row.drafts = None
@@ -202,7 +205,8 @@ class BatchSteps:
         return draw(logits, row.plan.sampling, row.next_key())
 
     def remove(self, row: BatchRow) -> list:
-        """``row`` leaves: its own caches (holding every token but its next one, :attr:`BatchRow.g0`)."""
+        """``row`` leaves: its own caches (holding every token but its next one,
+        :attr:`BatchRow.g0`), its stateful sources' after the model's."""
         self._unqueue()
         b = self.rows.index(row)
         cache = extract_row(self.cache, self.ragged, b)
@@ -211,7 +215,7 @@ class BatchSteps:
         self.rows.pop(b)
         if not self.rows:
             self.cache = []
-        return cache
+        return cache + row.carried
 
     # ------------------------------------------------------------------ a step
 
