@@ -27,7 +27,10 @@ head and lookup; the step loops timed on token ids, plain being mlx-lm's
 ``generate_step``).
 No calibration is used: the live state of earlier runs (``live-*.json``) is
 removed first, so the governed mode starts from nothing; it carries across
-the prompts of one run, as across the turns of a chat.
+the prompts of one run, as across the turns of a chat. ``--after-run``:
+the governed mode first decodes ``--num-prompts`` other prompts, untimed,
+so that it starts from the state a user's earlier run left (step/keep.py
+keeps it across runs).
 Reports decoding's tokens per second per mode (the tokens after the first
 over their time, summed over prompts: the prompt's prefill is not counted)
 and the ratios to plain; writes ``--out`` (JSON) when given.
@@ -125,7 +128,13 @@ def measure(modes: dict, prompts, count) -> dict:
     }
 
 
-def run_condition(name: str, prompts, model, tokenizer, max_tokens: int) -> dict:
+def _earlier_run(modes: dict, prompts, count) -> None:
+    """The governed mode decodes ``prompts``, untimed: the state it keeps is a user's earlier run's."""
+    for p in prompts:
+        count(modes["governed"][0](p))
+
+
+def run_condition(name: str, prompts, model, tokenizer, max_tokens: int, earlier=()) -> dict:
     import mlx_lm
 
     from mlx_redrafter import stream_generate
@@ -158,6 +167,7 @@ def run_condition(name: str, prompts, model, tokenizer, max_tokens: int) -> dict
         modes[f"arm:{arm}"] = (governed, arm)
     _tokens_per_second(modes["plain"][0](prompts[0]))  # warm up
     _clear_state()
+    _earlier_run(modes, earlier, _tokens_per_second)
     return {"condition": name, **measure(modes, prompts, _tokens_per_second)}
 
 
@@ -173,7 +183,7 @@ def _count(steps, n: int) -> tuple:
     return got, time.perf_counter() - tic
 
 
-def run_qwen35_mtp(num_prompts: int, max_tokens: int) -> dict:
+def run_qwen35_mtp(num_prompts: int, max_tokens: int, after_run: bool = False) -> dict:
     """A hybrid at Qwen3.5-0.8B's shape, random weights, with its MTP head
     (random too: its drafts are rejected) and lookup, as the defaults draft
     for a model that ships one (one beam of 2, one lookup beam). Random
@@ -190,7 +200,8 @@ def run_qwen35_mtp(num_prompts: int, max_tokens: int) -> dict:
 
     model, head = build()
     mx.random.seed(1)
-    prompts = [mx.random.randint(0, 248320, (64,)).astype(mx.int32) for _ in range(num_prompts)]
+    prompts = [mx.random.randint(0, 248320, (64,)).astype(mx.int32) for _ in range(num_prompts * (1 + after_run))]
+    prompts, earlier = prompts[:num_prompts], prompts[num_prompts:]
 
     def drafted(always: bool):
         draft = DraftConfig(head=head, head_length=DEFAULT_HEAD_LENGTH, lookup=DEFAULT_LOOKUP, always_draft=always)
@@ -207,6 +218,7 @@ def run_qwen35_mtp(num_prompts: int, max_tokens: int) -> dict:
         modes[f"arm:{arm}"] = (drafted(False), arm)
     _count(modes["plain"][0](prompts[0]), 8)  # warm up
     _clear_state()
+    _earlier_run(modes, earlier, lambda steps: _count(steps, max_tokens))
     return {"condition": "qwen35-mtp", **measure(modes, prompts, lambda steps: _count(steps, max_tokens))}
 
 
@@ -226,6 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--after-run",
+        action="store_true",
+        help="The governed mode starts from the state an earlier run on other prompts left (untimed).",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -235,14 +252,16 @@ def main(argv=None) -> int:
     names = args.conditions.split(",")
     if any(n not in SHAPED for n in names):
         model, tokenizer = load_model(args.model)
-        prompts = first_turn_ids(tokenizer, load_prompt_set("mt_bench")[: args.num_prompts])
+        n = args.num_prompts
+        prompts = first_turn_ids(tokenizer, load_prompt_set("mt_bench")[: n * (1 + args.after_run)])
+        prompts, earlier = prompts[:n], prompts[n:]
     rows = []
     for name in names:
         _clear_state()  # each condition starts from nothing
         if name == "qwen35-mtp":
-            row = run_qwen35_mtp(args.num_prompts, args.max_tokens)
+            row = run_qwen35_mtp(args.num_prompts, args.max_tokens, args.after_run)
         else:
-            row = run_condition(name, prompts, model, tokenizer, args.max_tokens)
+            row = run_condition(name, prompts, model, tokenizer, args.max_tokens, earlier)
         rows.append(row)
         r = row["ratio"]
         best = max(v for m, v in r.items() if m != "governed")
