@@ -21,7 +21,10 @@ restored (the wait-span test), plain decoding's or a shadowed arm's wait
 started over by a new generation (the test of their waits across generations),
 the plan's doubt dropped or not scaled by its rate's error (the unsure-plan
 test), a probe ended on every step measured without its own steps agreeing
-(the test of a generation that stops paying and starts again).
+(the test of a generation that stops paying and starts again), the next arm
+chosen before the read where nothing proposes early, or a generation's first
+drafting step left unmeasured there (the test of the arm chosen knowing the
+last step's time).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from mlx_redrafter.step import keep, loop
 from mlx_redrafter.step.governor import (
     EXPLORE,
     MAX_WAIT,
+    MIN_SAMPLES,
     PLAIN,
     PROBE_AFTER,
     PROBE_STEPS,
@@ -487,6 +491,32 @@ def test_a_parked_draft_model_catches_up_exactly(costs, tiny):
     assert "plain" in modes and "probe" in modes
     assert all(s.tree_size == 1 for s in stats if s.mode == "plain"), "a plain step drafted"
     check_caches(model, p, cache, got, "governed draft model", copies=1)
+
+
+@pytest.mark.parametrize("drafter", [False, True], ids=["late-sources", "an-early-source"])
+def test_the_next_arm_is_chosen_knowing_the_last_steps_time_where_nothing_proposes_early(costs, tiny, drafter):
+    """Read, then build: a plan whose sources all propose after the read (a
+    draft model, lookup) chooses each step's arm once that step is timed,
+    and nothing of its first step runs before it is timed, so its first run
+    measures every step and ends after MIN_SAMPLES; plain decoding is probed
+    next. With an early source (a drafter on the device, proposed before the
+    read) the first step is not measured (its drafts came with the prefill)
+    and the next arm is chosen before a step is timed: two steps more.
+    Seen to fail: the arm always chosen before the read, and the first step
+    not measured."""
+    model, p, _ = tiny
+    costs["fn"] = steep_step
+    draft = DraftConfig(draft_model=model, draft_model_length=3, lookup=1, always_draft=False, pipelined=False)
+    if drafter:
+        draft = DraftConfig(
+            OracleDrafter(model, p, N, 3), 1, 2, draft_model=model, draft_model_length=3, always_draft=False
+        )
+    got, stats, _ = run_steps(model, p, draft, 24)
+    assert got == generate_tokens(model, p, max_tokens=24)[0]
+    modes = [s.mode for s in stats[1:]]
+    first = modes.index("probe")
+    assert modes[:first] == ["draft"] * first and stats[1 + first].tree_size == 1, modes
+    assert first == MIN_SAMPLES + 2 * drafter, modes
 
 
 def test_the_next_generation_starts_where_the_last_one_ended(costs, tiny, tmp_path):

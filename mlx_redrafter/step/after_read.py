@@ -6,7 +6,12 @@ controller whose depth is read, a grammar whose masks follow the accepted
 tokens), sliding-window caches, timings and packed trees run here. A step
 the governor (step/governor.py) runs plain is the model's own call, and a
 run of them is queued a step ahead, as mlx-lm's loop does, so that plain
-decoding here is as fast as plain decoding anywhere.
+decoding here is as fast as plain decoding anywhere. A drafting step's next
+arm is chosen before its read where a source proposes early (on the device,
+read with the step), else once the step is timed: the governor then decides
+on every step's time, and an arm's last step before another, like a
+generation's first drafting step, is measured (an MTP head's or a draft
+model's first run measures its steps two steps sooner).
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class _AfterRead:
             gen.auto.advance(cache_length(gen.cache) or 0)  # trees are priced at their context
         g0 = sample_first(logits if grammar is None else grammar.root(logits), gen.sampling)
         self.arm = gen.next_arm()
+        if self.arm[0] and not any(drafts.early):  # nothing of its first step runs before it is timed
+            gen.governor.measure_first()
         vals = host_read(g0, *drafts.early_reads(g0, context, self.host))
         self.g0, self.g0_val, self.syncs = g0, vals[0], 1 + drafts.reads()
         gen.emitted([self.g0_val])
@@ -112,7 +119,9 @@ class _AfterRead:
         laps.lap("pack", built.tree.tokens, built.tree.mask)
         hidden, acc = gen.verify(built, masks=masks)
         g0, context = acc.next_token, hidden[acc.last]
-        (arm, probing), self.arm = self.arm, gen.next_arm()  # the next step's sources propose early
+        (arm, probing), ahead = self.arm, any(drafts.early)
+        if ahead:  # the next step's sources propose early: its arm is chosen before this step's time is known
+            self.arm = gen.next_arm()
         early = drafts.early_reads(g0, context, self.host)  # the next step's device rows, lazily
         laps.lap("draft", *early)
         codes = () if built.codes is None else (built.codes,)
@@ -134,7 +143,10 @@ class _AfterRead:
         out = out if grammar is None else grammar.consume(out)
         out.stats.step_time, out.stats.host_syncs = time.perf_counter() - tic, self.syncs
         out.stats = _timed(out.stats, laps)
-        return gen.timed(out, built.size, arm, probing)
+        out = gen.timed(out, built.size, arm, probing)
+        if not ahead:  # nothing proposes before the read: the next arm is chosen knowing this step's time
+            self.arm = gen.next_arm()
+        return out
 
     def _plain(self) -> StepTokens:
         """A step of plain decoding (the governor's choice): ``g0`` alone through

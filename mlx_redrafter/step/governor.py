@@ -12,8 +12,9 @@ head whose drafts are rejected, a host twice as slow, a long context, all
 show in what the steps measure.
 
 * **Start**: the plan's arm runs first, then every other arm is tried for
-  :data:`PROBE_STEPS` steps (an arm's first and last step of a run are not
-  measured: their time mixes two arms' work), plain decoding first.
+  :data:`PROBE_STEPS` steps (an arm's first step of a run is not measured,
+  nor its last where the loop chose the next arm before that step was timed:
+  their time mixes two arms' work), plain decoding first.
 * **Then**: each step runs the arm with the best rate (the one running keeps
   its place unless another beats it by :data:`HYSTERESIS`, the one asked
   for by :data:`PLAN_EDGE` more, and by one standard error of its rate more,
@@ -92,9 +93,7 @@ FAR = 0.8
 EXPLORE = 0.02
 LONGEST_WAIT = 4096  # ... up to this many steps
 PROBE_COST_STEPS = 3  # the steps a probe takes at least (its first is not measured): what one costs
-# A generation is a new text: every arm left out whose yield hangs on it, and that is not
-# measured where it sits out, is measured again soon.
-RESTORED_WAIT = PROBE_AFTER
+RESTORED_WAIT = PROBE_AFTER  # a new text: an arm out whose yield hangs on it (and not shadowed) is probed soon
 
 
 def arm_name(arm: Arm) -> str:
@@ -246,7 +245,7 @@ class Governor:
         self.probe_left = 0
         self.probe_got = (0, 0.0)  # the tokens and seconds of the steps the running probe measured
         self.chosen: Optional[Arm] = None  # the arm the last choose() gave
-        self.prev: Optional[Arm] = None  # the arm of the last step ran
+        self.prev: Optional[Arm] = None  # the arm of the last step ran (a step of another is not measured)
         self.probed: Optional[Arm] = None  # the arm of the probe whose steps are being counted
         self.spent = (0, 0.0)  # ... its tokens and seconds, every step of it
 
@@ -278,6 +277,10 @@ class Governor:
             park.out += 1
         self.chosen = self.best
         return self.best, False
+
+    def measure_first(self) -> None:
+        """The step just chosen is timed on its own work alone (the loop ran none of it before): measured."""
+        self.prev = self.chosen
 
     def _start_probe(self, arm: Arm) -> Tuple[Arm, bool]:
         self.probe, self.probe_left, self.chosen, self.probe_got = arm, PROBE_STEPS - 1, arm, (0, 0.0)
