@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from never_slower import _clear_state, pinned, write_rows
+    from never_slower import _clear_state, own_layers, pinned, write_rows
 
     from mlx_redrafter.prompts import first_turn_ids, load_prompt_set
     from mlx_redrafter.runtime import load_runtime
@@ -90,8 +90,7 @@ def main(argv=None) -> int:
 
     rt = load_runtime("default")
     model, defaults = rt.model, rt.draft
-    small = copy.deepcopy(model)
-    small.model.layers = small.model.layers[:8]
+    small = own_layers(model)
     drafts = {
         "plain": defaults,
         "defaults": defaults,

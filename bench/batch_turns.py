@@ -20,7 +20,6 @@ modes gave every row the same tokens. Greedy.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
@@ -64,13 +63,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from never_slower import _clear_state, write_rows
+    from never_slower import _clear_state, own_layers, write_rows
 
     rt = load_runtime("default")
     model, tok = rt.model, rt.tokenizer
-    small = copy.deepcopy(model)
-    small.model.layers = small.model.layers[: args.draft_layers]
-    draft = DraftConfig(draft_model=small, draft_model_length=3, always_draft=True)
+    draft = DraftConfig(draft_model=own_layers(model, args.draft_layers), draft_model_length=3, always_draft=True)
     convs = [c for c in load_prompt_set("mt_bench") if len(c["turns"]) > 1][: args.rows]
     _clear_state()
     # Every node verified: the width chooser (step/batch_budget.py) would narrow the trees of
