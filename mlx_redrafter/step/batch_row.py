@@ -69,10 +69,10 @@ class BatchRow:
         Returns the kept ones taken (flat)."""
         keepers = [p for p in (self.drafts.proposers if self.drafts is not None else ()) if p.make_cache is not None]
         fresh = [p.make_cache() for p in keepers]
-        taken = split_sources(list(kept), fresh) if can_trim_prompt_cache(list(kept)) else None
+        taken = split_sources(kept, fresh) if can_trim_prompt_cache(kept) else None
         for p, caches in zip(keepers, taken or fresh):
             p.attach(caches)
-        self.caches = [c for caches in (taken or fresh) for c in caches]
+        self.caches = [c for caches in taken or fresh for c in caches]
         return self.caches if taken else []
 
     @property

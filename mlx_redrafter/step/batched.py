@@ -176,7 +176,8 @@ class BatchSteps:
         else:  # a cache that cannot be trimmed: the first drafts come from no context (they are only rejected)
             context = mx.zeros((self.context_width,), mx.float32)
             if stateful and history:
-                row.open_caches()  # new ones (not the kept): the last token's state, from no context
+                if taken:  # the kept hold the last token already: new ones, fed it from no context
+                    row.open_caches()
                 row.drafts.entered(history[-1:], context[None])
             elif stateful:  # nothing known before g0: a head has no state to draft from, the row decodes plainly
                 row.drafts = None
