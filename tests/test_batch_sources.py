@@ -233,3 +233,29 @@ def test_a_row_joining_on_a_cached_prefix_keeps_its_sources_caches():
     while len(outs) < 12:
         outs += bs.step()[0].tokens
     assert outs[:12] == plain(target, [first + turn], 13)[0][1:]
+
+
+def test_a_reply_under_way_on_a_hybrid_rejoins_with_new_source_caches():
+    """A hybrid's cache cannot be trimmed to re-feed its last token, so a
+    reply under way rejoins with its head fed that token from no context:
+    its draft model's kept caches (which hold the token already) are set
+    aside for new ones, and the row decodes exactly.
+    Seen to fail: the kept caches kept and fed the last token again (13 entries, not 2)."""
+    target = tiny_hybrid("qwen3_5", vocab_size=31)
+    draft = DraftConfig(draft_model=tiny_model("qwen3", vocab_size=31, seed=2), draft_model_length=2)
+    prompt = [3, 9, 14, 2, 27, 5, 11]
+    bs = BatchSteps(target, draft, curve=FLAT, live=False)
+    row, first = bs.add(make_prompt_cache(target), prompt, RowPlan(SamplingConfig()))
+    known = prompt + first.tokens
+    for _ in range(3):
+        known += bs.step()[0].tokens
+    cache = bs.remove(row)
+    assert len(cache) > len(make_prompt_cache(target))  # the draft model's caches, carried out
+    row, _ = bs.add(cache, [], RowPlan(SamplingConfig()), history=known[:-1], g0=known[-1])
+    # New ones: the last cached token, then the next one its first draft starts from (the kept held all of known[:-1]).
+    assert [c.offset for c in row.caches] == [2] * len(row.caches)
+    outs = []
+    while len(outs) < 8:
+        outs += bs.step()[0].tokens
+    ref = plain(target, [prompt], len(known) - len(prompt) + 8)[0]
+    assert known[len(prompt) :] + outs[:8] == ref[: len(known) - len(prompt) + 8]
