@@ -81,17 +81,18 @@ QWEN35_08B = {
 
 
 def build():
+    """The model and its MTP head (random), laid out as ``load_model`` lays them out here (llm/load.py's dtype policy)."""
     from mlx_lm.utils import _get_classes
+
+    from mlx_redrafter.llm.load import apply_dtype
 
     model_cls, args_cls = _get_classes(QWEN35_08B)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(QWEN35_08B))))
-    model.set_dtype(mx.float32)
+    apply_dtype(model, "float32")
     head = MTPHead(model, "qwen3_5")
     head.update(tree_map(lambda p: 0.02 * mx.random.normal(p.shape) if p.ndim == 2 else p, head.parameters()))
-    head.set_dtype(mx.float32)
-    mx.eval(model.parameters(), head.parameters())
-    return model, head
+    return model, apply_dtype(head, "float32")
 
 
 def snapshot(caches):

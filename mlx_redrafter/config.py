@@ -19,10 +19,10 @@ from .errors import RedrafterError
 from .profiles import lookup_profile
 
 # The draft shape when neither the caller nor a tuned profile gives one: the
-# best of W=1 L=1, W=2 L=1 and W=1 L=2 (each with lookup) for the default
-# model and its drafter on a 2-core Linux CPU, with its weights column-major
-# (llm/layout.py): one beam of one token 1.25x of plain decoding over 12
-# MT-Bench prompts, two beams 1.21x, a beam of two 1.20x (bench/RESULTS.md §38).
+# best cell of a sweep of W 1-2 x L 1-2 (with lookup) for the default model
+# and its drafter on a 2-core Linux CPU, its weights column-major
+# (llm/layout.py): one beam of one token 1.22x of plain decoding over 12
+# MT-Bench prompts, two beams 1.19x, a beam of two 1.17x (bench/RESULTS.md §38).
 DEFAULT_WIDTH = 1
 DEFAULT_LENGTH = 1
 # Lookup beams beside the drafter's when the caller does not say (see draft/lookup.py).

@@ -164,7 +164,10 @@ def test_a_pytorch_drafter_from_the_hub_is_converted_once(hub, tiny, tmp_path, c
     assert "Converting" not in capsys.readouterr().err  # once
     model, tok = load_model(str(tiny))
     assert st.find(st.model_identity(model)) is None  # its base model is not known: used only when named
-    assert_exact_under_drafting(model, tok, PROMPT, max_tokens=12, drafter=d, min_accepted=2, source="drafter")
+    # Lookup off: on this repeating prompt its rows would take the credit for what the drafter also drafted.
+    assert_exact_under_drafting(
+        model, tok, PROMPT, max_tokens=12, drafter=d, lookup=False, min_accepted=2, source="drafter"
+    )
 
 
 def test_not_cached_offline_is_one_clear_error(hub, tiny, capsys):
