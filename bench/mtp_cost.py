@@ -81,7 +81,7 @@ QWEN35_08B = {
 
 
 def build():
-    """The model and its MTP head (random), laid out as ``load_model`` lays them out here (llm/load.py's dtype policy)."""
+    """The model and its MTP head (random), laid out as ``load_model`` lays them out here."""
     from mlx_lm.utils import _get_classes
 
     from mlx_redrafter.llm.load import apply_dtype

@@ -261,7 +261,8 @@ def test_four_concurrent_clients_equal_each_alone(server, client):
     prompts = ["Name a fruit.", "Name a city.", "What is 2 + 2?", "Say hi."]
     drafted = []
     alone = _alone(client, prompts, 12, drafted)
-    # Alone: drafts accepted (the live choice may run a 12-token reply plain); batched below: plain decoding, the same text.
+    # Alone: drafts accepted (the live choice may run a 12-token reply plain);
+    # batched below: plain decoding, the same text.
     assert any(d > 0 for d in drafted)
     batched = _batch_steps(server)
     with ThreadPoolExecutor(4) as pool:
